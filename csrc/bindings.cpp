@@ -1,0 +1,92 @@
+// pybind11 module pcie_allreduce._C. Thin: one register_* per concept. Pointers and streams cross
+// as Python ints, so the module needs no torch headers and one build serves any torch.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "workspace.h"
+
+namespace py = pybind11;
+using pcie_ar::CallError;
+using pcie_ar::Workspace;
+
+namespace {
+
+void register_runtime(py::module_& m) {
+  m.def("device_count", &pcie_ar::device_count, "CUDA devices visible to this process (0 without a driver).");
+  m.def("runtime_status", &pcie_ar::runtime_status, "Empty when CUDA is usable, otherwise the reason.");
+  m.def("runtime_version", &pcie_ar::runtime_version, "CUDA runtime version this module was built with.");
+  m.def("driver_version", &pcie_ar::driver_version, "CUDA driver version (0 without a driver).");
+  m.def("pci_bus_id", &pcie_ar::pci_bus_id, py::arg("device"));
+  m.def("device_by_pci_bus_id", &pcie_ar::device_by_pci_bus_id, py::arg("bus_id"),
+        "Local ordinal of the GPU with that PCI bus id, or -1 when this process cannot see it.");
+  m.def("can_access_peer", &pcie_ar::can_access_peer, py::arg("device"), py::arg("peer_device"));
+  m.def("compiled_archs", &pcie_ar::compiled_archs, "SM versions (e.g. 900) compiled into this module.");
+}
+
+void register_errors(py::module_& m) {
+  py::class_<CallError>(m, "CallError")
+      .def_readonly("kind", &CallError::kind)
+      .def_readonly("rank", &CallError::rank)
+      .def_readonly("peer", &CallError::peer)
+      .def_readonly("stage", &CallError::stage)
+      .def_readonly("block", &CallError::block)
+      .def_readonly("epoch", &CallError::epoch)
+      .def_readonly("expected_signature", &CallError::expected_signature)
+      .def_readonly("observed_signature", &CallError::observed_signature);
+}
+
+void register_workspace(py::module_& m) {
+  py::class_<Workspace>(m, "Workspace")
+      .def(py::init<int, int, int, uint64_t, double>(), py::arg("device"), py::arg("rank"), py::arg("world"),
+           py::arg("max_bytes"), py::arg("timeout_s"))
+      .def("ipc_handle", [](const Workspace& w) { return py::bytes(w.ipc_handle()); })
+      .def("open_peers",
+           [](Workspace& w, const std::vector<py::bytes>& handles) {
+             std::vector<std::string> raw;
+             raw.reserve(handles.size());
+             for (const auto& h : handles) raw.emplace_back(h);
+             w.open_peers(raw);
+           })
+      .def("all_reduce", &Workspace::all_reduce, py::arg("algo"), py::arg("input"), py::arg("output"),
+           py::arg("nbytes"), py::arg("dtype"), py::arg("blocks"), py::arg("stream"),
+           "Enqueue one all-reduce; returns a non-zero error kind (and launches nothing) once a call failed.")
+      .def("error", &Workspace::error)
+      .def("signature", &Workspace::signature)
+      .def_property("timeout", &Workspace::timeout, &Workspace::set_timeout)
+      .def("bases", &Workspace::bases)
+      .def_property_readonly("error_record_ptr", &Workspace::error_record_device_ptr)
+      .def_property_readonly("slot_bytes", &Workspace::slot_bytes)
+      .def_property_readonly("parity_bytes", &Workspace::parity_bytes)
+      .def_property_readonly("flags_offset", &Workspace::flags_offset)
+      .def_property_readonly("control_offset", &Workspace::control_offset)
+      .def_property_readonly("total_bytes", &Workspace::total_bytes)
+      .def_property_readonly("device", &Workspace::device)
+      .def_property_readonly("rank", &Workspace::rank)
+      .def_property_readonly("world", &Workspace::world)
+      .def_property_readonly("max_bytes", &Workspace::max_bytes)
+      .def("debug_set_epoch", &Workspace::debug_set_epoch)
+      .def("debug_epoch", &Workspace::debug_epoch)
+      .def("close", &Workspace::close);
+}
+
+void register_constants(py::module_& m) {
+  m.attr("MAX_RANKS") = 8;
+  m.attr("MAX_LAUNCH_BLOCKS") = 64;
+  m.attr("MAX_FLAG_BLOCKS") = 128;
+  m.attr("THREADS_PER_BLOCK") = 512;
+  m.attr("ALGO_IDS") = py::dict(py::arg("oneshot") = 0, py::arg("staged") = 1, py::arg("twoshot") = 2);
+  m.attr("DTYPE_IDS") = py::dict(py::arg("float32") = 0, py::arg("float16") = 1, py::arg("bfloat16") = 2);
+  m.attr("STAGE_NAMES") = py::dict(py::arg("1") = "one-shot gather", py::arg("2") = "reduce-scatter",
+                                   py::arg("3") = "all-gather", py::arg("4") = "fused gather",
+                                   py::arg("5") = "fused reduce-scatter", py::arg("6") = "fused all-gather");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pcie_allreduce CUDA kernels (P2P one-shot, staged and two-shot all-reduce)";
+  register_runtime(m);
+  register_errors(m);
+  register_workspace(m);
+  register_constants(m);
+}

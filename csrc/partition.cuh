@@ -1,0 +1,43 @@
+// How a message is cut among blocks (and, for two-shot, among owner ranks).
+//
+// Cuts are made in 16-byte granules whatever the transfer unit, so a rank whose buffer is not
+// 16-byte aligned (it moves single elements) still covers exactly the same bytes per block as its
+// peers moving 16-byte vectors: flags are per block, so every rank must agree on what a block is.
+// The tail (nbytes % 16) belongs to the last block and always moves as single elements.
+#pragma once
+
+#include <cstdint>
+
+namespace pcie_ar {
+
+constexpr uint64_t kGranule = 16;
+
+struct Range {
+  uint64_t begin;
+  uint64_t end;
+};
+
+// Part `idx` of `parts` near-equal contiguous parts of [0, n).
+__host__ __device__ __forceinline__ Range split(uint64_t n, uint64_t parts, uint64_t idx) {
+  const uint64_t per = (n + parts - 1) / parts;
+  const uint64_t b = per * idx < n ? per * idx : n;
+  const uint64_t e = b + per < n ? b + per : n;
+  return {b, e};
+}
+
+// Granule range -> range in units of `Unit`.
+template <typename Unit>
+__device__ __forceinline__ Range to_units(Range granules) {
+  constexpr uint64_t k = kGranule / sizeof(Unit);
+  return {granules.begin * k, granules.end * k};
+}
+
+// Tail elements of type T: [first, last) in element indices.
+template <typename T>
+__device__ __forceinline__ Range tail_elements(uint64_t nbytes) {
+  return {nbytes / kGranule * (kGranule / sizeof(T)), nbytes / sizeof(T)};
+}
+
+__device__ __forceinline__ bool owns_tail() { return blockIdx.x == gridDim.x - 1; }
+
+}  // namespace pcie_ar

@@ -1,0 +1,204 @@
+// The signalling protocol shared by every algorithm (one-shot, staged, two-shot, and the Triton
+// fused kernels, which mirror it in Python).
+//
+// Invariants
+//  1. Push, don't pull. A rank only ever WRITES to peers' workspaces (data, then a flag) and only
+//     ever SPINS on its own workspace. Reads of peer memory never happen.
+//  2. Flag after data. A block writes its data to a peer, then `__syncthreads()`, then one thread
+//     stores the flag with st.release.sys. The receiver's ld.acquire.sys of that flag, followed by
+//     `__syncthreads()`, makes the data visible to the whole receiving block. No peer atomics.
+//     Chosen over data-as-flag (sentinel) because it is exact for every dtype and bit pattern
+//     (no -0.0 / NaN sentinel collisions), needs no re-poisoning pass, and the flag store is
+//     posted behind the data, so it costs one extra small write per block and peer.
+//  3. Flags carry (epoch << 32 | signature). The epoch is the 1-based call number of this
+//     workspace; every rank's n-th call uses the same epoch because every rank's counter advances
+//     once per call, inside the kernel (graph replays advance it too). A waiter accepts a flag whose
+//     epoch is >= its own (signed 32-bit difference, so counters wrap safely). A flag with the
+//     same epoch but a different signature (size/dtype/algorithm/launch shape) means the ranks
+//     issued different calls: that is recorded as a mismatch, never reduced.
+//  4. Double buffering by epoch parity. Call e writes into parity e%2 of the peer's data region.
+//     A rank reaches call e only after it saw every peer's flags of call e-1, i.e. after every peer
+//     STARTED call e-1, i.e. after every peer FINISHED call e-2 (kernels on one stream run in
+//     order): so nobody is still reading the parity we overwrite. A sender is therefore at most one
+//     epoch ahead of any receiver, which is why ">= epoch" is safe.
+//  5. Bounded spins. Every wait checks the global timer; past the timeout it records
+//     (kind, rank, peer, stage, block, epoch) in host-mapped memory, raises the workspace's local
+//     abort flag, and leaves. Kernels that find the abort flag set skip all work, so a queue of
+//     captured calls drains in microseconds instead of hanging; the host raises at the next call.
+//  6. Deterministic sums: every element is reduced in fp32 as ((x0 + x1) + x2) + ... in rank order
+//     0..W-1 and rounded once to the output dtype, in every algorithm and launch shape.
+#pragma once
+
+#include <cstdint>
+
+#include "memory_order.cuh"
+
+namespace pcie_ar {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxFlagBlocks = 128;  // flag slots per (kind, sender); CUDA kernels use <= kMaxLaunchBlocks
+constexpr int kMaxLaunchBlocks = 64;
+constexpr int kThreadsPerBlock = 512;
+constexpr int kFlagKinds = 2;        // 0: first exchange (one-shot push, two-shot reduce-scatter), 1: all-gather
+constexpr uint64_t kAlign = 256;
+
+enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
+                              kFusedReduceScatter = 5, kFusedAllGather = 6 };
+enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
+
+// Lives in pinned, host-mapped memory: the host reads it with no CUDA call.
+struct ErrorRecord {
+  uint32_t kind;
+  int32_t rank;
+  int32_t peer;
+  uint32_t stage;
+  int32_t block;
+  uint32_t epoch;
+  uint32_t expected_signature;
+  uint32_t observed_signature;
+};
+
+// Local-only state at the end of each rank's workspace (peers never touch it).
+struct Control {
+  uint32_t epoch;        // calls completed on this workspace
+  uint32_t blocks_done;  // blocks of the running call that have finished
+  uint32_t abort;        // set once any wait failed; every later call skips its work
+  uint32_t error_claim;  // first failing thread wins the right to fill the ErrorRecord
+};
+
+// Byte offsets inside one rank's workspace allocation. Identical on every rank (checked at rendezvous).
+struct Layout {
+  uint64_t slot_bytes;    // one sender's slot: max_bytes rounded up
+  uint64_t parity_bytes;  // world * slot_bytes
+  uint64_t flags_offset;  // after 2 parities of data
+  uint64_t control_offset;
+  uint64_t total_bytes;
+
+  __host__ __device__ static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+  __host__ static Layout make(uint64_t max_bytes, int world) {
+    Layout l{};
+    l.slot_bytes = round_up(max_bytes > 0 ? max_bytes : 1, kAlign);
+    l.parity_bytes = l.slot_bytes * static_cast<uint64_t>(world);
+    l.flags_offset = 2 * l.parity_bytes;
+    l.control_offset = l.flags_offset + round_up(sizeof(uint64_t) * kFlagKinds * kMaxRanks * kMaxFlagBlocks, kAlign);
+    l.total_bytes = l.control_offset + round_up(sizeof(Control), kAlign);
+    return l;
+  }
+};
+
+// Everything a kernel needs, passed by value (no device-side tables to keep in sync).
+struct KernelArgs {
+  const void* input;
+  void* output;
+  uint64_t nbytes;
+  char* bases[kMaxRanks];  // every rank's workspace base as mapped in THIS process (own included)
+  Layout layout;
+  ErrorRecord* error;      // device alias of the host-mapped record
+  uint64_t timeout_ns;
+  uint32_t signature;
+  int rank;
+  int world;
+};
+
+__device__ __forceinline__ Control* control_of(const KernelArgs& a) {
+  return reinterpret_cast<Control*>(a.bases[a.rank] + a.layout.control_offset);
+}
+
+__device__ __forceinline__ uint64_t* flag_slot(const KernelArgs& a, int owner, int kind, int sender, int block) {
+  uint64_t* flags = reinterpret_cast<uint64_t*>(a.bases[owner] + a.layout.flags_offset);
+  return flags + (static_cast<uint64_t>(kind) * kMaxRanks + sender) * kMaxFlagBlocks + block;
+}
+
+// Where `sender`'s data lands inside `owner`'s workspace for this call's parity.
+__device__ __forceinline__ char* slot_of(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
+  return a.bases[owner] + (epoch & 1u) * a.layout.parity_bytes + static_cast<uint64_t>(sender) * a.layout.slot_bytes;
+}
+
+__device__ __forceinline__ uint64_t flag_word(uint32_t epoch, uint32_t signature) {
+  return (static_cast<uint64_t>(epoch) << 32) | signature;
+}
+
+static __device__ __noinline__ void record_error(const KernelArgs& a, ErrorKind kind, int peer, Stage stage, uint32_t epoch,
+                                          uint32_t observed_signature) {
+  Control* ctl = control_of(a);
+  atomicExch(&ctl->abort, 1u);  // local memory: an ordinary device atomic
+  if (atomicCAS(&ctl->error_claim, 0u, 1u) == 0u) {
+    volatile ErrorRecord* rec = a.error;
+    rec->rank = a.rank;
+    rec->peer = peer;
+    rec->stage = static_cast<uint32_t>(stage);
+    rec->block = static_cast<int32_t>(blockIdx.x);
+    rec->epoch = epoch;
+    rec->expected_signature = a.signature;
+    rec->observed_signature = observed_signature;
+    __threadfence_system();
+    rec->kind = static_cast<uint32_t>(kind);  // written last: the host keys on it
+    __threadfence_system();
+  }
+}
+
+// Tell `peer` that this block's data for `kind` has landed. Call after __syncthreads().
+__device__ __forceinline__ void signal_peer(const KernelArgs& a, int peer, int kind, uint32_t epoch) {
+  store_release_sys(flag_slot(a, peer, kind, a.rank, blockIdx.x), flag_word(epoch, a.signature));
+}
+
+// Bounded wait for `peer`'s flag in our own workspace. False on timeout, mismatch or abort.
+static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int kind, uint32_t epoch, Stage stage) {
+  const uint64_t* flag = flag_slot(a, a.rank, kind, peer, blockIdx.x);
+  const uint32_t* abort = &control_of(a)->abort;
+  uint64_t started = 0;
+  for (uint32_t spins = 0;; ++spins) {
+    const uint64_t word = load_acquire_sys(flag);
+    const int32_t ahead = static_cast<int32_t>(static_cast<uint32_t>(word >> 32) - epoch);
+    if (ahead >= 0) {
+      const uint32_t observed = static_cast<uint32_t>(word);
+      if (ahead == 0 && observed != a.signature) {
+        record_error(a, ErrorKind::kMismatch, peer, stage, epoch, observed);
+        return false;
+      }
+      return true;  // ahead > 0: the peer already moved on to the next call, so it finished this one
+    }
+    if ((spins & 63u) == 63u) {
+      if (load_volatile(abort)) return false;
+      const uint64_t now = global_timer_ns();
+      if (started == 0) {
+        started = now;
+      } else if (now - started > a.timeout_ns) {
+        record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
+        return false;
+      }
+    }
+  }
+}
+
+// Threads 0..W-1 each wait for one peer; true for the whole block only if every wait succeeded.
+__device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, uint32_t epoch, Stage stage) {
+  bool ok = true;
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < a.world && peer != a.rank) ok = wait_peer(a, peer, kind, epoch, stage);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Every block of a call reads the same epoch: it only advances after all blocks have checked in.
+__device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborted) {
+  Control* ctl = control_of(a);
+  *aborted = load_volatile(&ctl->abort) != 0;
+  return load_volatile(&ctl->epoch) + 1u;
+}
+
+// The last block to finish publishes the new epoch for the next kernel on this stream.
+__device__ __forceinline__ void end_call(const KernelArgs& a, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Control* ctl = control_of(a);
+    __threadfence();
+    if (atomicAdd(&ctl->blocks_done, 1u) == gridDim.x - 1) {
+      ctl->blocks_done = 0;
+      ctl->epoch = epoch;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace pcie_ar

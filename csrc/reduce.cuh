@@ -1,0 +1,81 @@
+// Element types, 16-byte packs, and THE reduction formula every algorithm uses.
+//
+// Determinism rule: acc = float(x_0); acc += float(x_1); ...; acc += float(x_{W-1}); round once
+// (round-to-nearest-even) to the output type. Same order on every rank and in every algorithm,
+// so results are bitwise identical everywhere. The Triton fused kernels use the same formula.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "protocol.cuh"
+
+namespace pcie_ar {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// A unit of transfer: either a 16-byte vector (aligned buffers) or a single element (the tail,
+// or buffers that are not 16-byte aligned). Algorithms are written once over Unit.
+template <typename T, typename Unit>
+union Pack {
+  static constexpr int kElems = sizeof(Unit) / sizeof(T);
+  Unit unit;
+  T elems[kElems];
+};
+
+// Plain load for memory this kernel's own rank owns or the user's input.
+template <typename Unit>
+__device__ __forceinline__ Unit load_unit(const Unit* p) { return *p; }
+
+// Load of data a peer pushed into our workspace: bypass L1 (.cg) so a line cached during an
+// earlier call with the same parity cannot be served stale.
+template <typename Unit>
+__device__ __forceinline__ Unit load_pushed(const Unit* p) {
+  if constexpr (sizeof(Unit) == 16) {
+    uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  } else if constexpr (sizeof(Unit) == 4) {
+    unsigned int v = __ldcg(reinterpret_cast<const unsigned int*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  } else {
+    unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  }
+}
+
+// Reduce unit `i` across ranks: our own contribution comes from `own`, every other rank's from
+// its slot in our workspace (`slot0 + r * slot_units`).
+template <typename T, typename Unit>
+__device__ __forceinline__ Unit reduce_unit(const Unit* own, const Unit* slot0, uint64_t slot_units, uint64_t i,
+                                            int rank, int world) {
+  // All loads first (independent, predicated), then the adds in rank order: W loads in flight at once.
+  Pack<T, Unit> in[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r < world) in[r].unit = (r == rank) ? load_unit(own + i) : load_pushed(slot0 + static_cast<uint64_t>(r) * slot_units + i);
+  }
+  Pack<T, Unit> out;
+#pragma unroll
+  for (int k = 0; k < Pack<T, Unit>::kElems; ++k) {
+    float acc = to_float(in[0].elems[k]);
+#pragma unroll
+    for (int r = 1; r < kMaxRanks; ++r) {
+      if (r < world) acc += to_float(in[r].elems[k]);
+    }
+    out.elems[k] = from_float<T>(acc);
+  }
+  return out.unit;
+}
+
+}  // namespace pcie_ar

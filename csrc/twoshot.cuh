@@ -1,0 +1,67 @@
+// Two-shot push all-reduce: reduce-scatter, then all-gather, in one kernel.
+//
+// The message is cut into W shards; rank o owns shard o. Each block owns the same sub-range of
+// every shard.
+//   1. Reduce-scatter: for s = 1..W-1 (staged order), push our input's sub-range of shard
+//      (rank+s)%W into that owner's slot for us; flag every peer (kind 0).
+//   2. Wait for every peer's kind-0 flag; reduce our own shard's sub-range in rank order, write
+//      it to the output and push it into every peer's slot for us; flag every peer (kind 1).
+//   3. Wait for every peer's kind-1 flag; copy each peer's reduced sub-range from its slot.
+// Each rank moves 2(W-1)/W of the message instead of (W-1): the choice for large messages.
+//
+// Slot reuse within one parity: in step 1 we write shard o's range of o's slot for us; in step 2,
+// shard rank's range of every peer's slot for us. Those ranges never overlap, so both exchanges
+// share the same double-buffered slots. The tail (< 16 bytes) is exchanged one-shot style in
+// step 1 and reduced locally by the last block.
+// In place is safe: a block reads each input range before it writes that same output range.
+// Protocol invariants: protocol.cuh.
+#pragma once
+
+#include "moves.cuh"
+
+namespace pcie_ar {
+
+template <typename Unit>
+__device__ __forceinline__ Range shard_part(uint64_t granules, int world, int owner) {
+  const Range shard = split(granules, world, owner);
+  const Range sub = split(shard.end - shard.begin, gridDim.x, blockIdx.x);
+  return to_units<Unit>(Range{shard.begin + sub.begin, shard.begin + sub.end});
+}
+
+template <typename T, typename Unit>
+__global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const uint32_t epoch = begin_call(a, &aborted);
+  if (!aborted) {
+    const uint64_t granules = a.nbytes / kGranule;
+    const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+    const Unit* in = static_cast<const Unit*>(a.input);
+    const T* in_t = static_cast<const T*>(a.input);
+    Unit* out = static_cast<Unit*>(a.output);
+
+    for (int s = 1; s < a.world; ++s) {
+      const int owner = (a.rank + s) % a.world;
+      push_to_peer<Unit>(a, owner, epoch, in, shard_part<Unit>(granules, a.world, owner));
+    }
+    push_to_all_peers<T>(a, epoch, in_t, tail);
+    __syncthreads();
+    signal_all_peers(a, 0, epoch);
+
+    if (wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) {
+      reduce_range<T, Unit, true>(a, epoch, in, out, shard_part<Unit>(granules, a.world, a.rank));
+      reduce_range<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+      __syncthreads();
+      signal_all_peers(a, 1, epoch);
+
+      if (wait_all_peers(a, 1, epoch, Stage::kAllGather)) {
+        for (int s = 1; s < a.world; ++s) {
+          const int peer = (a.rank + s) % a.world;
+          copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(granules, a.world, peer));
+        }
+      }
+    }
+  }
+  end_call(a, epoch);
+}
+
+}  // namespace pcie_ar

@@ -1,0 +1,282 @@
+#include "workspace.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "checks.cuh"
+#include "launch.cuh"
+#include "protocol.cuh"
+
+namespace pcie_ar {
+
+namespace {
+
+// Allocation, IPC and host-mapped memory are not stream work; when the caller is inside a CUDA
+// graph capture (a workspace created lazily for a capture stream), relaxed mode lets them run.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() : mode_(cudaStreamCaptureModeRelaxed) { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+
+ private:
+  cudaStreamCaptureMode mode_;
+};
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    PCIE_AR_CUDA_CHECK(cudaGetDevice(&previous_));
+    changed_ = previous_ != device;
+    if (changed_) PCIE_AR_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+uint64_t seconds_to_ns(double seconds) {
+  PCIE_AR_HOST_ASSERT(seconds > 0 && std::isfinite(seconds), "timeout must be a positive number of seconds");
+  return static_cast<uint64_t>(seconds * 1e9);
+}
+
+}  // namespace
+
+struct Workspace::State {
+  char* local = nullptr;
+  ErrorRecord* error_host = nullptr;
+  ErrorRecord* error_device = nullptr;
+  char* peers[kMaxRanks] = {};
+  Layout layout{};
+  uint64_t timeout_ns = 0;
+  bool peers_open = false;
+};
+
+Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s)
+    : state_(std::make_unique<State>()), device_(device), rank_(rank), world_(world), max_bytes_(max_bytes) {
+  PCIE_AR_HOST_ASSERT(world >= 2 && world <= kMaxRanks, "world size must be in [2, 8], got " + std::to_string(world));
+  PCIE_AR_HOST_ASSERT(rank >= 0 && rank < world, "rank out of range");
+  PCIE_AR_HOST_ASSERT(max_bytes > 0, "max_bytes must be positive");
+  state_->timeout_ns = seconds_to_ns(timeout_s);
+  state_->layout = Layout::make(max_bytes, world);
+
+  RelaxedCaptureMode relaxed;
+  DeviceGuard guard(device);
+  PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local, state_->layout.total_bytes));
+  // Zeroed flags are "epoch 0", older than any call. Zero on a private stream and wait, so the
+  // buffer is clean before its handle ever leaves this process.
+  cudaStream_t init_stream;
+  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&init_stream, cudaStreamNonBlocking));
+  PCIE_AR_CUDA_CHECK(cudaMemsetAsync(state_->local, 0, state_->layout.total_bytes, init_stream));
+  PCIE_AR_CUDA_CHECK(cudaStreamSynchronize(init_stream));
+  PCIE_AR_CUDA_CHECK(cudaStreamDestroy(init_stream));
+
+  PCIE_AR_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&state_->error_host), sizeof(ErrorRecord),
+                                   cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(state_->error_host, 0, sizeof(ErrorRecord));
+  PCIE_AR_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_->error_device), state_->error_host, 0));
+  state_->peers[rank] = state_->local;
+}
+
+Workspace::~Workspace() {
+  try {
+    close();
+  } catch (...) {
+    // Destructors must not throw; close() already released what it could.
+  }
+}
+
+std::string Workspace::ipc_handle() const {
+  PCIE_AR_HOST_ASSERT(state_->local != nullptr, "workspace is closed");
+  cudaIpcMemHandle_t handle;
+  PCIE_AR_CUDA_CHECK(cudaIpcGetMemHandle(&handle, state_->local));
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void Workspace::open_peers(const std::vector<std::string>& handles) {
+  PCIE_AR_HOST_ASSERT(static_cast<int>(handles.size()) == world_, "need one IPC handle per rank");
+  PCIE_AR_HOST_ASSERT(!state_->peers_open, "peers already opened");
+  RelaxedCaptureMode relaxed;
+  DeviceGuard guard(device_);
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    PCIE_AR_HOST_ASSERT(handles[r].size() == sizeof(cudaIpcMemHandle_t), "IPC handle of rank " + std::to_string(r) + " has the wrong size");
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, handles[r].data(), sizeof(handle));
+    void* ptr = nullptr;
+    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      throw std::runtime_error("rank " + std::to_string(rank_) + " could not map the workspace of rank " +
+                               std::to_string(r) + " (cudaIpcOpenMemHandle: " + cudaGetErrorString(err) +
+                               "); the GPUs need CUDA peer access (P2P) and the ranks must run on one host");
+    }
+    state_->peers[r] = static_cast<char*>(ptr);
+  }
+  state_->peers_open = true;
+}
+
+uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64_t nbytes, int dtype, int blocks,
+                               uint64_t stream) {
+  // The host reads the record with no CUDA call: it is pinned, mapped memory the kernels write.
+  const uint32_t failed = reinterpret_cast<volatile ErrorRecord*>(state_->error_host)->kind;
+  if (failed != 0) return failed;
+  PCIE_AR_HOST_ASSERT(state_->peers_open, "all_reduce before open_peers");
+  PCIE_AR_HOST_ASSERT(nbytes <= max_bytes_, "message larger than the workspace's max_bytes");
+  if (nbytes == 0) return 0;
+  KernelArgs args{};
+  args.input = reinterpret_cast<const void*>(input);
+  args.output = reinterpret_cast<void*>(output);
+  args.nbytes = nbytes;
+  for (int r = 0; r < world_; ++r) args.bases[r] = state_->peers[r];
+  args.layout = state_->layout;
+  args.error = state_->error_device;
+  args.timeout_ns = state_->timeout_ns;
+  args.signature = call_signature(static_cast<Algo>(algo), dtype, nbytes, blocks);
+  args.rank = rank_;
+  args.world = world_;
+  DeviceGuard guard(device_);
+  launch_all_reduce(static_cast<Algo>(algo), dtype, args, blocks, reinterpret_cast<cudaStream_t>(stream));
+  return 0;
+}
+
+CallError Workspace::error() const {
+  CallError e;
+  if (state_->error_host == nullptr) return e;
+  const volatile ErrorRecord* rec = state_->error_host;
+  e.kind = rec->kind;
+  if (e.kind == 0) return e;
+  e.rank = rec->rank;
+  e.peer = rec->peer;
+  e.stage = rec->stage;
+  e.block = rec->block;
+  e.epoch = rec->epoch;
+  e.expected_signature = rec->expected_signature;
+  e.observed_signature = rec->observed_signature;
+  return e;
+}
+
+uint32_t Workspace::signature(int algo, int dtype, uint64_t nbytes, int blocks) const {
+  return call_signature(static_cast<Algo>(algo), dtype, nbytes, blocks);
+}
+
+void Workspace::set_timeout(double seconds) { state_->timeout_ns = seconds_to_ns(seconds); }
+double Workspace::timeout() const { return static_cast<double>(state_->timeout_ns) * 1e-9; }
+
+std::vector<uint64_t> Workspace::bases() const {
+  std::vector<uint64_t> out(world_);
+  for (int r = 0; r < world_; ++r) out[r] = reinterpret_cast<uint64_t>(state_->peers[r]);
+  return out;
+}
+uint64_t Workspace::error_record_device_ptr() const { return reinterpret_cast<uint64_t>(state_->error_device); }
+uint64_t Workspace::slot_bytes() const { return state_->layout.slot_bytes; }
+uint64_t Workspace::parity_bytes() const { return state_->layout.parity_bytes; }
+uint64_t Workspace::flags_offset() const { return state_->layout.flags_offset; }
+uint64_t Workspace::control_offset() const { return state_->layout.control_offset; }
+uint64_t Workspace::total_bytes() const { return state_->layout.total_bytes; }
+
+void Workspace::debug_set_epoch(uint32_t completed) {
+  DeviceGuard guard(device_);
+  Control ctl{completed, 0, 0, 0};
+  PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
+  PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->local + state_->layout.control_offset, &ctl, sizeof(ctl), cudaMemcpyHostToDevice));
+  // Every flag slot must look "older than the next call": stamp it with the completed epoch.
+  std::vector<uint64_t> flags(static_cast<size_t>(kFlagKinds) * kMaxRanks * kMaxFlagBlocks,
+                              static_cast<uint64_t>(completed) << 32);
+  PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->local + state_->layout.flags_offset, flags.data(),
+                                flags.size() * sizeof(uint64_t), cudaMemcpyHostToDevice));
+  PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+uint32_t Workspace::debug_epoch() const {
+  DeviceGuard guard(device_);
+  Control ctl{};
+  PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->local + state_->layout.control_offset, sizeof(ctl), cudaMemcpyDeviceToHost));
+  return ctl.epoch;
+}
+
+void Workspace::close() {
+  if (state_->local == nullptr) return;
+  RelaxedCaptureMode relaxed;
+  DeviceGuard guard(device_);
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_ && state_->peers[r] != nullptr) cudaIpcCloseMemHandle(state_->peers[r]);
+    state_->peers[r] = nullptr;
+  }
+  cudaFree(state_->local);
+  state_->local = nullptr;
+  if (state_->error_host != nullptr) cudaFreeHost(state_->error_host);
+  state_->error_host = nullptr;
+  state_->error_device = nullptr;
+  state_->peers_open = false;
+}
+
+// ---- runtime facts -------------------------------------------------------------------------
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return 0;
+  }
+  return n;
+}
+
+std::string runtime_status() {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("CUDA runtime reports ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
+  }
+  if (n == 0) return "no CUDA device is visible";
+  return "";
+}
+
+int runtime_version() {
+  int v = 0;
+  cudaRuntimeGetVersion(&v);
+  return v;
+}
+
+int driver_version() {
+  int v = 0;
+  if (cudaDriverGetVersion(&v) != cudaSuccess) return 0;
+  return v;
+}
+
+std::string pci_bus_id(int device) {
+  char buf[64] = {0};
+  PCIE_AR_CUDA_CHECK(cudaDeviceGetPCIBusId(buf, sizeof(buf), device));
+  return std::string(buf);
+}
+
+int device_by_pci_bus_id(const std::string& bus_id) {
+  int device = -1;
+  if (cudaDeviceGetByPCIBusId(&device, bus_id.c_str()) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
+}
+
+bool can_access_peer(int device, int peer_device) {
+  if (device == peer_device) return true;
+  int ok = 0;
+  PCIE_AR_CUDA_CHECK(cudaDeviceCanAccessPeer(&ok, device, peer_device));
+  return ok != 0;
+}
+
+std::vector<int> compiled_archs() {
+#ifdef __CUDA_ARCH_LIST__
+  return {__CUDA_ARCH_LIST__};
+#else
+  return {};
+#endif
+}
+
+}  // namespace pcie_ar

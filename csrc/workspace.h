@@ -1,0 +1,86 @@
+// One rank's share of a communicator on one CUDA stream: an IPC-exported device buffer (two
+// parities of W data slots, flags, local control words), the peers' buffers mapped into this
+// process, and a host-mapped error record. Plain C++ interface (no CUDA headers) so the binding
+// file compiles with the host compiler; pointers and streams are integers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pcie_ar {
+
+struct CallError {
+  uint32_t kind = 0;  // 0 none, 1 timeout, 2 mismatch
+  int rank = -1;
+  int peer = -1;
+  uint32_t stage = 0;
+  int block = -1;
+  uint32_t epoch = 0;
+  uint32_t expected_signature = 0;
+  uint32_t observed_signature = 0;
+};
+
+class Workspace {
+ public:
+  Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s);
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  // 64-byte cudaIpcMemHandle_t of the local buffer, to be all-gathered.
+  std::string ipc_handle() const;
+  // Map every peer's buffer; handles[rank] is ignored.
+  void open_peers(const std::vector<std::string>& handles);
+
+  // Enqueue one all-reduce on `stream`. Returns the recorded error kind (non-zero: nothing was
+  // launched, the communicator is broken) so the caller can raise without another call.
+  uint32_t all_reduce(int algo, uint64_t input, uint64_t output, uint64_t nbytes, int dtype, int blocks,
+                      uint64_t stream);
+
+  CallError error() const;
+  uint32_t signature(int algo, int dtype, uint64_t nbytes, int blocks) const;
+
+  void set_timeout(double seconds);
+  double timeout() const;
+
+  // For the Triton kernels, which follow the same protocol on the same memory.
+  std::vector<uint64_t> bases() const;
+  uint64_t error_record_device_ptr() const;
+  uint64_t slot_bytes() const;
+  uint64_t parity_bytes() const;
+  uint64_t flags_offset() const;
+  uint64_t control_offset() const;
+  uint64_t total_bytes() const;
+
+  // Test hook: make this workspace believe `completed` calls already happened (wrap-around tests).
+  // Collective in spirit: every rank must call it with the same value before the next call.
+  void debug_set_epoch(uint32_t completed);
+  uint32_t debug_epoch() const;
+
+  void close();
+
+  int device() const { return device_; }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  uint64_t max_bytes() const { return max_bytes_; }
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  int device_, rank_, world_;
+  uint64_t max_bytes_;
+};
+
+// Runtime facts, each safe to call on a machine without a GPU or driver.
+int device_count();             // 0 when no driver / no GPU
+std::string runtime_status();   // "" when usable, otherwise why not
+int runtime_version();
+int driver_version();           // 0 when no driver
+std::string pci_bus_id(int device);
+int device_by_pci_bus_id(const std::string& bus_id);  // -1 when not visible in this process
+bool can_access_peer(int device, int peer_device);
+std::vector<int> compiled_archs();  // SM versions embedded in this build (from the nvcc flags)
+
+}  // namespace pcie_ar

@@ -1,0 +1,40 @@
+"""pcie_allreduce: low-latency all-reduce for multi-GPU servers whose GPUs talk over PCIe.
+
+    comm = pcie_allreduce.Communicator(gloo_group, device=torch.device("cuda", local_rank))
+    y = comm.all_reduce(x)            # sum over ranks, bitwise identical everywhere
+
+Importing never needs a GPU; :func:`is_available` says whether the kernels can run here.
+"""
+
+from __future__ import annotations
+
+from pcie_allreduce.algo import ALGORITHMS, AlgoTable, Choice, Rule, default_table, load_table
+from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALGORITHMS", "AlgoTable", "Choice", "Rule", "default_table", "load_table",
+    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "UnavailableError",
+    "Communicator", "is_available", "unavailable_reason", "__version__",
+]
+
+
+def unavailable_reason() -> str | None:
+    """Why the CUDA kernels cannot run in this process (no extension, no GPU), or None."""
+    from pcie_allreduce import _ext
+
+    return _ext.unavailable_reason()
+
+
+def is_available() -> bool:
+    """True when the extension is built and a CUDA GPU is usable."""
+    return unavailable_reason() is None
+
+
+def __getattr__(name: str):  # lazy: keep `import pcie_allreduce` free of torch.distributed setup cost
+    if name == "Communicator":
+        from pcie_allreduce.communicator import Communicator
+
+        return Communicator
+    raise AttributeError(f"module 'pcie_allreduce' has no attribute {name!r}")

@@ -1,0 +1,165 @@
+"""Algorithm choice: a pure function of (message bytes, world size, dtype).
+
+Every rank must launch the same algorithm with the same launch shape for the same call (the
+kernels' flags are per block), so the choice depends only on the call's shape and on a table
+that all ranks agree on when the communicator is created. The default table below can be
+replaced by a JSON file or inline JSON in ``PCIE_AR_ALGO_TABLE``::
+
+    {"rules": [
+        {"world": [2, 3, 4], "max_bytes": 262144, "algo": "oneshot", "bytes_per_block": 16384, "max_blocks": 16},
+        {"world": "*",       "max_bytes": null,   "algo": "twoshot", "bytes_per_block": 65536, "max_blocks": 32}
+    ]}
+
+Rules are tried in order; the first whose ``world`` contains W and whose ``max_bytes`` (null:
+unbounded) is >= the message size wins. ``dtype`` may restrict a rule to some dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ALGORITHMS: tuple[str, ...] = ("oneshot", "staged", "twoshot")
+ALGO_IDS: dict[str, int] = {"oneshot": 0, "staged": 1, "twoshot": 2}
+MAX_LAUNCH_BLOCKS = 64
+TABLE_ENV = "PCIE_AR_ALGO_TABLE"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one call launches."""
+
+    algo: str
+    blocks: int
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of an algorithm table."""
+
+    algo: str
+    max_bytes: int | None = None
+    world: tuple[int, ...] | None = None  # None: any world size
+    dtypes: tuple[str, ...] | None = None  # None: any dtype ("bfloat16", "float16", "float32")
+    bytes_per_block: int = 16384
+    max_blocks: int = 16
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"algorithm table: unknown algo {self.algo!r}; expected one of {ALGORITHMS}")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"algorithm table: max_bytes must be >= 0 or null, got {self.max_bytes}")
+        if self.bytes_per_block <= 0:
+            raise ValueError(f"algorithm table: bytes_per_block must be positive, got {self.bytes_per_block}")
+        if not 1 <= self.max_blocks <= MAX_LAUNCH_BLOCKS:
+            raise ValueError(f"algorithm table: max_blocks must be in [1, {MAX_LAUNCH_BLOCKS}], got {self.max_blocks}")
+
+    def matches(self, nbytes: int, world: int, dtype: str) -> bool:
+        return ((self.world is None or world in self.world)
+                and (self.dtypes is None or dtype in self.dtypes)
+                and (self.max_bytes is None or nbytes <= self.max_bytes))
+
+    def blocks_for(self, nbytes: int) -> int:
+        return max(1, min(self.max_blocks, math.ceil(nbytes / self.bytes_per_block)))
+
+
+@dataclass(frozen=True)
+class AlgoTable:
+    """An ordered list of rules; the last rule should match everything."""
+
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+
+    def select(self, nbytes: int, world: int, dtype: str) -> Choice:
+        """The algorithm and block count for a message of ``nbytes`` bytes of ``dtype`` on ``world`` ranks."""
+        for rule in self.rules:
+            if rule.matches(nbytes, world, dtype):
+                return Choice(rule.algo, rule.blocks_for(nbytes))
+        raise ValueError(f"algorithm table has no rule for {nbytes} bytes of {dtype} at world size {world}")
+
+    def blocks_for(self, algo: str, nbytes: int, world: int, dtype: str) -> int:
+        """Launch shape when the caller forces ``algo``: the first rule for that algorithm that fits,
+        else that algorithm's last rule, else the default bytes-per-block heuristic."""
+        candidates = [r for r in self.rules if r.algo == algo and r.matches(nbytes, world, dtype)]
+        if not candidates:
+            candidates = [r for r in self.rules if r.algo == algo] or [Rule(algo)]
+        return candidates[0].blocks_for(nbytes)
+
+    def to_json(self) -> str:
+        rows = []
+        for rule in self.rules:
+            row: dict[str, Any] = asdict(rule)
+            row["world"] = "*" if rule.world is None else list(rule.world)
+            row["dtypes"] = None if rule.dtypes is None else list(rule.dtypes)
+            rows.append(row)
+        return json.dumps({"rules": rows}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "algorithm table") -> "AlgoTable":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
+            raise ValueError(f'{source}: expected an object {{"rules": [...]}} with at least one rule')
+        return cls(tuple(_rule_from_dict(row, source, i) for i, row in enumerate(data["rules"])))
+
+
+def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
+    if not isinstance(row, dict):
+        raise ValueError(f"{source}: rule {index} must be an object, got {type(row).__name__}")
+    known = {"algo", "max_bytes", "world", "dtypes", "bytes_per_block", "max_blocks"}
+    unknown = set(row) - known
+    if unknown:
+        raise ValueError(f"{source}: rule {index} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    if "algo" not in row:
+        raise ValueError(f"{source}: rule {index} needs an 'algo'")
+    world = row.get("world", "*")
+    if world == "*" or world is None:
+        world_t = None
+    elif isinstance(world, int):
+        world_t = (world,)
+    else:
+        world_t = tuple(int(w) for w in world)
+    dtypes = row.get("dtypes")
+    try:
+        return Rule(algo=row["algo"], max_bytes=row.get("max_bytes"), world=world_t,
+                    dtypes=None if dtypes is None else tuple(dtypes),
+                    bytes_per_block=int(row.get("bytes_per_block", 16384)), max_blocks=int(row.get("max_blocks", 16)))
+    except ValueError as exc:
+        raise ValueError(f"{source}: rule {index}: {exc}") from None
+
+
+def default_table() -> AlgoTable:
+    """Crossovers measured on one H200 under MPS (bench/RESULTS.md); tune per machine with a file."""
+    small = (2, 3, 4)
+    large = (5, 6, 7, 8)
+    return AlgoTable((
+        Rule("oneshot", max_bytes=256 << 10, world=small, bytes_per_block=16 << 10, max_blocks=16),
+        Rule("oneshot", max_bytes=128 << 10, world=large, bytes_per_block=16 << 10, max_blocks=8),
+        Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
+    ))
+
+
+def load_table(spec: str | os.PathLike[str] | AlgoTable | None = None,
+               environ: dict[str, str] | None = None) -> AlgoTable:
+    """Resolve the table: an explicit AlgoTable, a path or inline JSON, else ``$PCIE_AR_ALGO_TABLE``, else the default."""
+    if isinstance(spec, AlgoTable):
+        return spec
+    if spec is None:
+        spec = (os.environ if environ is None else environ).get(TABLE_ENV) or None
+        source = TABLE_ENV
+    else:
+        source = "algo_table"
+    if spec is None:
+        return default_table()
+    text = os.fspath(spec)
+    if text.lstrip().startswith("{"):
+        return AlgoTable.from_json(text, source=source)
+    try:
+        with open(text, encoding="utf-8") as fh:
+            return AlgoTable.from_json(fh.read(), source=f"{source} file {text}")
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read algorithm table file {text!r} ({exc.strerror})") from None

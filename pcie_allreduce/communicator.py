@@ -1,0 +1,249 @@
+"""The object users hold: rendezvous, per-stream workspaces, validation and dispatch."""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pcie_allreduce import _ext, algo as algo_mod, ops, topology, validation
+from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
+
+DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+STAGE_NAMES: dict[int, str] = {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
+                               5: "fused reduce-scatter", 6: "fused all-gather"}
+DEFAULT_MAX_BYTES = 8 << 20
+TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
+
+
+def _default_timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return 10.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {value}")
+    return value
+
+
+class Communicator:
+    """All-reduce over CUDA P2P for the ranks of ``group`` (one process per rank, one host).
+
+    Construction is collective: every rank of ``group`` must construct it, with the same
+    ``max_bytes`` and algorithm table. Calls are collective too: every rank must issue the same
+    sequence of ``all_reduce`` calls (same sizes and dtypes) on corresponding streams.
+
+    Args:
+        group: a CPU (gloo) process group used only for rendezvous (IPC handles) and teardown.
+        device: this rank's CUDA device.
+        max_bytes: largest message, in bytes; each rank allocates ``2 * world * max_bytes`` of
+            device memory per stream it uses.
+        timeout_s: how long a kernel waits for a peer before giving up and recording a
+            :class:`CollectiveTimeout` (default 10 s, or ``$PCIE_AR_TIMEOUT_S``).
+        algo_table: an :class:`~pcie_allreduce.algo.AlgoTable`, a JSON path or inline JSON;
+            default ``$PCIE_AR_ALGO_TABLE`` or the built-in table.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
+                 max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
+                 algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None = None) -> None:
+        self._ext: ModuleType = _ext.require()
+        self._group = group
+        self._workspaces: dict[int, Any] = {}
+        self._closed = False
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
+        if not 2 <= self.world_size <= 8:
+            raise ValueError(f"pcie_allreduce supports 2 to 8 ranks, the group has {self.world_size}")
+        self.device: torch.device = _cuda_device(device)
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        self.max_bytes: int = max_bytes
+        self.timeout_s: float = _default_timeout() if timeout_s is None else float(timeout_s)
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        self.table: algo_mod.AlgoTable = algo_mod.load_table(algo_table)
+        self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
+
+        status = self._ext.runtime_status()
+        if status:
+            raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
+        placement = topology.local_placement(self._ext, self.rank, self.device.index)
+        agreed = self._gather({"max_bytes": self.max_bytes, "table": self.table.to_json(), "placement": placement})
+        self._check_agreement(agreed, "max_bytes")
+        self._check_agreement(agreed, "table")
+        self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
+        problem = topology.peer_access_problem(self._ext, placement, self.device.index, self.placements)
+        if problem is not None:
+            raise UnavailableError(problem)
+        self.shares_gpu: bool = topology.shares_gpu(self.placements)
+        self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
+        with torch.cuda.device(self.device):
+            self._workspace_for(torch.cuda.current_stream(self.device).cuda_stream)
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, algo: str = "auto") -> torch.Tensor:
+        """Sum ``x`` over all ranks; returns ``out`` (new tensor if None; ``out=x`` is in place).
+
+        Enqueued on the current CUDA stream of the communicator's device; never synchronizes the
+        host. Results are bitwise identical on every rank and for every algorithm.
+        """
+        self._validate(x, out, algo)
+        if out is None:
+            out = torch.empty_like(x)
+        nbytes = x.numel() * x.element_size()
+        if nbytes == 0:
+            return out
+        algo_id, blocks = self._choice(nbytes, x.dtype, algo)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        workspace = self._workspaces.get(stream) or self._workspace_for(stream)
+        failed = workspace.all_reduce(algo_id, x.data_ptr(), out.data_ptr(), nbytes, DTYPE_IDS[x.dtype], blocks, stream)
+        if failed:
+            raise self._error_of(workspace)
+        return out
+
+    def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
+        """The algorithm ``algo="auto"`` uses for a message of ``nbytes`` bytes of ``dtype``."""
+        return self.table.select(nbytes, self.world_size, DTYPE_NAMES.get(dtype, str(dtype))).algo
+
+    def check(self) -> None:
+        """Raise the CollectiveTimeout / CollectiveMismatch a kernel recorded, if any (no GPU sync)."""
+        for workspace in self._workspaces.values():
+            if workspace.error().kind:
+                raise self._error_of(workspace)
+
+    def close(self) -> None:
+        """Free the workspaces. Collective: waits for this rank's streams, then for every rank."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._workspaces:
+            return
+        torch.cuda.synchronize(self.device)
+        try:
+            if dist.is_initialized():
+                dist.barrier(group=self._group)  # nobody frees memory a peer may still write into
+        finally:
+            for workspace in self._workspaces.values():
+                workspace.close()
+            self._workspaces.clear()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- for the fused Triton kernels and tests ------------------------------------------
+
+    def workspace(self, stream: int | None = None) -> Any:
+        """The `_C.Workspace` serving ``stream`` (default: the current stream), created if needed."""
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        return self._workspaces.get(stream) or self._workspace_for(stream)
+
+    def raise_if_failed(self, workspace: Any) -> None:
+        """Raise the recorded error of ``workspace`` if one of its kernels failed."""
+        if workspace.error().kind:
+            raise self._error_of(workspace)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _validate(self, x: torch.Tensor, out: torch.Tensor | None, algo: str) -> None:
+        if self._closed:
+            raise RuntimeError("Communicator is closed")
+        validation.validate_tensor(x, name="input", device=self.device, max_bytes=self.max_bytes)
+        validation.validate_out(x, out)
+        if algo != "auto":
+            validation.validate_algo(algo)
+
+    def _choice(self, nbytes: int, dtype: torch.dtype, algo: str) -> tuple[int, int]:
+        key = (nbytes, dtype, algo)
+        hit = self._choices.get(key)
+        if hit is None:
+            dtype_name = DTYPE_NAMES[dtype]
+            if algo == "auto":
+                choice = self.table.select(nbytes, self.world_size, dtype_name)
+                hit = (algo_mod.ALGO_IDS[choice.algo], choice.blocks)
+            else:
+                hit = (algo_mod.ALGO_IDS[algo], self.table.blocks_for(algo, nbytes, self.world_size, dtype_name))
+            if len(self._choices) < 4096:  # bounded: shapes in serving are few
+                self._choices[key] = hit
+        return hit
+
+    def _workspace_for(self, stream: int) -> Any:
+        """Create (collectively) the workspace for a stream this rank has not used before."""
+        if self._closed:
+            raise RuntimeError("Communicator is closed")
+        workspace = self._ext.Workspace(self.device.index, self.rank, self.world_size, self.max_bytes, self.timeout_s)
+        index = len(self._workspaces)
+        try:
+            exchanged = self._gather({"index": index, "handle": workspace.ipc_handle()})
+            indices = [e["index"] for e in exchanged]
+            if len(set(indices)) != 1:
+                raise CollectiveMismatch(
+                    f"ranks disagree on which stream this is (workspace indices {indices}): every rank must use "
+                    "its streams in the same order", rank=self.rank)
+            workspace.open_peers([e["handle"] for e in exchanged])
+            dist.barrier(group=self._group)
+        except BaseException:
+            workspace.close()
+            raise
+        self._workspaces[stream] = workspace
+        return workspace
+
+    def _gather(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
+
+    def _check_agreement(self, agreed: list[dict[str, Any]], key: str) -> None:
+        values = [a[key] for a in agreed]
+        if any(v != values[0] for v in values):
+            differing = [r for r, v in enumerate(values) if v != values[0]]
+            raise ValueError(f"ranks disagree on {key}: rank 0 has {values[0]!r}, ranks {differing} differ "
+                             f"({[values[r] for r in differing]!r})")
+
+    def _error_of(self, workspace: Any) -> CollectiveError:
+        err = workspace.error()
+        stage = STAGE_NAMES.get(err.stage, f"stage {err.stage}")
+        where = dict(rank=err.rank, peer=err.peer, stage=stage, epoch=err.epoch, block=err.block)
+        if err.kind == 2:
+            return CollectiveMismatch(
+                f"rank {err.rank} got a different collective from rank {err.peer} as call #{err.epoch} "
+                f"({stage}, block {err.block}; signature {err.observed_signature:#010x} vs ours "
+                f"{err.expected_signature:#010x}): every rank must issue the same sequence of calls with the same "
+                "size, dtype and algorithm. This communicator is now unusable.", **where)
+        return CollectiveTimeout(
+            f"rank {err.rank} waited more than {workspace.timeout:g} s for rank {err.peer} in {stage} of call "
+            f"#{err.epoch} (block {err.block}): that rank is stuck, dead, or skipped a collective. "
+            "This communicator is now unusable.", **where)
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"max_bytes={self.max_bytes}, streams={len(self._workspaces)})")
+
+    def __del__(self) -> None:
+        # No collectives here (peers may be gone); close() is the orderly path.
+        for workspace in getattr(self, "_workspaces", {}).values():
+            try:
+                workspace.close()
+            except Exception:
+                pass
+
+
+def _cuda_device(device: torch.device | int | str) -> torch.device:
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev

@@ -1,0 +1,61 @@
+"""torch.library registration, so torch.compile graphs can contain our all-reduce.
+
+A compiled graph cannot hold a Python object, so it refers to a communicator by an integer
+handle. The handle table is the one piece of process-wide state in the package: it holds weak
+references only, so a communicator's lifetime is still its owner's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pcie_allreduce.communicator import Communicator
+
+
+class _Handles:
+    """int handle <-> Communicator, weakly held."""
+
+    def __init__(self) -> None:
+        self._by_id: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+        self._next = itertools.count(1)
+
+    def register(self, comm: "Communicator") -> int:
+        handle = next(self._next)
+        self._by_id[handle] = comm
+        return handle
+
+    def get(self, handle: int) -> "Communicator":
+        comm = self._by_id.get(handle)
+        if comm is None:
+            raise RuntimeError(f"pcie_allreduce: communicator handle {handle} is closed or was never registered")
+        return comm
+
+
+HANDLES = _Handles()
+
+
+@torch.library.custom_op("pcie_allreduce::all_reduce", mutates_args=())
+def all_reduce_op(x: torch.Tensor, handle: int, algo: str = "auto") -> torch.Tensor:
+    """Out-of-place all-reduce through the communicator registered under ``handle``."""
+    return HANDLES.get(handle).all_reduce(x, algo=algo)
+
+
+@all_reduce_op.register_fake
+def _all_reduce_fake(x: torch.Tensor, handle: int, algo: str = "auto") -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pcie_allreduce::all_reduce_", mutates_args=("x",))
+def all_reduce_inplace_op(x: torch.Tensor, handle: int, algo: str = "auto") -> None:
+    """In-place all-reduce through the communicator registered under ``handle``."""
+    HANDLES.get(handle).all_reduce(x, out=x, algo=algo)
+
+
+@all_reduce_inplace_op.register_fake
+def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, algo: str = "auto") -> None:
+    return None
