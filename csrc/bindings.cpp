@@ -51,6 +51,7 @@ void register_workspace(py::module_& m) {
            py::arg("nbytes"), py::arg("dtype"), py::arg("blocks"), py::arg("stream"),
            "Enqueue one all-reduce; returns a non-zero error kind (and launches nothing) once a call failed.")
       .def("error", &Workspace::error)
+      .def("failed", &Workspace::failed, "Recorded error kind (0: none); no CUDA call.")
       .def("signature", &Workspace::signature)
       .def_property("timeout", &Workspace::timeout, &Workspace::set_timeout)
       .def("bases", &Workspace::bases)

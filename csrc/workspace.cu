@@ -144,6 +144,11 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   return 0;
 }
 
+uint32_t Workspace::failed() const {
+  if (state_->error_host == nullptr) return 0;
+  return reinterpret_cast<volatile ErrorRecord*>(state_->error_host)->kind;
+}
+
 CallError Workspace::error() const {
   CallError e;
   if (state_->error_host == nullptr) return e;

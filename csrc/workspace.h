@@ -40,6 +40,7 @@ class Workspace {
                       uint64_t stream);
 
   CallError error() const;
+  uint32_t failed() const;  // the recorded error kind, 0 when none (one host memory read)
   uint32_t signature(int algo, int dtype, uint64_t nbytes, int blocks) const;
 
   void set_timeout(double seconds);

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import _ext, algo as algo_mod, ops, topology, validation
+from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
 
 DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -71,6 +72,7 @@ class Communicator:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         self.table: algo_mod.AlgoTable = algo_mod.load_table(algo_table)
         self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
+        self._views: dict[int, WorkspaceView] = {}
 
         status = self._ext.runtime_status()
         if status:
@@ -84,6 +86,7 @@ class Communicator:
         if problem is not None:
             raise UnavailableError(problem)
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
+        self.block_cap: int = self._block_cap()
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         with torch.cuda.device(self.device):
             self._workspace_for(torch.cuda.current_stream(self.device).cuda_stream)
@@ -110,6 +113,48 @@ class Communicator:
             raise self._error_of(workspace)
         return out
 
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                           algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused ``new_residual = residual + all_reduce(x)``; ``normed = rmsnorm(new_residual) * weight``.
+
+        ``x`` and ``residual`` are ``[tokens, hidden]`` bf16/fp16; ``weight`` is ``[hidden]`` (same
+        dtype or fp32). Returns ``(normed, new_residual)``; ``out=x`` / ``residual_out=residual``
+        work in place. ``new_residual`` is bitwise equal to ``residual + self.all_reduce(x)`` and
+        identical on every rank. One Triton launch: one-shot for few tokens, token-split
+        two-shot when the algorithm table picks two-shot for this size.
+        """
+        from pcie_allreduce import fused_rmsnorm
+
+        if self._closed:
+            raise RuntimeError("Communicator is closed")
+        validation.validate_rmsnorm_args(x, residual, weight, eps, device=self.device, max_bytes=self.max_bytes)
+        validation.validate_out(x, out, name="out")
+        validation.validate_out(residual, residual_out, name="residual_out")
+        if algo != "auto" and algo not in fused_rmsnorm.FUSED_ALGORITHMS:
+            raise ValueError(f"unknown fused algo {algo!r}; expected 'auto' or one of {fused_rmsnorm.FUSED_ALGORITHMS}")
+        normed = torch.empty_like(x) if out is None else out
+        new_residual = torch.empty_like(residual) if residual_out is None else residual_out
+        if x.numel() == 0:
+            return normed, new_residual
+        if algo == "auto":
+            algo = self.select_fused_algo(x.shape[0], x.shape[1], x.dtype)
+        workspace = self.workspace()
+        if workspace.failed():
+            raise self._error_of(workspace)
+        view = self._views.get(id(workspace))
+        if view is None:
+            view = self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
+        fused_rmsnorm.launch(view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap)
+        return normed, new_residual
+
+    def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
+        """The fused kernel ``algo="auto"`` uses: two-shot (token split) where the plain table picks
+        two-shot for this message size and there is at least one token per rank, else one-shot."""
+        nbytes = tokens * hidden * torch.empty((), dtype=dtype).element_size()
+        plain = self.table.select(nbytes, self.world_size, DTYPE_NAMES[dtype]).algo
+        return "twoshot" if plain == "twoshot" and tokens >= self.world_size else "oneshot"
+
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
         """The algorithm ``algo="auto"`` uses for a message of ``nbytes`` bytes of ``dtype``."""
         return self.table.select(nbytes, self.world_size, DTYPE_NAMES.get(dtype, str(dtype))).algo
@@ -117,7 +162,7 @@ class Communicator:
     def check(self) -> None:
         """Raise the CollectiveTimeout / CollectiveMismatch a kernel recorded, if any (no GPU sync)."""
         for workspace in self._workspaces.values():
-            if workspace.error().kind:
+            if workspace.failed():
                 raise self._error_of(workspace)
 
     def close(self) -> None:
@@ -152,7 +197,7 @@ class Communicator:
 
     def raise_if_failed(self, workspace: Any) -> None:
         """Raise the recorded error of ``workspace`` if one of its kernels failed."""
-        if workspace.error().kind:
+        if workspace.failed():
             raise self._error_of(workspace)
 
     # ---- internals -----------------------------------------------------------------------
@@ -175,9 +220,24 @@ class Communicator:
                 hit = (algo_mod.ALGO_IDS[choice.algo], choice.blocks)
             else:
                 hit = (algo_mod.ALGO_IDS[algo], self.table.blocks_for(algo, nbytes, self.world_size, dtype_name))
+            hit = (hit[0], min(hit[1], self.block_cap))
             if len(self._choices) < 4096:  # bounded: shapes in serving are few
                 self._choices[key] = hit
         return hit
+
+    def _block_cap(self) -> int:
+        """Most blocks (CUDA) or programs (Triton) one call may launch.
+
+        Every block spins on the same-numbered block of every peer, so all ranks' blocks of a call
+        must be able to run at once. On distinct GPUs that always holds. When ranks share a GPU
+        (tests under MPS) their blocks compete for its SMs: cap each rank at SMs / ranks-per-GPU,
+        since one block per SM always fits. Derived from the agreed placements: same on all ranks.
+        """
+        per_gpu = max(sum(p.pci_bus_id == q.pci_bus_id for q in self.placements) for p in self.placements)
+        if per_gpu <= 1:
+            return algo_mod.MAX_LAUNCH_BLOCKS
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, min(algo_mod.MAX_LAUNCH_BLOCKS, sms // per_gpu))
 
     def _workspace_for(self, stream: int) -> Any:
         """Create (collectively) the workspace for a stream this rank has not used before."""

@@ -53,3 +53,30 @@ def validate_algo(algo: object) -> str:
     if not isinstance(algo, str) or (algo != "auto" and algo not in ALGO_IDS):
         raise ValueError(f"unknown algo {algo!r}; expected 'auto' or one of {ALGORITHMS}")
     return algo
+
+
+RMSNORM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+MAX_RMSNORM_HIDDEN = 16384
+
+
+def validate_rmsnorm_args(x: object, residual: object, weight: object, eps: object, *, device: torch.device,
+                          max_bytes: int) -> None:
+    """Arguments of the fused all-reduce + residual + RMSNorm."""
+    validate_tensor(x, name="x", device=device, max_bytes=max_bytes, dtypes=RMSNORM_DTYPES)
+    assert isinstance(x, torch.Tensor)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    hidden = x.shape[1]
+    if not 1 <= hidden <= MAX_RMSNORM_HIDDEN:
+        raise ValueError(f"hidden size {hidden} is outside [1, {MAX_RMSNORM_HIDDEN}]")
+    validate_tensor(residual, name="residual", device=device, max_bytes=max_bytes, dtypes=RMSNORM_DTYPES)
+    assert isinstance(residual, torch.Tensor)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual ({residual.dtype}, {tuple(residual.shape)}) must match x "
+                         f"({x.dtype}, {tuple(x.shape)})")
+    validate_tensor(weight, name="weight", device=device, max_bytes=max_bytes, dtypes=(x.dtype, torch.float32))
+    assert isinstance(weight, torch.Tensor)
+    if tuple(weight.shape) != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")

@@ -1,0 +1,115 @@
+"""Multi-rank GPU tests of the fused all-reduce + residual + RMSNorm (W ranks; one GPU under MPS)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+import pcie_allreduce
+from pcie_allreduce import testing
+from tests import _reference as ref
+
+SKIP_REASON = testing.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+
+WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,4,8").split(",") if int(w) in (2, 4, 8)]
+TOKENS = (1, 4, 32, 128)
+HIDDENS = (4096, 7168, 8192)
+MAX_BYTES = 128 * 8192 * 2
+EPS = 1e-6
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _case(ctx: testing.RankContext, tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+    xs = [ref.rank_input(seed, r, tokens * hidden, dtype).view(tokens, hidden) for r in range(ctx.world_size)]
+    residual = ref.rank_input(seed, 99, tokens * hidden, dtype).view(tokens, hidden)
+    weight = (1 + 0.1 * ref.rank_input(seed, 98, hidden, torch.float32)).to(dtype)
+    reduced = ref.exact([x.reshape(-1) for x in xs]).view(tokens, hidden)
+    want_res = residual + reduced
+    v = want_res.double()
+    want_norm = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    return xs, residual, weight, want_res, want_norm
+
+
+def _check(normed, new_res, want_res, want_norm, what):
+    got_res = new_res.cpu()
+    assert torch.equal(got_res, want_res), f"{what}: new residual is not bitwise residual + all_reduce(x)"
+    torch.testing.assert_close(normed.cpu().double(), want_norm, rtol=2 * ref.TOLERANCE[normed.dtype], atol=2e-2,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _fused_matrix(ctx: testing.RankContext) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+    digests = {}
+    seed = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for tokens in TOKENS:
+            for hidden in HIDDENS:
+                seed += 1
+                xs, residual, weight, want_res, want_norm = _case(ctx, tokens, hidden, dtype, seed)
+                x, res, w = xs[ctx.rank].to(ctx.device), residual.to(ctx.device), weight.to(ctx.device)
+                per_algo = []
+                for algo in ("oneshot", "twoshot", "auto"):
+                    normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)
+                    _check(normed, new_res, want_res, want_norm, f"{dtype} T={tokens} H={hidden} {algo}")
+                    per_algo.append(_digest(normed, new_res))
+                assert len(set(per_algo)) == 1, f"{dtype} T={tokens} H={hidden}: algorithms disagree bitwise"
+                # the plain path: residual + all_reduce(x) must give the same bits
+                plain = res + comm.all_reduce(x)
+                assert torch.equal(plain.cpu(), want_res)
+                # in place: normed into x, new residual into residual
+                x2, res2 = x.clone(), res.clone()
+                comm.all_reduce_rmsnorm(x2, res2, w, EPS, out=x2, residual_out=res2)
+                assert _digest(x2, res2) == per_algo[0], "in place differs from out of place"
+                digests[f"{dtype}-{tokens}-{hidden}"] = per_algo[0]
+    comm.check()
+    comm.close()
+    return digests
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fused_matches_reference_and_is_bitwise_identical_across_ranks(world: int) -> None:
+    results = testing.run_ranks(_fused_matrix, world, timeout_s=900)
+    assert all(r == results[0] for r in results), "ranks disagree bitwise"
+
+
+def _fused_graph(ctx: testing.RankContext) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+    cases = [_case(ctx, t, 7168, torch.bfloat16, 500 + t) for t in (1, 4, 32, 128)]
+    static = [(c[0][ctx.rank].to(ctx.device), c[1].to(ctx.device), c[2].to(ctx.device)) for c in cases]
+    # warm the Triton compile cache outside the capture
+    for x, res, w in static:
+        comm.all_reduce_rmsnorm(x, res, w, EPS)
+    torch.cuda.synchronize()
+    outs = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(8):  # 8 layers x (fused, plain) interleaved, like a verify pass
+            for x, res, w in static:
+                outs.append(comm.all_reduce_rmsnorm(x, res, w, EPS))
+                comm.all_reduce(x)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    for i, (normed, new_res) in enumerate(outs):
+        _, _, _, want_res, want_norm = cases[i % 4]
+        _check(normed, new_res, want_res, want_norm, f"graph call {i}")
+    comm.check()
+    digest = _digest(*[t for pair in outs for t in pair])
+    comm.close()
+    return {"digest": digest}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fused_inside_cuda_graph(world: int) -> None:
+    results = testing.run_ranks(_fused_graph, world, timeout_s=900)
+    assert all(r == results[0] for r in results)

@@ -1,0 +1,178 @@
+"""The fused Triton kernels under TRITON_INTERPRET=1, one rank at a time, on the CPU.
+
+The interpreter runs programs one after another, so a real wait would hang: the test plays the
+peers by writing their pushes and flags into the rank's workspace before launching, exactly as
+the peers' kernels would, and then checks what the rank wrote into the peers' workspaces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcie_allreduce import layout as lay
+from tests import _reference as ref
+
+fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
+pytestmark = pytest.mark.skipif(not fused.interpreting(), reason="needs TRITON_INTERPRET=1 (CPU interpreter)")
+
+MAX_BYTES = 256 << 10
+COMPLETED = 41  # calls already done on the workspace; this call is epoch 42
+
+
+class FakeRanks:
+    """W workspaces in CPU memory with the real layout, and a view for one rank."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank = world, rank
+        self.layout = lay.Layout.make(MAX_BYTES, world)
+        self.buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for _ in range(world)]
+        self.error = torch.zeros(lay.ERROR_WORDS, dtype=torch.int32)
+        self.control(rank)[0] = COMPLETED
+        self.view = lay.WorkspaceView(rank, world, tuple(b.data_ptr() for b in self.buffers), self.layout,
+                                      self.error.data_ptr(), 10**9)
+
+    @property
+    def epoch(self) -> int:
+        return COMPLETED + 1
+
+    def control(self, owner: int) -> torch.Tensor:
+        off = self.layout.control_offset
+        return self.buffers[owner][off:off + 4 * lay.CONTROL_WORDS].view(torch.int32)
+
+    def flags(self, owner: int) -> torch.Tensor:
+        off = self.layout.flags_offset
+        n = lay.FLAG_KINDS * lay.MAX_RANKS * lay.MAX_FLAG_BLOCKS
+        return self.buffers[owner][off:off + 8 * n].view(torch.int64).view(lay.FLAG_KINDS, lay.MAX_RANKS,
+                                                                             lay.MAX_FLAG_BLOCKS)
+
+    def slot(self, owner: int, sender: int, dtype: torch.dtype) -> torch.Tensor:
+        off = (self.epoch & 1) * self.layout.parity_bytes + sender * self.layout.slot_bytes
+        return self.buffers[owner][off:off + self.layout.slot_bytes].view(dtype)
+
+    def post_flag(self, kind: int, sender: int, programs: int, signature: int) -> None:
+        word = (self.epoch << 32) | signature
+        self.flags(self.rank)[kind, sender, :programs] = word - (1 << 64) if word >= 1 << 63 else word
+
+
+def _inputs(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+    xs = [ref.rank_input(seed, r, tokens * hidden, dtype).view(tokens, hidden) for r in range(world)]
+    residual = ref.rank_input(seed, 99, tokens * hidden, dtype).view(tokens, hidden)
+    weight = (1 + 0.1 * ref.rank_input(seed, 98, hidden, torch.float32)).to(dtype)
+    return xs, residual, weight
+
+
+def _expected(xs, residual, weight, eps):
+    reduced = ref.exact([x.reshape(-1) for x in xs]).view_as(residual)
+    new_residual = residual + reduced  # torch's own bf16/fp16 add: the bitwise contract
+    v = new_residual.double()
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return new_residual, normed
+
+
+def _shard(tokens: int, world: int, owner: int) -> range:
+    per = -(-tokens // world)
+    begin = min(per * owner, tokens)
+    return range(begin, min(begin + per, tokens))
+
+
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", [
+    (2, 0, 1, 4096, torch.bfloat16),
+    (4, 2, 4, 7168, torch.bfloat16),
+    (3, 1, 5, 100, torch.float16),
+    (8, 7, 3, 96, torch.bfloat16),
+])
+def test_oneshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
+    fake = FakeRanks(world, rank)
+    xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens)
+    programs, *_ = fused.launch_shape("oneshot", tokens, world, hidden)
+    sig = fused.signature("oneshot", dtype, tokens, hidden, programs)
+    for peer in range(world):
+        if peer != rank:
+            fake.slot(rank, peer, dtype)[:tokens * hidden] = xs[peer].reshape(-1)
+            fake.post_flag(0, peer, programs, sig)
+    normed = torch.full_like(residual, float("nan"))
+    res_out = torch.full_like(residual, float("nan"))
+    fused.launch(fake.view, "oneshot", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+
+    want_res, want_norm = _expected(xs, residual, weight, 1e-6)
+    assert torch.equal(res_out, want_res), "new residual must be bitwise residual + all_reduce(x)"
+    torch.testing.assert_close(normed.double(), want_norm, rtol=ref.TOLERANCE[dtype] * 2, atol=1e-2)
+    for peer in range(world):  # what this rank pushed, and its flags
+        if peer != rank:
+            assert torch.equal(fake.slot(peer, rank, dtype)[:tokens * hidden], xs[rank].reshape(-1))
+            assert int(fake.flags(peer)[0, rank, 0]) >> 32 == fake.epoch
+    assert int(fake.control(rank)[0]) == fake.epoch, "the last program advances the epoch"
+    assert int(fake.error[0]) == 0
+
+
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", [
+    (2, 1, 4, 4096, torch.bfloat16),
+    (4, 0, 9, 7168, torch.bfloat16),
+    (3, 2, 7, 130, torch.float16),
+])
+def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
+    fake = FakeRanks(world, rank)
+    xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 100 + tokens)
+    want_res, want_norm = _expected(xs, residual, weight, 1e-5)
+    programs, *_ = fused.launch_shape("twoshot", tokens, world, hidden)
+    sig = fused.signature("twoshot", dtype, tokens, hidden, programs)
+    mine = _shard(tokens, world, rank)
+    for peer in range(world):
+        if peer == rank:
+            continue
+        slot = fake.slot(rank, peer, dtype).view(-1)
+        for row in mine:  # reduce-scatter: the peer's x rows that we own
+            slot[row * hidden:(row + 1) * hidden] = xs[peer][row]
+        for row in _shard(tokens, world, peer):  # all-gather: the peer's finished residual rows
+            slot[row * hidden:(row + 1) * hidden] = want_res[row]
+        fake.post_flag(0, peer, programs, sig)
+        fake.post_flag(1, peer, programs, sig)
+    normed = torch.full_like(residual, float("nan"))
+    res_out = torch.full_like(residual, float("nan"))
+    fused.launch(fake.view, "twoshot", xs[rank], residual, weight, 1e-5, normed, res_out, interpret=True)
+
+    assert torch.equal(res_out, want_res)
+    torch.testing.assert_close(normed.double(), want_norm, rtol=ref.TOLERANCE[dtype] * 2, atol=1e-2)
+    for peer in range(world):
+        if peer == rank:
+            continue
+        pushed = fake.slot(peer, rank, dtype).view(-1)
+        for row in _shard(tokens, world, peer):
+            assert torch.equal(pushed[row * hidden:(row + 1) * hidden], xs[rank][row])
+        for row in mine:
+            assert torch.equal(pushed[row * hidden:(row + 1) * hidden], want_res[row])
+    assert int(fake.control(rank)[0]) == fake.epoch
+
+
+def test_missing_peer_records_timeout_instead_of_hanging() -> None:
+    fake = FakeRanks(2, 0)
+    xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=3)
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    kind, rank, peer, stage, block, epoch = (int(v) for v in fake.error[:6])
+    assert (kind, rank, peer, stage, block, epoch) == (1, 0, 1, fused.STAGE_FUSED_GATHER, 0, fake.epoch)
+    assert int(fake.control(0)[2]) == 1, "abort flag raised so queued calls drain"
+
+
+def test_mismatched_peer_call_records_mismatch() -> None:
+    fake = FakeRanks(2, 1)
+    xs, residual, weight = _inputs(2, 2, 64, torch.bfloat16, seed=4)
+    programs, *_ = fused.launch_shape("oneshot", 2, 2, 64)
+    fake.post_flag(0, 0, programs, fused.signature("oneshot", torch.bfloat16, 2, 128, programs))
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
+
+
+def test_layout_mirror_matches_extension() -> None:
+    from pcie_allreduce import _ext
+
+    ext = _ext.load()
+    if ext is None or ext.device_count() == 0:
+        pytest.skip("needs the built extension and a GPU to create a workspace")
+    ws = ext.Workspace(0, 0, 2, MAX_BYTES, 1.0)
+    want = lay.Layout.make(MAX_BYTES, 2)
+    assert (ws.slot_bytes, ws.parity_bytes, ws.flags_offset, ws.control_offset, ws.total_bytes) == (
+        want.slot_bytes, want.parity_bytes, want.flags_offset, want.control_offset, want.total_bytes)
+    ws.close()
