@@ -133,12 +133,17 @@ def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
 
 
 def default_table() -> AlgoTable:
-    """Crossovers measured on one H200 under MPS (bench/RESULTS.md); tune per machine with a file."""
+    """Crossovers from bench/sweep_launch_shapes.py on one H200 under MPS (bench/RESULTS.md).
+
+    One-shot moves (W-1) x the message per rank but needs one exchange; two-shot moves 2(W-1)/W
+    but needs two. Small blocks-per-byte ratios win for small messages (more blocks in flight).
+    Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
+    """
     small = (2, 3, 4)
     large = (5, 6, 7, 8)
     return AlgoTable((
-        Rule("oneshot", max_bytes=256 << 10, world=small, bytes_per_block=16 << 10, max_blocks=16),
-        Rule("oneshot", max_bytes=128 << 10, world=large, bytes_per_block=16 << 10, max_blocks=8),
+        Rule("oneshot", max_bytes=1 << 20, world=small, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("oneshot", max_bytes=512 << 10, world=large, bytes_per_block=2 << 10, max_blocks=16),
         Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
     ))
 

@@ -134,6 +134,8 @@ def test_default_table_small_is_oneshot_large_is_twoshot() -> None:
     assert table.select(56 << 10, 8, "bfloat16").algo == "oneshot"
     assert table.select(16 << 20, 8, "bfloat16").algo == "twoshot"
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"
+    assert table.select(448 << 10, 4, "bfloat16") == algo.Choice("oneshot", 32)
+    assert table.select(14 << 10, 2, "bfloat16") == algo.Choice("oneshot", 4)
 
 
 def test_table_json_round_trip() -> None:
@@ -181,7 +183,7 @@ def test_table_without_matching_rule() -> None:
 def test_forced_algo_blocks_follow_its_rule() -> None:
     table = algo.default_table()
     assert table.blocks_for("twoshot", 64 << 10, 2, "bfloat16") == 1
-    assert table.blocks_for("oneshot", 64 << 10, 2, "bfloat16") == 4
+    assert table.blocks_for("oneshot", 64 << 10, 2, "bfloat16") == 16
     assert 1 <= table.blocks_for("staged", 8 << 20, 8, "bfloat16") <= algo.MAX_LAUNCH_BLOCKS
 
 

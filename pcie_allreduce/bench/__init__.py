@@ -1,0 +1,21 @@
+"""``pcie-allreduce bench``: side-by-side all-reduce timings of several backends in one run.
+
+Modules, one idea each (parent side first, then what runs inside the ranks):
+
+- ``sizes``        byte-size parsing ("64K", "1MiB") and power-of-two ranges (pure)
+- ``options``      argparse options and the validated :class:`~.options.BenchConfig` (pure)
+- ``results``      the result-row data model, bandwidths and speed-ups (pure)
+- ``report``       table / summary / CSV / JSON formatting and writing (pure)
+- ``stats``        percentiles over replays (pure)
+- ``plan``         the picklable job a backend run hands to its ranks (pure)
+- ``progress``     JSON-lines log the ranks append to and the parent reads back
+- ``environment``  GPU / driver / software facts and the placement label
+- ``backends``     backend registry: availability, per-rank env, factory
+- ``runner``       parent: one isolated ``run_ranks`` per (world, backend), retries, partial results
+- ``command``      the ``bench`` subcommand end to end; ``errors``: what the CLI prints as one line
+- ``outcome``      per-rank case outcomes merged into one logged row (pure)
+- ``topo``         the ``topo`` subcommand: peer-access matrix, PCI bus ids, NUMA nodes
+- ``rank``, ``timing``, ``pattern``, ``watchdog``, ``backend_*``: rank side
+
+Run ``pcie-allreduce bench --help`` or ``python -m pcie_allreduce.bench --help``.
+"""

@@ -1,0 +1,136 @@
+"""Backend registry: which algorithms each backend offers, whether it can run here, the
+environment its ranks need, and (inside a rank) the object that issues its all-reduces.
+
+Every backend runs in its own ``run_ranks`` call (fresh processes, fresh MPS daemon), so one that
+fails or hangs cannot take the others' results with it. Adding a backend (issue 5: FlashInfer
+pcie_ipc, vLLM, sgl-kernel, NCCL with NCCL_PROTO=LL) means one ``backend_<name>.py`` with a class
+following :class:`RankBackend` plus one entry in each function below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:  # torch only inside ranks and availability probes
+    import torch
+
+    from pcie_allreduce.bench.plan import RankJob
+    from pcie_allreduce.testing import RankContext
+
+TORCH_SYMM_ALGOS: tuple[str, ...] = ("one_shot", "two_shot")
+NCCL_ALGOS: tuple[str, ...] = ("default",)  # NCCL picks ring/tree and protocol itself
+
+
+@dataclasses.dataclass
+class Buffers:
+    """Device buffers of one case. ``out`` is ``inp`` for backends that reduce in place."""
+
+    inp: "torch.Tensor"
+    out: "torch.Tensor"
+
+
+class RankBackend(Protocol):
+    """What the timing loop needs from a backend, inside one rank."""
+
+    def buffers(self, count: int, dtype: "torch.dtype", algo: str) -> Buffers:
+        """Input/output buffers for ``count`` elements (the input may have to be special memory)."""
+
+    def call(self, bufs: Buffers, algo: str) -> "torch.Tensor":
+        """Enqueue one sum all-reduce of ``bufs.inp`` on the current stream; returns the result tensor."""
+
+    def mutates_input(self, algo: str) -> bool:
+        """Whether ``call`` overwrites its input (then the input is zeroed before timing)."""
+
+    def resolved_algo(self, size_bytes: int, dtype: "torch.dtype", algo: str) -> str:
+        """What ``algo`` runs as (``auto`` -> the chosen algorithm)."""
+
+    def prepare_capture(self, stream: "torch.cuda.Stream") -> None:
+        """Collective set-up the capture stream needs before any graph capture on it."""
+
+    def device_sync(self) -> None:
+        """A tiny all-reduce that lines the ranks' GPUs up before a timed block."""
+
+    def check(self) -> None:
+        """Raise an error the backend recorded asynchronously (after a device sync), if any."""
+
+    def close(self) -> None:
+        """Collective teardown."""
+
+
+def algos_for(backend: str, our_algos: Sequence[str]) -> tuple[str, ...]:
+    """The algorithms a backend is timed with (``--algos`` applies to ours only)."""
+    if backend == "ours":
+        return tuple(our_algos)
+    if backend == "torch_symm":
+        return TORCH_SYMM_ALGOS
+    if backend == "nccl":
+        return NCCL_ALGOS
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def _torch_symm_problem() -> str | None:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401 - registers the Python side of the ops
+    except ImportError as exc:
+        return f"torch.distributed._symmetric_memory does not import ({exc})"
+    for op in ("one_shot_all_reduce", "two_shot_all_reduce_"):
+        try:
+            getattr(torch.ops.symm_mem, op)
+        except (AttributeError, RuntimeError):
+            return f"torch {torch.__version__} has no torch.ops.symm_mem.{op}"
+    return None
+
+
+def _nccl_problem() -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return "this torch has no NCCL backend"
+    return None
+
+
+def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
+    """Why ``backend`` cannot run ``world`` ranks on ``gpu_count`` local GPUs, or None."""
+    if backend == "ours":
+        import pcie_allreduce
+
+        reason = pcie_allreduce.unavailable_reason()
+        return None if reason is None else f"pcie_allreduce kernels unavailable: {reason}"
+    if backend == "torch_symm":
+        return _torch_symm_problem()
+    if backend == "nccl":
+        if world > gpu_count:
+            return (f"NCCL refuses two ranks on one GPU ({world} ranks on {gpu_count} GPU"
+                    f"{'s' if gpu_count != 1 else ''}); it runs only when every rank has its own GPU")
+        return _nccl_problem()
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def rank_env(backend: str, world: int, gpu_count: int) -> dict[str, str]:
+    """Environment variables the ranks of ``backend`` need from their start."""
+    if backend == "torch_symm" and world > gpu_count:
+        # Without it torch symmetric memory refuses two ranks whose tensors live on one device.
+        return {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
+    return {}
+
+
+def open_backend(ctx: "RankContext", job: "RankJob") -> Any:
+    """Inside a rank: construct (collectively) the backend object of ``job.backend``."""
+    if job.backend == "ours":
+        from pcie_allreduce.bench.backend_ours import OursBackend
+
+        return OursBackend(ctx, job)
+    if job.backend == "torch_symm":
+        from pcie_allreduce.bench.backend_torch_symm import TorchSymmBackend
+
+        return TorchSymmBackend(ctx, job)
+    if job.backend == "nccl":
+        from pcie_allreduce.bench.backend_nccl import NcclBackend
+
+        return NcclBackend(ctx, job)
+    raise ValueError(f"unknown backend {job.backend!r}")

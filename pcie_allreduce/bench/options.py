@@ -1,0 +1,177 @@
+"""Command-line options of ``pcie-allreduce bench`` and the validated configuration they become.
+
+Pure (no torch import): the CLI tests exercise it on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Callable, Sequence
+
+from pcie_allreduce.bench import sizes
+
+DTYPE_SIZES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})  # element bytes
+OUR_ALGOS: tuple[str, ...] = ("oneshot", "staged", "twoshot", "auto")
+BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl")
+MIN_WORLD, MAX_WORLD = 2, 8
+EMULATED_WORLDS: tuple[int, ...] = (2, 4, 8)
+DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES = "1K", "64M"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Everything a sweep needs, validated. Times are seconds; sizes bytes."""
+
+    worlds: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: str = "bfloat16"
+    algos: tuple[str, ...] = OUR_ALGOS
+    backends: tuple[str, ...] = BACKENDS
+    backends_explicit: bool = False  # False: "all available", so a missing backend is skipped quietly
+    iters: int = 100
+    warmup: int = 10
+    calls_per_graph: int = 16
+    eager: bool = False
+    time_budget_s: float = 1.0
+    case_timeout_s: float = 30.0
+    setup_timeout_s: float = 90.0
+    retries: int = 1
+    seed: int = 0
+    out: str | None = None
+    verbose: bool = False
+
+    @property
+    def mode(self) -> str:
+        """"graph" (CUDA-graph replay) or "eager"."""
+        return "eager" if self.eager else "graph"
+
+    @property
+    def max_bytes(self) -> int:
+        return max(self.sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready copy (tuples become lists)."""
+        data = dataclasses.asdict(self)
+        data["mode"] = self.mode
+        return data
+
+
+def _typed(convert: Callable[[str], Any], check: Callable[[Any], bool], what: str,
+           *, explains: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type=`` that converts and checks, so bad values become usage errors (exit 2).
+
+    ``explains``: the converter's ValueError message is meant for users (parse_size); int() and
+    float() messages are not, so those get "'x' is not <what>".
+    """
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) if explains else f"{text!r} is not {what}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+size_arg = _typed(sizes.parse_size, lambda v: v > 0, "a positive size", explains=True)
+positive_int = _typed(int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _typed(float, lambda v: v > 0, "a number > 0")
+world_arg = _typed(int, lambda v: MIN_WORLD <= v <= MAX_WORLD, f"an integer in [{MIN_WORLD}, {MAX_WORLD}]")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the bench options on ``parser``."""
+    what = parser.add_argument_group("what to measure")
+    what.add_argument("--world", type=world_arg, nargs="+", metavar="W",
+                      help="ranks per run (default: the number of GPUs if > 1, else 2 4 8 emulated on one GPU "
+                           "under MPS)")
+    what.add_argument("--sizes", type=size_arg, nargs="+", metavar="SIZE",
+                      help="explicit message sizes in bytes; K/M/G (= KiB/MiB/GiB) suffixes, e.g. 14K 56K 448K")
+    what.add_argument("--min-bytes", type=size_arg, metavar="SIZE",
+                      help=f"smallest size of a doubling sweep (default {DEFAULT_MIN_BYTES})")
+    what.add_argument("--max-bytes", type=size_arg, metavar="SIZE",
+                      help=f"largest size of a doubling sweep (default {DEFAULT_MAX_BYTES})")
+    what.add_argument("--dtype", choices=tuple(DTYPE_SIZES), default="bfloat16")
+    what.add_argument("--algos", choices=OUR_ALGOS, nargs="+", metavar="ALGO",
+                      help=f"our algorithms ({' '.join(OUR_ALGOS)}; default all)")
+    what.add_argument("--backends", choices=BACKENDS, nargs="+", metavar="BACKEND",
+                      help=f"backends ({' '.join(BACKENDS)}; default all that are available)")
+
+    how = parser.add_argument_group("how to time")
+    how.add_argument("--iters", type=positive_int, default=100, metavar="N",
+                     help="timed replays per case, at most (fewer if --time-budget runs out; default 100)")
+    how.add_argument("--warmup", type=non_negative_int, default=10, metavar="N", help="untimed replays first (default 10)")
+    how.add_argument("--calls-per-graph", type=positive_int, default=16, metavar="N",
+                     help="all-reduces captured in one CUDA graph (or issued per timed block with --eager); "
+                          "time per call = block time / this (default 16)")
+    how.add_argument("--eager", action="store_true", help="time eager launches instead of CUDA-graph replay")
+    how.add_argument("--time-budget", type=positive_float, default=1.0, metavar="S",
+                     help="seconds of timed replays per case before --iters is cut short (default 1)")
+    how.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the input pattern (default 0)")
+
+    robust = parser.add_argument_group("robustness and output")
+    robust.add_argument("--case-timeout", type=positive_float, default=30.0, metavar="S",
+                        help="a rank stuck this long in one case is killed and the case marked hung (default 30)")
+    robust.add_argument("--setup-timeout", type=positive_float, default=90.0, metavar="S",
+                        help="same, for a backend's set-up after the ranks started: communicator / rendezvous / "
+                             "NCCL init (default 90)")
+    robust.add_argument("--retries", type=non_negative_int, default=1, metavar="N",
+                        help="after a failed or hung case, restart the backend this many times for the cases "
+                             "left (default 1)")
+    robust.add_argument("--out", metavar="DIR", help="write bench.csv, bench.json and bench.txt into DIR")
+    robust.add_argument("-v", "--verbose", action="store_true", help="print every case as it finishes")
+
+
+def _unique(values: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(dict.fromkeys(values))
+
+
+def default_worlds(gpu_count: int) -> tuple[int, ...]:
+    """All local GPUs (capped at 8) when there are several, else the emulated 2, 4, 8 on one GPU."""
+    if gpu_count > 1:
+        return (min(gpu_count, MAX_WORLD),)
+    return EMULATED_WORLDS
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, gpu_count: int) -> BenchConfig:
+    """Cross-check the parsed options and fill defaults; bad combinations call ``parser.error`` (exit 2)."""
+    if args.sizes and (args.min_bytes is not None or args.max_bytes is not None):
+        parser.error("give either --sizes or --min-bytes/--max-bytes, not both")
+    if args.sizes:
+        size_list = _unique(args.sizes)
+    else:
+        low = args.min_bytes if args.min_bytes is not None else sizes.parse_size(DEFAULT_MIN_BYTES)
+        high = args.max_bytes if args.max_bytes is not None else sizes.parse_size(DEFAULT_MAX_BYTES)
+        if high < low:
+            parser.error(f"--max-bytes ({high}) is smaller than --min-bytes ({low})")
+        size_list = tuple(sizes.doubling_sizes(low, high))
+    element = DTYPE_SIZES[args.dtype]
+    ragged = [s for s in size_list if s % element]
+    if ragged:
+        parser.error(f"sizes {ragged} are not a multiple of the {args.dtype} element size ({element} bytes)")
+    return BenchConfig(
+        worlds=_unique(args.world) if args.world else default_worlds(gpu_count),
+        sizes=tuple(sorted(size_list)),
+        dtype=args.dtype,
+        algos=_unique(args.algos) if args.algos else OUR_ALGOS,
+        backends=_unique(args.backends) if args.backends else BACKENDS,
+        backends_explicit=bool(args.backends),
+        iters=args.iters,
+        warmup=args.warmup,
+        calls_per_graph=args.calls_per_graph,
+        eager=args.eager,
+        time_budget_s=args.time_budget,
+        case_timeout_s=args.case_timeout,
+        setup_timeout_s=args.setup_timeout,
+        retries=args.retries,
+        seed=args.seed,
+        out=args.out,
+        verbose=args.verbose,
+    )
