@@ -163,16 +163,3 @@ def test_mismatched_peer_call_records_mismatch() -> None:
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
     fused.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
-
-
-def test_layout_mirror_matches_extension() -> None:
-    from pcie_allreduce import _ext
-
-    ext = _ext.load()
-    if ext is None or ext.device_count() == 0:
-        pytest.skip("needs the built extension and a GPU to create a workspace")
-    ws = ext.Workspace(0, 0, 2, MAX_BYTES, 1.0)
-    want = lay.Layout.make(MAX_BYTES, 2)
-    assert (ws.slot_bytes, ws.parity_bytes, ws.flags_offset, ws.control_offset, ws.total_bytes) == (
-        want.slot_bytes, want.parity_bytes, want.flags_offset, want.control_offset, want.total_bytes)
-    ws.close()
