@@ -213,6 +213,29 @@ def _reduce_row(x_row_ptrs, slot_ptr_of_rank0, slot_elems, row_off, cols, mask, 
     return _round(acc, DT, INTERPRET)
 
 
+@triton.jit
+def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl.constexpr):
+    """Copy rows first_row + pid*ROWS + i (i < ROWS, row < row_limit) of x to the same rows at dst."""
+    for i in tl.static_range(ROWS):
+        row = first_row + pid * ROWS + i
+        mask = cols_ok & (row < row_limit)
+        off = row.to(tl.int64) * H + cols
+        tl.store(dst + off, tl.load(x_ptr + off, mask=mask), mask=mask)
+
+
+@triton.jit
+def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
+                    stage: tl.constexpr, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """1 once every peer's flag of ``kind`` for this program carries our epoch; 0 on failure."""
+    ok = 1
+    for p in tl.static_range(W):
+        if p != rank:
+            if ok == 1:
+                ok = _wait_peer(_flag_addr(my_base, flags_offset, kind, p, pid), ctrl, err_addr, epoch, sig64,
+                                timeout_ns, rank, p, stage, pid, INTERPRET)
+    return ok
+
+
 # ---- kernels -----------------------------------------------------------------------------
 
 
@@ -239,20 +262,12 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             if p != rank:
                 base = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
                 dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
-                for i in tl.static_range(ROWS):
-                    row = pid * ROWS + i
-                    mask = cols_ok & (row < T)
-                    off = row.to(tl.int64) * H + cols
-                    tl.store(dst + off, tl.load(x_ptr + off, mask=mask), mask=mask)
+                _push_rows(x_ptr, dst, 0, T, pid, H, cols, cols_ok, ROWS)
                 tl.debug_barrier()
                 _store_release(_flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
         # 2. wait for every peer's rows
-        ok = 1
-        for p in tl.static_range(W):
-            if p != rank:
-                if ok == 1:
-                    ok = _wait_peer(_flag_addr(my_base, flags_offset, 0, p, pid), ctrl, err_addr, epoch, sig64,
-                                    timeout_ns, rank, p, 4, pid, INTERPRET)
+        ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
+                             INTERPRET)
         # 3. reduce, add the residual, normalise
         if ok == 1:
             w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
@@ -300,19 +315,11 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 base = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
                 dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
                 begin, end = _shard(T, W, p)
-                for i in tl.static_range(ROWS):
-                    row = begin + pid * ROWS + i
-                    mask = cols_ok & (row < end)
-                    off = row.to(tl.int64) * H + cols
-                    tl.store(dst + off, tl.load(x_ptr + off, mask=mask), mask=mask)
+                _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS)
                 tl.debug_barrier()
                 _store_release(_flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
-        ok = 1
-        for p in tl.static_range(W):
-            if p != rank:
-                if ok == 1:
-                    ok = _wait_peer(_flag_addr(my_base, flags_offset, 0, p, pid), ctrl, err_addr, epoch, sig64,
-                                    timeout_ns, rank, p, 5, pid, INTERPRET)
+        ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
+                             INTERPRET)
         w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
         if ok == 1:
             # 2. own rows: reduce + residual; push the new residual rows to everyone
@@ -337,11 +344,8 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                     base = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
                     _store_release(_flag_addr(base, flags_offset, 1, rank, pid), (epoch << 32) | sig64, INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
-            for p in tl.static_range(W):
-                if p != rank:
-                    if ok == 1:
-                        ok = _wait_peer(_flag_addr(my_base, flags_offset, 1, p, pid), ctrl, err_addr, epoch, sig64,
-                                        timeout_ns, rank, p, 6, pid, INTERPRET)
+            ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
+                                 INTERPRET)
             if ok == 1:
                 for p in tl.static_range(W):
                     if p != rank:
