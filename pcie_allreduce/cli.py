@@ -6,8 +6,8 @@ stay fast and never touch a GPU. Implemented: ``bench`` and ``topo`` (peer-acces
 (issue 5): ``bench verify``, ``tune``, and latency/bandwidth per pair in ``topo``.
 
 Exit status: 0 success; 1 the run finished but some of our cases failed or a backend returned a
-wrong sum; 2 usage error; 3 this machine cannot run the command (the reason is printed as one
-line on stderr, without a traceback); 130 interrupted.
+wrong sum (``topo``: a measurement failed); 2 usage error; 3 this machine cannot run the command
+(the reason is printed as one line on stderr, without a traceback); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ class Command(NamedTuple):
 COMMANDS: tuple[Command, ...] = (
     Command("bench", "time all-reduce backends side by side (ours, torch symmetric memory, NCCL)",
             "pcie_allreduce.bench.options:add_arguments", "pcie_allreduce.bench.command:run"),
-    Command("topo", "show which GPUs have CUDA peer access to which, with PCI bus ids and NUMA nodes",
+    Command("tune", "measure the crossovers between our algorithms and block counts here, and cache an "
+                    "algorithm table for PCIE_AR_ALGO_TABLE",
+            "pcie_allreduce.bench.tune:add_arguments", "pcie_allreduce.bench.tune:run"),
+    Command("plot", "draw the PNG of a saved bench / fused / verify / tune JSON (needs matplotlib)",
+            "pcie_allreduce.bench.plot:add_arguments", "pcie_allreduce.bench.plot:run"),
+    Command("topo", "show which GPUs have CUDA peer access to which (PCI bus ids, NUMA nodes), and measure flag "
+                    "round-trip latency and write bandwidth between the ranks",
             "pcie_allreduce.bench.topo:add_arguments", "pcie_allreduce.bench.topo:run"),
 )
 
@@ -66,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    prefix = f"{PROG} {args.command}"
+    mode = getattr(args, "bench_mode", None)  # "bench verify"
+    prefix = f"{PROG} {args.command}" + (f" {mode}" if mode else "")
     try:
         handler = _resolve(args.handler)
     except ImportError as exc:  # e.g. an install whose package list lacks pcie_allreduce.bench

@@ -28,7 +28,7 @@ from pcie_allreduce.bench import (
 )
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import make_cases
-from pcie_allreduce.bench.results import FAILED, NOT_RUN, OK, WRONG, Note, Report, Result, add_speedups
+from pcie_allreduce.bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = testing.skip_reason_no_gpu() is not None or not pcie_allreduce.is_available()
@@ -132,7 +132,7 @@ def test_top_level_parser() -> None:
     with pytest.raises(SystemExit) as info:
         parser.parse_args([])  # a subcommand is required
     assert info.value.code == 2
-    assert [c.name for c in cli.COMMANDS] == ["bench", "topo"]
+    assert [c.name for c in cli.COMMANDS] == ["bench", "tune", "plot", "topo"]
 
 
 # ----------------------------------------------------------------------------- results and formats
@@ -271,6 +271,10 @@ def test_exit_status() -> None:
     fine = Report({}, {}, {}, [_row(2, "ours", "oneshot", 1024, 1.0),
                                _row(2, "torch_symm", "one_shot", 1024, None, status=FAILED)])
     assert command.exit_status(fine) == 0  # another backend failing is reported, not our failure
+    skipped = Report({}, {}, {}, [_row(8, "ours_shapes", "oneshot/b32", 1024, None, status=SKIPPED)])
+    assert command.exit_status(skipped) == 0  # skipped by design (over the block cap)
+    not_run = Report({}, {}, {}, [_row(8, "ours_shapes", "oneshot/b8", 1024, None, status=NOT_RUN)])
+    assert command.exit_status(not_run) == 1
 
 
 def test_placement_labels() -> None:
@@ -355,7 +359,8 @@ def test_every_backend_implements_the_rank_interface() -> None:
 
     wanted = {name for name in vars(backends.RankBackend) if not name.startswith("_")}
     for module, cls in (("backend_ours", "OursBackend"), ("backend_torch_symm", "TorchSymmBackend"),
-                        ("backend_nccl", "NcclBackend")):
+                        ("backend_nccl", "NcclBackend"), ("backend_ours_shapes", "OursShapesBackend"),
+                        ("norm_ops", "NormAdapter")):
         klass = getattr(importlib.import_module(f"pcie_allreduce.bench.{module}"), cls)
         assert wanted <= set(dir(klass)), (cls, wanted - set(dir(klass)))
     assert {"buffers", "call", "check", "close", "device_sync"} <= wanted
@@ -405,7 +410,7 @@ def _fake_launch_factory(script: list[tuple[list[dict], runner.Failure | None]])
     """A stand-in for runner._launch that replays scripted events and failures, one per attempt."""
     calls = []
 
-    def launch(cfg, backend, world, gpu_count, cases, directory, echo):
+    def launch(cfg, backend, world, gpu_count, cases, directory, echo, bar):
         events, failure = script[len(calls)]
         calls.append([c.index for c in cases])
         log = progress.ProgressLog(directory)
@@ -636,10 +641,30 @@ def test_bench_without_gpu_exits_with_one_line(argv: list[str]) -> None:
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+@pytest.mark.skipif(not NO_GPU, reason="this machine can run the benchmark")
+@pytest.mark.parametrize("argv, prefix", [(["bench", "--fused"], "pcie-allreduce bench: "),
+                                          (["bench", "verify", "--fused"], "pcie-allreduce bench verify: "),
+                                          (["tune", "--world", "2"], "pcie-allreduce tune: ")])
+def test_modes_without_gpu_exit_with_one_line(argv: list[str], prefix: str, capsys) -> None:
+    assert cli.main(argv) == 3
+    captured = capsys.readouterr()
+    assert captured.err.startswith(prefix + "cannot run here: ") and captured.err.count("\n") == 1
+    assert captured.out == ""
+
+
 def test_help_works_everywhere() -> None:
     proc = subprocess.run([sys.executable, "-m", "pcie_allreduce.bench", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "--calls-per-graph" in proc.stdout and "--eager" in proc.stdout
+    assert "--fused" in proc.stdout and "verify" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, fragment", [(["bench", "verify", "--help"], "--draft-tokens"),
+                                            (["tune", "--help"], "--cache-dir"), (["topo", "--help"], "--no-probe")])
+def test_subcommand_help(argv: list[str], fragment: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 0 and fragment in capsys.readouterr().out
 
 
 def test_main_reports_unavailable_in_one_line(monkeypatch, capsys) -> None:
@@ -656,12 +681,14 @@ def test_main_reports_unavailable_in_one_line(monkeypatch, capsys) -> None:
 def test_bench_command_prints_report_and_writes_files(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(command, "unavailable_reason", lambda cfg: None)
     monkeypatch.setattr(environment, "host_environment", lambda: {})
-    monkeypatch.setattr(runner, "run_sweep", lambda cfg, gpus, env, echo: _fake_report())
+    monkeypatch.setattr(runner, "run_sweep", lambda cfg, gpus, env, echo, bar: _fake_report())
     assert cli.main(["bench", "--sizes", "14K", "--out", str(tmp_path)]) == 1  # the fake has a failed case of ours
     captured = capsys.readouterr()
     assert captured.out == report.format_report(_fake_report())
-    assert sorted(os.listdir(tmp_path)) == ["bench.csv", "bench.json", "bench.txt"]
+    assert {"bench.csv", "bench.json", "bench.txt"} <= set(os.listdir(tmp_path))
     assert f"wrote {tmp_path}" in captured.err
+    # The PNG when matplotlib imports, else one line saying why not.
+    assert ("bench.png" in os.listdir(tmp_path)) != ("plot skipped: matplotlib is not importable" in captured.err)
 
 
 def test_bench_command_with_nothing_runnable(monkeypatch, capsys) -> None:

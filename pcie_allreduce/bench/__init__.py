@@ -1,4 +1,5 @@
-"""``pcie-allreduce bench``: side-by-side all-reduce timings of several backends in one run.
+"""``pcie-allreduce bench`` (also ``--fused`` and ``verify``), ``tune`` and ``topo``: side-by-side
+all-reduce timings of several backends in one run, our crossovers, and the machine's topology.
 
 Modules, one idea each (parent side first, then what runs inside the ranks):
 
@@ -14,8 +15,12 @@ Modules, one idea each (parent side first, then what runs inside the ranks):
 - ``runner``       parent: one isolated ``run_ranks`` per (world, backend), retries, partial results
 - ``command``      the ``bench`` subcommand end to end; ``errors``: what the CLI prints as one line
 - ``outcome``      per-rank case outcomes merged into one logged row (pure)
-- ``topo``         the ``topo`` subcommand: peer-access matrix, PCI bus ids, NUMA nodes
-- ``rank``, ``timing``, ``pattern``, ``watchdog``, ``backend_*``: rank side
+- ``verify_options`` ``bench verify``'s options and model presets (pure)
+- ``table``, ``report_fused``, ``report_verify``, ``plot``, ``progress_bar``: output
+- ``tune``, ``tune_table`` (pure), ``tune_cache`` (paths, topology fingerprint): ``pcie-allreduce tune``
+- ``topo``         the ``topo`` subcommand: peer-access matrix, PCI bus ids, NUMA nodes, and
+  ``topo_probe`` / ``probe_kernels``: latency and bandwidth measured between ranks
+- ``rank``, ``checks``, ``norm_ops``, ``timing``, ``pattern``, ``watchdog``, ``backend_*``: rank side
 
 Run ``pcie-allreduce bench --help`` or ``python -m pcie_allreduce.bench --help``.
 """

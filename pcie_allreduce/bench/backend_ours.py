@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import RankJob
 from pcie_allreduce.testing import RankContext
+
+if TYPE_CHECKING:
+    from pcie_allreduce.communicator import Communicator
 
 SYNC_COUNT = 8  # elements of the tiny all-reduce that lines the GPUs up before a timed block
 
@@ -23,6 +28,24 @@ class OursBackend:
         timeout_s = max(1.0, min(10.0, job.case_timeout_s / 3))
         self._comm = Communicator(ctx.group, ctx.device, max_bytes=max(job.max_bytes, 4096), timeout_s=timeout_s)
         self._sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=ctx.device)
+
+    @property
+    def comm(self) -> "Communicator":
+        """The communicator (the fused kernel and the raw launches use it directly)."""
+        return self._comm
+
+    def facts(self) -> dict[str, Any]:
+        """Block cap, GPU model and topology fingerprint (the key of tuned tables) for the setup event."""
+        from pcie_allreduce.bench import tune_cache
+        from pcie_allreduce import _ext
+
+        facts: dict[str, Any] = {"block_cap": self._comm.block_cap,
+                                 "gpu_name": torch.cuda.get_device_name(self._comm.device)}
+        ext = _ext.load()
+        placements = getattr(self._comm, "placements", None)
+        if ext is not None and placements:
+            facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in placements])
+        return facts
 
     def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:
         inp = torch.empty(count, dtype=dtype, device=self._comm.device)

@@ -5,6 +5,10 @@ Every backend runs in its own ``run_ranks`` call (fresh processes, fresh MPS dae
 fails or hangs cannot take the others' results with it. Adding a backend (issue 5: FlashInfer
 pcie_ipc, vLLM, sgl-kernel, NCCL with NCCL_PROTO=LL) means one ``backend_<name>.py`` with a class
 following :class:`RankBackend` plus one entry in each function below.
+
+``ours_shapes`` is internal (``pcie-allreduce tune``): our raw launch at a forced block count.
+With ``--fused`` and ``verify`` every backend is wrapped in :class:`~.norm_ops.NormAdapter`,
+which adds the "+norm" variants (all-reduce, then torch residual add + RMSNorm) and our fused kernel.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ if TYPE_CHECKING:  # torch only inside ranks and availability probes
     from pcie_allreduce.bench.plan import RankJob
     from pcie_allreduce.testing import RankContext
 
+from pcie_allreduce.bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIX, VERIFY
+
 TORCH_SYMM_ALGOS: tuple[str, ...] = ("one_shot", "two_shot")
 NCCL_ALGOS: tuple[str, ...] = ("default",)  # NCCL picks ring/tree and protocol itself
+OURS_SHAPES = "ours_shapes"
 
 
 @dataclasses.dataclass
@@ -57,9 +64,13 @@ class RankBackend(Protocol):
     def close(self) -> None:
         """Collective teardown."""
 
+    # Optional, looked up with getattr by the rank loop:
+    #   skip_reason(case) -> str | None   a case this backend cannot run here (status "skipped")
+    #   facts() -> dict                  JSON-able facts for the run's "setup" event
+    #   cross_check(bufs, algo) -> str | None   an extra correctness check before timing
 
-def algos_for(backend: str, our_algos: Sequence[str]) -> tuple[str, ...]:
-    """The algorithms a backend is timed with (``--algos`` applies to ours only)."""
+
+def _plain_algos(backend: str, our_algos: Sequence[str]) -> tuple[str, ...]:
     if backend == "ours":
         return tuple(our_algos)
     if backend == "torch_symm":
@@ -67,6 +78,28 @@ def algos_for(backend: str, our_algos: Sequence[str]) -> tuple[str, ...]:
     if backend == "nccl":
         return NCCL_ALGOS
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def algos_for(backend: str, our_algos: Sequence[str], workload: str = ALLREDUCE, *,
+              norm: bool = False) -> tuple[str, ...]:
+    """The variants a backend is timed with.
+
+    allreduce: its algorithms (``--algos`` applies to ours only). fused: ours runs the fused
+    kernel, "auto+norm" and plain "auto" (the two ratios the fused kernel is judged by); the
+    others their algorithms + norm. verify: the plain algorithms (ours: "auto"), and with ``norm``
+    the same + norm (ours: the fused kernel and "auto+norm").
+    """
+    if workload == ALLREDUCE:
+        return _plain_algos(backend, our_algos)
+    plain = ("auto",) if backend == "ours" else _plain_algos(backend, our_algos)
+    normed = tuple(a + NORM_SUFFIX for a in plain)
+    if backend == "ours":
+        normed = (FUSED_ALGO, *normed)
+    if workload == FUSED:
+        return normed + (("auto",) if backend == "ours" else ())
+    if workload == VERIFY:
+        return plain + (normed if norm else ())
+    raise ValueError(f"no variants for workload {workload!r}")
 
 
 def _torch_symm_problem() -> str | None:
@@ -96,7 +129,7 @@ def _nccl_problem() -> str | None:
 
 def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
     """Why ``backend`` cannot run ``world`` ranks on ``gpu_count`` local GPUs, or None."""
-    if backend == "ours":
+    if backend in ("ours", OURS_SHAPES):
         import pcie_allreduce
 
         reason = pcie_allreduce.unavailable_reason()
@@ -125,6 +158,10 @@ def open_backend(ctx: "RankContext", job: "RankJob") -> Any:
         from pcie_allreduce.bench.backend_ours import OursBackend
 
         return OursBackend(ctx, job)
+    if job.backend == OURS_SHAPES:
+        from pcie_allreduce.bench.backend_ours_shapes import OursShapesBackend
+
+        return OursShapesBackend(ctx, job)
     if job.backend == "torch_symm":
         from pcie_allreduce.bench.backend_torch_symm import TorchSymmBackend
 

@@ -6,9 +6,9 @@ from types import MappingProxyType
 from typing import Any, Sequence
 
 from pcie_allreduce.bench import stats
-from pcie_allreduce.bench.results import FAILED, OK, WRONG
+from pcie_allreduce.bench.results import FAILED, OK, SKIPPED, WRONG
 
-_SEVERITY = MappingProxyType({OK: 0, WRONG: 1, FAILED: 2})  # worst status of the ranks wins
+_SEVERITY = MappingProxyType({OK: 0, SKIPPED: 1, WRONG: 2, FAILED: 3})  # worst status of the ranks wins
 MAX_ERROR_CHARS = 500
 
 

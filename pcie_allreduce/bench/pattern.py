@@ -47,3 +47,26 @@ def mismatch(out: torch.Tensor, expected: torch.Tensor) -> str | None:
     first = int(bad.nonzero()[0])
     return (f"{n_bad} of {expected.numel()} elements wrong (first at {first}: got "
             f"{out.reshape(-1)[first].item()!r}, want {expected.reshape(-1)[first].item()!r})")
+
+
+# ---- the residual add + RMSNorm cases (--fused, verify) -------------------------------------
+
+RESIDUAL_RANK = 1000  # the residual is replicated: every rank uses this "rank"'s values
+
+
+def residual_input(count: int, seed: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The residual, identical on every rank (as in a tensor-parallel model): integers in [-7, 7]."""
+    return rank_values(count, RESIDUAL_RANK, seed, device).to(dtype)
+
+
+def weight_values(hidden: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """RMSNorm weights in [0.75, 1.25], multiples of 1/16 (exact in every dtype)."""
+    i = torch.arange(hidden, device=device, dtype=torch.int64)
+    return (1 + ((i * 7) % 9 - 4).to(torch.float32) / 16).to(dtype)
+
+
+def expected_norm(new_residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the exact new residual (fp32 math, rounded once) to compare within tolerance."""
+    x = new_residual.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return normed.to(new_residual.dtype)

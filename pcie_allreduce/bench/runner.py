@@ -14,14 +14,14 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from pcie_allreduce.bench import backends, plan, progress, report, watchdog
 from pcie_allreduce.bench.environment import placement_label
 from pcie_allreduce.bench.options import BenchConfig
 from pcie_allreduce.bench.outcome import one_line
 from pcie_allreduce.bench.plan import Case
-from pcie_allreduce.bench.results import FAILED, NOT_RUN, OK, Note, Report, Result, add_speedups
+from pcie_allreduce.bench.results import FAILED, NOT_RUN, OK, SKIPPED, VERIFY, Note, Report, Result, add_speedups
 
 Echo = Callable[[str], None]
 SPAWN_SLACK_S = 120.0  # run_ranks' own timeout is only a backstop behind the per-rank watchdogs
@@ -45,7 +45,8 @@ class BackendOutcome:
 
 def make_result(cfg: BenchConfig, world: int, backend: str, case: Case, **fields: Any) -> Result:
     return Result(world=world, backend=backend, algo=case.algo, size_bytes=case.size_bytes, count=case.count,
-                  dtype=cfg.dtype, calls_per_graph=cfg.calls_per_graph, mode=cfg.mode, **fields)
+                  dtype=cfg.dtype, calls_per_graph=case.calls or cfg.calls_per_graph, mode=cfg.mode,
+                  workload=cfg.workload, tokens=case.tokens, hidden=case.hidden, model=case.model, **fields)
 
 
 def rows_from_events(events: Sequence[dict[str, Any]], cases: Sequence[Case], cfg: BenchConfig, world: int,
@@ -95,23 +96,40 @@ def describe_failure(exc: BaseException, hang: tuple[list[int], dict[str, Any], 
     return Failure(headline[:500], detail[-MAX_DETAIL_CHARS:])
 
 
+class Progress(Protocol):
+    """What the runner reports progress to (a progress bar, or nothing)."""
+
+    def advance(self, cases: int) -> None: ...
+
+
+class NoProgress:
+    def advance(self, cases: int) -> None:
+        pass
+
+
 class _Follower(threading.Thread):
-    """With --verbose: print each case of the running backend as its row appears in the log."""
+    """Watch the running backend's log: advance the progress bar for every finished case and, with
+    --verbose, print its row."""
 
     def __init__(self, directory: str, cases: Sequence[Case], cfg: BenchConfig, world: int, backend: str,
-                 echo: Echo) -> None:
+                 echo: Echo, bar: Progress) -> None:
         super().__init__(daemon=True)
         self._args = (directory, cases, cfg, world, backend)
         self._echo = echo
+        self._bar = bar
         self._done = threading.Event()
         self._shown: set[int] = set()
 
     def poll(self) -> None:
         directory, cases, cfg, world, backend = self._args
         rows = rows_from_events(progress.read_events(directory), cases, cfg, world, backend)
-        for index in sorted(set(rows) - self._shown):
+        new = sorted(set(rows) - self._shown)
+        for index in new:
             self._shown.add(index)
-            self._echo(report.table_row(rows[index]))
+            if cfg.verbose:
+                self._echo(report.table_row(rows[index]))
+        if new:
+            self._bar.advance(len(new))
 
     def run(self) -> None:
         while not self._done.wait(0.5):
@@ -124,15 +142,14 @@ class _Follower(threading.Thread):
 
 
 def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: Sequence[Case], directory: str,
-            echo: Echo) -> Failure | None:
+            echo: Echo, bar: Progress) -> Failure | None:
     from pcie_allreduce import testing
     from pcie_allreduce.bench.rank import bench_rank
 
     job = plan.make_job(cfg, backend, cases, directory)
     backstop = cfg.setup_timeout_s * 2 + cfg.case_timeout_s * len(cases) + SPAWN_SLACK_S
-    follower = _Follower(directory, cases, cfg, world, backend, echo) if cfg.verbose else None
-    if follower:
-        follower.start()
+    follower = _Follower(directory, cases, cfg, world, backend, echo, bar)
+    follower.start()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", testing.MpsUnavailableWarning)
@@ -147,13 +164,14 @@ def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: S
             failure = Failure(failure.reason, traceback.format_exc()[-MAX_DETAIL_CHARS:])
         return failure
     finally:
-        if follower:
-            follower.stop()
+        follower.stop()
 
 
-def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo: Echo) -> BackendOutcome:
+def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo: Echo,
+                bar: Progress | None = None) -> BackendOutcome:
     """All cases of one backend at one world size, restarting after a failed case up to cfg.retries times."""
-    cases = plan.make_cases(cfg.sizes, backends.algos_for(backend, cfg.algos), cfg.dtype)
+    cases = plan.cases_for(cfg, backend)
+    counted = _Counted(bar or NoProgress())
     rows: dict[int, Result] = {}
     notes: list[Note] = []
     facts: dict[str, Any] | None = None
@@ -162,7 +180,7 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
     for attempt in range(cfg.retries + 1):
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="pcie_ar_bench_") as directory:
-            failure = _launch(cfg, backend, world, gpu_count, pending, directory, echo)
+            failure = _launch(cfg, backend, world, gpu_count, pending, directory, echo, counted)
             events = progress.read_events(directory)
         setup = next((ev for ev in events if ev.get("event") == "setup"), None)
         facts = facts or setup
@@ -172,7 +190,7 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
             case = next(c for c in pending if c.index == open_index)
             rows[open_index] = make_result(cfg, world, backend, case, status=FAILED, error=failure.reason)
         pending = [c for c in pending if c.index not in rows]
-        n_bad = sum(1 for r in rows.values() if r.status != OK)
+        n_bad = sum(1 for r in rows.values() if r.status not in (OK, SKIPPED))
         echo(f"[W={world} {backend}] attempt {attempt + 1}: {len(rows)}/{len(cases)} cases done, {n_bad} not ok, "
              f"{time.monotonic() - started:.0f} s" + (f"; {failure.reason}" if failure else ""))
         if failure is not None:
@@ -189,15 +207,35 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
     why = f"not run: {last.reason}" if last else "not run: an earlier case of this run failed"
     for case in pending:
         rows[case.index] = make_result(cfg, world, backend, case, status=NOT_RUN, error=why)
+    counted.advance(max(0, len(cases) - counted.total))  # cases that never finished still leave the bar
     return BackendOutcome([rows[c.index] for c in cases], notes, facts)
 
 
-def run_sweep(cfg: BenchConfig, gpu_count: int, environment: dict[str, Any], echo: Echo) -> Report:
+class _Counted:
+    """Forwards progress and counts it, so a backend run advances the bar by exactly its cases."""
+
+    def __init__(self, bar: Progress) -> None:
+        self._bar = bar
+        self.total = 0
+
+    def advance(self, cases: int) -> None:
+        self.total += cases
+        self._bar.advance(cases)
+
+
+def total_cases(cfg: BenchConfig) -> int:
+    """Cases of the whole sweep (every world and backend), for the progress bar."""
+    return len(cfg.worlds) * sum(len(plan.cases_for(cfg, b)) for b in cfg.backends)
+
+
+def run_sweep(cfg: BenchConfig, gpu_count: int, environment: dict[str, Any], echo: Echo,
+              bar: Progress | None = None) -> Report:
     """Every (world, backend) of ``cfg``: unavailable backends are noted and skipped.
 
     Ctrl-C stops the sweep but keeps the backend runs already finished (``environment`` then has
     ``"interrupted": true``); the run in progress is lost.
     """
+    bar = bar or NoProgress()
     results: list[Result] = []
     notes: list[Note] = []
     placements: dict[int, str] = {}
@@ -210,10 +248,11 @@ def run_sweep(cfg: BenchConfig, gpu_count: int, environment: dict[str, Any], ech
             if reason is not None:
                 echo(f"[W={world} {backend}] skipped: {reason}")
                 notes.append(Note(world, backend, "skipped", reason))
+                bar.advance(len(plan.cases_for(cfg, backend)))
                 continue
-            echo(f"[W={world} {backend}] running {len(cfg.sizes)} sizes ...")
+            echo(f"[W={world} {backend}] running {len(plan.cases_for(cfg, backend))} cases ...")
             try:
-                out = run_backend(cfg, backend, world, gpu_count, echo)
+                out = run_backend(cfg, backend, world, gpu_count, echo, bar)
             except KeyboardInterrupt:
                 interrupted = True
                 break
@@ -228,4 +267,5 @@ def run_sweep(cfg: BenchConfig, gpu_count: int, environment: dict[str, Any], ech
             break
     environment = {**environment, "ranks": rank_facts, "interrupted": interrupted,
                    "placements": {str(w): label for w, label in placements.items()}}
-    return Report(environment, cfg.to_dict(), placements, add_speedups(results), notes)
+    compute_ms = cfg.compute_ms if cfg.workload == VERIFY else None
+    return Report(environment, cfg.to_dict(), placements, add_speedups(results, compute_ms), notes)

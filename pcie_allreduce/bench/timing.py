@@ -28,13 +28,13 @@ def _sleep() -> None:
 
 
 def make_block(backend: RankBackend, bufs: Buffers, algo: str, job: RankJob,
-               capture_stream: torch.cuda.Stream) -> Callable[[], torch.Tensor]:
+               capture_stream: torch.cuda.Stream, calls: int | None = None) -> Callable[[], torch.Tensor]:
     """The timed block (it holds the CUDA graph, if any).
 
-    Calling the block enqueues ``calls_per_graph`` all-reduces and returns the result tensor of the
-    last one (for the post-timing correctness check).
+    Calling the block enqueues ``calls`` (default ``job.calls_per_graph``) all-reduces and returns
+    the result tensor of the last one (for the post-timing correctness check).
     """
-    calls = job.calls_per_graph
+    calls = calls or job.calls_per_graph
     if job.eager:
         def eager_block() -> torch.Tensor:
             result = bufs.out
@@ -79,9 +79,9 @@ def _timed(block: Callable[[], torch.Tensor], backend: RankBackend, group: dist.
 
 
 def time_case(backend: RankBackend, bufs: Buffers, algo: str, job: RankJob, group: dist.ProcessGroup,
-              capture_stream: torch.cuda.Stream) -> tuple[list[float], torch.Tensor]:
+              capture_stream: torch.cuda.Stream, calls: int | None = None) -> tuple[list[float], torch.Tensor]:
     """This rank's block times (us, one per timed replay) and the result tensor of the last call."""
-    block = make_block(backend, bufs, algo, job, capture_stream)
+    block = make_block(backend, bufs, algo, job, capture_stream, calls)
     for _ in range(job.warmup):
         block()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

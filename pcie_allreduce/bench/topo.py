@@ -1,9 +1,11 @@
 """``pcie-allreduce topo``: which GPUs can write into which (CUDA peer access), their PCI bus ids
-and NUMA nodes, printed as a matrix and optionally saved as JSON.
+and NUMA nodes, then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
+one-way write bandwidth per pair, one-to-one vs all-to-all write bandwidth. Printed as matrices
+and optionally saved as JSON.
 
-Issue 5 extends it with NVML link types, flag round-trip latency and write bandwidth per pair.
-The probe takes the extension as a parameter and reads NUMA nodes under a sysfs root, so the
-CPU tests run it against fakes.
+The static probe takes the extension as a parameter and reads NUMA nodes under a sysfs root, and
+the measurement formatting is pure, so the CPU tests run both against fakes. A measurement that
+fails (per W) is reported in one line and does not stop the others.
 """
 
 from __future__ import annotations
@@ -108,10 +110,59 @@ def format_topology(topo: Topology) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _matrix(title: str, rows: list[list[float | None]], digits: int) -> list[str]:
+    n = len(rows)
+    lines = [title, ("        " + "".join(f"{'r' + str(j):>9}" for j in range(n))).rstrip()]
+    for i, row in enumerate(rows):
+        cells = ["X" if i == j else _cell(v, digits) for j, v in enumerate(row)]
+        lines.append((f"r{i:<7}" + "".join(f"{c:>9}" for c in cells)).rstrip())
+    return lines
+
+
+def format_probe(world: int, placement: str, data: dict[str, Any]) -> str:
+    """One world size's measured matrices and the one-to-one vs all-to-all figures."""
+    mib = data.get("nbytes", 0) / (1 << 20)
+    lines = [f"# measured between W={world} ranks ({placement}); rN = rank N"]
+    lines += _matrix(f"# flag round-trip latency (us), {data.get('pingpong_iters', '?')} round trips per pair",
+                     data["rtt_us"], 2)
+    lines += _matrix(f"# one-way write bandwidth (GB/s), row rank writes {mib:g} MiB into column rank, alone",
+                     data["write_gbps"], 1)
+    one, many = data["one_to_one"], data["all_to_all"]
+    lines.append(f"# write bandwidth per rank, all ranks at once, {mib:g} MiB each (GB/s):")
+    lines.append(f"  one-to-one (rank r -> r+1):            mean {_cell(one['mean'], 1)}  min {_cell(one['min'], 1)}")
+    lines.append(f"  all-to-all (1/(W-1) to every peer):    mean {_cell(many['mean'], 1)}  min {_cell(many['min'], 1)}")
+    ratio = data.get("all_to_all_over_one_to_one")
+    if ratio is not None:
+        lines.append(f"  all-to-all / one-to-one: {ratio:.2f} (well below 1: the fabric collapses under many-to-many "
+                     "writes, which staging avoids)")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pcie-allreduce topo``."""
+    from pcie_allreduce.bench import options, sizes
+
     parser.add_argument("--out", metavar="DIR", help=f"also write {JSON_NAME} into DIR")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the matrices")
+    probe = parser.add_argument_group("measurements between ranks")
+    probe.add_argument("--no-probe", action="store_true", help="only the static facts; measure nothing")
+    probe.add_argument("--world", type=options.world_arg, nargs="+", metavar="W",
+                       help="ranks per measurement (default: the number of GPUs if > 1, else 2 4 8 emulated on one "
+                            "GPU under MPS)")
+    probe.add_argument("--bytes", type=options.size_arg, default=sizes.parse_size("16M"), metavar="SIZE",
+                       help="bytes each rank writes per bandwidth measurement (default 16M)")
+    probe.add_argument("--iters", type=options.positive_int, default=2000, metavar="N",
+                       help="round trips per pair for the latency (default 2000)")
+    probe.add_argument("--reps", type=options.positive_int, default=10, metavar="N",
+                       help="timed writes per bandwidth measurement (default 10)")
+    probe.add_argument("--blocks", type=options.positive_int, default=32, metavar="N",
+                       help="CTAs per writing rank (default 32)")
+    probe.add_argument("--timeout", type=options.positive_float, default=60.0, metavar="S",
+                       help="a rank stuck this long in one step is killed and that W reported failed (default 60)")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -126,14 +177,51 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ext = _ext.load()
     if ext is None:
         raise Unavailable(_ext.unavailable_reason() or "the extension pcie_allreduce._C does not load")
-    names = [torch.cuda.get_device_properties(i).name for i in range(testing.gpu_count())]
+    count = testing.gpu_count()
+    names = [torch.cuda.get_device_properties(i).name for i in range(count)]
     topo = probe(ext, names, smi_topo=_nvidia_smi_topo())
-    text = json.dumps(topo.to_dict(), indent=2) + "\n"
-    sys.stdout.write(text if args.json else format_topology(topo))
+    data = topo.to_dict()
+    if not args.json:
+        sys.stdout.write(format_topology(topo))
+        sys.stdout.flush()
+    if not args.no_probe:
+        data["measured"], data["measure_errors"] = _measure(args, count, not args.json)
+    text = json.dumps(data, indent=2) + "\n"
+    if args.json:
+        sys.stdout.write(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, JSON_NAME)
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
         print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return 1 if data.get("measure_errors") else 0
+
+
+def _measure(args: argparse.Namespace, gpu_count: int, show: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """Run the probe per world size; (world -> matrices, world -> one-line error)."""
+    from pcie_allreduce.bench import topo_probe
+    from pcie_allreduce.bench.environment import placement_label
+    from pcie_allreduce.bench.options import default_worlds, unique
+
+    measured: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for world in unique(args.world) if args.world else default_worlds(gpu_count):
+        print(f"[topo W={world}] measuring ({placement_label(world, gpu_count, None)}) ...", file=sys.stderr,
+              flush=True)
+        job = topo_probe.ProbeJob(nbytes=max(16 * world, args.bytes // 16 * 16), pingpong_iters=max(2, args.iters),
+                                  reps=args.reps, programs=args.blocks, step_timeout_s=args.timeout,
+                                  timeout_s=min(10.0, args.timeout / 3))
+        try:
+            data = topo_probe.run_probe(world, job)
+        except Exception as exc:  # noqa: BLE001 - reported per W; the other worlds go on
+            errors[str(world)] = " ".join(str(exc).split()) or type(exc).__name__
+            if show:
+                print(f"\n# W={world}: measurement failed: {errors[str(world)]}", flush=True)
+            continue
+        placement = placement_label(world, gpu_count, data.get("mps"))
+        data["placement"] = placement
+        measured[str(world)] = data
+        if show:
+            print("\n" + format_probe(world, placement, data), flush=True)
+    return measured, errors

@@ -1,0 +1,208 @@
+"""CPU tests of ``pcie-allreduce bench --fused``: options, cases, the rank loop with the residual add +
+RMSNorm checks (on CPU ranks with fake backends), and the report with its acceptance ratios."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+import torch
+
+from pcie_allreduce import cli
+from pcie_allreduce.bench import backends, command, environment, norm_ops, options, pattern, plan, report, runner
+from pcie_allreduce.bench.results import FAILED, FUSED, OK, WRONG, Report, Result, add_speedups, is_norm_algo
+from tests import _bench_fakes as fakes
+
+
+def _config(argv: list[str], gpu_count: int = 1) -> options.BenchConfig:
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", *argv])
+    return options.config_from_args(args, args.parser, gpu_count)
+
+
+# ----------------------------------------------------------------------------- options and cases
+
+
+def test_fused_defaults() -> None:
+    cfg = _config(["--fused"])
+    assert cfg.workload == FUSED and cfg.dtype == "bfloat16" and cfg.mode == "graph"
+    assert [(s.tokens, s.hidden) for s in cfg.shapes] == [(1, 7168), (4, 7168), (32, 7168), (128, 7168)]
+    assert cfg.sizes == (14336, 57344, 458752, 1835008) and cfg.max_bytes == 1835008
+    cfg = _config(["--fused", "--tokens", "32", "4", "4", "--hidden", "4096", "--dtype", "float16", "--eps", "1e-5"])
+    assert [(s.tokens, s.hidden) for s in cfg.shapes] == [(4, 4096), (32, 4096)] and cfg.eps == 1e-5
+    assert json.loads(json.dumps(cfg.to_dict()))["shapes"][0] == {"tokens": 4, "hidden": 4096, "layers": 0,
+                                                                  "model": ""}
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--fused", "--sizes", "1K"], "use --tokens/--hidden, not --sizes"),
+    (["--fused", "--algos", "oneshot"], "not --algos"),
+    (["--fused", "--dtype", "float32"], "needs --dtype bfloat16 or float16"),
+    (["--tokens", "4"], "only apply with --fused"),
+    (["--fused", "--hidden", "20000"], "--hidden"),
+    (["--fused", "--tokens", "0"], "--tokens"),
+])
+def test_fused_bad_options(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _config(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_fused_variants_per_backend() -> None:
+    assert backends.algos_for("ours", (), FUSED) == ("fused", "auto+norm", "auto")
+    assert backends.algos_for("torch_symm", (), FUSED) == ("one_shot+norm", "two_shot+norm")
+    assert backends.algos_for("nccl", (), FUSED) == ("default+norm",)
+    cfg = options.BenchConfig(worlds=(2,), sizes=(128, 256), workload=FUSED,
+                              shapes=(options.Shape(1, 64), options.Shape(2, 64)))
+    cases = plan.cases_for(cfg, "ours")
+    assert [(c.index, c.tokens, c.hidden, c.count, c.size_bytes, c.algo) for c in cases[:4]] == [
+        (0, 1, 64, 64, 128, "fused"), (1, 1, 64, 64, 128, "auto+norm"), (2, 1, 64, 64, 128, "auto"),
+        (3, 2, 64, 128, 256, "fused")]
+    assert all(c.calls == 0 for c in cases)
+    assert is_norm_algo("fused") and is_norm_algo("one_shot+norm") and not is_norm_algo("auto")
+    assert norm_ops.base_algo("fused") == "auto" and norm_ops.base_algo("two_shot+norm") == "two_shot"
+
+
+def test_norm_pattern_is_exact() -> None:
+    hidden, tokens, world = 64, 3, 4
+    w = pattern.weight_values(hidden, torch.bfloat16)
+    assert torch.equal(w.float(), (1 + ((torch.arange(hidden) * 7) % 9 - 4) / 16).float())
+    res = pattern.residual_input(tokens * hidden, 0, torch.bfloat16)
+    total = pattern.expected_sum(tokens * hidden, world, 0, torch.bfloat16)
+    exact = (res.to(torch.int64) + total.to(torch.int64)).view(tokens, hidden)
+    assert torch.equal((res + total).view(tokens, hidden).to(torch.int64), exact)  # bf16 add of small integers
+    normed = pattern.expected_norm(exact.to(torch.bfloat16), w, 1e-6)
+    ref = exact.double() * torch.rsqrt(exact.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert norm_ops.close_enough(normed, ref) is None
+    assert "normed: 1 of" in norm_ops.close_enough(normed.index_put((torch.tensor([0]), torch.tensor([0])),
+                                                                  torch.tensor(9.0, dtype=torch.bfloat16)), ref)
+
+
+def test_torch_add_rmsnorm_matches_the_formula() -> None:
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+    res = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+    w = pattern.weight_values(32, torch.bfloat16)
+    normed, new_res = torch.empty_like(y), torch.empty_like(y)
+    norm_ops.torch_add_rmsnorm(y, res, w, 1e-6, normed, new_res)
+    assert torch.equal(new_res, res + y)
+    h = new_res.double()
+    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert norm_ops.close_enough(normed, want) is None
+
+
+# ----------------------------------------------------------------------------- rank loop on CPU ranks
+
+
+def test_fused_rank_loop_on_cpu(monkeypatch) -> None:
+    fakes.use_cpu_ranks(monkeypatch)
+    cfg = options.BenchConfig(worlds=(2,), sizes=(128, 256, 384), backends=("ours", "torch_symm"), workload=FUSED,
+                              shapes=tuple(options.Shape(t, 64) for t in (1, 2, 3)), eager=True, iters=3, warmup=1,
+                              calls_per_graph=2, setup_timeout_s=60.0, retries=0)
+    bar = fakes.RecordingBar()
+    rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None, bar)
+    by = {(r.backend, r.algo, r.tokens): r for r in rep.results}
+    assert bar.done == runner.total_cases(cfg) == 15
+    for tokens in (1, 2, 3):
+        assert by[("ours", "auto+norm", tokens)].status == OK
+        assert by[("ours", "auto", tokens)].status == OK
+        assert by[("torch_symm", "one_shot+norm", tokens)].status == OK
+        assert by[("torch_symm", "two_shot+norm", tokens)].status == OK  # its input was zeroed before timing
+    assert by[("ours", "fused", 1)].status == OK and by[("ours", "fused", 1)].p50_us > 0
+    assert by[("ours", "fused", 1)].resolved_algo == "oneshot" and by[("ours", "fused", 1)].label == "fused(oneshot)"
+    assert by[("ours", "auto+norm", 1)].label == "auto(oneshot)+norm"
+    wrong = by[("ours", "fused", 2)]
+    assert wrong.status == WRONG and wrong.error.startswith("rank 1: new_residual: 1 of 128 elements wrong")
+    rounding = by[("ours", "fused", 3)]
+    assert rounding.status == WRONG and "not bitwise equal to residual + all_reduce(x) on random data" in rounding.error
+    assert {r.workload for r in rep.results} == {FUSED} and all(r.hidden == 64 for r in rep.results)
+    assert rep.environment["ranks"]["2"]["gpu_name"] == "Fake GPU"  # the backend's facts reach the setup event
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _row(backend: str, algo: str, tokens: int, p50: float | None, world: int = 4, status: str = OK, **kw) -> Result:
+    return Result(world=world, backend=backend, algo=algo, size_bytes=tokens * 7168 * 2, count=tokens * 7168,
+                  dtype="bfloat16", status=status, p50_us=p50, p99_us=None if p50 is None else p50 * 1.2,
+                  replays=50, calls_per_graph=16, workload=FUSED, tokens=tokens, hidden=7168, **kw)
+
+
+def fake_fused_report() -> Report:
+    rows = [
+        _row("ours", "fused", 4, 11.0, resolved_algo="oneshot"),
+        _row("ours", "auto+norm", 4, 18.0, resolved_algo="oneshot+norm"),
+        _row("ours", "auto", 4, 10.0, resolved_algo="oneshot"),
+        _row("torch_symm", "one_shot+norm", 4, 16.0),
+        _row("torch_symm", "two_shot+norm", 4, 20.0),
+        _row("ours", "fused", 128, 40.0, resolved_algo="twoshot"),
+        _row("ours", "auto+norm", 128, 45.0, resolved_algo="twoshot+norm"),
+        _row("ours", "auto", 128, 30.0, resolved_algo="twoshot"),
+        _row("torch_symm", "one_shot+norm", 128, None, status=FAILED, error="rank 0: boom"),
+        _row("torch_symm", "two_shot+norm", 128, 50.0),
+    ]
+    config = options.BenchConfig(worlds=(4,), sizes=(57344, 1835008), workload=FUSED,
+                                 shapes=(options.Shape(4, 7168), options.Shape(128, 7168))).to_dict()
+    return Report({"gpus": ["NVIDIA H200"], "date": "2026-11-30"}, config,
+                  {4: environment.placement_label(4, 1, True)}, add_speedups(rows))
+
+
+def test_fused_speedups_compare_like_with_like() -> None:
+    by = {(r.algo, r.tokens): r for r in fake_fused_report().results}
+    assert by[("fused", 4)].reference == "torch_symm" and by[("fused", 4)].speedup == pytest.approx(16 / 11)
+    assert by[("auto+norm", 4)].speedup == pytest.approx(16 / 18)
+    assert by[("auto", 4)].speedup is None  # a plain all-reduce is not compared with all-reduce + norm rows
+    assert by[("fused", 128)].speedup == pytest.approx(50 / 40)
+
+
+def test_fused_report_table_and_summary() -> None:
+    text = report.format_report(fake_fused_report())
+    assert text.startswith("# pcie_allreduce bench --fused | NVIDIA H200 x1")
+    header = next(line for line in text.splitlines() if line.startswith("#") and "tokens" in line and "hidden" in line)
+    assert header.lstrip("#").split() == ["tokens", "hidden", "size(B)", "backend", "algo", "p50(us)", "p99(us)",
+                                          "speedup", "status"]
+    row = next(line.split() for line in text.splitlines() if "fused(oneshot)" in line)
+    assert row[:5] == ["4", "7168", "57344", "ours", "fused(oneshot)"] and row[5] == "11.00" and row[7] == "1.45x"
+    assert any("auto(twoshot)+norm" in line for line in text.splitlines())
+    assert "best torch_symm row of the same tokens and op" in text
+    summary = [line for line in text.splitlines() if line.split()[:2] in (["4", "4"], ["4", "128"])]
+    four = summary[0].split()
+    # W, tokens, fused, ours AR, ours AR+norm, torch_symm+norm, fused/AR verdict, fused/(AR+norm) verdict, vs best
+    assert four[:6] == ["4", "4", "11.00", "10.00", "18.00", "16.00"]
+    assert four[6:10] == ["1.10", "ok", "0.61", "ok"] and four[10] == "0.69"
+    big = summary[1].split()
+    assert big[2:6] == ["40.00", "30.00", "45.00", "50.00"] and big[6:10] == ["1.33", "MISS", "0.89", "MISS"]
+    assert "fused/AR(<=1.15)" in text and "fused/(AR+norm)(<=0.75)" in text
+
+
+def test_fused_csv_json_and_file_names(tmp_path) -> None:
+    rep = fake_fused_report()
+    rows = list(csv.DictReader(io.StringIO(report.to_csv(rep.results))))
+    fused = next(r for r in rows if r["algo"] == "fused" and r["tokens"] == "4")
+    assert fused["workload"] == FUSED and fused["hidden"] == "7168" and fused["resolved_algo"] == "oneshot"
+    assert fused["pass_ms"] == ""
+    data = json.loads(report.to_json(rep))
+    assert data["config"]["workload"] == FUSED and data["results"][0]["tokens"] in (4, 128)
+    paths = report.write_outputs(rep, str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["fused.csv", "fused.json", "fused.txt"]
+
+
+def test_fused_command_end_to_end(monkeypatch, capsys, tmp_path) -> None:
+    seen = {}
+
+    def fake_sweep(cfg, gpus, env, echo, bar):
+        seen["cfg"] = cfg
+        return fake_fused_report()
+
+    monkeypatch.setattr(command, "unavailable_reason", lambda cfg: None)
+    monkeypatch.setattr(environment, "host_environment", lambda: {})
+    monkeypatch.setattr(runner, "run_sweep", fake_sweep)
+    assert cli.main(["bench", "--fused", "--tokens", "4", "128", "--world", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert seen["cfg"].workload == FUSED and seen["cfg"].worlds == (4,)
+    assert "fused/AR(<=1.15)" in out.out and f"wrote {tmp_path}/fused.json" in out.err
+    assert {"fused.csv", "fused.json", "fused.txt"} <= {p.name for p in tmp_path.iterdir()}

@@ -1,0 +1,149 @@
+"""CPU tests of the optional outputs: the PNG plot (its data is pure; the drawing needs matplotlib)
+and the tqdm progress bar (only on a terminal)."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import sys
+
+import pytest
+
+from pcie_allreduce.bench import command, plot
+from pcie_allreduce.bench.progress_bar import Bar
+from pcie_allreduce.bench.results import Report
+from tests.test_bench_fused import fake_fused_report
+from tests.test_bench_verify import fake_verify_report
+from tests.test_cli import _fake_report
+
+
+def test_series_of_a_sweep() -> None:
+    data = plot.series(_fake_report())
+    assert sorted(data) == [2, 4, 8]
+    assert data[4]["ours oneshot"] == [(14336.0, 4.0), (57344.0, 5.0)]
+    assert data[4]["ours auto(oneshot)"] == [(14336.0, 4.2)]
+    assert "ours twoshot" not in data[4]  # failed rows are not plotted
+    assert "torch_symm one_shot" not in data[8]
+
+
+def test_series_of_fused_uses_tokens_and_bars_of_verify() -> None:
+    fused = plot.series(fake_fused_report())
+    assert fused[4]["ours fused(oneshot)"][0] == (4.0, 11.0)
+    bars = plot.bars(fake_verify_report())
+    assert bars[8][0] == ("kimi-k2.5 T=4 ours auto(oneshot)", pytest.approx(1.22))
+    assert plot.series(fake_verify_report()) == {}
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path) -> None:
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    monkeypatch.delitem(sys.modules, "matplotlib", raising=False)
+    monkeypatch.delitem(sys.modules, "matplotlib.pyplot", raising=False)
+    problem = plot.write_plot(_fake_report(), str(tmp_path / "bench.png"))
+    assert problem.startswith("matplotlib is not importable") and "pip install matplotlib" in problem
+    lines: list[str] = []
+    command.write_plot(_fake_report(), str(tmp_path), lines.append)
+    assert lines == [f"plot skipped: {problem}"] and not (tmp_path / "bench.png").exists()
+
+
+@pytest.mark.parametrize("make", [_fake_report, fake_fused_report, fake_verify_report])
+def test_plot_with_matplotlib(make, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "out.png"
+    assert plot.write_plot(make(), str(path)) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_nothing() -> None:
+    problem = plot.write_plot(Report({}, {}, {}, []), "/nonexistent/x.png")
+    assert problem == "no successful measurements to plot" or problem.startswith("matplotlib is not importable")
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class _FakeTqdm:
+    made: list["_FakeTqdm"] = []
+
+    def __init__(self, **kw) -> None:
+        self.kw, self.n, self.lines, self.closed = kw, 0, [], False
+        _FakeTqdm.made.append(self)
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def write(self, line: str, file=None) -> None:
+        self.lines.append(line)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_bar_on_a_terminal_uses_tqdm() -> None:
+    with Bar(10, "bench", stream=_Tty(), factory=_FakeTqdm) as bar:
+        assert bar.active
+        bar.advance(3)
+        bar.advance(0)
+        bar.write("[W=2 ours] running 4 cases ...")
+    made = _FakeTqdm.made[-1]
+    assert made.n == 3 and made.kw["total"] == 10 and made.kw["desc"] == "bench" and made.closed
+    assert made.lines == ["[W=2 ours] running 4 cases ..."]
+
+
+def test_bar_elsewhere_prints_lines_only() -> None:
+    stream = io.StringIO()  # not a terminal (a log file, CI): no bar, the lines as they come
+    bar = Bar(10, "bench", stream=stream, factory=_FakeTqdm)
+    bar.advance(5)
+    bar.write("hello")
+    bar.close()
+    assert not bar.active and stream.getvalue() == "hello\n"
+    assert not Bar(0, "x", stream=_Tty(), factory=_FakeTqdm).active  # nothing to count
+
+
+def test_series_of_tune_keeps_the_best_block_count_per_algorithm() -> None:
+    from tests.test_bench_tune import _fake_tune_report
+
+    data = plot.series(_fake_tune_report())
+    assert sorted(data[2]) == ["oneshot (best block count)", "staged (best block count)", "twoshot (best block count)"]
+    assert data[2]["oneshot (best block count)"][0] == (1024.0, pytest.approx(10.0 + 1024 / 1e5))
+
+
+@pytest.mark.parametrize("make", [_fake_report, fake_fused_report, fake_verify_report])
+def test_json_round_trip_and_plot_command(make, tmp_path, capsys) -> None:
+    from pcie_allreduce import cli
+    from pcie_allreduce.bench import report
+
+    rep = make()
+    back = report.from_json_obj(__import__("json").loads(report.to_json(rep)))
+    from pcie_allreduce.bench.results import sort_key
+
+    assert back.results == sorted(rep.results, key=sort_key)  # the JSON keeps table order
+    assert back.placements == rep.placements and back.notes == rep.notes
+    assert report.format_report(back) == report.format_report(rep)
+    path = tmp_path / "run.json"
+    path.write_text(report.to_json(rep))
+    status = cli.main(["plot", str(path), "--text"])
+    captured = capsys.readouterr()
+    assert captured.out == report.format_report(rep)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert status == 3 and "matplotlib is not importable" in captured.err
+    else:
+        assert status == 0 and (tmp_path / "run.png").exists()
+
+
+def test_plot_command_bad_file(tmp_path, capsys) -> None:
+    from pcie_allreduce import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plot", str(tmp_path / "missing.json")])
+    assert info.value.code == 2 and "cannot read" in capsys.readouterr().err

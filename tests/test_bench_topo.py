@@ -1,0 +1,134 @@
+"""CPU tests of ``pcie-allreduce topo``'s measurements: the matrices from per-rank figures, their
+printed and JSON forms, the command with a fake probe, and the probe kernels under the Triton
+CPU interpreter (TRITON_INTERPRET=1, as CI runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+from pcie_allreduce import cli
+from pcie_allreduce.bench import topo, topo_probe
+
+
+def _per_rank(world: int) -> list[dict]:
+    ranks = []
+    for r in range(world):
+        ranks.append({"rtt_us": {j: 1.0 + r + j for j in range(r + 1, world)},
+                      "write_gbps": {j: 20.0 + j for j in range(world) if j != r},
+                      "one_to_one_gbps": 25.0 + r, "all_to_all_gbps": 10.0 if r else None})
+    return ranks
+
+
+def test_assemble_matrices() -> None:
+    data = topo_probe.assemble(3, _per_rank(3))
+    assert data["rtt_us"] == [[None, 2.0, 3.0], [2.0, None, 4.0], [3.0, 4.0, None]]  # symmetric
+    assert data["write_gbps"][0] == [None, 21.0, 22.0] and data["write_gbps"][2][1] == 21.0
+    assert data["one_to_one"] == {"min": 25.0, "mean": 26.0}
+    assert data["all_to_all"] == {"min": 10.0, "mean": 10.0}
+    assert data["all_to_all_over_one_to_one"] == pytest.approx(10 / 26)
+    assert json.loads(json.dumps(data))["rtt_us"][0][1] == 2.0
+    assert topo_probe.pairs(3) == [(0, 1), (0, 2), (1, 2)] and len(topo_probe.ordered_pairs(4)) == 12
+    assert topo_probe.gbps(1 << 30, 0.0) is None and topo_probe.gbps(10**9, 0.5) == 2.0
+
+
+def test_format_probe() -> None:
+    data = {**topo_probe.assemble(2, _per_rank(2)), "nbytes": 16 << 20, "pingpong_iters": 2000}
+    text = topo.format_probe(2, "emulation: 2 ranks on one GPU under MPS", data)
+    lines = text.splitlines()
+    assert lines[0] == "# measured between W=2 ranks (emulation: 2 ranks on one GPU under MPS); rN = rank N"
+    assert "# flag round-trip latency (us), 2000 round trips per pair" in text
+    rtt = lines.index("# flag round-trip latency (us), 2000 round trips per pair")
+    assert lines[rtt + 1].split() == ["r0", "r1"] and lines[rtt + 2].split() == ["r0", "X", "2.00"]
+    assert "row rank writes 16 MiB into column rank, alone" in text
+    assert "one-to-one (rank r -> r+1):" in text and "mean 25.5" in text
+    assert "all-to-all / one-to-one: 0.39" in text
+
+
+def test_topo_options(capsys) -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["topo", "--world", "2", "4", "--bytes", "4M", "--iters", "100", "--no-probe"])
+    assert args.world == [2, 4] and args.bytes == 4 << 20 and args.iters == 100 and args.no_probe
+    with pytest.raises(SystemExit):
+        parser.parse_args(["topo", "--world", "9"])
+    assert "--world" in capsys.readouterr().err
+
+
+class _FakeExt:
+    def pci_bus_id(self, device: int) -> str:
+        return f"00000000:{0x19 + device * 0x20:02X}:00.0"
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        return True
+
+
+def test_topo_command_with_a_fake_probe(monkeypatch, capsys, tmp_path) -> None:
+    from pcie_allreduce import _ext, testing
+
+    monkeypatch.setattr(testing, "skip_reason_no_gpu", lambda: None)
+    monkeypatch.setattr(testing, "gpu_count", lambda: 1)
+    monkeypatch.setattr(_ext, "load", lambda: _FakeExt())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: argparse.Namespace(name="NVIDIA H200"))
+    monkeypatch.setattr(topo, "_nvidia_smi_topo", lambda: "")
+    jobs = []
+
+    def fake_probe(world: int, job: topo_probe.ProbeJob) -> dict:
+        jobs.append((world, job))
+        if world == 8:
+            raise RuntimeError("hung: rank 3 made no progress for 60 s in pingpong (killed by the bench watchdog)")
+        return {**topo_probe.assemble(world, _per_rank(world)), "nbytes": job.nbytes, "pingpong_iters": 10,
+                "mps": True}
+
+    monkeypatch.setattr(topo_probe, "run_probe", fake_probe)
+    status = cli.main(["topo", "--world", "2", "8", "--bytes", "1000", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 1  # one world's measurement failed
+    assert [w for w, _ in jobs] == [2, 8] and jobs[0][1].nbytes == 992  # whole 16-byte units
+    assert "# measured between W=2 ranks (emulation: 2 ranks on one GPU under MPS)" in out
+    assert "# W=8: measurement failed: hung: rank 3" in out
+    data = json.loads((tmp_path / "topo.json").read_text())
+    assert data["gpus"][0]["name"] == "NVIDIA H200" and data["measured"]["2"]["rtt_us"][0][1] == 2.0
+    assert data["measure_errors"] == {"8": "hung: rank 3 made no progress for 60 s in pingpong (killed by the "
+                                           "bench watchdog)"}
+    assert cli.main(["topo", "--no-probe", "--json"]) == 0
+    assert "measured" not in json.loads(capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------------------- kernels, interpreted
+
+interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_interpreter = pytest.mark.skipif(not interpreting, reason="needs TRITON_INTERPRET=1 (CPU interpreter)")
+
+
+@needs_interpreter
+def test_push_kernel_copies_a_slice_to_every_peer() -> None:
+    from pcie_allreduce.bench import probe_kernels
+
+    words = 3000
+    src = torch.arange(3 * words, dtype=torch.int64)
+    dsts = [torch.zeros(words + 2, dtype=torch.int64) for _ in range(3)]
+    addrs = torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64)
+    probe_kernels.push(src, addrs, words, programs_per_peer=2)
+    for p, d in enumerate(dsts):
+        assert torch.equal(d[:words], src[p * words:(p + 1) * words]) and d[words:].eq(0).all()
+
+
+@needs_interpreter
+def test_pingpong_and_fill_kernels() -> None:
+    from pcie_allreduce.bench import probe_kernels
+
+    flags = torch.full((4,), 7, dtype=torch.int64)
+    probe_kernels.fill(flags.data_ptr(), 2)
+    assert flags.tolist() == [0, 0, 7, 7]
+    out = torch.zeros(2, dtype=torch.int64)
+    mine, theirs = flags.data_ptr(), flags.data_ptr() + 8
+    flags[0] = 50  # the peer already answered every round: the initiator runs through
+    probe_kernels.pingpong(mine, theirs, out, 20, 10**9, initiator=True)
+    assert out[0] == 1 and flags[1] == 20
+    flags.zero_()  # no peer: the wait gives up (spin limit under the interpreter) and reports it
+    probe_kernels.pingpong(mine, theirs, out, 20, 10**9, initiator=False)
+    assert out[0] == 0 and flags[1] == 0

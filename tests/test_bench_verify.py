@@ -1,0 +1,152 @@
+"""CPU tests of ``pcie-allreduce bench verify``: presets and options, the cases (2 x L calls per
+graph), the rank loop on CPU ranks, and the pass / projected-verify report."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+
+from pcie_allreduce import cli
+from pcie_allreduce.bench import command, environment, options, plan, report, runner, verify_options
+from pcie_allreduce.bench.results import OK, VERIFY, Report, Result, add_speedups
+from tests import _bench_fakes as fakes
+
+
+def _verify_config(argv: list[str], gpu_count: int = 1) -> options.BenchConfig:
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "verify", *argv])
+    assert args.handler == "pcie_allreduce.bench.command:run_verify"
+    return verify_options.config_from_args(args, args.parser, gpu_count)
+
+
+def test_verify_defaults() -> None:
+    cfg = _verify_config([])
+    assert cfg.workload == VERIFY and not cfg.norm and cfg.compute_ms == 5.0 and cfg.iters == 50
+    assert [(s.model, s.layers, s.hidden, s.tokens) for s in cfg.shapes] == [
+        ("kimi-k2.5", 61, 7168, 4), ("llama-3-70b", 80, 8192, 4), ("qwen3-235b-a22b", 94, 4096, 4)]
+    assert cfg.sizes == (4 * 4096 * 2, 4 * 7168 * 2, 4 * 8192 * 2) and cfg.calls_per_graph == 188
+
+
+def test_verify_options() -> None:
+    cfg = _verify_config(["--model", "deepseek-v3", "kimi-k2.5", "--batch", "1", "8", "--draft-tokens", "4",
+                          "--compute-ms", "7.5", "--fused", "--world", "4", "8", "--dtype", "float16"])
+    assert [(s.model, s.tokens) for s in cfg.shapes] == [("deepseek-v3/kimi-k2.5", 4), ("deepseek-v3/kimi-k2.5", 32)]
+    assert cfg.norm and cfg.compute_ms == 7.5 and cfg.worlds == (4, 8) and cfg.dtype == "float16"
+    custom = _verify_config(["--layers", "2", "--hidden", "256"])
+    assert [(s.model, s.layers, s.hidden) for s in custom.shapes] == [("custom-L2-H256", 2, 256)]
+    both = _verify_config(["--layers", "2", "--hidden", "256", "--model", "llama-3-70b"])
+    assert [s.model for s in both.shapes] == ["llama-3-70b", "custom-L2-H256"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--layers", "3"], "needs both --layers and --hidden"),
+    (["--model", "gpt-5"], "invalid choice"),
+    (["--compute-ms", "-1"], "--compute-ms"),
+    (["--dtype", "float32"], "invalid choice"),
+    (["--batch", "0"], "--batch"),
+])
+def test_verify_bad_options(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _verify_config(argv)
+    assert info.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_verify_cases() -> None:
+    cfg = _verify_config(["--model", "qwen3-235b-a22b", "--fused"])
+    ours = plan.cases_for(cfg, "ours")
+    assert [c.algo for c in ours] == ["auto", "fused", "auto+norm"]
+    assert {(c.calls, c.tokens, c.hidden, c.model) for c in ours} == {(188, 4, 4096, "qwen3-235b-a22b")}
+    assert [c.algo for c in plan.cases_for(cfg, "torch_symm")] == ["one_shot", "two_shot", "one_shot+norm",
+                                                                   "two_shot+norm"]
+    plain = _verify_config(["--model", "qwen3-235b-a22b"])
+    assert [c.algo for c in plan.cases_for(plain, "nccl")] == ["default"]
+    job = plan.make_job(cfg, "ours", ours, "/tmp")
+    assert job.calls(ours[0]) == 188 and job.workload == VERIFY
+
+
+def test_verify_rank_loop_on_cpu(monkeypatch) -> None:
+    fakes.use_cpu_ranks(monkeypatch)
+    cfg = options.BenchConfig(worlds=(2,), sizes=(256,), backends=("ours",), workload=VERIFY, norm=True,
+                              shapes=(options.Shape(2, 64, layers=3, model="tiny"),), eager=True, iters=3, warmup=1,
+                              setup_timeout_s=60.0, retries=0, compute_ms=1.0)
+    rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None)
+    rows = {r.algo: r for r in rep.results}
+    assert set(rows) == {"auto", "fused", "auto+norm"}
+    assert rows["auto"].status == OK and rows["auto+norm"].status == OK
+    assert rows["fused"].status != OK  # the fake's fused path at T=2 corrupts rank 1's residual
+    assert rows["auto"].calls_per_graph == 6 and rows["auto"].model == "tiny" and rows["auto"].layers == 3
+    assert rows["auto"].pass_ms == pytest.approx(rows["auto"].p50_us * 6 / 1e3)
+
+
+def _row(backend: str, algo: str, p50: float, model: str = "kimi-k2.5", layers: int = 61, tokens: int = 4,
+         hidden: int = 7168, **kw) -> Result:
+    return Result(world=8, backend=backend, algo=algo, size_bytes=tokens * hidden * 2, count=tokens * hidden,
+                  dtype="bfloat16", p50_us=p50, p99_us=p50 * 1.1, replays=50, calls_per_graph=2 * layers,
+                  workload=VERIFY, tokens=tokens, hidden=hidden, model=model, **kw)
+
+
+def fake_verify_report(compute_ms: float = 5.0) -> Report:
+    rows = [_row("ours", "auto", 10.0, resolved_algo="oneshot"), _row("torch_symm", "one_shot", 12.5),
+            _row("torch_symm", "two_shot", 14.0), _row("ours", "fused", 12.0, resolved_algo="oneshot"),
+            _row("ours", "auto+norm", 20.0, resolved_algo="oneshot+norm"), _row("torch_symm", "one_shot+norm", 22.0)]
+    config = options.BenchConfig(worlds=(8,), sizes=(57344,), workload=VERIFY, compute_ms=compute_ms, norm=True,
+                                 shapes=(options.Shape(4, 7168, 61, "kimi-k2.5"),)).to_dict()
+    return Report({"gpus": ["NVIDIA H200"]}, config, {8: environment.placement_label(8, 1, True)},
+                  add_speedups(rows, compute_ms))
+
+
+def test_verify_pass_and_projected_speedup() -> None:
+    by = {r.algo: r for r in fake_verify_report().results}
+    assert by["auto"].pass_ms == pytest.approx(1.22)  # 10 us x 122 calls
+    # projected verify: (1.525 + 5) / (1.22 + 5)
+    assert by["auto"].reference == "torch_symm" and by["auto"].speedup == pytest.approx(6.525 / 6.22)
+    assert by["fused"].speedup == pytest.approx((2.684 + 5) / (1.464 + 5))  # vs torch_symm one_shot+norm
+
+
+def test_verify_report_text() -> None:
+    text = report.format_report(fake_verify_report())
+    assert text.startswith("# pcie_allreduce bench verify | NVIDIA H200")
+    assert "one CUDA graph per pass: 2 x L collectives on [T, H]" in text and "verify = pass + 5 ms compute" in text
+    header = next(line for line in text.splitlines() if "pass(ms)" in line and "verify(ms)" in line)
+    assert header.lstrip("#").split() == ["model", "L", "T", "H", "backend", "algo", "pass(ms)", "p99(ms)",
+                                          "call(us)", "verify(ms)", "speedup", "status"]
+    row = next(line.split() for line in text.splitlines() if "auto(oneshot)" in line and "norm" not in line
+               and not line.startswith("#") and line.split()[0] == "kimi-k2.5")
+    assert row[:6] == ["kimi-k2.5", "61", "4", "7168", "ours", "auto(oneshot)"]
+    assert row[6:11] == ["1.220", "1.342", "10.00", "6.220", "1.05x"]
+    summary = [line for line in text.splitlines() if line.startswith("  8")]
+    assert len(summary) == 2  # (allreduce, allreduce+norm) for the one model and T
+    assert "1.220/6.220 (auto(oneshot))" in summary[0] and "+0.305 ms (1.049x)" in summary[0]
+    assert "1.464/6.464 (fused(oneshot))" in summary[1]
+
+
+def test_verify_compute_time_changes_the_verify_column() -> None:
+    text = report.format_report(fake_verify_report(compute_ms=10.0))
+    row = next(line.split() for line in text.splitlines() if line.split()[:1] == ["kimi-k2.5"]
+               and "auto(oneshot)" in line and "norm" not in line)
+    assert row[9] == "11.220"
+
+
+def test_verify_csv_has_pass_ms(tmp_path) -> None:
+    rep = fake_verify_report()
+    rows = list(csv.DictReader(io.StringIO(report.to_csv(rep.results))))
+    assert float(next(r for r in rows if r["algo"] == "auto")["pass_ms"]) == pytest.approx(1.22)
+    assert sorted(p.rsplit("/", 1)[1] for p in report.write_outputs(rep, str(tmp_path))) == [
+        "verify.csv", "verify.json", "verify.txt"]
+
+
+def test_verify_command_end_to_end(monkeypatch, capsys) -> None:
+    seen = {}
+
+    def fake_sweep(cfg, gpus, env, echo, bar):
+        seen["cfg"] = cfg
+        return fake_verify_report()
+
+    monkeypatch.setattr(command, "unavailable_reason", lambda cfg: None)
+    monkeypatch.setattr(environment, "host_environment", lambda: {})
+    monkeypatch.setattr(runner, "run_sweep", fake_sweep)
+    assert cli.main(["bench", "verify", "--model", "kimi-k2.5", "--fused", "--world", "8"]) == 0
+    assert seen["cfg"].norm and seen["cfg"].worlds == (8,)
+    assert "verify(ms)" in capsys.readouterr().out

@@ -1,0 +1,194 @@
+"""Host-side cost of one eager all-reduce call (pytest-benchmark); the goal is under 10 us.
+
+- ``test_host_cost_python_path`` (runs anywhere, CI records it): ``Communicator.all_reduce`` on
+  a CPU tensor with a fake workspace, so it times exactly the Python part (validation, algorithm
+  choice, the call into the binding) with a no-op binding.
+- ``test_host_cost_eager_call[full|raw]`` (GPU): a real 2-rank communicator; ``full`` times
+  ``comm.all_reduce`` (Python + binding + kernel launch), ``raw`` the binding + launch alone
+  (``Workspace.all_reduce``). The peer rank is a subprocess that issues the same calls: before
+  every round (untimed ``setup``) rank 0 broadcasts over gloo how many calls follow, so the two
+  always agree, whatever pytest-benchmark decides to run (``--benchmark-disable`` included), and
+  every 32 rounds it synchronizes so the launch queue never fills up (a full queue would make
+  the launch block and time the GPU instead of the host).
+
+Run on a GPU machine:  pytest tests/test_host_overhead.py --benchmark-columns=min,median,mean,max
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("pytest_benchmark")
+
+import pcie_allreduce  # noqa: E402
+from pcie_allreduce import algo as algo_mod, testing  # noqa: E402
+from pcie_allreduce.communicator import Communicator  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HIDDEN = 7168  # one decode token of DeepSeek-V3 / Kimi-K2.5, bf16: 14 KiB
+ROUNDS, WARMUP_ROUNDS, SYNC_EVERY = 300, 30, 32
+GOAL_US = 10.0
+
+
+# ---------------------------------------------------------------------------- CPU: the Python path
+
+
+class _FakeWorkspace:
+    """Stands in for ``_C.Workspace``: the launch is a no-op that reports success."""
+
+    calls = 0
+
+    def all_reduce(self, algo: int, inp: int, out: int, nbytes: int, dtype: int, blocks: int, stream: int) -> int:
+        self.calls += 1
+        return 0
+
+    def failed(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class _FakeStream:
+    cuda_stream = 0
+
+
+def _cpu_communicator(world: int = 4) -> tuple[Communicator, _FakeWorkspace]:
+    """A Communicator whose device is the CPU and whose only workspace is fake (no rendezvous)."""
+    comm = Communicator.__new__(Communicator)
+    workspace = _FakeWorkspace()
+    comm._closed = False
+    comm.device = torch.device("cpu")
+    comm.max_bytes = 8 << 20
+    comm.world_size = world
+    comm.rank = 0
+    comm.table = algo_mod.default_table()
+    comm._choices = {}
+    comm.block_cap = algo_mod.MAX_LAUNCH_BLOCKS
+    comm._workspaces = {_FakeStream.cuda_stream: workspace}
+    return comm, workspace
+
+
+def test_host_cost_python_path(benchmark, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    comm, workspace = _cpu_communicator()
+    x = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    assert comm.all_reduce(x, out=out) is out and workspace.calls == 1
+    benchmark.extra_info.update(what="Communicator.all_reduce, fake binding (validation + algo choice + call)",
+                                bytes=x.numel() * 2, goal_us=GOAL_US)
+    result = benchmark(comm.all_reduce, x, out)
+    assert result is out and workspace.calls > 1
+
+
+# ---------------------------------------------------------------------------- GPU: the whole call
+
+_PEER = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import pcie_allreduce
+    init_file, count = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=1, world_size=2,
+                            timeout=timedelta(seconds=120))
+    device = torch.device("cuda", 1 % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    comm = pcie_allreduce.Communicator(dist.group.WORLD, device, max_bytes=count * 2)
+    x = torch.ones(count, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(x)
+    n = torch.zeros(1, dtype=torch.int64)
+    while True:
+        dist.broadcast(n, src=0)
+        if int(n) == 0:
+            break
+        for _ in range(int(n)):
+            comm.all_reduce(x, out=out)
+    torch.cuda.synchronize(device)
+    comm.check()
+    comm.close()
+    dist.destroy_process_group()
+""")
+
+
+def _gpu_problem() -> str | None:
+    reason = testing.skip_reason_no_gpu()
+    if reason is not None:
+        return reason
+    reason = pcie_allreduce.unavailable_reason()
+    if reason is not None:
+        return reason
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return "this process already has a default process group"
+    return None
+
+
+@pytest.mark.parametrize("path", ["full", "raw"])
+def test_host_cost_eager_call(benchmark, tmp_path, path: str) -> None:
+    problem = _gpu_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    import torch.distributed as dist
+
+    init_file = str(tmp_path / "rendezvous")
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, init_file, str(HIDDEN)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        dist.init_process_group("gloo", init_method="file://" + init_file, rank=0, world_size=2,
+                                timeout=timedelta(seconds=120))
+        try:
+            _measure(benchmark, path, dist)
+        finally:
+            dist.destroy_process_group()
+        output, _ = peer.communicate(timeout=120)
+        assert peer.returncode == 0, output
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+
+
+def _measure(benchmark, path: str, dist) -> None:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    comm = Communicator(dist.group.WORLD, device, max_bytes=HIDDEN * 2)
+    x = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(x)
+    one = torch.ones(1, dtype=torch.int64)
+    rounds = [0]
+
+    def setup() -> None:
+        if rounds[0] % SYNC_EVERY == 0:
+            torch.cuda.synchronize(device)
+        rounds[0] += 1
+        dist.broadcast(one, src=0)  # the peer issues exactly one matching call
+
+    if path == "full":
+        target = lambda: comm.all_reduce(x, out=out)  # noqa: E731
+        what = "Communicator.all_reduce: validation + algo choice + binding + kernel launch"
+    else:
+        choice = comm.table.select(x.numel() * 2, comm.world_size, "bfloat16")
+        algo_id, blocks = algo_mod.ALGO_IDS[choice.algo], min(choice.blocks, comm.block_cap)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        workspace = comm.workspace(stream)
+        args = (algo_id, x.data_ptr(), out.data_ptr(), x.numel() * 2, 2, blocks, stream)
+        target = lambda: workspace.all_reduce(*args)  # noqa: E731
+        what = "Workspace.all_reduce: binding + kernel launch only"
+    benchmark.extra_info.update(what=what, bytes=x.numel() * 2, goal_us=GOAL_US, world=2,
+                                shared_gpu=torch.cuda.device_count() < 2)
+    try:
+        benchmark.pedantic(target, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS)
+    finally:
+        dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)  # the peer stops
+        torch.cuda.synchronize(device)
+    comm.check()
+    torch.testing.assert_close(out.float(), torch.full_like(out, 2).float())
+    comm.close()
