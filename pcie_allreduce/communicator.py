@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -70,7 +71,10 @@ class Communicator:
         self.timeout_s: float = _default_timeout() if timeout_s is None else float(timeout_s)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        explicit_table = algo_table is not None or bool(os.environ.get(algo_mod.TABLE_ENV))
         self.table: algo_mod.AlgoTable = algo_mod.load_table(algo_table)
+        self.table_source: str = ("algo_table argument" if algo_table is not None
+                                  else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
         self._views: dict[int, WorkspaceView] = {}
 
@@ -82,9 +86,13 @@ class Communicator:
         self._check_agreement(agreed, "max_bytes")
         self._check_agreement(agreed, "table")
         self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
+        if not explicit_table:
+            self._adopt_tuned_table()
+        # Every rank learns every rank's verdict, so all raise together instead of some waiting forever.
         problem = topology.peer_access_problem(self._ext, placement, self.device.index, self.placements)
-        if problem is not None:
-            raise UnavailableError(problem)
+        problems = [p["problem"] for p in self._gather({"problem": problem}) if p["problem"]]
+        if problems:
+            raise UnavailableError(problems[0] if len(problems) == 1 else "; ".join(dict.fromkeys(problems)))
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
         self.block_cap: int = self._block_cap()
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
@@ -195,6 +203,12 @@ class Communicator:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         return self._workspaces.get(stream) or self._workspace_for(stream)
 
+    def has_workspace(self, stream: int | None = None) -> bool:
+        """Whether ``stream`` (default: the current stream) already has its workspace (no collective)."""
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        return stream in self._workspaces
+
     def raise_if_failed(self, workspace: Any) -> None:
         """Raise the recorded error of ``workspace`` if one of its kernels failed."""
         if workspace.failed():
@@ -224,6 +238,33 @@ class Communicator:
             if len(self._choices) < 4096:  # bounded: shapes in serving are few
                 self._choices[key] = hit
         return hit
+
+    def _adopt_tuned_table(self) -> None:
+        """Use the table `pcie-allreduce tune` cached for this GPU model, W and topology, if any.
+
+        Rank 0 reads it and every rank adopts rank 0's copy, so the table is agreed once, here.
+        A missing file means the default; an unreadable one warns and means the default too.
+        """
+        from pcie_allreduce import tune_cache
+
+        found: tuple[str, str] | None = None
+        if self.rank == 0:
+            fp = tune_cache.fingerprint_of(self._ext, [p.pci_bus_id for p in self.placements])
+            path = tune_cache.table_path(torch.cuda.get_device_name(self.device), self.world_size, fp)
+            if os.path.isfile(path):
+                try:
+                    with open(path, encoding="utf-8") as fh:
+                        found = (path, fh.read())
+                except OSError as exc:
+                    warnings.warn(f"pcie_allreduce: cannot read tuned table {path} ({exc}); using the default")
+        path, text = self._gather({"tuned": found})[0]["tuned"] or (None, None)
+        if text is None:
+            return
+        try:
+            self.table = algo_mod.AlgoTable.from_json(text, source=f"tuned table {path}")
+            self.table_source = f"tune cache {path}"
+        except ValueError as exc:
+            warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
 
     def _block_cap(self) -> int:
         """Most blocks (CUDA) or programs (Triton) one call may launch.

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pcie_allreduce import algo as algo_mod, cli
-from pcie_allreduce.bench import command, environment, plan, runner, tune, tune_cache, tune_table
+from pcie_allreduce import tune_cache
+from pcie_allreduce.bench import command, environment, plan, runner, tune, tune_table
 from pcie_allreduce.bench.backends import OURS_SHAPES
 from pcie_allreduce.bench.options import BenchConfig
 from pcie_allreduce.bench.results import OK, SKIPPED, TUNE, Report, Result

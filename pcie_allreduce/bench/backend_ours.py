@@ -36,7 +36,7 @@ class OursBackend:
 
     def facts(self) -> dict[str, Any]:
         """Block cap, GPU model and topology fingerprint (the key of tuned tables) for the setup event."""
-        from pcie_allreduce.bench import tune_cache
+        from pcie_allreduce import tune_cache
         from pcie_allreduce import _ext
 
         facts: dict[str, Any] = {"block_cap": self._comm.block_cap,

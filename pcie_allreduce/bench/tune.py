@@ -14,7 +14,8 @@ import datetime
 import sys
 from typing import Any, Sequence
 
-from pcie_allreduce.bench import options, report, tune_cache, tune_table
+from pcie_allreduce import tune_cache
+from pcie_allreduce.bench import options, report, tune_table
 from pcie_allreduce.bench.backends import OURS_SHAPES
 from pcie_allreduce.bench.options import BenchConfig
 from pcie_allreduce.bench.plan import parse_shape_algo

@@ -1,0 +1,177 @@
+"""``PcieAllReduceAdapter``: a ``pcie_allreduce.Communicator`` behind SGLang's ``ca_comm`` surface.
+
+``GroupCoordinator`` (sglang/srt/distributed/parallel_state.py) uses its ``ca_comm`` through
+``disabled``, ``should_custom_ar(t)``, ``custom_all_reduce(t)`` (out of place, a tensor whenever
+``should_custom_ar`` said yes), ``capture()`` around CUDA-graph capture, ``close()`` and
+``max_size``; ``fused_allreduce_rmsnorm(...)`` is probed with ``hasattr``. This class offers
+exactly that, nothing SGLang's other call sites test with ``isinstance(.., CustomAllReduceV2)``.
+
+CUDA-graph safety: every rank must capture the same sequence of collectives, so every decision
+here (serve or decline, fuse or decline) is a pure function of the tensor's dtype, shape,
+contiguity and the world size, which all ranks share; none looks at pointers or timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from sglang_plugin.settings import Settings
+
+DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+MAX_FUSED_HIDDEN = 16384  # pcie_allreduce.validation.MAX_RMSNORM_HIDDEN
+
+CommunicatorFactory = Callable[..., Any]
+
+
+def _default_factory() -> CommunicatorFactory:
+    from pcie_allreduce.communicator import Communicator
+
+    return Communicator
+
+
+class PcieAllReduceAdapter:
+    """SGLang's custom-all-reduce interface over :class:`pcie_allreduce.Communicator`.
+
+    Construction is collective over ``group`` (a gloo group; SGLang passes its ``cpu_group``):
+    every rank of the group must construct it at the same point.
+
+    Args:
+        group: the CPU process group of the tp group.
+        device: this rank's CUDA device.
+        settings: the plugin's settings (max bytes, algorithm override, timeout).
+        communicator_factory: builds the communicator (tests on CPU pass a stand-in for
+            pcie_allreduce's, never for SGLang's classes).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, settings: Settings, *,
+                 communicator_factory: CommunicatorFactory | None = None) -> None:
+        # SGLang code reads these two on every ca_comm (getattr(ca_comm, "_IS_CAPTURING", False)).
+        self._IS_CAPTURING = False
+        self.disabled = True
+        factory = communicator_factory or _default_factory()
+        self.comm = factory(group, device, max_bytes=settings.max_bytes, timeout_s=settings.timeout_s)
+        self.group = group
+        self.device: torch.device = self.comm.device
+        self.rank: int = self.comm.rank
+        self.world_size: int = self.comm.world_size
+        self.max_size: int = self.comm.max_bytes
+        self.algo: str = settings.algo
+        self.fused_enabled: bool = settings.fused
+        self.disabled = False
+
+    # ---- SGLang's ca_comm surface -------------------------------------------------------
+
+    def should_custom_ar(self, inp: torch.Tensor) -> bool:
+        """Whether this call is ours: a pure function of dtype, size and contiguity (and W).
+
+        SGLang's own kernel also wants ``nbytes % 16 == 0`` and weak contiguity; ours takes any
+        size but needs a contiguous tensor, so that is what is checked.
+        """
+        if self.disabled or inp.dtype not in DTYPES or not inp.is_contiguous():
+            return False
+        nbytes = inp.numel() * inp.element_size()
+        return 0 < nbytes <= self.max_size and inp.device == self.device
+
+    def custom_all_reduce(self, input: torch.Tensor) -> torch.Tensor | None:  # noqa: A002 - SGLang's name
+        """Sum over the group into a NEW tensor; None when :meth:`should_custom_ar` declines.
+
+        Unlike SGLang's kernel, warm-up runs inside ``capture()`` (outside stream capture) do the
+        real reduction: every rank runs the same warm-ups, and real values keep them honest.
+        """
+        if not self.should_custom_ar(input):
+            return None
+        return self.comm.all_reduce(input, algo=self.algo)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """SGLang's ``graph_capture()`` context: make the capture stream's workspace now.
+
+        ``GroupCoordinator.graph_capture`` enters this with the capture stream already current,
+        before any capture starts. The communicator keeps one workspace per stream and creates a
+        missing one collectively on first use, so creating it here, where every rank is at the
+        same point, keeps that collective out of the captured region. First the ranks agree that
+        the stream is new to all of them or to none: a stream handle that one rank reused and
+        another did not would otherwise pair different workspaces and hang.
+        """
+        if self.disabled:
+            yield
+            return
+        self._agree_on_stream_workspace()
+        self._IS_CAPTURING = True
+        try:
+            yield
+        finally:
+            self._IS_CAPTURING = False
+        self.comm.check()
+
+    def close(self) -> None:
+        """Free the workspaces (collective: every rank of the group must call it)."""
+        if self.disabled:
+            return
+        self.disabled = True
+        self.comm.close()
+
+    # ---- fused all-reduce + residual add + RMSNorm ----------------------------------------
+
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`fused_allreduce_rmsnorm` serves these shapes (pure, like should_custom_ar)."""
+        if self.disabled or not self.fused_enabled:
+            return False
+        if x.dim() != 2 or x.dtype not in FUSED_DTYPES or not 1 <= x.shape[1] <= MAX_FUSED_HIDDEN:
+            return False
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            return False
+        if tuple(weight.shape) != (x.shape[1],) or weight.dtype not in (x.dtype, torch.float32):
+            return False
+        if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
+            return False
+        nbytes = x.numel() * x.element_size()
+        return 0 < nbytes <= self.max_size and x.device == self.device
+
+    def fused_allreduce_rmsnorm(self, input_: torch.Tensor, residual_inp_: torch.Tensor, weight_: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rmsnorm(residual + all_reduce(input)) * weight, residual + all_reduce(input))``, both new
+        tensors; None when :meth:`can_fuse` declines (the caller then runs the unfused path).
+
+        The name and argument order are the ones ``GroupCoordinator.fused_allreduce_rmsnorm``
+        probes for on its ``ca_comm``.
+        """
+        if not self.can_fuse(input_, residual_inp_, weight_):
+            return None
+        return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps))
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _agree_on_stream_workspace(self) -> None:
+        stream = _current_stream_handle(self.device)
+        known = _knows_stream(self.comm, stream)
+        views: list[Any] = [None] * self.world_size
+        dist.all_gather_object(views, known, group=self.group)
+        if len(set(views)) != 1:
+            raise RuntimeError(
+                f"pcie_allreduce sglang plugin: ranks disagree on whether the graph-capture stream is new "
+                f"(per rank: {views}); a CUDA stream handle was reused on some ranks only. Capture on a fresh "
+                "torch.cuda.Stream() created in the same order on every rank.")
+        if not known:
+            self.comm.workspace(stream)  # collective on every rank, outside any capture
+
+    def __repr__(self) -> str:
+        return (f"PcieAllReduceAdapter(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"max_size={self.max_size}, algo={self.algo!r}, disabled={self.disabled})")
+
+
+def _current_stream_handle(device: torch.device) -> int:
+    """The raw handle the communicator keys its workspaces by (0 off CUDA, for CPU stand-ins)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _knows_stream(comm: Any, stream: int) -> bool:
+    """Whether ``comm`` already has a workspace for ``stream`` (no collective, no creation)."""
+    return bool(comm.has_workspace(stream))

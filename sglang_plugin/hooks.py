@@ -1,0 +1,177 @@
+"""The AROUND hooks the plugin puts on SGLang functions, and the table of their targets.
+
+Each hook is ``hook(original, <SGLang's own parameters>)``; the parameter names after
+``original`` repeat SGLang's (tests/test_sglang_plugin.py checks them with inspect.signature, so
+an SGLang upgrade that changes one fails loudly instead of silently serving nothing).
+
+- ``dispatch_custom_allreduce``: ``GroupCoordinator.__init__`` asks it which class to build as
+  ``ca_comm``; for the ``tp`` group we hand back a factory that decides collectively and builds
+  :class:`~sglang_plugin.adapter.PcieAllReduceAdapter`, or SGLang's own class when declining.
+- ``flashinfer_ar_fusion_applies``: the layer-boundary gate for the fused all-reduce + residual
+  + RMSNorm. SGLang opens it only on SM90/SM100 with FlashInfer; we also open it where our
+  adapter serves (a pure function of the batch size, the same on all ranks).
+- ``flashinfer_allreduce_residual_rmsnorm``: the fused op behind
+  ``RMSNorm.forward_with_allreduce_fusion``; SGLang's FlashInfer kernel when configured, else
+  ``Communicator.all_reduce_rmsnorm``; ``(None, None)`` makes SGLang run its unfused fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+
+from sglang_plugin import eligibility, logline
+from sglang_plugin.adapter import PcieAllReduceAdapter
+from sglang_plugin.registry import REGISTRY
+
+logger = logging.getLogger("sglang_plugin")
+
+DISPATCH = "sglang.srt.distributed.device_communicators.custom_all_reduce.dispatch_custom_allreduce"
+FUSION_GATE = "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies"
+FUSED_OP = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
+MAX_FUSED_BATCH = 2048  # add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE in 0.5.23 (checked by the tests)
+
+
+def dispatch_custom_allreduce(original: Callable[..., Any], group: Any, device: Any) -> Any:
+    """AROUND ``dispatch_custom_allreduce(group, device)``: our factory for the served groups."""
+    state = REGISTRY.state
+    if state is None or eligibility.group_name(group) not in eligibility.SERVED_GROUPS:
+        return original(group=group, device=device)
+    return _AdapterFactory(original)
+
+
+class _AdapterFactory:
+    """What ``dispatch_custom_allreduce`` returns for a served group: SGLang calls it as
+    ``CAClass(group=cpu_group, device=device)``. The decision is collective, so every rank ends
+    up with our adapter or every rank with SGLang's own communicator."""
+
+    def __init__(self, original_dispatch: Callable[..., Any]) -> None:
+        self._original_dispatch = original_dispatch
+
+    def __call__(self, group: Any, device: Any) -> Any:
+        state = REGISTRY.state
+        assert state is not None, "sglang_plugin hook ran after unregister()"
+        device = torch.device(device) if not isinstance(device, torch.device) else device
+        facts_fn = state.facts_fn or eligibility.local_facts
+        decision = eligibility.decide(group, device, state.settings, facts_fn=facts_fn)
+        name = eligibility.group_name(group)
+        if not decision.serve:
+            logger.info(logline.declined(group, device, name, decision))
+            sglang_class = self._original_dispatch(group=group, device=device)
+            return sglang_class(group=group, device=device)
+        try:
+            adapter = PcieAllReduceAdapter(group, device, state.settings,
+                                           communicator_factory=state.communicator_factory)
+        except Exception as exc:
+            # SGLang catches this, warns and leaves ca_comm None (NCCL serves); say why first.
+            logger.error("pcie_allreduce[sglang] %s: could not create the communicator (%s: %s); "
+                         "SGLang's other backends serve this group", name, type(exc).__name__, exc)
+            raise
+        state.adapters.add(adapter)
+        logger.info(logline.serving(adapter, name, decision, state.settings))
+        return adapter
+
+
+def flashinfer_ar_fusion_applies(original: Callable[..., Any], batch_size: int) -> bool:
+    """AROUND the fused-path gate: SGLang's answer, or ours where our adapter serves."""
+    if original(batch_size):
+        return True
+    return _our_fusion_open(batch_size)
+
+
+def flashinfer_allreduce_residual_rmsnorm(
+    original: Callable[..., Any],
+    input_tensor: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    max_token_num: int = 2048,
+    use_oneshot: bool | None = None,
+    trigger_completion_at_end: bool = False,
+    fp32_acc: bool = True,
+    use_attn_tp_group: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """AROUND the fused op: SGLang's FlashInfer kernel where configured, else ours, else
+    ``(None, None)`` (SGLang then all-reduces and norms unfused, with the same result)."""
+    if _sglang_fusion_configured():
+        result = original(input_tensor, residual, weight, eps, max_token_num, use_oneshot,
+                          trigger_completion_at_end, fp32_acc, use_attn_tp_group)
+        if result[0] is not None:
+            return result
+    adapter = _adapter_of_fusion_group(use_attn_tp_group)
+    if adapter is None:
+        return None, None
+    fused = adapter.fused_allreduce_rmsnorm(input_tensor, residual, weight, eps)
+    return (None, None) if fused is None else fused
+
+
+@dataclasses.dataclass(frozen=True)
+class HookTarget:
+    """One SGLang function the plugin wraps.
+
+    Attributes:
+        target: dotted path (HookRegistry's format).
+        hook: the AROUND hook.
+        fused: belongs to the fused path (skipped when ``PCIE_AR_SGLANG_FUSED=0``).
+    """
+
+    target: str
+    hook: Callable[..., Any]
+    fused: bool
+
+
+TARGETS: tuple[HookTarget, ...] = (
+    HookTarget(DISPATCH, dispatch_custom_allreduce, fused=False),
+    HookTarget(FUSION_GATE, flashinfer_ar_fusion_applies, fused=True),
+    HookTarget(FUSED_OP, flashinfer_allreduce_residual_rmsnorm, fused=True),
+)
+
+
+# ---- helpers (cheap: they run once per layer boundary) ------------------------------------
+
+
+def _our_fusion_open(batch_size: int) -> bool:
+    state = REGISTRY.state
+    if state is None or not state.settings.fused or not REGISTRY.serving():
+        return False
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+    if is_dp_attention_enabled():  # attention TP is then a subgroup we do not serve
+        return False
+    # Size checks last: under Dynamo they guard on the symbolic token count.
+    return 0 < batch_size <= MAX_FUSED_BATCH
+
+
+def _sglang_fusion_configured() -> bool:
+    """Whether SGLang's own FlashInfer fusion is on (``--flashinfer-allreduce-fusion-backend``;
+    SGLang only allows it on SM90/SM100)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return get_exec().comm.flashinfer_allreduce_fusion_backend is not None
+    except (AttributeError, RuntimeError, ValueError):  # no server config published (tests)
+        return False
+
+
+def _adapter_of_fusion_group(use_attn_tp_group: bool) -> PcieAllReduceAdapter | None:
+    """Our adapter on the group SGLang's fused kernel would reduce over, if it serves it.
+
+    The attention-TP case reads ``get_parallel().attn_tp_group``, which is what SGLang's
+    ``resolve_fusion_group(use_attn_tp_group=True)`` returns, without importing the MoE package
+    that function pulls in for its other case.
+    """
+    if use_attn_tp_group:
+        from sglang.srt.runtime_context import get_parallel
+
+        coordinator = get_parallel().attn_tp_group
+    else:
+        from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
+
+        _, _, coordinator = resolve_fusion_group(use_attn_tp_group=False)
+    comm = getattr(coordinator, "ca_comm", None)
+    if isinstance(comm, PcieAllReduceAdapter) and not comm.disabled:
+        return comm
+    return None

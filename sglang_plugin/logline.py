@@ -1,0 +1,53 @@
+"""The one INFO line each rank logs when its tp group is set up: which backend serves which
+sizes, and why. Grep the server log for ``pcie_allreduce[sglang]`` to see whether it took effect."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sglang_plugin.eligibility import Decision
+from sglang_plugin.settings import Settings, format_bytes
+
+TAG = "pcie_allreduce[sglang]"
+
+
+def _where(group: Any, device: Any, name: str) -> str:
+    return f"{TAG} rank {dist.get_rank(group)}/{dist.get_world_size(group)} group {name or '?'} {device}"
+
+
+def algorithm_ranges(comm: Any, max_bytes: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``oneshot<=256KiB, twoshot<=8MiB``: what ``algo="auto"`` picks, probed at powers of two."""
+    sizes = []
+    size = 1024
+    while size < max_bytes:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_bytes)
+    ranges: list[tuple[str, int]] = []
+    for nbytes in sizes:
+        algo = comm.select_algo(nbytes, dtype)
+        if ranges and ranges[-1][0] == algo:
+            ranges[-1] = (algo, nbytes)
+        else:
+            ranges.append((algo, nbytes))
+    return ", ".join(f"{algo}<={format_bytes(limit)}" for algo, limit in ranges)
+
+
+def serving(adapter: Any, name: str, decision: Decision, settings: Settings) -> str:
+    """The line for a rank whose group the plugin serves."""
+    algos = (f"{settings.algo} forced" if settings.algo != "auto"
+             else f"auto: {algorithm_ranges(adapter.comm, adapter.max_size)} for bf16")
+    fused = ("fused all-reduce+residual+RMSNorm -> pcie_allreduce where SGLang's FlashInfer fusion is off "
+             "(it runs only on SM90/SM100)" if settings.fused else "fused path off (PCIE_AR_SGLANG_FUSED=0)")
+    return (f"{_where(adapter.group, adapter.device, name)}: all-reduce of contiguous bf16/fp16/fp32 tensors "
+            f"of 1B..{format_bytes(adapter.max_size)} -> pcie_allreduce ({algos}); larger or other -> "
+            f"SGLang's other backends; {fused}; why: {decision.reason}")
+
+
+def declined(group: Any, device: Any, name: str, decision: Decision) -> str:
+    """The line for a rank whose group the plugin leaves to SGLang."""
+    return (f"{_where(group, device, name)}: not serving, SGLang's own backends serve every size; "
+            f"why: {decision.reason}")

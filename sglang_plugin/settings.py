@@ -1,0 +1,150 @@
+"""The plugin's settings: environment variables with the one prefix ``PCIE_AR_SGLANG_``.
+
+Read once per process (at plugin registration) and passed around as a frozen :class:`Settings`;
+nothing here keeps state. Every rank reads the same environment (SGLang's scheduler processes
+inherit the launcher's), which is what keeps their decisions identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping
+
+PREFIX = "PCIE_AR_SGLANG_"
+ENABLE = PREFIX + "ENABLE"
+MAX_BYTES = PREFIX + "MAX_BYTES"
+ALGO = PREFIX + "ALGO"
+MODE = PREFIX + "MODE"
+FUSED = PREFIX + "FUSED"
+TIMEOUT_S = PREFIX + "TIMEOUT_S"
+ATTACH = PREFIX + "ATTACH"
+
+ALGOS: tuple[str, ...] = ("auto", "oneshot", "staged", "twoshot")
+MODES: tuple[str, ...] = ("pcie", "always")
+ATTACH_CHOICES: tuple[str, ...] = ("auto", "plugin", "import")
+DEFAULT_MAX_BYTES = 8 << 20  # SGLang's own custom all-reduce default (8 MiB)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+
+# name -> (default shown in docs, what it does); the README table is written from this.
+DOCS: dict[str, tuple[str, str]] = {
+    ENABLE: ("0", "1 turns the plugin on (it is installed but inert by default)"),
+    MAX_BYTES: ("8MiB", "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
+                        "SGLang's next backend. Each rank allocates 2 x W x this per CUDA stream"),
+    ALGO: ("auto", "force one algorithm: auto | oneshot | staged | twoshot"),
+    MODE: ("pcie", "pcie: serve only GPUs without full NVLink (leave NVLink to SGLang's own kernels); "
+                   "always: serve every single-node tp group of 2-8 GPUs"),
+    FUSED: ("1", "0 keeps SGLang's unfused all-reduce + add + RMSNorm on GPUs where its FlashInfer fusion "
+                 "is unavailable"),
+    TIMEOUT_S: ("10", "seconds a kernel waits for a peer before failing loudly instead of hanging"),
+    ATTACH: ("auto", "how the hooks attach: plugin (SGLang's plugin framework), import (import hook, for "
+                     "versions without plugins; needs `python -m sglang_plugin.import_hook install`), auto"),
+}
+
+
+class SettingsError(ValueError):
+    """An environment variable of the plugin has a value it cannot use; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the plugin does in this process.
+
+    Attributes:
+        enabled: serve anything at all.
+        max_bytes: largest all-reduce served, in bytes (the communicator's ``max_bytes``).
+        algo: algorithm override for plain all-reduces ("auto" uses the agreed table).
+        mode: "pcie" (only groups without full NVLink) or "always".
+        fused: route SGLang's fused all-reduce + residual + RMSNorm where its own is unavailable.
+        timeout_s: per-call peer wait limit.
+        attach: "auto", "plugin" or "import".
+    """
+
+    enabled: bool = False
+    max_bytes: int = DEFAULT_MAX_BYTES
+    algo: str = "auto"
+    mode: str = "pcie"
+    fused: bool = True
+    timeout_s: float = 10.0
+    attach: str = "auto"
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (case-insensitive); else SettingsError naming ``name``."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SettingsError(f"{name}={raw!r}: expected 1 or 0 (also true/false, yes/no, on/off)")
+
+
+def parse_size(name: str, raw: str) -> int:
+    """A positive byte count: ``8388608``, ``8MiB``, ``64KiB``, ``1M`` (binary units)."""
+    match = _SIZE.match(raw)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise SettingsError(f"{name}={raw!r}: expected a byte count such as 8388608, 8MiB or 512KiB")
+    value = int(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise SettingsError(f"{name}={raw!r}: must be positive")
+    return value
+
+
+def _choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
+    value = raw.strip().lower()
+    if value not in choices:
+        raise SettingsError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _timeout(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise SettingsError(f"{name}={raw!r}: must be a positive number of seconds")
+    return value
+
+
+def from_env(environ: Mapping[str, str]) -> Settings:
+    """Parse the plugin's variables from ``environ``; unknown ``PCIE_AR_SGLANG_*`` names are errors.
+
+    Raises:
+        SettingsError: a value cannot be used, or a variable with the prefix is misspelt.
+    """
+    known = set(DOCS)
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+    if unknown:
+        raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    base = Settings()
+    get = environ.get
+    return Settings(
+        enabled=parse_bool(ENABLE, get(ENABLE, "0")),
+        max_bytes=parse_size(MAX_BYTES, get(MAX_BYTES)) if get(MAX_BYTES) else base.max_bytes,
+        algo=_choice(ALGO, get(ALGO, base.algo), ALGOS),
+        mode=_choice(MODE, get(MODE, base.mode), MODES),
+        fused=parse_bool(FUSED, get(FUSED, "1")),
+        timeout_s=_timeout(TIMEOUT_S, get(TIMEOUT_S)) if get(TIMEOUT_S) else base.timeout_s,
+        attach=_choice(ATTACH, get(ATTACH, base.attach), ATTACH_CHOICES),
+    )
+
+
+def describe(settings: Settings) -> str:
+    """A short ``key=value`` rendering for log lines."""
+    return (f"max_bytes={format_bytes(settings.max_bytes)} algo={settings.algo} mode={settings.mode} "
+            f"fused={int(settings.fused)} timeout_s={settings.timeout_s:g}")
+
+
+def format_bytes(n: int) -> str:
+    """``8388608`` -> ``8MiB``; exact binary units only, else plain bytes."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"

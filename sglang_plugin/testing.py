@@ -1,0 +1,85 @@
+"""Helpers for the plugin's tests (CPU conformance and the multi-rank GPU test)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tempfile
+from importlib.metadata import entry_points
+
+from sglang_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
+
+SKIP_NO_SGLANG = "sglang is not importable here (CI installs sglang==0.5.23 with --no-deps; see sglang_plugin/README.md)"
+
+
+def sglang_skip_reason() -> str | None:
+    """Why the SGLang-dependent tests cannot run here, or None."""
+    try:
+        import sglang.srt.distributed.parallel_state  # noqa: F401
+        import sglang.srt.plugins  # noqa: F401
+    except Exception as exc:  # ImportError, or a dependency failing at import
+        return f"{SKIP_NO_SGLANG}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def entry_point_installed() -> bool:
+    """Whether the installed package metadata declares our entry point."""
+    return any(ep.name == PLUGIN_NAME and ep.value == ENTRY_POINT for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def ensure_entry_point() -> str | None:
+    """Make ``load_plugins()`` find the plugin in this process, installed or not.
+
+    When the package is installed (``pip install -e .``) its metadata already declares the entry
+    point and nothing is done (returns None). Otherwise a minimal ``*.dist-info`` declaring the
+    same entry point is written to a temporary directory put first on ``sys.path`` (returns it):
+    SGLang then discovers the plugin exactly as it would an installed one.
+    """
+    if entry_point_installed():
+        return None
+    root = tempfile.mkdtemp(prefix="sglang_plugin_ep_")
+    info = os.path.join(root, "sglang_plugin_entrypoint-0.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
+        f.write("Metadata-Version: 2.1\nName: sglang-plugin-entrypoint\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as f:
+        f.write(f"[{ENTRY_POINT_GROUP}]\n{PLUGIN_NAME} = {ENTRY_POINT}\n")
+    sys.path.insert(0, root)
+    importlib.invalidate_caches()
+    return root
+
+
+# Native server extensions SGLang's distributed/plugin code never imports; dropping them keeps the
+# wheel small enough to carry to an offline GPU test machine.
+TRIM_PREFIXES: tuple[str, ...] = ("sglang/srt/rust_extensions/", "sglang/srt/mem_cache/rust_tree_core/")
+
+
+def trim_sglang_wheel(src: str, dest_dir: str) -> str:
+    """Copy SGLang's wheel without its native ``*.so`` server extensions; returns the new path.
+
+    The Python sources are untouched (the tests run SGLang's real code); RECORD loses the dropped
+    files' lines so the wheel stays consistent. Used only to bring SGLang to the offline GPU test
+    machine: ``python -m sglang_plugin.testing trim-wheel SRC DEST_DIR``.
+    """
+    import zipfile
+
+    dest = os.path.join(dest_dir, os.path.basename(src))
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+        dropped = {n for n in zin.namelist() if n.startswith(TRIM_PREFIXES) and n.endswith(".so")}
+        for info in zin.infolist():
+            if info.filename in dropped:
+                continue
+            data = zin.read(info.filename)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(line for line in lines if line.split(",", 1)[0] not in dropped).encode()
+            zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    return dest
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "trim-wheel":
+        print(trim_sglang_wheel(sys.argv[2], sys.argv[3]))
+    else:
+        sys.exit("usage: python -m sglang_plugin.testing trim-wheel SGLANG_WHEEL DEST_DIR")

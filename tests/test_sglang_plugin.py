@@ -1,0 +1,575 @@
+"""CPU conformance tests of the SGLang plugin against SGLang's real code (pinned 0.5.23).
+
+What runs on a CPU: SGLang's real ``GroupCoordinator`` (gloo groups), ``load_plugins()``,
+``HookRegistry``, ``graph_capture()`` and ``fused_allreduce_rmsnorm``. The one substitution is
+ours, not SGLang's: a gloo-backed stand-in for ``pcie_allreduce.Communicator`` (whose kernels
+need a GPU) and the per-rank GPU facts the eligibility decision gathers. SGLang's custom ops
+(``outplace_all_reduce``) are registered for CUDA only, so the CPU tests call the coordinator
+methods those ops run; tests/test_sglang_gpu.py drives the ops themselves.
+
+Tests that need SGLang skip with the reason when it is not importable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pcie_allreduce import testing
+from sglang_plugin import hooks, patching, settings as settings_mod, surface
+from sglang_plugin.eligibility import Decision, RankFacts
+from sglang_plugin.settings import Settings, SettingsError
+from sglang_plugin.testing import ensure_entry_point, sglang_skip_reason
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SGLANG_SKIP = sglang_skip_reason()
+needs_sglang = pytest.mark.skipif(SGLANG_SKIP is not None, reason=SGLANG_SKIP or "")
+
+
+def test_sglang_is_importable_where_required() -> None:
+    """CI sets PCIE_AR_REQUIRE_SGLANG=1 after installing SGLang, so a broken install fails
+    instead of skipping every conformance test."""
+    if os.environ.get("PCIE_AR_REQUIRE_SGLANG") == "1":
+        assert SGLANG_SKIP is None, SGLANG_SKIP
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_settings_defaults_are_off_and_documented() -> None:
+    s = settings_mod.from_env({})
+    assert s == Settings() and not s.enabled and s.max_bytes == 8 << 20 and s.mode == "pcie" and s.fused
+    names = {getattr(settings_mod, n) for n in ("ENABLE", "MAX_BYTES", "ALGO", "MODE", "FUSED", "TIMEOUT_S", "ATTACH")}
+    assert names == set(settings_mod.DOCS)
+    assert all(n.startswith(settings_mod.PREFIX) for n in names)
+
+
+def test_settings_parse_values() -> None:
+    s = settings_mod.from_env({"PCIE_AR_SGLANG_ENABLE": "yes", "PCIE_AR_SGLANG_MAX_BYTES": "512KiB",
+                               "PCIE_AR_SGLANG_ALGO": "TwoShot", "PCIE_AR_SGLANG_MODE": "always",
+                               "PCIE_AR_SGLANG_FUSED": "off", "PCIE_AR_SGLANG_TIMEOUT_S": "2.5",
+                               "PCIE_AR_SGLANG_ATTACH": "import", "UNRELATED": "x"})
+    assert s == Settings(enabled=True, max_bytes=512 << 10, algo="twoshot", mode="always", fused=False,
+                         timeout_s=2.5, attach="import")
+    assert settings_mod.from_env({"PCIE_AR_SGLANG_MAX_BYTES": "1048576"}).max_bytes == 1 << 20
+    assert settings_mod.from_env({"PCIE_AR_SGLANG_MAX_BYTES": "2m"}).max_bytes == 2 << 20
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("PCIE_AR_SGLANG_ENABLE", "maybe", "expected 1 or 0"),
+    ("PCIE_AR_SGLANG_MAX_BYTES", "lots", "byte count"),
+    ("PCIE_AR_SGLANG_MAX_BYTES", "0", "must be positive"),
+    ("PCIE_AR_SGLANG_MAX_BYTES", "8 parsecs", "byte count"),
+    ("PCIE_AR_SGLANG_ALGO", "fastest", "auto, oneshot, staged, twoshot"),
+    ("PCIE_AR_SGLANG_MODE", "nvlink", "pcie, always"),
+    ("PCIE_AR_SGLANG_TIMEOUT_S", "-1", "positive"),
+    ("PCIE_AR_SGLANG_TIMEOUT_S", "soon", "seconds"),
+    ("PCIE_AR_SGLANG_ATTACH", "magic", "auto, plugin, import"),
+    ("PCIE_AR_SGLANG_MAXBYTES", "1", "unknown setting(s) PCIE_AR_SGLANG_MAXBYTES"),
+])
+def test_settings_errors_name_the_variable(name: str, value: str, needle: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        settings_mod.from_env({name: value})
+    assert name in str(info.value) and needle in str(info.value)
+
+
+def test_format_bytes() -> None:
+    assert settings_mod.format_bytes(8 << 20) == "8MiB"
+    assert settings_mod.format_bytes(1536) == "1536B"
+    assert settings_mod.format_bytes(3 << 10) == "3KiB"
+
+
+# ---------------------------------------------------------------------------- packaging
+
+
+def test_pyproject_declares_the_entry_point() -> None:
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    eps = project.get("entry-points", {}).get("sglang.srt.plugins", {})
+    assert eps.get("pcie_allreduce") == "sglang_plugin.plugin:register", (
+        'pyproject.toml needs [project.entry-points."sglang.srt.plugins"] '
+        'pcie_allreduce = "sglang_plugin.plugin:register"')
+
+
+def test_import_hook_watches_exactly_the_hook_modules() -> None:
+    from sglang_plugin import import_hook
+
+    assert set(import_hook.watched_modules()) == import_hook._WATCHED_NAMES
+
+
+def test_launcher_turns_the_plugin_on_and_extends_the_allow_list() -> None:
+    from sglang_plugin.launch_server import prepare_environment
+
+    env = {"SGLANG_PLUGINS": "other"}
+    assert prepare_environment(env).enabled
+    assert env == {"SGLANG_PLUGINS": "other,pcie_allreduce", "PCIE_AR_SGLANG_ENABLE": "1"}
+    env = {"PCIE_AR_SGLANG_ENABLE": "0"}
+    assert not prepare_environment(env).enabled  # an explicit 0 wins
+    with pytest.raises(SettingsError):
+        prepare_environment({"PCIE_AR_SGLANG_MODE": "x"})
+
+
+def test_package_import_is_light() -> None:
+    code = "import sys, sglang_plugin, sglang_plugin.import_hook; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", "the .pth line imports sglang_plugin in every interpreter"
+
+
+# ---------------------------------------------------------------------------- SGLang's surface
+
+
+@needs_sglang
+@pytest.mark.parametrize("target", hooks.TARGETS, ids=lambda t: t.target.rsplit(".", 1)[-1])
+def test_hook_targets_have_the_expected_signature(target: hooks.HookTarget) -> None:
+    """Each hook repeats its target's parameters (and defaults); read from the imported function,
+    or from SGLang's source file where the module needs packages a CPU machine lacks."""
+    want = surface.hook_parameters(target.hook)
+    try:
+        patching.resolve(target.target)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] == "sglang":
+            raise
+        # The module imports transformers/torchvision (SGLang's model layers); read the source.
+        assert surface.source_parameters(target.target) == want
+        return
+    problem = surface.hook_problem(target.target, target.hook)
+    assert problem is None, problem
+
+
+@needs_sglang
+@pytest.mark.parametrize("expect", surface.EXPECTED, ids=lambda e: e.path.rsplit(".", 2)[-2] + "." + e.path.rsplit(".", 1)[-1])
+def test_sglang_surface_the_plugin_relies_on(expect: surface.Expectation) -> None:
+    try:
+        have = surface.resolve_parameters(expect.path)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "sglang":
+            raise
+        have = surface.source_parameters(expect.path)  # module needs packages CPU CI lacks
+    assert have == expect.params, f"{expect.path}: {have} != {expect.params} ({expect.why})"
+
+
+@needs_sglang
+def test_adapter_mirrors_sglang_custom_allreduce_surface() -> None:
+    from sglang.srt.distributed.device_communicators.custom_all_reduce import CustomAllreduce
+
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+
+    for name in ("should_custom_ar", "custom_all_reduce", "capture", "close"):
+        assert surface.parameters(getattr(PcieAllReduceAdapter, name)) == surface.parameters(
+            getattr(CustomAllreduce, name)), name
+    gc_fused = surface.resolve_parameters(surface.GC + ".fused_allreduce_rmsnorm")
+    assert surface.parameters(PcieAllReduceAdapter.fused_allreduce_rmsnorm) == gc_fused
+
+
+@needs_sglang
+def test_sglang_plugin_framework_constants() -> None:
+    import sglang.srt.plugins as plugins
+    from sglang.srt.environ import envs
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _propagate_patch  # noqa: F401
+
+    assert plugins.GENERAL_PLUGINS_GROUP == "sglang.srt.plugins"
+    assert hasattr(envs, "SGLANG_PLUGINS") and HookType.AROUND.value == "around"
+    assert isinstance(HookRegistry._hooks, dict) and isinstance(HookRegistry._patched, set)
+
+
+@needs_sglang
+def test_fused_gate_size_limit_matches_sglang() -> None:
+    src = surface.sglang_root() + "/srt/layers/layer_boundary/residual/add_norm.py"
+    with open(src, encoding="utf-8") as f:
+        assert f"FUSE_ALLREDUCE_MAX_BATCH_SIZE = {hooks.MAX_FUSED_BATCH}" in f.read()
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+@needs_sglang
+def test_register_and_unregister_cleanly_with_hook_registry() -> None:
+    """Through SGLang's HookRegistry: targets wrapped, then restored, other plugins' hooks kept."""
+    from sglang.srt.distributed.device_communicators import custom_all_reduce as car
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_plugin import plugin
+    from sglang_plugin.registry import REGISTRY
+
+    original = car.dispatch_custom_allreduce
+    seen: list[str] = []
+
+    def other_plugin(orig, *args, **kwargs):
+        seen.append("other")
+        return orig(*args, **kwargs)
+
+    assert REGISTRY.state is None
+    HookRegistry.register(hooks.DISPATCH, other_plugin, HookType.AROUND)
+    try:
+        state = plugin.install(Settings(enabled=True), attach="plugin", apply=True)
+        assert hooks.DISPATCH in state.targets
+        wrapped = car.dispatch_custom_allreduce
+        assert wrapped is not original and hooks.DISPATCH in HookRegistry._patched
+        assert [h for _, h, _ in HookRegistry._hooks[hooks.DISPATCH]] == [other_plugin, hooks.dispatch_custom_allreduce]
+        assert plugin.install(Settings(enabled=True), attach="plugin") is state  # idempotent
+
+        assert plugin.unregister() is True and REGISTRY.state is None
+        assert [h for _, h, _ in HookRegistry._hooks[hooks.DISPATCH]] == [other_plugin]
+        restored = car.dispatch_custom_allreduce
+        assert restored is not wrapped and getattr(restored, "__wrapped__", None) is original  # only theirs
+        assert plugin.unregister() is False
+    finally:
+        HookRegistry._hooks.pop(hooks.DISPATCH, None)
+        if hooks.DISPATCH in HookRegistry._patched:
+            HookRegistry._patched.discard(hooks.DISPATCH)
+        car.dispatch_custom_allreduce = original
+        plugin.unregister()
+    for target in hooks.TARGETS:
+        assert not [h for _, h, _ in HookRegistry._hooks.get(target.target, []) if h is target.hook]
+
+
+def _run_python(code: str, env: dict[str, str], cwd: str = REPO) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PCIE_AR_SGLANG_")}
+    full_env.update(env)
+    full_env["PYTHONPATH"] = os.pathsep.join([REPO, full_env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+LOAD_PLUGINS = """
+    import logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    from sglang_plugin.testing import ensure_entry_point
+    ensure_entry_point()
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.distributed.device_communicators import custom_all_reduce as car
+    from sglang_plugin.registry import REGISTRY
+    print("WRAPPED", hasattr(car.dispatch_custom_allreduce, "__wrapped__"), REGISTRY.state is not None)
+"""
+
+
+@needs_sglang
+@pytest.mark.parametrize("env,wrapped", [
+    ({"PCIE_AR_SGLANG_ENABLE": "1"}, True),
+    ({"PCIE_AR_SGLANG_ENABLE": "1", "SGLANG_PLUGINS": "pcie_allreduce"}, True),
+    ({"PCIE_AR_SGLANG_ENABLE": "1", "SGLANG_PLUGINS": "someone_else"}, False),
+    ({}, False),
+], ids=["enabled", "allow-listed", "not-allow-listed", "off"])
+def test_load_plugins_finds_the_entry_point(env: dict[str, str], wrapped: bool) -> None:
+    """SGLang's own load_plugins() in a fresh interpreter (it loads once per process)."""
+    out = _run_python(LOAD_PLUGINS, env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"WRAPPED {wrapped} {wrapped}" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@needs_sglang
+def test_load_plugins_reports_bad_settings_clearly() -> None:
+    out = _run_python(LOAD_PLUGINS, {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MODE": "fast"})
+    assert "WRAPPED False False" in out.stdout
+    assert "PCIE_AR_SGLANG_MODE='fast': expected one of pcie, always" in out.stdout + out.stderr
+
+
+@needs_sglang
+@pytest.mark.parametrize("enable", ["1", "0"])
+def test_import_hook_attaches_without_the_plugin_framework(tmp_path, enable: str) -> None:
+    """The .pth line + finder path (for SGLang versions without plugins), forced with ATTACH=import."""
+    from sglang_plugin import import_hook
+
+    assert import_hook.main(["install", "--site-dir", str(tmp_path)]) == 0
+    assert (tmp_path / import_hook.PTH_NAME).read_text() == import_hook.PTH_LINE
+    code = f"""
+        import site, sys
+        site.addsitedir({str(tmp_path)!r})   # what site.py does for site-packages at start-up
+        from sglang.srt.distributed.device_communicators import custom_all_reduce as car
+        from sglang_plugin.registry import REGISTRY
+        state = REGISTRY.state
+        print("WRAPPED", hasattr(car.dispatch_custom_allreduce, "__wrapped__"), state and state.attach)
+        from sglang_plugin import plugin
+        plugin.unregister()
+        print("AFTER", hasattr(car.dispatch_custom_allreduce, "__wrapped__"))
+    """
+    out = _run_python(code, {"PCIE_AR_SGLANG_ENABLE": enable, "PCIE_AR_SGLANG_ATTACH": "import"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = "WRAPPED True import" if enable == "1" else "WRAPPED False None"
+    assert want in out.stdout and "AFTER False" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert import_hook.main(["uninstall", "--site-dir", str(tmp_path)]) == 0
+    assert not (tmp_path / import_hook.PTH_NAME).exists()
+
+
+# ---------------------------------------------------------------------------- the adapter, on CPU
+
+
+class GlooStandIn:
+    """Stand-in for ``pcie_allreduce.Communicator`` (ours, whose kernels need a GPU) on gloo.
+
+    Same methods the adapter uses; sums through ``dist.all_reduce`` on the CPU group and records
+    what it was asked, so the tests can see what SGLang routed to the plugin.
+    """
+
+    def __init__(self, group, device, max_bytes: int, timeout_s: float) -> None:
+        self.group, self.device = group, torch.device(device)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.calls: list[tuple] = []
+        self.streams = {0}
+        self.closed = False
+
+    def all_reduce(self, x, out=None, algo="auto"):
+        assert x.numel() * x.element_size() <= self.max_bytes
+        y = x.clone()
+        dist.all_reduce(y, group=self.group)
+        self.calls.append(("all_reduce", tuple(x.shape), x.dtype, algo))
+        return y
+
+    def all_reduce_rmsnorm(self, x, residual, weight, eps):
+        reduced = x.clone()
+        dist.all_reduce(reduced, group=self.group)
+        new_residual = residual + reduced
+        self.calls.append(("all_reduce_rmsnorm", tuple(x.shape), x.dtype))
+        return _rmsnorm(new_residual, weight, eps), new_residual
+
+    def select_algo(self, nbytes, dtype):
+        return "oneshot" if nbytes <= 256 << 10 else "twoshot"
+
+    def has_workspace(self, stream):
+        return stream in self.streams
+
+    def workspace(self, stream=None):
+        self.calls.append(("workspace", stream))
+        self.streams.add(stream)
+
+    def check(self):
+        pass
+
+    def close(self):
+        self.closed = True
+        dist.barrier(group=self.group)
+
+
+def _rmsnorm(v: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    f = v.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(v.dtype)
+
+
+def _cpu_facts(unavailable_on: int | None):
+    def facts(device) -> RankFacts:
+        rank = dist.get_rank()
+        reason = "no GPU (test)" if rank == unavailable_on else None
+        return RankFacts(host="testhost", unavailable=reason, physical_gpu=rank, sm="SM120")
+    return facts
+
+
+def _coordinator(ctx, name: str, use_custom_allreduce: bool = True):
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+    return GroupCoordinator(group_ranks=[list(range(ctx.world_size))], local_rank=ctx.rank,
+                            torch_distributed_backend="gloo", use_pynccl=False, use_mscclpp=False,
+                            use_custom_allreduce=use_custom_allreduce, use_torch_symm_mem_all_reduce=False,
+                            use_hpu_communicator=False, use_xpu_communicator=False, group_name=name)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _plugin_rank(ctx, unavailable_on: int | None = None) -> dict:
+    """One rank: SGLang's load_plugins() loads the plugin, SGLang's GroupCoordinator uses it."""
+    ensure_entry_point()
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_plugin import plugin
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+    from sglang_plugin.registry import REGISTRY
+
+    lines = _Lines()
+    logging.getLogger("sglang_plugin").addHandler(lines)
+    logging.getLogger("sglang_plugin").setLevel(logging.INFO)
+    load_plugins()
+    state = REGISTRY.state
+    assert state is not None, "load_plugins() did not run the plugin's entry point"
+    # The two test seams: our communicator and the GPU facts (see GlooStandIn).
+    state.communicator_factory = GlooStandIn
+    state.facts_fn = _cpu_facts(unavailable_on)
+    out: dict = {}
+
+    tp = _coordinator(ctx, "tp")
+    out["ca_comm"] = type(tp.ca_comm).__name__
+    out["lines"] = [line for line in lines.lines if line.startswith("pcie_allreduce[sglang] rank ")]
+    if unavailable_on is not None:
+        return out
+    adapter = tp.ca_comm
+    assert isinstance(adapter, PcieAllReduceAdapter) and not adapter.disabled
+    comm = adapter.comm
+
+    # Dispatch, exactly as GroupCoordinator.all_reduce resolves it for a CUDA tensor.
+    small = torch.full((4, 7168), float(ctx.rank + 1), dtype=torch.bfloat16)
+    out["method_small"] = tp._resolve_outplace_all_reduce_method(small)
+    out["method_large"] = tp._resolve_outplace_all_reduce_method(torch.zeros(8 << 20, dtype=torch.bfloat16))
+    out["method_strided"] = tp._resolve_outplace_all_reduce_method(small.t())
+    out["method_int"] = tp._resolve_outplace_all_reduce_method(torch.zeros(16, dtype=torch.int32))
+    out["method_empty"] = tp._resolve_outplace_all_reduce_method(torch.zeros(0, dtype=torch.bfloat16))
+
+    # The outplace op's body: a NEW tensor holding the sum, input untouched.
+    before = small.clone()
+    reduced = tp._all_reduce_out_place(small, "ca")
+    expected = ctx.world_size * (ctx.world_size + 1) / 2
+    out["sum_ok"] = bool(torch.equal(reduced, torch.full_like(small, expected)))
+    out["input_untouched"] = bool(torch.equal(small, before)) and reduced.data_ptr() != small.data_ptr()
+    out["auto_sum_ok"] = bool(torch.equal(tp._all_reduce_out_place(small, "auto"), reduced))
+
+    # graph_capture(): ca_comm.capture() agrees on the stream's workspace, flags capturing.
+    with tp.graph_capture() as graph_ctx:
+        out["capturing_inside"] = adapter._IS_CAPTURING
+        out["capture_stream"] = type(graph_ctx.stream).__name__
+    out["capturing_after"] = adapter._IS_CAPTURING
+
+    # SGLang's GroupCoordinator.fused_allreduce_rmsnorm probes the adapter's fused method.
+    x = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(ctx.rank))
+    residual = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(99))
+    weight = torch.rand(64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(98))
+    normed, new_residual = tp.fused_allreduce_rmsnorm(x, residual, weight, 1e-6)
+    plain = tp._all_reduce_out_place(x, "ca")  # the unfused path: all-reduce, then add + norm
+    out["fused_residual_equal"] = bool(torch.equal(new_residual, residual + plain))
+    out["fused_norm_equal"] = bool(torch.equal(normed, _rmsnorm(residual + plain, weight, 1e-6)))
+    out["fused_declines_3d"] = tp.fused_allreduce_rmsnorm(x.view(2, 2, 64), residual.view(2, 2, 64), weight, 1e-6)
+
+    # The fused-op hook, through SGLang's runtime context (attention-TP group = this tp group).
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(attn_tp_group=tp, attn_tp_size=ctx.world_size, attn_tp_rank=ctx.rank):
+        hooked = hooks.flashinfer_allreduce_residual_rmsnorm(
+            lambda *a: (None, None), x, residual, weight, 1e-6, use_attn_tp_group=True)
+        out["op_hook_equal"] = bool(torch.equal(hooked[0], normed) and torch.equal(hooked[1], new_residual))
+        out["gate_open"] = hooks.flashinfer_ar_fusion_applies(lambda b: False, 4)
+        out["gate_closed_big"] = hooks.flashinfer_ar_fusion_applies(lambda b: False, 4096)
+        out["gate_sglang_wins"] = hooks.flashinfer_ar_fusion_applies(lambda b: True, 4096)
+
+    # A group the plugin does not serve keeps SGLang's choice (on a CPU that is: no ca_comm).
+    other = _coordinator(ctx, "pp")
+    out["pp_ca_comm"] = type(other.ca_comm).__name__
+    out["calls"] = [c[0] for c in comm.calls]
+
+    # After unregister(), new groups get SGLang's own dispatch again.
+    assert plugin.unregister()
+    out["after_unregister"] = type(_coordinator(ctx, "tp").ca_comm).__name__
+    adapter.close()
+    out["closed"] = comm.closed and adapter.disabled
+    return out
+
+
+def _plugin_env(**extra: str) -> dict[str, str]:
+    return {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MODE": "always", "SGLANG_PLUGINS": "pcie_allreduce",
+            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+@needs_sglang
+@pytest.mark.parametrize("world", [2, 4])
+def test_group_coordinator_uses_the_adapter(world: int) -> None:
+    results = testing.run_ranks(_plugin_rank, world, gpu=False, timeout_s=240, env=_plugin_env())
+    for rank, r in enumerate(results):
+        assert r["ca_comm"] == "PcieAllReduceAdapter"
+        assert len(r["lines"]) == 1, r["lines"]
+        line = r["lines"][0]
+        assert f"rank {rank}/{world} group tp" in line and "-> pcie_allreduce" in line and "why: mode=always" in line
+        assert "oneshot<=256KiB, twoshot<=8MiB" in line and "fused all-reduce+residual+RMSNorm" in line
+        assert r["method_small"] == "ca"
+        assert r["method_large"] is None and r["method_strided"] is None
+        assert r["method_int"] is None and r["method_empty"] is None
+        assert r["sum_ok"] and r["input_untouched"]
+        assert r["auto_sum_ok"]
+        assert r["capturing_inside"] is True and r["capturing_after"] is False
+        assert r["fused_residual_equal"] and r["fused_norm_equal"] and r["fused_declines_3d"] is None
+        assert r["op_hook_equal"] and r["gate_open"] and not r["gate_closed_big"] and r["gate_sglang_wins"]
+        assert r["pp_ca_comm"] == "NoneType"
+        assert r["after_unregister"] == "NoneType" and r["closed"]
+        assert "all_reduce_rmsnorm" in r["calls"]
+    assert len({tuple(r["calls"]) for r in results}) == 1, "ranks issued different call sequences"
+
+
+@needs_sglang
+def test_all_ranks_decline_together_and_say_why() -> None:
+    results = testing.run_ranks(_plugin_rank, 2, 1, gpu=False, timeout_s=240, env=_plugin_env())
+    for r in results:
+        assert r["ca_comm"] == "NoneType"  # SGLang's own dispatch ran (and, on a CPU, built nothing)
+        assert len(r["lines"]) == 1 and "not serving" in r["lines"][0]
+        assert "why: rank 1 cannot run the kernels: no GPU (test)" in r["lines"][0]
+
+
+# ---------------------------------------------------------------------------- eligibility (pure parts)
+
+
+def _decide_rank(ctx, cases: list[tuple]) -> list[Decision]:
+    from sglang_plugin.eligibility import decide
+
+    decisions = []
+    for facts_by_rank, nvlink_by_rank, mode in cases:
+        facts = RankFacts(**facts_by_rank[ctx.rank])
+        decisions.append(decide(ctx.group, ctx.device, Settings(enabled=True, mode=mode),
+                                facts_fn=lambda device: facts, nvlink_fn=lambda ids: nvlink_by_rank[ctx.rank]))
+    return decisions
+
+
+FACT = dict(host="h", unavailable=None, physical_gpu=0, sm="SM120")
+GPU1 = {**FACT, "physical_gpu": 1}
+ELIGIBILITY_CASES = [  # (facts per rank, NVML answer per rank, mode) -> (serve, in the reason)
+    (([FACT, GPU1], [False, False], "pcie"), (True, "2 GPUs without full NVLink (SM120, mode=pcie)")),
+    (([FACT, GPU1], [True, True], "pcie"), (False, "fully NVLinked")),
+    (([FACT, GPU1], [True, False], "pcie"), (True, "without full NVLink")),
+    (([FACT, GPU1], [True, True], "always"), (True, "mode=always")),
+    (([FACT, {**GPU1, "host": "other"}], [False, False], "always"), (False, "spans hosts")),
+    (([FACT, {**GPU1, "unavailable": "no driver"}], [False, False], "always"),
+     (False, "rank 1 cannot run the kernels: no driver")),
+]
+
+
+def test_eligibility_is_one_decision_for_all_ranks() -> None:
+    """Whatever each rank sees, both ranks take the same branch (one spawn for all cases)."""
+    cases = [case for case, _ in ELIGIBILITY_CASES]
+    per_rank = testing.run_ranks(_decide_rank, 2, cases, gpu=False, timeout_s=120)
+    for (case, (serve, needle)), mine, theirs in zip(ELIGIBILITY_CASES, *per_rank):
+        assert mine == theirs, f"ranks decided differently for {case}"
+        assert mine.serve is serve and needle in mine.reason, (case, mine)
+
+
+def test_eligibility_group_name() -> None:
+    from sglang_plugin.eligibility import group_name
+
+    @dataclasses.dataclass
+    class G:
+        group_desc: str
+
+    assert group_name(G("tp:cpu")) == "tp" and group_name(G("attention_tp:cpu")) == "attention_tp"
+    assert group_name(G("tp:device")) == "" and group_name(object()) == ""
+
+
+def test_algorithm_ranges_compress_the_table() -> None:
+    from sglang_plugin.logline import algorithm_ranges
+
+    class T:
+        def select_algo(self, nbytes, dtype):
+            return "oneshot" if nbytes <= 64 << 10 else "staged" if nbytes <= 1 << 20 else "twoshot"
+
+    assert algorithm_ranges(T(), 8 << 20) == "oneshot<=64KiB, staged<=1MiB, twoshot<=8MiB"
+    assert algorithm_ranges(T(), 1000) == "oneshot<=1000B"
+
+
+def test_adapter_limits_follow_the_library() -> None:
+    """The adapter declines up front exactly what the communicator would reject."""
+    from pcie_allreduce import validation
+
+    from sglang_plugin import adapter
+
+    assert set(adapter.DTYPES) == set(validation.SUPPORTED_DTYPES)
+    assert set(adapter.FUSED_DTYPES) == set(validation.RMSNORM_DTYPES)
+    assert adapter.MAX_FUSED_HIDDEN == validation.MAX_RMSNORM_HIDDEN
