@@ -28,6 +28,7 @@ from pcie_allreduce.bench import (
 )
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import make_cases
+from tests._bench_fakes import FakeEvent
 from pcie_allreduce.bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -486,20 +487,6 @@ def test_run_sweep_keeps_finished_runs_on_ctrl_c(monkeypatch) -> None:
 # ----------------------------------------------------------------------------- rank loop on CPU
 
 
-class _FakeEvent:
-    def __init__(self, **_: object) -> None:
-        self.t = 0.0
-
-    def record(self, *_: object) -> None:
-        self.t = time.perf_counter()
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other: "_FakeEvent") -> float:
-        return (other.t - self.t) * 1e3
-
-
 class _GlooBackend:
     """A CPU "backend": gloo all_reduce. Algo names script failures: wrong / raise / hang."""
 
@@ -546,7 +533,7 @@ def _cpu_bench_rank(ctx: testing.RankContext, job: object) -> dict:
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.Stream = lambda *a, **k: object()
-    torch.cuda.Event = _FakeEvent
+    torch.cuda.Event = FakeEvent
     torch.cuda._sleep = lambda cycles: None
     backends.open_backend = _GlooBackend
     environment.rank_environment = lambda c: {"mps": False, "shared_gpu": True}
