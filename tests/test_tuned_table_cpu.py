@@ -1,0 +1,72 @@
+"""Communicator adopts the table `pcie-allreduce tune` cached for its GPU model, W and topology.
+
+Runs on a CPU: a one-rank gloo group carries the (real) agreement step, a fake extension
+answers the peer-access questions, and the GPU name is patched.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pcie_allreduce import algo, topology, tune_cache
+from pcie_allreduce.communicator import Communicator
+
+BUS = "0000:01:00.0"
+
+
+class _FakeExt:
+    def device_by_pci_bus_id(self, bus_id: str) -> int:
+        return 0
+
+    def can_access_peer(self, a: int, b: int) -> bool:
+        return True
+
+
+@pytest.fixture
+def comm(tmp_path, monkeypatch):
+    monkeypatch.setenv(tune_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    c = Communicator.__new__(Communicator)  # the constructor needs a GPU; this step does not
+    c._ext, c._group, c.rank, c.world_size = _FakeExt(), dist.group.WORLD, 0, 1
+    c.device = torch.device("cuda", 0)
+    c.placements = [topology.RankPlacement(0, "host", BUS)]
+    c.table, c.table_source = algo.default_table(), "built-in default"
+    yield c
+    dist.destroy_process_group()
+
+
+def _cache_path(comm: Communicator) -> str:
+    fp = tune_cache.fingerprint_of(comm._ext, [BUS])
+    return tune_cache.table_path("NVIDIA Test GPU", comm.world_size, fp)
+
+
+def test_no_cached_table_keeps_the_default(comm) -> None:
+    comm._adopt_tuned_table()
+    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+
+
+def test_cached_table_is_adopted(comm) -> None:
+    tuned = algo.AlgoTable((algo.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
+    tune_cache.write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
+    comm._adopt_tuned_table()
+    assert comm.table == tuned
+    assert comm.table_source == f"tune cache {_cache_path(comm)}"
+    assert comm.table.select(56 << 10, 2, "bfloat16") == algo.Choice("twoshot", 3)
+
+
+def test_corrupt_cached_table_warns_and_keeps_the_default(comm) -> None:
+    path = _cache_path(comm)
+    tune_cache.write_table(path, json.dumps({"rules": [{"algo": "oneshot"}]}), {})
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write('{"rules": [{"algo": "ring"}]}')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm._adopt_tuned_table()
+    assert comm.table == algo.default_table()
+    assert any("ignoring tuned table" in str(w.message) for w in caught)
