@@ -83,7 +83,7 @@ def test_defaults() -> None:
     assert cfg.sizes == tuple(1 << p for p in range(10, 27))
     assert cfg.dtype == "bfloat16" and cfg.mode == "graph" and cfg.calls_per_graph == 16
     assert cfg.algos == ("oneshot", "staged", "twoshot", "auto")
-    assert cfg.backends == ("ours", "torch_symm", "nccl") and not cfg.backends_explicit
+    assert cfg.backends == ("ours", "torch_symm", "nccl", "nccl_ll") and not cfg.backends_explicit
     assert _config([], gpu_count=4).worlds == (4,)
     assert _config([], gpu_count=16).worlds == (8,)
 
@@ -686,3 +686,13 @@ def test_bench_command_with_nothing_runnable(monkeypatch, capsys) -> None:
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == ("pcie-allreduce bench: cannot run here: no requested backend can run here "
                     "(nccl: NCCL refuses two ranks on one GPU)")
+
+
+def test_nccl_ll_is_the_tuned_nccl_row() -> None:
+    from pcie_allreduce.bench import backends
+
+    assert backends.algos_for("nccl_ll", ("auto",)) == backends.NCCL_ALGOS
+    assert backends.rank_env("nccl_ll", 8, 8) == {"NCCL_PROTO": "LL"}
+    assert backends.rank_env("nccl", 8, 8) == {}
+    assert "refuses two ranks on one GPU" in backends.skip_reason("nccl_ll", 8, 1)
+    assert _config(["--backends", "nccl_ll"], gpu_count=8).backends == ("nccl_ll",)

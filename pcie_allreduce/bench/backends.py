@@ -3,7 +3,7 @@ environment its ranks need, and (inside a rank) the object that issues its all-r
 
 Every backend runs in its own ``run_ranks`` call (fresh processes, fresh MPS daemon), so one that
 fails or hangs cannot take the others' results with it. Adding a backend (issue 5: FlashInfer
-pcie_ipc, vLLM, sgl-kernel, NCCL with NCCL_PROTO=LL) means one ``backend_<name>.py`` with a class
+pcie_ipc, vLLM, sgl-kernel) means one ``backend_<name>.py`` with a class
 following :class:`RankBackend` plus one entry in each function below.
 
 ``ours_shapes`` is internal (``pcie-allreduce tune``): our raw launch at a forced block count.
@@ -26,6 +26,8 @@ from pcie_allreduce.bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFF
 
 TORCH_SYMM_ALGOS: tuple[str, ...] = ("one_shot", "two_shot")
 NCCL_ALGOS: tuple[str, ...] = ("default",)  # NCCL picks ring/tree and protocol itself
+NCCL_LL = "nccl_ll"  # NCCL with NCCL_PROTO=LL: the tuned-NCCL row (its low-latency protocol for small messages)
+NCCL_BACKENDS: tuple[str, ...] = ("nccl", NCCL_LL)
 OURS_SHAPES = "ours_shapes"
 
 
@@ -75,7 +77,7 @@ def _plain_algos(backend: str, our_algos: Sequence[str]) -> tuple[str, ...]:
         return tuple(our_algos)
     if backend == "torch_symm":
         return TORCH_SYMM_ALGOS
-    if backend == "nccl":
+    if backend in NCCL_BACKENDS:
         return NCCL_ALGOS
     raise ValueError(f"unknown backend {backend!r}")
 
@@ -136,7 +138,7 @@ def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
         return None if reason is None else f"pcie_allreduce kernels unavailable: {reason}"
     if backend == "torch_symm":
         return _torch_symm_problem()
-    if backend == "nccl":
+    if backend in NCCL_BACKENDS:
         if world > gpu_count:
             return (f"NCCL refuses two ranks on one GPU ({world} ranks on {gpu_count} GPU"
                     f"{'s' if gpu_count != 1 else ''}); it runs only when every rank has its own GPU")
@@ -149,6 +151,8 @@ def rank_env(backend: str, world: int, gpu_count: int) -> dict[str, str]:
     if backend == "torch_symm" and world > gpu_count:
         # Without it torch symmetric memory refuses two ranks whose tensors live on one device.
         return {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
+    if backend == NCCL_LL:
+        return {"NCCL_PROTO": "LL"}
     return {}
 
 
@@ -166,7 +170,7 @@ def open_backend(ctx: "RankContext", job: "RankJob") -> Any:
         from pcie_allreduce.bench.backend_torch_symm import TorchSymmBackend
 
         return TorchSymmBackend(ctx, job)
-    if job.backend == "nccl":
+    if job.backend in NCCL_BACKENDS:
         from pcie_allreduce.bench.backend_nccl import NcclBackend
 
         return NcclBackend(ctx, job)

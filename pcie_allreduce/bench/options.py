@@ -15,7 +15,7 @@ from pcie_allreduce.bench.results import ALLREDUCE, FUSED
 
 DTYPE_SIZES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})  # element bytes
 OUR_ALGOS: tuple[str, ...] = ("oneshot", "staged", "twoshot", "auto")
-BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl")
+BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl", "nccl_ll")
 MIN_WORLD, MAX_WORLD = 2, 8
 EMULATED_WORLDS: tuple[int, ...] = (2, 4, 8)
 DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES = "1K", "64M"
