@@ -84,7 +84,23 @@ class FakeComm:
         pass
 
 
-class FakeBackend:
+class QuietBackendHooks:
+    """The RankBackend hooks a CPU fake has nothing to do for (capture, GPU sync, checks, teardown)."""
+
+    def prepare_capture(self, stream: object) -> None:
+        pass
+
+    def device_sync(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FakeBackend(QuietBackendHooks):
     """gloo all-reduce; ``comm`` only for "ours"."""
 
     def __init__(self, ctx: testing.RankContext, job: Any) -> None:
@@ -109,17 +125,6 @@ class FakeBackend:
     def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
         return "oneshot" if algo == "auto" else algo
 
-    def prepare_capture(self, stream: object) -> None:
-        pass
-
-    def device_sync(self) -> None:
-        pass
-
-    def check(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def skip_reason(self, case: Case) -> str | None:
         if self.name != backends.OURS_SHAPES:

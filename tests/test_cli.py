@@ -28,7 +28,7 @@ from pcie_allreduce.bench import (
 )
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import make_cases
-from tests._bench_fakes import FakeEvent
+from tests._bench_fakes import FakeEvent, QuietBackendHooks
 from pcie_allreduce.bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -487,7 +487,7 @@ def test_run_sweep_keeps_finished_runs_on_ctrl_c(monkeypatch) -> None:
 # ----------------------------------------------------------------------------- rank loop on CPU
 
 
-class _GlooBackend:
+class _GlooBackend(QuietBackendHooks):
     """A CPU "backend": gloo all_reduce. Algo names script failures: wrong / raise / hang."""
 
     def __init__(self, ctx: testing.RankContext, job: object) -> None:
@@ -514,17 +514,6 @@ class _GlooBackend:
     def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
         return algo
 
-    def prepare_capture(self, stream: object) -> None:
-        pass
-
-    def device_sync(self) -> None:
-        pass
-
-    def check(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _cpu_bench_rank(ctx: testing.RankContext, job: object) -> dict:
