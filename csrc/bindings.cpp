@@ -58,8 +58,12 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("error_record_ptr", &Workspace::error_record_device_ptr)
       .def_property_readonly("slot_bytes", &Workspace::slot_bytes)
       .def_property_readonly("parity_bytes", &Workspace::parity_bytes)
+      .def_property_readonly("ll_capacity", &Workspace::ll_capacity)
+      .def_property_readonly("ll_slot_bytes", &Workspace::ll_slot_bytes)
+      .def_property_readonly("ll_offset", &Workspace::ll_offset)
       .def_property_readonly("flags_offset", &Workspace::flags_offset)
       .def_property_readonly("control_offset", &Workspace::control_offset)
+      .def_property_readonly("stats_offset", &Workspace::stats_offset)
       .def_property_readonly("total_bytes", &Workspace::total_bytes)
       .def_property_readonly("device", &Workspace::device)
       .def_property_readonly("rank", &Workspace::rank)
@@ -75,11 +79,14 @@ void register_constants(py::module_& m) {
   m.attr("MAX_LAUNCH_BLOCKS") = 64;
   m.attr("MAX_FLAG_BLOCKS") = 128;
   m.attr("THREADS_PER_BLOCK") = 512;
-  m.attr("ALGO_IDS") = py::dict(py::arg("oneshot") = 0, py::arg("staged") = 1, py::arg("twoshot") = 2);
+  m.attr("ALGO_IDS") = py::dict(py::arg("oneshot") = 0, py::arg("staged") = 1, py::arg("twoshot") = 2,
+                                 py::arg("oneshot_ll") = 3);
   m.attr("DTYPE_IDS") = py::dict(py::arg("float32") = 0, py::arg("float16") = 1, py::arg("bfloat16") = 2);
   m.attr("STAGE_NAMES") = py::dict(py::arg("1") = "one-shot gather", py::arg("2") = "reduce-scatter",
                                    py::arg("3") = "all-gather", py::arg("4") = "fused gather",
-                                   py::arg("5") = "fused reduce-scatter", py::arg("6") = "fused all-gather");
+                                   py::arg("5") = "fused reduce-scatter", py::arg("6") = "fused all-gather",
+                                   py::arg("7") = "low-latency gather",
+                                   py::arg("8") = "fused row statistics");
 }
 
 }  // namespace

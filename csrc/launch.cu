@@ -8,6 +8,7 @@
 
 #include "checks.cuh"
 #include "oneshot.cuh"
+#include "oneshot_ll.cuh"
 #include "twoshot.cuh"
 
 namespace pcie_ar {
@@ -42,7 +43,23 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
 }
 
 template <typename T>
+void launch_low_latency(const KernelArgs& args, int blocks, cudaStream_t stream) {
+  // 8-byte payload words need 8-byte aligned input and output; line slots are always aligned.
+  const bool aligned = ((reinterpret_cast<uintptr_t>(args.input) | reinterpret_cast<uintptr_t>(args.output)) & 7u) == 0;
+  const dim3 grid(blocks), block(kThreadsPerBlock);
+  if (aligned) {
+    oneshot_ll_kernel<T, true><<<grid, block, 0, stream>>>(args);
+  } else {
+    oneshot_ll_kernel<T, false><<<grid, block, 0, stream>>>(args);
+  }
+}
+
+template <typename T>
 void launch_aligned_or_not(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream) {
+  if (algo == Algo::kOneShotLL) {
+    launch_low_latency<T>(args, blocks, stream);
+    return;
+  }
   // Vectors need 16-byte aligned input and output; slots are always 256-byte aligned.
   const bool aligned = ((reinterpret_cast<uintptr_t>(args.input) | reinterpret_cast<uintptr_t>(args.output)) & 15u) == 0;
   if (aligned) {

@@ -7,9 +7,10 @@
 //  2. Flag after data. A block writes its data to a peer, then `__syncthreads()`, then one thread
 //     stores the flag with st.release.sys. The receiver's ld.acquire.sys of that flag, followed by
 //     `__syncthreads()`, makes the data visible to the whole receiving block. No peer atomics.
-//     Chosen over data-as-flag (sentinel) because it is exact for every dtype and bit pattern
-//     (no -0.0 / NaN sentinel collisions), needs no re-poisoning pass, and the flag store is
-//     posted behind the data, so it costs one extra small write per block and peer.
+//     Exact for every dtype and bit pattern and costs one extra small write per block and peer,
+//     but the system-scope release is a fence on the critical path. Small messages can instead
+//     take the data-as-flag exchange of oneshot_ll.cuh (flag words inside every 16-byte line, no
+//     sentinel values, no fence), which keeps invariants 1 and 3-6; its own invariants are there.
 //  3. Flags carry (epoch << 32 | signature). The epoch is the 1-based call number of this
 //     workspace; every rank's n-th call uses the same epoch because every rank's counter advances
 //     once per call, inside the kernel (graph replays advance it too). A waiter accepts a flag whose
@@ -43,7 +44,8 @@ constexpr int kFlagKinds = 2;        // 0: first exchange (one-shot push, two-sh
 constexpr uint64_t kAlign = 256;
 
 enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
-                              kFusedReduceScatter = 5, kFusedAllGather = 6 };
+                              kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
+                              kFusedRowStats = 8 };
 enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
 
 // Lives in pinned, host-mapped memory: the host reads it with no CUDA call.
@@ -59,19 +61,35 @@ struct ErrorRecord {
 };
 
 // Local-only state at the end of each rank's workspace (peers never touch it).
+// The epoch (calls completed) is kept once per block slot, all copies equal between calls: block b
+// of a call reads epochs[b] and, when done, writes every slot i with i % gridDim.x == b. No block
+// reads a slot another block of the same call writes, so advancing needs no atomics, no fence and
+// no "last block" detection, whatever the grid size of the previous or next call.
 struct Control {
-  uint32_t epoch;        // calls completed on this workspace
-  uint32_t blocks_done;  // blocks of the running call that have finished
+  uint32_t epochs[kMaxFlagBlocks];
   uint32_t abort;        // set once any wait failed; every later call skips its work
   uint32_t error_claim;  // first failing thread wins the right to fill the ErrorRecord
 };
 
 // Byte offsets inside one rank's workspace allocation. Identical on every rank (checked at rendezvous).
+//   [2 parities x W data slots][2 parities x W low-latency line slots][flags][control][row stats]
+// The line slots hold the data-as-flag exchange of oneshot_ll.cuh: 16 bytes of line per 8 bytes of
+// payload, for messages up to ll_capacity bytes (a fixed cap: the format doubles the traffic, so it
+// only pays for small messages).
+constexpr uint64_t kLowLatencyMaxBytes = 512 * 1024;
+// Local-only words the fused Triton one-shot uses to share per-chunk RMSNorm statistics among
+// the programs of one row (fused_rmsnorm.py); zero when not in flight, like the lines.
+constexpr uint64_t kRowStatsSlots = 1024;
+
 struct Layout {
-  uint64_t slot_bytes;    // one sender's slot: max_bytes rounded up
-  uint64_t parity_bytes;  // world * slot_bytes
-  uint64_t flags_offset;  // after 2 parities of data
+  uint64_t slot_bytes;     // one sender's data slot: max_bytes rounded up
+  uint64_t parity_bytes;   // world * slot_bytes
+  uint64_t ll_capacity;    // largest payload the line slots carry
+  uint64_t ll_slot_bytes;  // one sender's line slot: 2 * ll_capacity
+  uint64_t ll_offset;      // after 2 parities of data; each parity is world * ll_slot_bytes
+  uint64_t flags_offset;   // after 2 parities of lines
   uint64_t control_offset;
+  uint64_t stats_offset;
   uint64_t total_bytes;
 
   __host__ __device__ static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -80,9 +98,13 @@ struct Layout {
     Layout l{};
     l.slot_bytes = round_up(max_bytes > 0 ? max_bytes : 1, kAlign);
     l.parity_bytes = l.slot_bytes * static_cast<uint64_t>(world);
-    l.flags_offset = 2 * l.parity_bytes;
+    l.ll_capacity = l.slot_bytes < kLowLatencyMaxBytes ? l.slot_bytes : kLowLatencyMaxBytes;
+    l.ll_slot_bytes = 2 * l.ll_capacity;
+    l.ll_offset = 2 * l.parity_bytes;
+    l.flags_offset = l.ll_offset + 2 * l.ll_slot_bytes * static_cast<uint64_t>(world);
     l.control_offset = l.flags_offset + round_up(sizeof(uint64_t) * kFlagKinds * kMaxRanks * kMaxFlagBlocks, kAlign);
-    l.total_bytes = l.control_offset + round_up(sizeof(Control), kAlign);
+    l.stats_offset = l.control_offset + round_up(sizeof(Control), kAlign);
+    l.total_bytes = l.stats_offset + round_up(sizeof(uint64_t) * kRowStatsSlots, kAlign);
     return l;
   }
 };
@@ -180,24 +202,21 @@ __device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, ui
   return __syncthreads_and(ok) != 0;
 }
 
-// Every block of a call reads the same epoch: it only advances after all blocks have checked in.
+// This call's epoch. Written by an earlier kernel on this stream, so plain L2 loads (.cg) are
+// enough, and they let the compiler overlap them with the first input loads.
 __device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborted) {
-  Control* ctl = control_of(a);
-  *aborted = load_volatile(&ctl->abort) != 0;
-  return load_volatile(&ctl->epoch) + 1u;
+  const Control* ctl = control_of(a);
+  *aborted = __ldcg(&ctl->abort) != 0;
+  return __ldcg(&ctl->epochs[blockIdx.x]) + 1u;
 }
 
-// The last block to finish publishes the new epoch for the next kernel on this stream.
+// Publish the epoch for the next kernel on this stream (see Control). Kernel completion makes
+// the stores visible to the next kernel; nothing in this call reads them.
 __device__ __forceinline__ void end_call(const KernelArgs& a, uint32_t epoch) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    Control* ctl = control_of(a);
-    __threadfence();
-    if (atomicAdd(&ctl->blocks_done, 1u) == gridDim.x - 1) {
-      ctl->blocks_done = 0;
-      ctl->epoch = epoch;
-      __threadfence();
-    }
+  __syncthreads();  // every thread of this block has read epochs[blockIdx.x]
+  Control* ctl = control_of(a);
+  for (uint32_t i = blockIdx.x + threadIdx.x * gridDim.x; i < kMaxFlagBlocks; i += blockDim.x * gridDim.x) {
+    ctl->epochs[i] = epoch;
   }
 }
 

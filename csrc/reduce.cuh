@@ -54,17 +54,9 @@ __device__ __forceinline__ Unit load_pushed(const Unit* p) {
   }
 }
 
-// Reduce unit `i` across ranks: our own contribution comes from `own`, every other rank's from
-// its slot in our workspace (`slot0 + r * slot_units`).
+// THE formula: fp32 sum in rank order 0..W-1, rounded once. Every path ends here.
 template <typename T, typename Unit>
-__device__ __forceinline__ Unit reduce_unit(const Unit* own, const Unit* slot0, uint64_t slot_units, uint64_t i,
-                                            int rank, int world) {
-  // All loads first (independent, predicated), then the adds in rank order: W loads in flight at once.
-  Pack<T, Unit> in[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    if (r < world) in[r].unit = (r == rank) ? load_unit(own + i) : load_pushed(slot0 + static_cast<uint64_t>(r) * slot_units + i);
-  }
+__device__ __forceinline__ Unit sum_in_rank_order(const Pack<T, Unit> (&in)[kMaxRanks], int world) {
   Pack<T, Unit> out;
 #pragma unroll
   for (int k = 0; k < Pack<T, Unit>::kElems; ++k) {
@@ -76,6 +68,20 @@ __device__ __forceinline__ Unit reduce_unit(const Unit* own, const Unit* slot0, 
     out.elems[k] = from_float<T>(acc);
   }
   return out.unit;
+}
+
+// Reduce unit `i` across ranks: our own contribution comes from `own`, every other rank's from
+// its slot in our workspace (`slot0 + r * slot_units`).
+template <typename T, typename Unit>
+__device__ __forceinline__ Unit reduce_unit(const Unit* own, const Unit* slot0, uint64_t slot_units, uint64_t i,
+                                            int rank, int world) {
+  // All loads first (independent, predicated), then the adds in rank order: W loads in flight at once.
+  Pack<T, Unit> in[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r < world) in[r].unit = (r == rank) ? load_unit(own + i) : load_pushed(slot0 + static_cast<uint64_t>(r) * slot_units + i);
+  }
+  return sum_in_rank_order<T, Unit>(in, world);
 }
 
 }  // namespace pcie_ar

@@ -128,6 +128,9 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   PCIE_AR_HOST_ASSERT(state_->peers_open, "all_reduce before open_peers");
   PCIE_AR_HOST_ASSERT(nbytes <= max_bytes_, "message larger than the workspace's max_bytes");
   if (nbytes == 0) return 0;
+  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kOneShotLL || nbytes <= state_->layout.ll_capacity,
+                      "message larger than the low-latency capacity (" + std::to_string(state_->layout.ll_capacity) +
+                          " bytes); use another algorithm");
   KernelArgs args{};
   args.input = reinterpret_cast<const void*>(input);
   args.output = reinterpret_cast<void*>(output);
@@ -180,13 +183,18 @@ std::vector<uint64_t> Workspace::bases() const {
 uint64_t Workspace::error_record_device_ptr() const { return reinterpret_cast<uint64_t>(state_->error_device); }
 uint64_t Workspace::slot_bytes() const { return state_->layout.slot_bytes; }
 uint64_t Workspace::parity_bytes() const { return state_->layout.parity_bytes; }
+uint64_t Workspace::ll_capacity() const { return state_->layout.ll_capacity; }
+uint64_t Workspace::ll_slot_bytes() const { return state_->layout.ll_slot_bytes; }
+uint64_t Workspace::ll_offset() const { return state_->layout.ll_offset; }
 uint64_t Workspace::flags_offset() const { return state_->layout.flags_offset; }
 uint64_t Workspace::control_offset() const { return state_->layout.control_offset; }
+uint64_t Workspace::stats_offset() const { return state_->layout.stats_offset; }
 uint64_t Workspace::total_bytes() const { return state_->layout.total_bytes; }
 
 void Workspace::debug_set_epoch(uint32_t completed) {
   DeviceGuard guard(device_);
-  Control ctl{completed, 0, 0, 0};
+  Control ctl{};
+  for (uint32_t& e : ctl.epochs) e = completed;
   PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
   PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->local + state_->layout.control_offset, &ctl, sizeof(ctl), cudaMemcpyHostToDevice));
   // Every flag slot must look "older than the next call": stamp it with the completed epoch.
@@ -201,7 +209,7 @@ uint32_t Workspace::debug_epoch() const {
   DeviceGuard guard(device_);
   Control ctl{};
   PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->local + state_->layout.control_offset, sizeof(ctl), cudaMemcpyDeviceToHost));
-  return ctl.epoch;
+  return ctl.epochs[0];
 }
 
 void Workspace::close() {

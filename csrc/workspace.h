@@ -1,7 +1,7 @@
 // One rank's share of a communicator on one CUDA stream: an IPC-exported device buffer (two
-// parities of W data slots, flags, local control words), the peers' buffers mapped into this
-// process, and a host-mapped error record. Plain C++ interface (no CUDA headers) so the binding
-// file compiles with the host compiler; pointers and streams are integers.
+// parities of W data slots and of W line slots, flags, local control words), the peers' buffers
+// mapped into this process, and a host-mapped error record. Plain C++ interface (no CUDA
+// headers) so the binding file compiles with the host compiler; pointers and streams are integers.
 #pragma once
 
 #include <cstdint>
@@ -51,8 +51,12 @@ class Workspace {
   uint64_t error_record_device_ptr() const;
   uint64_t slot_bytes() const;
   uint64_t parity_bytes() const;
+  uint64_t ll_capacity() const;    // largest message the low-latency algorithm takes
+  uint64_t ll_slot_bytes() const;
+  uint64_t ll_offset() const;
   uint64_t flags_offset() const;
   uint64_t control_offset() const;
+  uint64_t stats_offset() const;
   uint64_t total_bytes() const;
 
   // Test hook: make this workspace believe `completed` calls already happened (wrap-around tests).

@@ -11,7 +11,9 @@ replaced by a JSON file or inline JSON in ``PCIE_AR_ALGO_TABLE``::
     ]}
 
 Rules are tried in order; the first whose ``world`` contains W and whose ``max_bytes`` (null:
-unbounded) is >= the message size wins. ``dtype`` may restrict a rule to some dtypes.
+unbounded) is >= the message size wins. ``dtype`` may restrict a rule to some dtypes. A
+``oneshot_ll`` rule is passed over for messages above the communicator's low-latency capacity
+(derived from its agreed ``max_bytes``, so still the same choice on every rank).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ALGORITHMS: tuple[str, ...] = ("oneshot", "staged", "twoshot")
-ALGO_IDS: dict[str, int] = {"oneshot": 0, "staged": 1, "twoshot": 2}
+ALGORITHMS: tuple[str, ...] = ("oneshot", "staged", "twoshot", "oneshot_ll")
+ALGO_IDS: dict[str, int] = {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3}
+# Algorithms whose messages must fit the workspace's low-latency line slots (Layout.ll_capacity).
+CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll",)
 MAX_LAUNCH_BLOCKS = 64
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
 
@@ -57,10 +61,11 @@ class Rule:
         if not 1 <= self.max_blocks <= MAX_LAUNCH_BLOCKS:
             raise ValueError(f"algorithm table: max_blocks must be in [1, {MAX_LAUNCH_BLOCKS}], got {self.max_blocks}")
 
-    def matches(self, nbytes: int, world: int, dtype: str) -> bool:
+    def matches(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None) -> bool:
         return ((self.world is None or world in self.world)
                 and (self.dtypes is None or dtype in self.dtypes)
-                and (self.max_bytes is None or nbytes <= self.max_bytes))
+                and (self.max_bytes is None or nbytes <= self.max_bytes)
+                and (ll_capacity is None or self.algo not in CAPPED_ALGORITHMS or nbytes <= ll_capacity))
 
     def blocks_for(self, nbytes: int) -> int:
         return max(1, min(self.max_blocks, math.ceil(nbytes / self.bytes_per_block)))
@@ -72,10 +77,11 @@ class AlgoTable:
 
     rules: tuple[Rule, ...] = field(default_factory=tuple)
 
-    def select(self, nbytes: int, world: int, dtype: str) -> Choice:
-        """The algorithm and block count for a message of ``nbytes`` bytes of ``dtype`` on ``world`` ranks."""
+    def select(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None) -> Choice:
+        """The algorithm and block count for a message of ``nbytes`` bytes of ``dtype`` on ``world``
+        ranks; ``ll_capacity`` (bytes, None: unbounded) rules ``oneshot_ll`` out for larger messages."""
         for rule in self.rules:
-            if rule.matches(nbytes, world, dtype):
+            if rule.matches(nbytes, world, dtype, ll_capacity):
                 return Choice(rule.algo, rule.blocks_for(nbytes))
         raise ValueError(f"algorithm table has no rule for {nbytes} bytes of {dtype} at world size {world}")
 
@@ -142,6 +148,7 @@ def default_table() -> AlgoTable:
     small = (2, 3, 4)
     large = (5, 6, 7, 8)
     return AlgoTable((
+        Rule("oneshot_ll", max_bytes=64 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
         Rule("oneshot", max_bytes=1 << 20, world=small, bytes_per_block=4 << 10, max_blocks=32),
         Rule("oneshot", max_bytes=512 << 10, world=large, bytes_per_block=2 << 10, max_blocks=16),
         Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),

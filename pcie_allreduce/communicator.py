@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import _ext, algo as algo_mod, ops, topology, validation
-from pcie_allreduce.layout import WorkspaceView
+from pcie_allreduce.layout import Layout, WorkspaceView
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
 
 DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 STAGE_NAMES: dict[int, str] = {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
-                               5: "fused reduce-scatter", 6: "fused all-gather"}
+                               5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
+                               8: "fused row statistics"}
 DEFAULT_MAX_BYTES = 8 << 20
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
 
@@ -68,6 +69,8 @@ class Communicator:
         if not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.max_bytes: int = max_bytes
+        #: Largest message ``oneshot_ll`` takes (its line slots cost twice the payload).
+        self.ll_capacity: int = Layout.make(max_bytes, self.world_size).ll_capacity
         self.timeout_s: float = _default_timeout() if timeout_s is None else float(timeout_s)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
@@ -97,7 +100,7 @@ class Communicator:
         self.block_cap: int = self._block_cap()
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         with torch.cuda.device(self.device):
-            self._workspace_for(torch.cuda.current_stream(self.device).cuda_stream)
+            self._workspace_for(current_stream_handle(self.device))
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -114,7 +117,7 @@ class Communicator:
         if nbytes == 0:
             return out
         algo_id, blocks = self._choice(nbytes, x.dtype, algo)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = current_stream_handle(self.device)
         workspace = self._workspaces.get(stream) or self._workspace_for(stream)
         failed = workspace.all_reduce(algo_id, x.data_ptr(), out.data_ptr(), nbytes, DTYPE_IDS[x.dtype], blocks, stream)
         if failed:
@@ -157,15 +160,24 @@ class Communicator:
         return normed, new_residual
 
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
-        """The fused kernel ``algo="auto"`` uses: two-shot (token split) where the plain table picks
-        two-shot for this message size and there is at least one token per rank, else one-shot."""
+        """The fused kernel ``algo="auto"`` uses, following the plain table for the same message size:
+        two-shot (token split) where it picks two-shot and there is at least one token per rank;
+        the low-latency one-shot where it picks ``oneshot_ll`` and that kernel can take the shape;
+        else the flag-based one-shot."""
+        from pcie_allreduce import fused_oneshot_ll, fused_rmsnorm
+
         nbytes = tokens * hidden * torch.empty((), dtype=dtype).element_size()
-        plain = self.table.select(nbytes, self.world_size, DTYPE_NAMES[dtype]).algo
-        return "twoshot" if plain == "twoshot" and tokens >= self.world_size else "oneshot"
+        plain = self.table.select(nbytes, self.world_size, DTYPE_NAMES[dtype], self.ll_capacity).algo
+        if plain == "twoshot" and tokens >= self.world_size:
+            return "twoshot"
+        if plain == "oneshot_ll" and fused_oneshot_ll.launch_shape(
+                tokens, hidden, self.world_size, self.block_cap, fused_rmsnorm.interpreting()) is not None:
+            return "oneshot_ll"
+        return "oneshot"
 
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
         """The algorithm ``algo="auto"`` uses for a message of ``nbytes`` bytes of ``dtype``."""
-        return self.table.select(nbytes, self.world_size, DTYPE_NAMES.get(dtype, str(dtype))).algo
+        return self.table.select(nbytes, self.world_size, DTYPE_NAMES.get(dtype, str(dtype)), self.ll_capacity).algo
 
     def check(self) -> None:
         """Raise the CollectiveTimeout / CollectiveMismatch a kernel recorded, if any (no GPU sync)."""
@@ -200,13 +212,13 @@ class Communicator:
     def workspace(self, stream: int | None = None) -> Any:
         """The `_C.Workspace` serving ``stream`` (default: the current stream), created if needed."""
         if stream is None:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            stream = current_stream_handle(self.device)
         return self._workspaces.get(stream) or self._workspace_for(stream)
 
     def has_workspace(self, stream: int | None = None) -> bool:
         """Whether ``stream`` (default: the current stream) already has its workspace (no collective)."""
         if stream is None:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            stream = current_stream_handle(self.device)
         return stream in self._workspaces
 
     def raise_if_failed(self, workspace: Any) -> None:
@@ -230,9 +242,12 @@ class Communicator:
         if hit is None:
             dtype_name = DTYPE_NAMES[dtype]
             if algo == "auto":
-                choice = self.table.select(nbytes, self.world_size, dtype_name)
+                choice = self.table.select(nbytes, self.world_size, dtype_name, self.ll_capacity)
                 hit = (algo_mod.ALGO_IDS[choice.algo], choice.blocks)
             else:
+                if algo in algo_mod.CAPPED_ALGORITHMS and nbytes > self.ll_capacity:
+                    raise ValueError(f"algo={algo!r} takes messages up to {self.ll_capacity} bytes (the low-latency "
+                                     f"line slots of this communicator), got {nbytes}; use 'auto' or another algorithm")
                 hit = (algo_mod.ALGO_IDS[algo], self.table.blocks_for(algo, nbytes, self.world_size, dtype_name))
             hit = (hit[0], min(hit[1], self.block_cap))
             if len(self._choices) < 4096:  # bounded: shapes in serving are few
@@ -339,6 +354,13 @@ class Communicator:
                 workspace.close()
             except Exception:
                 pass
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream. torch's C entry point returns it
+    directly; ``torch.cuda.current_stream(device).cuda_stream`` builds a Stream object under a
+    device guard first, which costs microseconds on every call."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 def _cuda_device(device: torch.device | int | str) -> torch.device:

@@ -10,7 +10,7 @@ epoch lives in the workspace's control words and the last program to finish adva
 graph safe). Reduction: fp32, rank order 0..W-1, rounded once to the dtype, exactly like the
 CUDA kernels; then the residual add is rounded once more, exactly like ``residual + y`` in torch.
 
-Two kernels:
+Two kernels here:
 - one-shot: each program pushes its rows of x to every peer, waits, reduces its rows and
   finishes them (add + norm). For few tokens.
 - token-split two-shot: rank o owns rows split(T, W, o). Programs push the rows each owner
@@ -19,171 +19,28 @@ Two kernels:
   only (not the normed rows) halves the all-gather and needs one slot region per sender; the
   norm is a deterministic function of the residual row, so all ranks still agree bitwise.
 
-Memory ordering without inline PTX where possible: the CPU interpreter (TRITON_INTERPRET=1)
-runs programs one after another and cannot execute inline assembly, so the acquire load,
-release store and global timer have an interpreter path (volatile load, plain store, a spin
-count) selected by the INTERPRET constexpr. On the GPU they are ld.acquire.sys /
-st.release.sys / %globaltimer, the same instructions the CUDA kernels use (Triton has no
-system-scope release store without an atomic, and PCIe may not support peer atomics).
+Memory-order primitives and the protocol helpers shared with other Triton kernels live in
+:mod:`pcie_allreduce.triton_protocol`; the low-latency (data-as-flag) one-shot for small
+messages in :mod:`pcie_allreduce.fused_oneshot_ll`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import zlib
 
 import torch
 import triton
 import triton.language as tl
 
+from pcie_allreduce import fused_oneshot_ll
 from pcie_allreduce.layout import MAX_FLAG_BLOCKS, MAX_RANKS, WorkspaceView
+from pcie_allreduce.triton_protocol import (begin_call, end_call, flag_addr, interpreting, pick_base, round_to,
+                                            store_release, wait_peer)
 
-FUSED_ALGORITHMS = ("oneshot", "twoshot")
+FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll")
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 STAGE_FUSED_GATHER, STAGE_FUSED_REDUCE_SCATTER, STAGE_FUSED_ALL_GATHER = 4, 5, 6
-INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (Triton's CPU interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# ---- memory-order primitives -------------------------------------------------------------
-
-
-@triton.jit
-def _load_acquire(ptr, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        value = tl.load(ptr, volatile=True)
-    else:
-        value = tl.inline_asm_elementwise("ld.acquire.sys.global.u64 $0, [$1];", "=l,l", [ptr],
-                                          dtype=tl.uint64, is_pure=False, pack=1)
-    return value
-
-
-@triton.jit
-def _store_release(ptr, value, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        tl.store(ptr, value)
-    else:
-        tl.inline_asm_elementwise("st.release.sys.global.u64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, value],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _now_ns(INTERPRET: tl.constexpr):
-    if INTERPRET:
-        t = tl.full((), 0, tl.uint64)
-    else:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.uint64, is_pure=False, pack=1)
-    return t
-
-
-@triton.jit
-def _round(v, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> DT with round-to-nearest-even. The interpreter truncates fp32 -> bf16, so it
-    rounds by integer arithmetic instead (finite values; same bits as the GPU's cvt.rn)."""
-    if INTERPRET and DT == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        out = v.to(DT)
-    return out
-
-
-@triton.jit
-def _pick(p: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
-    if p == 0:
-        b = b0
-    elif p == 1:
-        b = b1
-    elif p == 2:
-        b = b2
-    elif p == 3:
-        b = b3
-    elif p == 4:
-        b = b4
-    elif p == 5:
-        b = b5
-    elif p == 6:
-        b = b6
-    else:
-        b = b7
-    return b
-
-
-# ---- protocol ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, observed):
-    """Raise the abort flag; the first failure fills the host-mapped record (kind written last)."""
-    tl.atomic_xchg(ctrl + 2, 1)
-    claim = tl.atomic_cas(ctrl + 3, 0, 1)
-    if claim == 0:
-        # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits.
-        err = err_addr.to(tl.pointer_type(tl.int32))
-        tl.store(err + 1, rank)
-        tl.store(err + 2, peer)
-        tl.store(err + 3, stage)
-        tl.store(err + 4, pid)
-        tl.store(err + 5, epoch)
-        tl.store(err + 6, sig)
-        tl.store(err + 7, observed)
-        tl.store(err, kind)
-
-
-@triton.jit
-def _flag_addr(base, flags_offset, kind: tl.constexpr, sender, pid):
-    index = (kind * 8 + sender) * 128 + pid
-    return (base + flags_offset + index.to(tl.int64) * 8).to(tl.pointer_type(tl.uint64))
-
-
-@triton.jit
-def _wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.constexpr, stage: tl.constexpr, pid,
-               INTERPRET: tl.constexpr):
-    """Spin (bounded) until the peer's flag carries our epoch or a later one; 1 on success."""
-    word = _load_acquire(flag, INTERPRET)
-    diff = ((word >> 32) - epoch) & 0xFFFFFFFF      # peer epoch - ours, mod 2^32
-    waiting = diff >= 0x80000000                     # negative as int32: not there yet
-    ok = 1
-    spins = 0
-    start = _now_ns(INTERPRET)
-    while waiting & (ok == 1):
-        word = _load_acquire(flag, INTERPRET)
-        diff = ((word >> 32) - epoch) & 0xFFFFFFFF
-        waiting = diff >= 0x80000000
-        spins += 1
-        if waiting & (spins % 64 == 0):
-            aborted = tl.load(ctrl + 2, volatile=True)
-            if INTERPRET:
-                expired = spins > 10000
-            else:
-                expired = (_now_ns(INTERPRET) - start) > timeout_ns
-            if aborted != 0:
-                ok = 0
-            elif expired:
-                _record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
-                ok = 0
-    if ok == 1:
-        observed = word & 0xFFFFFFFF
-        if (diff == 0) & (observed != sig):
-            _record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed)
-            ok = 0
-    return ok
-
-
-@triton.jit
-def _end_call(ctrl, epoch):
-    """The last program to finish publishes the new epoch for the next kernel on this stream."""
-    tl.debug_barrier()
-    done = tl.atomic_add(ctrl + 1, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:
-        tl.store(ctrl + 1, 0)
-        tl.store(ctrl, epoch.to(tl.uint32))
 
 
 @triton.jit
@@ -193,7 +50,7 @@ def _finish_rows(nr, w, cols_ok, H, eps, normed_ptrs, res_out_ptrs, mask, DT: tl
     v = nr.to(tl.float32)
     var = tl.sum(tl.where(cols_ok, v * v, 0.0), axis=0) / H
     rstd = 1.0 / tl.sqrt_rn(var + eps)
-    tl.store(normed_ptrs, _round(v * rstd * w, DT, INTERPRET), mask=mask)
+    tl.store(normed_ptrs, round_to(v * rstd * w, DT, INTERPRET), mask=mask)
 
 
 @triton.jit
@@ -210,7 +67,7 @@ def _reduce_row(x_row_ptrs, slot_ptr_of_rank0, slot_elems, row_off, cols, mask, 
             acc = v.to(tl.float32)
         else:
             acc += v.to(tl.float32)
-    return _round(acc, DT, INTERPRET)
+    return round_to(acc, DT, INTERPRET)
 
 
 @triton.jit
@@ -231,7 +88,7 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
     for p in tl.static_range(W):
         if p != rank:
             if ok == 1:
-                ok = _wait_peer(_flag_addr(my_base, flags_offset, kind, p, pid), ctrl, err_addr, epoch, sig64,
+                ok = wait_peer(flag_addr(my_base, flags_offset, kind, p, pid), ctrl, err_addr, epoch, sig64,
                                 timeout_ns, rank, p, stage, pid, INTERPRET)
     return ok
 
@@ -249,8 +106,7 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     ES: tl.constexpr = DT.primitive_bitwidth // 8
     pid = tl.program_id(0)
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
-    epoch = (tl.load(ctrl, volatile=True) + 1).to(tl.uint64) & 0xFFFFFFFF
-    aborted = tl.load(ctrl + 2, volatile=True)
+    epoch, aborted = begin_call(ctrl, pid)
     sig64 = sig.to(tl.uint64)
     cols = tl.arange(0, BLOCK_H)
     cols_ok = cols < H
@@ -260,11 +116,11 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         # 1. push our rows into our slot of every peer, then flag that peer
         for p in tl.static_range(W):
             if p != rank:
-                base = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
                 dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
                 _push_rows(x_ptr, dst, 0, T, pid, H, cols, cols_ok, ROWS)
                 tl.debug_barrier()
-                _store_release(_flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
+                store_release(flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
         # 2. wait for every peer's rows
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
                              INTERPRET)
@@ -278,9 +134,9 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 row_off = row.to(tl.int64) * H
                 s = _reduce_row(x_ptr + row_off + cols, slot0, slot_elems, row_off, cols, mask, rank, W, DT, INTERPRET)
                 res = tl.load(res_ptr + row_off + cols, mask=mask, other=0.0)
-                nr = _round(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
+                nr = round_to(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
-    _end_call(ctrl, epoch)
+    end_call(ctrl, epoch, pid)
 
 
 @triton.jit
@@ -301,8 +157,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     ES: tl.constexpr = DT.primitive_bitwidth // 8
     pid = tl.program_id(0)
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
-    epoch = (tl.load(ctrl, volatile=True) + 1).to(tl.uint64) & 0xFFFFFFFF
-    aborted = tl.load(ctrl + 2, volatile=True)
+    epoch, aborted = begin_call(ctrl, pid)
     sig64 = sig.to(tl.uint64)
     cols = tl.arange(0, BLOCK_H)
     cols_ok = cols < H
@@ -312,12 +167,12 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         # 1. reduce-scatter: the rows each owner owns go to that owner
         for p in tl.static_range(W):
             if p != rank:
-                base = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
                 dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
                 begin, end = _shard(T, W, p)
                 _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS)
                 tl.debug_barrier()
-                _store_release(_flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
+                store_release(flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
                              INTERPRET)
         w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
@@ -331,18 +186,18 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 row_off = row.to(tl.int64) * H
                 s = _reduce_row(x_ptr + row_off + cols, slot0, slot_elems, row_off, cols, mask, rank, W, DT, INTERPRET)
                 res = tl.load(res_ptr + row_off + cols, mask=mask, other=0.0)
-                nr = _round(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
+                nr = round_to(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
                 for p in tl.static_range(W):
                     if p != rank:
-                        base = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                        base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
                         dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
                         tl.store(dst + row_off + cols, nr, mask=mask)
             tl.debug_barrier()
             for p in tl.static_range(W):
                 if p != rank:
-                    base = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                    _store_release(_flag_addr(base, flags_offset, 1, rank, pid), (epoch << 32) | sig64, INTERPRET)
+                    base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                    store_release(flag_addr(base, flags_offset, 1, rank, pid), (epoch << 32) | sig64, INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
                                  INTERPRET)
@@ -358,7 +213,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                             nr = tl.load(src + row_off + cols, mask=mask, other=0.0, cache_modifier=".cg")
                             _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols,
                                          res_out_ptr + row_off + cols, mask, DT, INTERPRET)
-    _end_call(ctrl, epoch)
+    end_call(ctrl, epoch, pid)
 
 
 # ---- host side ---------------------------------------------------------------------------
@@ -386,13 +241,17 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
            eps: float, normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool | None = None,
            max_programs: int = MAX_PROGRAMS) -> None:
     """Enqueue one fused call on the current stream (arguments already validated)."""
+    interpret = interpreting() if interpret is None else interpret
+    if algo == "oneshot_ll":
+        fused_oneshot_ll.launch(view, x, residual, weight, eps, normed, residual_out, interpret=interpret,
+                                max_programs=max_programs)
+        return
     tokens, hidden = x.shape
     programs, rows, block_h, num_warps = launch_shape(algo, tokens, view.world, hidden, max_programs)
     if programs > MAX_FLAG_BLOCKS:
         raise ValueError(f"fused all-reduce needs {programs} programs, more than the {MAX_FLAG_BLOCKS} flag slots")
     kernel = _fused_oneshot_kernel if algo == "oneshot" else _fused_twoshot_kernel
     bases = view.padded_bases()
-    interpret = interpreting() if interpret is None else interpret
     assert len(bases) == MAX_RANKS
     kernel[(programs,)](
         x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,

@@ -8,14 +8,20 @@ offsets, and the host-mapped error record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 MAX_RANKS = 8
 MAX_FLAG_BLOCKS = 128
 FLAG_KINDS = 2
 ALIGN = 256
-CONTROL_WORDS = 4  # epoch, blocks_done, abort, error_claim (uint32 each)
+LOW_LATENCY_MAX_BYTES = 512 * 1024  # kLowLatencyMaxBytes: payload cap of the line slots
+ROW_STATS_SLOTS = 1024  # kRowStatsSlots: uint64 words for the fused one-shot's per-row statistics
+# Control words (uint32): one epoch copy per flag block, then abort, then error_claim.
+EPOCH_WORDS = MAX_FLAG_BLOCKS
+ABORT_WORD = MAX_FLAG_BLOCKS
+CLAIM_WORD = MAX_FLAG_BLOCKS + 1
+CONTROL_WORDS = MAX_FLAG_BLOCKS + 2
 ERROR_WORDS = 8    # kind, rank, peer, stage, block, epoch, expected_signature, observed_signature
 
 
@@ -25,21 +31,35 @@ def _round_up(x: int, a: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Byte offsets inside one rank's workspace allocation."""
+    """Byte offsets inside one rank's workspace allocation:
+    [2 parities x W data slots][2 parities x W line slots][flags][control][row stats]."""
 
     slot_bytes: int
     parity_bytes: int
+    ll_capacity: int
+    ll_slot_bytes: int
+    ll_offset: int
     flags_offset: int
     control_offset: int
+    stats_offset: int
     total_bytes: int
 
     @classmethod
     def make(cls, max_bytes: int, world: int) -> "Layout":
         slot = _round_up(max(max_bytes, 1), ALIGN)
         parity = slot * world
-        flags = 2 * parity
+        ll_capacity = min(slot, LOW_LATENCY_MAX_BYTES)
+        ll_offset = 2 * parity
+        flags = ll_offset + 2 * 2 * ll_capacity * world
         control = flags + _round_up(8 * FLAG_KINDS * MAX_RANKS * MAX_FLAG_BLOCKS, ALIGN)
-        return cls(slot, parity, flags, control, control + _round_up(4 * CONTROL_WORDS, ALIGN))
+        stats = control + _round_up(4 * CONTROL_WORDS, ALIGN)
+        return cls(slot, parity, ll_capacity, 2 * ll_capacity, ll_offset, flags, control, stats,
+                   stats + _round_up(8 * ROW_STATS_SLOTS, ALIGN))
+
+    @classmethod
+    def of_workspace(cls, workspace: Any) -> "Layout":
+        """The layout a ``pcie_allreduce._C.Workspace`` reports (computed in C++)."""
+        return cls(*(getattr(workspace, f.name) for f in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -56,9 +76,7 @@ class WorkspaceView:
     @classmethod
     def of(cls, workspace: Any) -> "WorkspaceView":
         """View of a ``pcie_allreduce._C.Workspace``."""
-        layout = Layout(workspace.slot_bytes, workspace.parity_bytes, workspace.flags_offset,
-                        workspace.control_offset, workspace.total_bytes)
-        return cls(workspace.rank, workspace.world, tuple(workspace.bases()), layout,
+        return cls(workspace.rank, workspace.world, tuple(workspace.bases()), Layout.of_workspace(workspace),
                    workspace.error_record_ptr, int(workspace.timeout * 1e9))
 
     def padded_bases(self) -> tuple[int, ...]:

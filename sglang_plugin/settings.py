@@ -11,6 +11,8 @@ import dataclasses
 import re
 from typing import Mapping
 
+from pcie_allreduce.algo import ALGORITHMS
+
 PREFIX = "PCIE_AR_SGLANG_"
 ENABLE = PREFIX + "ENABLE"
 MAX_BYTES = PREFIX + "MAX_BYTES"
@@ -20,7 +22,7 @@ FUSED = PREFIX + "FUSED"
 TIMEOUT_S = PREFIX + "TIMEOUT_S"
 ATTACH = PREFIX + "ATTACH"
 
-ALGOS: tuple[str, ...] = ("auto", "oneshot", "staged", "twoshot")
+ALGOS: tuple[str, ...] = ("auto",) + ALGORITHMS
 MODES: tuple[str, ...] = ("pcie", "always")
 ATTACH_CHOICES: tuple[str, ...] = ("auto", "plugin", "import")
 DEFAULT_MAX_BYTES = 8 << 20  # SGLang's own custom all-reduce default (8 MiB)

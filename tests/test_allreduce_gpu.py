@@ -44,7 +44,8 @@ def _matrix(ctx: testing.RankContext) -> dict:
             inputs = ref.all_inputs(seed, ctx.world_size, numel, dtype)
             x = inputs[ctx.rank].to(ctx.device)
             results = {}
-            for algo in ALGOS + ("auto",):
+            algos = tuple(a for a in ALGOS if a != "oneshot_ll" or numel * x.element_size() <= comm.ll_capacity)
+            for algo in algos + ("auto",):
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(x, out=out, algo=algo)
                 results[algo] = out
@@ -55,10 +56,13 @@ def _matrix(ctx: testing.RankContext) -> dict:
             unaligned_buf = torch.empty(numel + 1, dtype=dtype, device=ctx.device)
             unaligned = unaligned_buf[1:]
             unaligned.copy_(x)
-            for algo in ALGOS:
+            for algo in algos:
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(unaligned, out=out, algo=algo)
                 results[f"unaligned-{algo}"] = out
+            if len(algos) < len(ALGOS):
+                with pytest.raises(ValueError, match="oneshot_ll"):
+                    comm.all_reduce(x, algo="oneshot_ll")
             torch.cuda.synchronize()
             assert torch.equal(x.cpu(), inputs[ctx.rank]), "out-of-place call modified its input"
             for name, out in results.items():
@@ -78,8 +82,9 @@ def test_matrix_every_algorithm_dtype_and_size(world: int) -> None:
 def _graph(ctx: testing.RankContext, captured: int, replays: int) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     rng = random.Random(5)
-    shapes = [(rng.choice([1, 7, 4 * 7168, 7168 * 3 + 5, 100_000]), rng.choice(DTYPES), rng.choice(ALGOS + ("auto",)))
-              for _ in range(8)]
+    algos = ALGOS + ("auto",)
+    shapes = [(rng.choice([1, 7, 4 * 7168, 7168 * 3 + 5, 100_000]), rng.choice(DTYPES), algos[i % len(algos)])
+              for i in range(8)]
     static_in = [torch.empty(n, dtype=d, device=ctx.device) for n, d, _ in shapes]
     outs = [torch.full((shapes[i % 8][0],), float("nan"), dtype=shapes[i % 8][1], device=ctx.device)
             for i in range(captured)]
@@ -141,7 +146,7 @@ def _wraparound(ctx: testing.RankContext) -> dict:
     torch.distributed.barrier(group=ctx.group)
     for i in range(40):
         inputs = ref.all_inputs(300 + i, ctx.world_size, 7168 + i, torch.bfloat16)
-        out = comm.all_reduce(inputs[ctx.rank].to(ctx.device), algo=ALGOS[i % 3])
+        out = comm.all_reduce(inputs[ctx.rank].to(ctx.device), algo=ALGOS[i % len(ALGOS)])
         ref.check(out, inputs, f"call {i} across the 32-bit epoch wrap")
     epoch = comm.workspace().debug_epoch()
     comm.close()
@@ -237,8 +242,7 @@ def _layout_pairs(ctx: testing.RankContext) -> list:
     for world, max_bytes in ((2, 1), (3, 12345), (8, MAX_BYTES)):
         ws = ext.Workspace(ctx.device.index, 0, world, max_bytes, 1.0)
         want = layout.Layout.make(max_bytes, world)
-        pairs.append(((ws.slot_bytes, ws.parity_bytes, ws.flags_offset, ws.control_offset, ws.total_bytes),
-                      (want.slot_bytes, want.parity_bytes, want.flags_offset, want.control_offset, want.total_bytes)))
+        pairs.append((layout.Layout.of_workspace(ws), want))
         ws.close()
     return pairs
 

@@ -109,7 +109,7 @@ def test_validation_out_partial_overlap() -> None:
 
 
 def test_validation_algo() -> None:
-    for name in ("auto", "oneshot", "staged", "twoshot"):
+    for name in ("auto", "oneshot", "staged", "twoshot", "oneshot_ll"):
         assert validation.validate_algo(name) == name
     with pytest.raises(ValueError, match="unknown algo 'ring'"):
         validation.validate_algo("ring")
@@ -129,13 +129,19 @@ def test_default_table_is_total_and_pure() -> None:
                 assert 1 <= a.blocks <= algo.MAX_LAUNCH_BLOCKS
 
 
-def test_default_table_small_is_oneshot_large_is_twoshot() -> None:
+def test_default_table_small_is_low_latency_then_oneshot_then_twoshot() -> None:
     table = algo.default_table()
-    assert table.select(56 << 10, 8, "bfloat16").algo == "oneshot"
+    assert table.select(14 << 10, 2, "bfloat16").algo == "oneshot_ll"
+    assert table.select(56 << 10, 8, "bfloat16").algo == "oneshot_ll"
+    assert table.select(448 << 10, 4, "bfloat16") == algo.Choice("oneshot", 32)
     assert table.select(16 << 20, 8, "bfloat16").algo == "twoshot"
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"
-    assert table.select(448 << 10, 4, "bfloat16") == algo.Choice("oneshot", 32)
-    assert table.select(14 << 10, 2, "bfloat16") == algo.Choice("oneshot", 4)
+
+
+def test_low_latency_rules_are_passed_over_above_the_capacity() -> None:
+    table = algo.default_table()
+    assert table.select(56 << 10, 4, "bfloat16", ll_capacity=56 << 10).algo == "oneshot_ll"
+    assert table.select(56 << 10, 4, "bfloat16", ll_capacity=32 << 10).algo == "oneshot"
 
 
 def test_table_json_round_trip() -> None:

@@ -28,7 +28,7 @@ def _tune_config(argv: list[str], gpu_count: int = 1) -> BenchConfig:
 
 def test_tune_options() -> None:
     cfg = _tune_config([])
-    assert cfg.workload == TUNE and cfg.backends == (OURS_SHAPES,) and cfg.algos == ("oneshot", "staged", "twoshot")
+    assert cfg.workload == TUNE and cfg.backends == (OURS_SHAPES,) and cfg.algos == ("oneshot", "staged", "twoshot", "oneshot_ll")
     assert cfg.sizes[0] == 1024 and cfg.sizes[-1] == 8 << 20 and cfg.blocks == (1, 2, 4, 8, 16, 32, 64)
     assert (cfg.iters, cfg.warmup, cfg.time_budget_s) == (30, 5, 0.2)
     cfg = _tune_config(["--sizes", "56K", "14K", "--blocks", "8", "2", "--algos", "oneshot", "--world", "4"])

@@ -29,6 +29,7 @@ pytest.importorskip("pytest_benchmark")
 
 import pcie_allreduce  # noqa: E402
 from pcie_allreduce import algo as algo_mod, testing  # noqa: E402
+from pcie_allreduce import communicator  # noqa: E402
 from pcie_allreduce.communicator import Communicator  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +68,7 @@ def _cpu_communicator(world: int = 4) -> tuple[Communicator, _FakeWorkspace]:
     comm._closed = False
     comm.device = torch.device("cpu")
     comm.max_bytes = 8 << 20
+    comm.ll_capacity = 512 << 10
     comm.world_size = world
     comm.rank = 0
     comm.table = algo_mod.default_table()
@@ -77,7 +79,7 @@ def _cpu_communicator(world: int = 4) -> tuple[Communicator, _FakeWorkspace]:
 
 
 def test_host_cost_python_path(benchmark, monkeypatch) -> None:
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(communicator, "current_stream_handle", lambda device: _FakeStream.cuda_stream)
     comm, workspace = _cpu_communicator()
     x = torch.ones(HIDDEN, dtype=torch.bfloat16)
     out = torch.empty_like(x)

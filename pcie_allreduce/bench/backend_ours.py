@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pcie_allreduce.algo import CAPPED_ALGORITHMS
 from pcie_allreduce.bench.backends import Buffers
-from pcie_allreduce.bench.plan import RankJob
+from pcie_allreduce.bench.plan import Case, RankJob
 from pcie_allreduce.testing import RankContext
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class OursBackend:
     def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
         return self._comm.select_algo(size_bytes, dtype) if algo == "auto" else algo
 
+    def skip_reason(self, case: Case) -> str | None:
+        return capacity_problem(self._comm, case.algo, case.size_bytes)
+
     def prepare_capture(self, stream: torch.cuda.Stream) -> None:
         # Creating the capture stream's workspace is collective (IPC handle exchange): do it once,
         # outside any capture and at the same point on every rank.
@@ -73,3 +77,10 @@ class OursBackend:
 
     def close(self) -> None:
         self._comm.close()
+
+
+def capacity_problem(comm: "Communicator", algo: str, size_bytes: int) -> str | None:
+    """Why ``algo`` cannot take a message of ``size_bytes`` (the low-latency cap), or None."""
+    if algo in CAPPED_ALGORITHMS and size_bytes > comm.ll_capacity:
+        return f"{algo} takes messages up to {comm.ll_capacity} bytes"
+    return None

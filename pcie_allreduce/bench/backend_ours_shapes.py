@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pcie_allreduce.bench.backend_ours import OursBackend
+from pcie_allreduce.bench.backend_ours import OursBackend, capacity_problem
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import Case, parse_shape_algo
 
@@ -37,7 +37,7 @@ class OursShapesBackend(OursBackend):
         return algo
 
     def skip_reason(self, case: Case) -> str | None:
-        _, blocks = parse_shape_algo(case.algo)
+        name, blocks = parse_shape_algo(case.algo)
         if blocks > self.comm.block_cap:
             return f"{blocks} blocks > block cap {self.comm.block_cap} (ranks share a GPU)"
-        return None
+        return capacity_problem(self.comm, name, case.size_bytes)

@@ -10,11 +10,12 @@ import dataclasses
 from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
+from pcie_allreduce.algo import ALGORITHMS
 from pcie_allreduce.bench import sizes
 from pcie_allreduce.bench.results import ALLREDUCE, FUSED
 
 DTYPE_SIZES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})  # element bytes
-OUR_ALGOS: tuple[str, ...] = ("oneshot", "staged", "twoshot", "auto")
+OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
 BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl", "nccl_ll")
 MIN_WORLD, MAX_WORLD = 2, 8
 EMULATED_WORLDS: tuple[int, ...] = (2, 4, 8)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pcie_allreduce.fused_rmsnorm import _load_acquire, _now_ns, _store_release, interpreting
+from pcie_allreduce.triton_protocol import interpreting, load_acquire, now_ns, store_release
 
 INTERPRETER_SPIN_LIMIT = 2_000  # the interpreter has no clock: give up after this many polls
 PUSH_BLOCK = 2048               # 8-byte words per program per step
@@ -34,17 +34,17 @@ def _fill_kernel(addr, n_words, BLOCK: tl.constexpr):
 @triton.jit
 def _wait_at_least(ptr, value, ok, timeout_ns, INTERPRET: tl.constexpr):
     """Spin until ``*ptr >= value``; returns ``ok``, or 0 after the timeout."""
-    start = _now_ns(INTERPRET)
-    current = _load_acquire(ptr, INTERPRET)
+    start = now_ns(INTERPRET)
+    current = load_acquire(ptr, INTERPRET)
     spins = 0
     while (current < value) & (ok == 1):
-        current = _load_acquire(ptr, INTERPRET)
+        current = load_acquire(ptr, INTERPRET)
         spins += 1
         if (current < value) & (spins % 64 == 0):
             if INTERPRET:
                 expired = spins > 2000
             else:
-                expired = (_now_ns(INTERPRET) - start) > timeout_ns
+                expired = (now_ns(INTERPRET) - start) > timeout_ns
             if expired:
                 ok = 0
     return ok
@@ -56,22 +56,22 @@ def _pingpong_kernel(mine_addr, theirs_addr, out_ptr, iters, timeout_ns, INITIAT
     mine = mine_addr.to(tl.pointer_type(tl.uint64))
     theirs = theirs_addr.to(tl.pointer_type(tl.uint64))
     ok = 1
-    first = _now_ns(INTERPRET)
+    first = now_ns(INTERPRET)
     i = 0
     while i < iters:  # while, not range(): see _push_kernel
         value = (i + 1).to(tl.uint64)
         if INITIATOR:
             if ok == 1:
-                _store_release(theirs, value, INTERPRET)
+                store_release(theirs, value, INTERPRET)
             ok = _wait_at_least(mine, value, ok, timeout_ns, INTERPRET)
         else:
             ok = _wait_at_least(mine, value, ok, timeout_ns, INTERPRET)
             if ok == 1:
-                _store_release(theirs, value, INTERPRET)
+                store_release(theirs, value, INTERPRET)
         if i == 0:
-            first = _now_ns(INTERPRET)  # the first round trip absorbs the launch skew between the ranks
+            first = now_ns(INTERPRET)  # the first round trip absorbs the launch skew between the ranks
         i += 1
-    last = _now_ns(INTERPRET)
+    last = now_ns(INTERPRET)
     tl.store(out_ptr, ok.to(tl.int64))
     tl.store(out_ptr + 1, (last - first).to(tl.int64))
 

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from pcie_allreduce import tune_cache
+from pcie_allreduce.algo import ALGORITHMS
 from pcie_allreduce.bench import options, report, tune_table
 from pcie_allreduce.bench.backends import OURS_SHAPES
 from pcie_allreduce.bench.options import BenchConfig
@@ -22,7 +23,6 @@ from pcie_allreduce.bench.plan import parse_shape_algo
 from pcie_allreduce.bench.results import TUNE, Report, Result
 from pcie_allreduce.bench.table import Column, render
 
-ALGORITHMS: tuple[str, ...] = ("oneshot", "staged", "twoshot")
 DEFAULT_BLOCKS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MAX = "8M"  # the Communicator's default max_bytes
 MAX_LAUNCH_BLOCKS = 64

@@ -1,0 +1,152 @@
+// One-shot all-reduce with data-as-flag lines ("LL", after NCCL's low-latency protocol).
+//
+// The message is cut into 8-byte payload units; unit k travels to every peer as line k (16 bytes,
+// ll_line.cuh) of our line slot in that peer's workspace. A thread pushes its units, then polls
+// the same units' lines from every peer in its own workspace, reduces each unit as soon as all W
+// contributions are there, and clears the lines it consumed. No __syncthreads, no fence, no flag
+// round trip: the cost of a call is one posted write and one local poll per line. Lines are twice
+// the payload, so this is for small messages (Layout::ll_capacity caps it).
+//
+// Invariants (in addition to protocol.cuh 1 and 3-6; 2 is replaced by L1-L2):
+//  L1. A line is "arrived" when both its flag words equal line_flag(epoch, signature). The data
+//      and its flag travel in one naturally aligned 8-byte half, so an arrived line is never torn.
+//  L2. Lines are zero whenever they are not in flight: the receiving thread clears every line it
+//      reduced, inside the same kernel. A peer writes this parity again only in call e + 2, after
+//      it saw our lines of call e + 1, which we send after this kernel has finished, so a clear
+//      can never erase a newer line. Zero is never a flag, so nothing stale is taken for data.
+//  L3. A line whose flag word is non-zero and not ours was written by a peer in this epoch for a
+//      different call (another size, dtype or algorithm): recorded as a mismatch, never reduced.
+//  L4. The wire format does not depend on alignment: line k always carries message bytes
+//      [8k, 8k + 8), zero-padded past the end, so a rank whose buffers are not 8-byte aligned
+//      (element loads) interoperates with one that moves 8-byte words.
+//  L5. Every unit is reduced by the thread that pushed it, from the input it reloads before
+//      writing that unit's output: in place (output == input) is safe.
+#pragma once
+
+#include "ll_line.cuh"
+#include "partition.cuh"
+#include "protocol.cuh"
+#include "reduce.cuh"
+
+namespace pcie_ar {
+
+// Line 0 of `sender`'s line slot in `owner`'s workspace for this call's parity.
+__device__ __forceinline__ uint4* line_slot(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
+  const uint64_t parity = static_cast<uint64_t>(epoch & 1u) * a.layout.ll_slot_bytes * static_cast<uint64_t>(a.world);
+  return reinterpret_cast<uint4*>(a.bases[owner] + a.layout.ll_offset + parity +
+                                  static_cast<uint64_t>(sender) * a.layout.ll_slot_bytes);
+}
+
+// Message bytes [8 unit, 8 unit + 8) as a payload word, zero past the end of the message.
+template <typename T, bool kAligned>
+__device__ __forceinline__ uint2 load_payload(const void* base, uint64_t unit, uint64_t nbytes) {
+  const uint64_t first = unit * kLinePayloadBytes;
+  if (kAligned && first + kLinePayloadBytes <= nbytes) {
+    return *reinterpret_cast<const uint2*>(static_cast<const char*>(base) + first);
+  }
+  Pack<T, uint2> p;
+  p.unit = make_uint2(0u, 0u);
+  const T* src = static_cast<const T*>(base);
+  const uint64_t count = nbytes / sizeof(T), e0 = first / sizeof(T);
+#pragma unroll
+  for (int j = 0; j < Pack<T, uint2>::kElems; ++j) {
+    if (e0 + j < count) p.elems[j] = src[e0 + j];
+  }
+  return p.unit;
+}
+
+template <typename T, bool kAligned>
+__device__ __forceinline__ void store_payload(void* base, uint64_t unit, uint64_t nbytes, uint2 value) {
+  const uint64_t first = unit * kLinePayloadBytes;
+  if (kAligned && first + kLinePayloadBytes <= nbytes) {
+    *reinterpret_cast<uint2*>(static_cast<char*>(base) + first) = value;
+    return;
+  }
+  Pack<T, uint2> p;
+  p.unit = value;
+  T* dst = static_cast<T*>(base);
+  const uint64_t count = nbytes / sizeof(T), e0 = first / sizeof(T);
+#pragma unroll
+  for (int j = 0; j < Pack<T, uint2>::kElems; ++j) {
+    if (e0 + j < count) dst[e0 + j] = p.elems[j];
+  }
+}
+
+// Bounded wait until line `i` of every peer has arrived in our workspace; their payloads go to
+// got[peer]. False (error recorded, or another thread's) on mismatch, timeout or abort.
+__device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* lines0, uint64_t stride, uint64_t i,
+                                             uint32_t flag, uint32_t epoch, uint2 (&got)[kMaxRanks]) {
+  uint32_t pending = ((1u << a.world) - 1u) & ~(1u << a.rank);
+  const uint32_t* abort = &control_of(a)->abort;
+  uint64_t started = 0;
+  for (uint32_t spins = 0;; ++spins) {
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (pending & (1u << r)) {
+        const uint4 v = load_line(lines0 + static_cast<uint64_t>(r) * stride + i);
+        if (v.y == flag && v.w == flag) {
+          got[r] = make_uint2(v.x, v.z);
+          pending &= ~(1u << r);
+        } else if ((v.y != 0u && v.y != flag) || (v.w != 0u && v.w != flag)) {
+          const uint32_t seen = (v.y != 0u && v.y != flag) ? v.y : v.w;
+          record_error(a, ErrorKind::kMismatch, r, Stage::kLowLatencyGather, epoch, line_signature(seen, epoch));
+          return false;
+        }
+      }
+    }
+    if (pending == 0u) return true;
+    if ((spins & 63u) == 63u) {
+      if (load_volatile(abort)) return false;
+      const uint64_t now = global_timer_ns();
+      if (started == 0) {
+        started = now;
+      } else if (now - started > a.timeout_ns) {
+        record_error(a, ErrorKind::kTimeout, __ffs(pending) - 1, Stage::kLowLatencyGather, epoch, 0);
+        return false;
+      }
+    }
+  }
+}
+
+template <typename T, bool kAligned>
+__global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const uint32_t epoch = begin_call(a, &aborted);
+  if (!aborted) {
+    const uint32_t flag = line_flag(epoch, a.signature);
+    const uint64_t units = (a.nbytes + kLinePayloadBytes - 1) / kLinePayloadBytes;
+    const Range mine = split(units, gridDim.x, blockIdx.x);
+
+    uint4* peer_lines[kMaxRanks];
+#pragma unroll
+    for (int s = 1; s < kMaxRanks; ++s) {
+      if (s < a.world) peer_lines[s] = line_slot(a, (a.rank + s) % a.world, a.rank, epoch);
+    }
+    for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
+      const uint2 payload = load_payload<T, kAligned>(a.input, i, a.nbytes);
+#pragma unroll
+      for (int s = 1; s < kMaxRanks; ++s) {
+        if (s < a.world) store_line(peer_lines[s] + i, payload, flag);
+      }
+    }
+
+    uint4* lines0 = line_slot(a, a.rank, 0, epoch);
+    const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
+    for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
+      uint2 got[kMaxRanks];
+      if (!gather_lines(a, lines0, stride, i, flag, epoch, got)) break;
+      const uint2 own = load_payload<T, kAligned>(a.input, i, a.nbytes);
+      Pack<T, uint2> in[kMaxRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
+      store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order<T, uint2>(in, a.world));
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        if (r < a.world && r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
+      }
+    }
+  }
+  end_call(a, epoch);
+}
+
+}  // namespace pcie_ar

@@ -1,0 +1,248 @@
+"""Fused all-reduce + residual add + RMSNorm over data-as-flag lines, for small messages.
+
+Same wire format and invariants as csrc/oneshot_ll.cuh (L1-L5 there): the message travels as
+8-byte words {4 payload bytes, 32-bit flag}; a word has arrived when its flag equals
+``line_flag(epoch, signature)``; the receiver clears every word it consumed; a non-zero flag
+that is not ours means a peer issued a different call (mismatch, never reduced). So fused and
+plain low-latency calls interleave on one workspace. No fence and no flag round trip: this is
+what makes the fused call cost about as much as the plain all-reduce.
+
+Grid: T rows x C column chunks, one program each.
+ 1. Push: every program pushes its own chunk to every peer (chunks are near-equal, so all
+    programs share the push whatever the row count; owning the chunk it pushes keeps in place safe).
+ 2. Gather: program (row, c) polls its chunk's words from every peer as one [peers, chunk] tile,
+    reduces in rank order (fp32, rounded once: the CUDA kernels' formula) and adds the residual:
+    the new residual is bitwise the plain path's ``residual + all_reduce(x)``.
+ 3. Row statistics: each program sends its chunk's sum of squares to the C programs of its row
+    through local stats words (tag | fp32 bits in one 8-byte word; the reader clears them, as
+    lines are cleared), and every program sums the C partials the same way: all programs of a
+    row, on every rank, get the same rstd.
+ 4. normed = new_residual * rstd * weight.
+
+Needs an even hidden size (a word never straddles two chunks), T*C programs that can all be
+resident at once (the communicator's block cap) and a message within the line slots' capacity;
+:func:`launch_shape` says None otherwise and the caller takes the flag-based one-shot.
+Under the interpreter (programs run one after another) C is 1, so no program waits for another.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import triton
+import triton.language as tl
+
+from pcie_allreduce.layout import MAX_RANKS, ROW_STATS_SLOTS, WorkspaceView
+from pcie_allreduce.triton_protocol import (begin_call, end_call, line_flag, load_volatile_u64, now_ns, pick_base,
+                                            record_error, round_to, spin_verdict, store_volatile_u64)
+
+STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(7)
+STAGE_ROW_STATS: tl.constexpr = tl.constexpr(8)
+MAX_PROGRAMS = 64   # the CUDA kernels' kMaxLaunchBlocks
+MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
+MIN_CHUNK = 512     # below this, more programs only add statistics traffic
+PUSH_WORDS = 1024   # words per push step
+
+
+@triton.jit
+def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, pid,
+                INTERPRET: tl.constexpr):
+    """(words, ok): bounded wait until every live word carries our flag; 0 on mismatch/timeout/abort."""
+    words = load_volatile_u64(lines, live, INTERPRET)
+    seen = words >> 32
+    waiting = tl.max((live & (seen != flag)).to(tl.int32)) > 0
+    ok = 1
+    spins = 0
+    start = now_ns(INTERPRET)
+    while waiting & (ok == 1):
+        foreign = live & (seen != 0) & (seen != flag)
+        if tl.max(foreign.to(tl.int32)) > 0:
+            culprit = tl.max(tl.where(foreign, peers, -1))
+            observed = tl.max(tl.where(foreign & (peers == culprit), seen, 0))
+            their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+            record_error(ctrl, err_addr, 2, rank, culprit, STAGE_LOW_LATENCY_GATHER, pid, epoch, sig, their_sig)
+            ok = 0
+        else:
+            spins += 1
+            verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+            if verdict == 1:
+                ok = 0
+            elif verdict == 2:
+                late = tl.max(tl.where(live & (seen != flag), peers, -1))
+                record_error(ctrl, err_addr, 1, rank, late, STAGE_LOW_LATENCY_GATHER, pid, epoch, sig, 0)
+                ok = 0
+            else:
+                words = load_volatile_u64(lines, live, INTERPRET)
+                seen = words >> 32
+                waiting = tl.max((live & (seen != flag)).to(tl.int32)) > 0
+    return words, ok
+
+
+@triton.jit
+def _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid,
+                        C: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """(sum over the row's C chunks of their sums of squares, ok); same value in every program of the row.
+
+    The C slots are handled as a BLOCK_C-wide tensor masked to its first C entries (BLOCK_C is at
+    least the thread count): every slot is then stored and polled by exactly one thread and the
+    wait's exit test is a block-wide reduction, so all warps leave the loop together. A narrow
+    [C] tensor would be replicated across warps, each polling its own copy and leaving on its
+    own, and the first to leave would clear slots the others still wait for."""
+    tag = (epoch & 0x7FFFFFFF) | 0x80000000  # never 0: a zero word is "not sent yet"
+    word = (tag << 32) | partial.to(tl.uint32, bitcast=True).to(tl.uint64)
+    q = tl.arange(0, BLOCK_C)
+    q_ok = q < C
+    store_volatile_u64(stats + (row * C + q) * C + c, tl.zeros([BLOCK_C], tl.uint64) + word, q_ok,
+                       INTERPRET)                      # slot (row, to q, from c)
+    mine = stats + (row * C + c) * C + q               # slot (row, to c, from q)
+    got = load_volatile_u64(mine, q_ok, INTERPRET)
+    waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
+    ok = 1
+    spins = 0
+    start = now_ns(INTERPRET)
+    while waiting & (ok == 1):
+        spins += 1
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        if verdict == 1:
+            ok = 0
+        elif verdict == 2:
+            record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0)
+            ok = 0
+        else:
+            got = load_volatile_u64(mine, q_ok, INTERPRET)
+            waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
+    tl.debug_barrier()  # every thread has its final copy before any slot is cleared
+    store_volatile_u64(mine, tl.zeros([BLOCK_C], tl.uint64), q_ok, INTERPRET)
+    partials = (got & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    return tl.sum(tl.where(q_ok, partials, 0.0), axis=0), ok
+
+
+@triton.jit(do_not_specialize=["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H",
+                                  "sig", "timeout_ns", "ll_slot_bytes", "ll_offset", "control_offset", "stats_offset"])
+def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
+                             b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
+                             rank, T, H, eps, sig, timeout_ns, ll_slot_bytes, ll_offset, control_offset, stats_offset,
+                             C: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr,
+                             W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, INTERPRET: tl.constexpr):
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
+    epoch, aborted = begin_call(ctrl, pid)
+    sig64 = sig.to(tl.uint64)
+    flag = line_flag(epoch, sig64)
+    parity_off = (epoch & 1).to(tl.int64) * W * ll_slot_bytes
+    if aborted == 0:
+        # 1. push this program's chunk of x to every peer (the chunk it also reduces and finishes,
+        #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it)
+        row = pid // C
+        c = pid % C
+        first = (row.to(tl.int64) * H + c * CW) // 2  # in words; CW and H are even
+        last = first + tl.minimum(CW, H - c * CW) // 2
+        off = first
+        while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
+            k = off + tl.arange(0, PUSH)
+            m = k < last
+            lo = tl.load(x_ptr + 2 * k, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
+            hi = tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
+            word = lo | (hi << 16) | (flag << 32)
+            for p in tl.static_range(W):
+                if p != rank:
+                    base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                    dst = (base + ll_offset + parity_off + rank.to(tl.int64) * ll_slot_bytes).to(tl.pointer_type(tl.uint64))
+                    store_volatile_u64(dst + k, word, m, INTERPRET)
+            off += PUSH
+
+        # 2. gather this program's chunk from every peer, reduce in rank order, add the residual
+        j = tl.arange(0, BLOCK_C)
+        cols = c * CW + j
+        cols_ok = (j < CW) & (cols < H)
+        e = row.to(tl.int64) * H + cols
+        peers = tl.arange(0, WP)[:, None]
+        live = (peers < W) & (peers != rank) & cols_ok[None, :]
+        addr = my_base + ll_offset + parity_off + peers.to(tl.int64) * ll_slot_bytes + (e // 2)[None, :] * 8
+        lines = addr.to(tl.pointer_type(tl.uint64))
+        words, ok = _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
+                                INTERPRET)
+        if ok == 1:
+            halves = ((words >> ((e % 2).to(tl.uint64) * 16)[None, :]) & 0xFFFF).to(tl.uint16)
+            vals = halves.to(DT, bitcast=True).to(tl.float32)
+            own = tl.load(x_ptr + e, mask=cols_ok, other=0.0).to(tl.float32)
+            for r in tl.static_range(W):
+                # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
+                v = tl.where(r == rank, own, tl.sum(tl.where(peers == r, vals, -0.0), axis=0))
+                if r == 0:
+                    acc = v
+                else:
+                    acc += v
+            s = round_to(acc, DT, INTERPRET)
+            res = tl.load(res_ptr + e, mask=cols_ok, other=0.0)
+            nr = round_to(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
+            tl.store(res_out_ptr + e, nr, mask=cols_ok)
+            tl.debug_barrier()  # every thread has read its words before any is cleared
+            store_volatile_u64(lines, tl.zeros_like(words), live & ((e % 2) == 0)[None, :], INTERPRET)  # invariant L2
+
+            # 3. the row's sum of squares, shared by its C programs
+            nv = nr.to(tl.float32)
+            partial = tl.sum(tl.where(cols_ok, nv * nv, 0.0), axis=0)
+            stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
+            sumsq, ok = _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank,
+                                            pid, C, BLOCK_C, INTERPRET)
+            # 4. normalise
+            if ok == 1:
+                rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
+                w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
+                tl.store(normed_ptr + e, round_to(nv * rstd * w, DT, INTERPRET), mask=cols_ok)
+    end_call(ctrl, epoch, pid)
+
+
+# ---- host side ---------------------------------------------------------------------------
+
+
+def launch_shape(tokens: int, hidden: int, world: int, max_programs: int,
+                 interpret: bool = False) -> tuple[int, int, int, int, int] | None:
+    """(programs, C chunks per row, chunk width, BLOCK_C, num_warps), or None when this kernel
+    cannot take the call (odd hidden size, or more programs than may run at once). A pure
+    function of the call's shape and the communicator's agreed block cap."""
+    if hidden % 2 or tokens < 1:
+        return None
+    cap = max(1, min(MAX_PROGRAMS, max_programs))
+    if interpret:
+        chunks = 1
+    else:
+        chunks = max(math.ceil(hidden / MAX_CHUNK), min(cap // tokens, math.ceil(hidden / MIN_CHUNK)))
+    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)  # even: a word never straddles chunks
+    chunks = math.ceil(hidden / width)
+    programs = tokens * chunks
+    if programs > cap or programs * chunks > ROW_STATS_SLOTS:
+        return None
+    num_warps = 4 if width <= 512 else 8 if width <= 1024 else 16
+    block_c = max(triton.next_power_of_2(width), 32 * num_warps)  # >= threads: no replicated elements
+    return programs, chunks, width, block_c, num_warps
+
+
+def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int) -> int:
+    """32-bit call signature (peers must agree); differs from every other call's."""
+    return zlib.crc32(f"fused-rmsnorm:oneshot_ll:{dtype}:{tokens}:{hidden}:{programs}:{chunks}".encode())
+
+
+def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+           normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int) -> None:
+    """Enqueue one call on the current stream (arguments validated, eligibility checked)."""
+    tokens, hidden = x.shape
+    shape = launch_shape(tokens, hidden, view.world, max_programs, interpret)
+    nbytes = x.numel() * x.element_size()
+    if shape is None or nbytes > view.layout.ll_capacity:
+        raise ValueError(f"fused oneshot_ll cannot take [{tokens}, {hidden}] {x.dtype} at world size {view.world} "
+                         f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
+                         f"{max_programs} programs); use algo='auto'")
+    programs, chunks, width, block_c, num_warps = shape
+    bases = view.padded_bases()
+    assert len(bases) == MAX_RANKS
+    _fused_oneshot_ll_kernel[(programs,)](
+        x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
+        view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
+        view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
+        C=chunks, CW=width, BLOCK_C=block_c, W=view.world,
+        WP=triton.next_power_of_2(view.world), PUSH=PUSH_WORDS, INTERPRET=interpret, num_warps=num_warps)

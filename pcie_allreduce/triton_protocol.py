@@ -1,0 +1,232 @@
+"""The signalling protocol of csrc/protocol.cuh, for Triton kernels on the same workspace.
+
+Memory ordering without inline PTX where possible: the CPU interpreter (TRITON_INTERPRET=1)
+runs programs one after another and cannot execute inline assembly, so the acquire load,
+release store and global timer have an interpreter path (volatile load, plain store, a spin
+count) selected by the INTERPRET constexpr. On the GPU they are ld.acquire.sys /
+st.release.sys / %globaltimer, the same instructions the CUDA kernels use (Triton has no
+system-scope release store without an atomic, and PCIe may not support peer atomics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from pcie_allreduce import layout as _layout
+
+INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
+LINE_FLAG_MIX = 0x9E3779B9  # kLineFlagMix in csrc/ll_line.cuh
+_EPOCH_WORDS: tl.constexpr = tl.constexpr(_layout.EPOCH_WORDS)
+_ABORT: tl.constexpr = tl.constexpr(_layout.ABORT_WORD)
+_CLAIM: tl.constexpr = tl.constexpr(_layout.CLAIM_WORD)
+_MIX: tl.constexpr = tl.constexpr(LINE_FLAG_MIX)
+_SPIN_LIMIT: tl.constexpr = tl.constexpr(INTERPRETER_SPIN_LIMIT)
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (Triton's CPU interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---- memory-order primitives -------------------------------------------------------------
+
+
+@triton.jit
+def load_acquire(ptr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        value = tl.load(ptr, volatile=True)
+    else:
+        value = tl.inline_asm_elementwise("ld.acquire.sys.global.u64 $0, [$1];", "=l,l", [ptr],
+                                          dtype=tl.uint64, is_pure=False, pack=1)
+    return value
+
+
+@triton.jit
+def store_release(ptr, value, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        tl.store(ptr, value)
+    else:
+        tl.inline_asm_elementwise("st.release.sys.global.u64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, value],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def load_volatile_u64(ptr, mask, INTERPRET: tl.constexpr):
+    """Masked ld.volatile.global.u64 (0 where masked off). Inline asm with side effects, so the
+    compiler can neither hoist a poll out of its loop nor re-load (rematerialise) a value after
+    the line was cleared; tl.load(volatile=True) does not promise either."""
+    if INTERPRET:
+        value = tl.load(ptr, mask=mask, other=0, volatile=True)
+    else:
+        value = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.volatile.global.u64 $0, [$1]; }",
+            "=l,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint64, is_pure=False, pack=1)
+    return value
+
+
+@triton.jit
+def store_volatile_u64(ptr, value, mask, INTERPRET: tl.constexpr):
+    """Masked st.volatile.global.u64: one 8-byte store per element, never torn, merged or delayed
+    behind a spin (the CUDA kernels' store_line)."""
+    if INTERPRET:
+        tl.store(ptr, value, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l,r", [ptr, value.to(tl.uint64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def now_ns(INTERPRET: tl.constexpr):
+    if INTERPRET:
+        t = tl.full((), 0, tl.uint64)
+    else:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.uint64, is_pure=False, pack=1)
+    return t
+
+
+@triton.jit
+def round_to(v, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> DT with round-to-nearest-even. The interpreter truncates fp32 -> bf16, so it
+    rounds by integer arithmetic instead (finite values; same bits as the GPU's cvt.rn)."""
+    if INTERPRET and DT == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = v.to(DT)
+    return out
+
+
+@triton.jit
+def pick_base(p: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
+    if p == 0:
+        b = b0
+    elif p == 1:
+        b = b1
+    elif p == 2:
+        b = b2
+    elif p == 3:
+        b = b3
+    elif p == 4:
+        b = b4
+    elif p == 5:
+        b = b5
+    elif p == 6:
+        b = b6
+    else:
+        b = b7
+    return b
+
+
+# ---- protocol ----------------------------------------------------------------------------
+
+
+@triton.jit
+def record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, observed):
+    """Raise the abort flag; the first failure fills the host-mapped record (kind written last)."""
+    tl.atomic_xchg(ctrl + _ABORT, 1)
+    claim = tl.atomic_cas(ctrl + _CLAIM, 0, 1)
+    if claim == 0:
+        # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits.
+        err = err_addr.to(tl.pointer_type(tl.int32))
+        tl.store(err + 1, rank)
+        tl.store(err + 2, peer)
+        tl.store(err + 3, stage)
+        tl.store(err + 4, pid)
+        tl.store(err + 5, epoch)
+        tl.store(err + 6, sig)
+        tl.store(err + 7, observed)
+        tl.store(err, kind)
+
+
+@triton.jit
+def flag_addr(base, flags_offset, kind: tl.constexpr, sender, pid):
+    index = (kind * 8 + sender) * 128 + pid
+    return (base + flags_offset + index.to(tl.int64) * 8).to(tl.pointer_type(tl.uint64))
+
+
+@triton.jit
+def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.constexpr, stage: tl.constexpr, pid,
+               INTERPRET: tl.constexpr):
+    """Spin (bounded) until the peer's flag carries our epoch or a later one; 1 on success."""
+    word = load_acquire(flag, INTERPRET)
+    diff = ((word >> 32) - epoch) & 0xFFFFFFFF      # peer epoch - ours, mod 2^32
+    waiting = diff >= 0x80000000                     # negative as int32: not there yet
+    ok = 1
+    spins = 0
+    start = now_ns(INTERPRET)
+    while waiting & (ok == 1):
+        word = load_acquire(flag, INTERPRET)
+        diff = ((word >> 32) - epoch) & 0xFFFFFFFF
+        waiting = diff >= 0x80000000
+        spins += 1
+        if waiting & (spins % 64 == 0):
+            aborted = tl.load(ctrl + _ABORT, volatile=True)
+            if INTERPRET:
+                expired = spins > 10000
+            else:
+                expired = (now_ns(INTERPRET) - start) > timeout_ns
+            if aborted != 0:
+                ok = 0
+            elif expired:
+                record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
+                ok = 0
+    if ok == 1:
+        observed = word & 0xFFFFFFFF
+        if (diff == 0) & (observed != sig):
+            record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed)
+            ok = 0
+    return ok
+
+
+@triton.jit
+def begin_call(ctrl, pid):
+    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh)."""
+    epoch = (tl.load(ctrl + pid, cache_modifier=".cg") + 1).to(tl.uint64) & 0xFFFFFFFF
+    aborted = tl.load(ctrl + _ABORT, cache_modifier=".cg")
+    return epoch, aborted
+
+
+@triton.jit
+def end_call(ctrl, epoch, pid):
+    """Publish the epoch: this program writes every copy i with i % programs == pid, so no
+    program of this call overwrites a copy another one still has to read."""
+    tl.debug_barrier()
+    idx = tl.arange(0, _EPOCH_WORDS)
+    value = tl.zeros(idx.shape, tl.uint32) + epoch.to(tl.uint32)
+    tl.store(ctrl + idx, value, mask=(idx % tl.num_programs(0)) == pid)
+
+
+@triton.jit
+def spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET: tl.constexpr):
+    """For a bounded spin, checked every 64th spin: 1 if the workspace was aborted (another wait
+    failed), 2 if this wait has timed out, else 0."""
+    verdict = 0
+    if spins % 64 == 0:
+        aborted = tl.load(ctrl + _ABORT, volatile=True)
+        if INTERPRET:
+            expired = spins > _SPIN_LIMIT
+        else:
+            expired = (now_ns(INTERPRET) - start) > timeout_ns
+        if aborted != 0:
+            verdict = 1
+        elif expired:
+            verdict = 2
+    return verdict
+
+
+def line_flag_of(epoch: int, signature: int) -> int:
+    """Host mirror of ``line_flag`` (tests encode peers' lines with it)."""
+    flag = (signature ^ (epoch * LINE_FLAG_MIX)) & 0xFFFFFFFF
+    return flag if flag != 0 else LINE_FLAG_MIX
+
+
+@triton.jit
+def line_flag(epoch, sig):
+    """csrc/ll_line.cuh's flag of this call (uint64 holding 32 bits): never 0, differs per signature."""
+    flag = (sig.to(tl.uint64) ^ ((epoch * _MIX) & 0xFFFFFFFF)) & 0xFFFFFFFF
+    return tl.where(flag == 0, _MIX, flag).to(tl.uint64)

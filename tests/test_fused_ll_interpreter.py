@@ -1,0 +1,105 @@
+"""The fused low-latency one-shot (pcie_allreduce.fused_oneshot_ll) under TRITON_INTERPRET=1.
+
+As in test_fused_interpreter.py the test plays the peers: it writes their lines (the wire format
+of csrc/oneshot_ll.cuh: 8-byte words {4 payload bytes, flag}) into the rank's workspace before
+launching, then checks what the rank wrote into the peers' workspaces and what it left behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcie_allreduce import layout as lay
+from pcie_allreduce.triton_protocol import line_flag_of
+from tests import _reference as ref
+from tests.test_fused_interpreter import FakeRanks, _expected, _inputs
+
+fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
+ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
+pytestmark = pytest.mark.skipif(not fused.interpreting(), reason="needs TRITON_INTERPRET=1 (CPU interpreter)")
+
+
+def _lines(fake: FakeRanks, owner: int, sender: int) -> torch.Tensor:
+    """`sender`'s line slot in `owner`'s workspace for this call's parity, as int64 words."""
+    lay_ = fake.layout
+    off = lay_.ll_offset + (fake.epoch & 1) * fake.world * lay_.ll_slot_bytes + sender * lay_.ll_slot_bytes
+    return fake.buffers[owner][off:off + lay_.ll_slot_bytes].view(torch.int64)
+
+
+def _encode(x: torch.Tensor, flag: int) -> torch.Tensor:
+    """The words a rank pushes for message x (2-byte elements, even count)."""
+    payload = x.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    signed_flag = flag - (1 << 32) if flag >= 1 << 31 else flag  # int64 words: the flag is the high half
+    return payload + (signed_flag << 32)
+
+
+def _stats(fake: FakeRanks) -> torch.Tensor:
+    off = fake.layout.stats_offset
+    return fake.buffers[fake.rank][off:off + 8 * lay.ROW_STATS_SLOTS].view(torch.int64)
+
+
+def _call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
+    programs, chunks, *_ = ll.launch_shape(tokens, hidden, fake.world, 64, interpret=True)
+    return programs, ll.signature(dtype, tokens, hidden, programs, chunks)
+
+
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", [
+    (2, 0, 1, 4096, torch.bfloat16),
+    (4, 2, 4, 7168, torch.bfloat16),
+    (3, 1, 5, 100, torch.float16),
+    (8, 7, 3, 96, torch.bfloat16),
+])
+def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype) -> None:
+    fake = FakeRanks(world, rank)
+    xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens)
+    _, sig = _call(fake, tokens, hidden, dtype)
+    flag = line_flag_of(fake.epoch, sig)
+    words = tokens * hidden // 2
+    for peer in range(world):
+        if peer != rank:
+            _lines(fake, rank, peer)[:words] = _encode(xs[peer], flag)
+    normed = torch.full_like(residual, float("nan"))
+    res_out = torch.full_like(residual, float("nan"))
+    fused.launch(fake.view, "oneshot_ll", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+
+    assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
+    want_res, want_norm = _expected(xs, residual, weight, 1e-6)
+    assert torch.equal(res_out, want_res), "new residual must be bitwise residual + all_reduce(x)"
+    torch.testing.assert_close(normed.double(), want_norm, rtol=ref.TOLERANCE[dtype] * 2, atol=1e-2)
+    for peer in range(world):
+        if peer != rank:
+            assert torch.equal(_lines(fake, peer, rank)[:words], _encode(xs[rank], flag)), "pushed words"
+            assert not _lines(fake, rank, peer).any(), "consumed lines are cleared (invariant L2)"
+    assert not _stats(fake).any(), "row statistics are cleared by their reader"
+    assert bool((fake.control(rank)[:lay.EPOCH_WORDS] == fake.epoch).all()), "every epoch copy advances"
+
+
+def test_oneshot_ll_missing_peer_records_timeout() -> None:
+    fake = FakeRanks(2, 0)
+    xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=3)
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot_ll", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    kind, rank, peer, stage, block, epoch = (int(v) for v in fake.error[:6])
+    assert (kind, rank, peer, stage, block, epoch) == (1, 0, 1, 7, 0, fake.epoch)
+    assert int(fake.control(0)[lay.ABORT_WORD]) == 1
+
+
+def test_oneshot_ll_peer_with_another_call_records_mismatch() -> None:
+    fake = FakeRanks(2, 1)
+    xs, residual, weight = _inputs(2, 2, 64, torch.bfloat16, seed=4)
+    _, theirs = _call(fake, 2, 128, torch.bfloat16)  # the peer thinks the call is [2, 128]
+    _lines(fake, 1, 0)[:64] = _encode(xs[0], line_flag_of(fake.epoch, theirs))
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot_ll", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
+    assert int(fake.error[7]) & 0xFFFFFFFF == theirs, "the report names the peer's call signature"
+
+
+def test_launch_shape_rules() -> None:
+    assert ll.launch_shape(4, 7167, 4, 32) is None, "odd hidden sizes take the flag-based one-shot"
+    programs, chunks, width, block_c, _ = ll.launch_shape(4, 7168, 4, 32)
+    assert programs == 4 * chunks <= 32 and width % 2 == 0 and chunks * width >= 7168 and block_c >= width
+    programs, chunks, *_ = ll.launch_shape(4, 7168, 8, 16)
+    assert programs <= 16 and chunks >= 7168 / ll.MAX_CHUNK
+    assert ll.launch_shape(64, 7168, 8, 16) is None, "more programs than the block cap"
