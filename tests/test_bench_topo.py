@@ -5,6 +5,8 @@ CPU interpreter (TRITON_INTERPRET=1, as CI runs)."""
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import os
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from pcie_allreduce import cli
-from pcie_allreduce.bench import topo, topo_probe
+from pcie_allreduce.bench import topo, topo_files, topo_probe
 
 
 def _per_rank(world: int) -> list[dict]:
@@ -94,8 +96,32 @@ def test_topo_command_with_a_fake_probe(monkeypatch, capsys, tmp_path) -> None:
     assert data["gpus"][0]["name"] == "NVIDIA H200" and data["measured"]["2"]["rtt_us"][0][1] == 2.0
     assert data["measure_errors"] == {"8": "hung: rank 3 made no progress for 60 s in pingpong (killed by the "
                                            "bench watchdog)"}
+    text = (tmp_path / "topo.txt").read_text()
+    assert "# measured between W=2 ranks" in text and "# W=8: measurement failed" in text
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "topo.csv").read_text())))
+    assert {(r["kind"], r["sender"], r["receiver"]) for r in rows} == {
+        ("pair", "0", "1"), ("pair", "1", "0"), ("one_to_one", "0", "1"), ("one_to_one", "1", "0"),
+        ("all_to_all", "0", "*"), ("all_to_all", "1", "*")}
+    assert float(next(r for r in rows if r["kind"] == "pair")["rtt_us"]) == 2.0
+    if _has_matplotlib():
+        assert (tmp_path / "topo.png").stat().st_size > 0
+        assert cli.main(["plot", str(tmp_path / "topo.json"), "--out", str(tmp_path / "again.png")]) == 0
+        assert (tmp_path / "again.png").stat().st_size > 0
     assert cli.main(["topo", "--no-probe", "--json"]) == 0
     assert "measured" not in json.loads(capsys.readouterr().out)
+
+
+def _has_matplotlib() -> bool:
+    from pcie_allreduce.bench.plot import pyplot
+
+    return pyplot()[0] is not None
+
+
+def test_topo_files_from_a_document_without_measurements(tmp_path) -> None:
+    document = {"gpus": [], "peer_access": [], "nvidia_smi_topo": ""}
+    assert topo_files.is_topo_document(document) and not topo_files.is_topo_document({"results": []})
+    assert topo_files.csv_text(document).strip() == ",".join(topo_files.CSV_COLUMNS)
+    assert "no measurements" in (topo_files.write_png(document, str(tmp_path / "x.png")) or "")
 
 
 # ---------------------------------------------------------------------------- kernels, interpreted

@@ -55,7 +55,8 @@ def bars(report: Report) -> dict[int, list[tuple[str, float]]]:
     return out
 
 
-def _pyplot() -> tuple[Any, str | None]:
+def pyplot() -> tuple[Any, str | None]:
+    """(matplotlib.pyplot on the Agg backend, None), or (None, why it is not importable)."""
     try:
         import matplotlib
 
@@ -72,7 +73,7 @@ def _title(report: Report, world: int) -> str:
 
 def write_plot(report: Report, path: str) -> str | None:
     """Write the PNG; None on success, else why nothing was written."""
-    plt, problem = _pyplot()
+    plt, problem = pyplot()
     if plt is None:
         return problem
     verify = str(report.config.get("workload")) == VERIFY
@@ -116,7 +117,8 @@ def write_plot(report: Report, path: str) -> str | None:
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("json", metavar="JSON", help="a bench.json / fused.json / verify.json / tune.json")
+    parser.add_argument("json", metavar="JSON", help="a bench.json / fused.json / verify.json / tune.json, or a "
+                        "topo.json (then also its CSV)")
     parser.add_argument("--out", metavar="PNG", help="where to write the plot (default: next to JSON, .png)")
     parser.add_argument("--text", action="store_true", help="also print the report again from the JSON")
 
@@ -130,15 +132,40 @@ def run(args: Any, parser: Any) -> int:
     from pcie_allreduce.bench import report
     from pcie_allreduce.bench.errors import Unavailable
 
+    from pcie_allreduce.bench import topo_files
+
     try:
         with open(args.json, encoding="utf-8") as fh:
-            rep = report.from_json_obj(json.load(fh))
+            document = json.load(fh)
+        if topo_files.is_topo_document(document):
+            return _replot_topo(document, args)
+        rep = report.from_json_obj(document)
     except (OSError, ValueError, TypeError) as exc:
         parser.error(f"cannot read {args.json}: {exc}")
     if args.text:
         sys.stdout.write(report.format_report(rep))
     path = args.out or os.path.splitext(args.json)[0] + ".png"
     problem = write_plot(rep, path)
+    if problem is not None:
+        raise Unavailable(problem)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _replot_topo(document: dict[str, Any], args: Any) -> int:
+    """``plot topo.json``: its CSV and PNG next to it (or the PNG at --out)."""
+    import os
+    import sys
+
+    from pcie_allreduce.bench import topo_files
+    from pcie_allreduce.bench.errors import Unavailable
+
+    stem = os.path.splitext(args.json)[0]
+    with open(stem + ".csv", "w", encoding="utf-8") as fh:
+        fh.write(topo_files.csv_text(document))
+    print(f"wrote {stem}.csv", file=sys.stderr)
+    path = args.out or stem + ".png"
+    problem = topo_files.write_png(document, path)
     if problem is not None:
         raise Unavailable(problem)
     print(f"wrote {path}", file=sys.stderr)

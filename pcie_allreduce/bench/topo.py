@@ -1,7 +1,7 @@
 """``pcie-allreduce topo``: which GPUs can write into which (CUDA peer access), their PCI bus ids
 and NUMA nodes, then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
 one-way write bandwidth per pair, one-to-one vs all-to-all write bandwidth. Printed as matrices
-and optionally saved as JSON.
+and optionally saved (JSON, the printed text, CSV and PNG: :mod:`.topo_files`).
 
 The static probe takes the extension as a parameter and reads NUMA nodes under a sysfs root, and
 the measurement formatting is pure, so the CPU tests run both against fakes. A measurement that
@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pcie-allreduce topo``."""
     from pcie_allreduce.bench import options, sizes
 
-    parser.add_argument("--out", metavar="DIR", help=f"also write {JSON_NAME} into DIR")
+    parser.add_argument("--out", metavar="DIR", help="also write topo.json, topo.txt, topo.csv and topo.png into DIR")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the matrices")
     probe = parser.add_argument_group("measurements between ranks")
     probe.add_argument("--no-probe", action="store_true", help="only the static facts; measure nothing")
@@ -190,12 +190,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         sys.stdout.write(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, JSON_NAME)
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        print(f"wrote {path}", file=sys.stderr)
+        _write_files(args.out, data, text, format_document(topo, data))
     return 1 if data.get("measure_errors") else 0
+
+
+def format_document(topo: Topology, data: dict[str, Any]) -> str:
+    """Everything ``topo`` prints: the static facts, then each W's matrices."""
+    parts = [format_topology(topo)]
+    for world, measured in sorted((data.get("measured") or {}).items(), key=lambda item: int(item[0])):
+        parts.append("\n" + format_probe(int(world), measured.get("placement", ""), measured) + "\n")
+    for world, error in sorted((data.get("measure_errors") or {}).items()):
+        parts.append(f"\n# W={world}: measurement failed: {error}\n")
+    return "".join(parts)
+
+
+def _write_files(out: str, data: dict[str, Any], json_text: str, table: str) -> None:
+    """topo.json, topo.txt, topo.csv and (with matplotlib) topo.png into ``out``."""
+    from pcie_allreduce.bench import topo_files
+
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, os.path.splitext(JSON_NAME)[0])
+    for suffix, content in ((".json", json_text), (".txt", table), (".csv", topo_files.csv_text(data))):
+        with open(stem + suffix, "w", encoding="utf-8") as fh:
+            fh.write(content)
+        print(f"wrote {stem + suffix}", file=sys.stderr)
+    problem = topo_files.write_png(data, stem + ".png")
+    print(f"no {stem}.png: {problem}" if problem else f"wrote {stem}.png", file=sys.stderr)
 
 
 def _measure(args: argparse.Namespace, gpu_count: int, show: bool) -> tuple[dict[str, Any], dict[str, str]]:
