@@ -83,7 +83,8 @@ def test_defaults() -> None:
     assert cfg.sizes == tuple(1 << p for p in range(10, 27))
     assert cfg.dtype == "bfloat16" and cfg.mode == "graph" and cfg.calls_per_graph == 16
     assert cfg.algos == ("oneshot", "staged", "twoshot", "oneshot_ll", "auto")
-    assert cfg.backends == ("ours", "torch_symm", "nccl", "nccl_ll") and not cfg.backends_explicit
+    assert cfg.backends == ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
+    assert not cfg.backends_explicit
     assert _config([], gpu_count=4).worlds == (4,)
     assert _config([], gpu_count=16).worlds == (8,)
 

@@ -3,7 +3,7 @@ environment its ranks need, and (inside a rank) the object that issues its all-r
 
 Every backend runs in its own ``run_ranks`` call (fresh processes, fresh MPS daemon), so one that
 fails or hangs cannot take the others' results with it. Adding a backend (issue 5: FlashInfer
-pcie_ipc, vLLM, sgl-kernel) means one ``backend_<name>.py`` with a class
+pcie_ipc, vLLM and sgl-kernel were added this way) means one ``backend_<name>.py`` with a class
 following :class:`RankBackend` plus one entry in each function below.
 
 ``ours_shapes`` is internal (``pcie-allreduce tune``): our raw launch at a forced block count.
@@ -14,6 +14,7 @@ which adds the "+norm" variants (all-reduce, then torch residual add + RMSNorm) 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:  # torch only inside ranks and availability probes
@@ -29,6 +30,16 @@ NCCL_ALGOS: tuple[str, ...] = ("default",)  # NCCL picks ring/tree and protocol 
 NCCL_LL = "nccl_ll"  # NCCL with NCCL_PROTO=LL: the tuned-NCCL row (its low-latency protocol for small messages)
 NCCL_BACKENDS: tuple[str, ...] = ("nccl", NCCL_LL)
 OURS_SHAPES = "ours_shapes"
+CUSTOM_AR_ALGOS: tuple[str, ...] = ("custom_ar",)  # vLLM's / sgl-kernel's custom all-reduce
+CUSTOM_AR_BACKENDS: tuple[str, ...] = ("vllm", "sgl_kernel")
+FLASHINFER = "flashinfer"
+FLASHINFER_ALGOS: tuple[str, ...] = ("pcie_ipc",)
+# backend -> (modules it needs installed, how to install them); checked without importing them
+THIRD_PARTY_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "vllm": (("vllm",), "pip install vllm"),
+    "sgl_kernel": (("sgl_kernel", "sglang"), "pip install sglang sgl-kernel"),
+    FLASHINFER: (("flashinfer",), "pip install flashinfer-python; its PCIe IPC all-reduce needs >= 0.7"),
+}
 
 
 @dataclasses.dataclass
@@ -70,6 +81,7 @@ class RankBackend(Protocol):
     #   skip_reason(case) -> str | None   a case this backend cannot run here (status "skipped")
     #   facts() -> dict                  JSON-able facts for the run's "setup" event
     #   cross_check(bufs, algo) -> str | None   an extra correctness check before timing
+    #   capture_context() -> context manager     entered around every CUDA-graph capture
 
 
 def _plain_algos(backend: str, our_algos: Sequence[str]) -> tuple[str, ...]:
@@ -79,6 +91,10 @@ def _plain_algos(backend: str, our_algos: Sequence[str]) -> tuple[str, ...]:
         return TORCH_SYMM_ALGOS
     if backend in NCCL_BACKENDS:
         return NCCL_ALGOS
+    if backend in CUSTOM_AR_BACKENDS:
+        return CUSTOM_AR_ALGOS
+    if backend == FLASHINFER:
+        return FLASHINFER_ALGOS
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -129,6 +145,12 @@ def _nccl_problem() -> str | None:
     return None
 
 
+def _packages_problem(backend: str) -> str | None:
+    needed, hint = THIRD_PARTY_PACKAGES[backend]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    return f"{' and '.join(missing)} not installed ({hint})" if missing else None
+
+
 def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
     """Why ``backend`` cannot run ``world`` ranks on ``gpu_count`` local GPUs, or None."""
     if backend in ("ours", OURS_SHAPES):
@@ -143,6 +165,8 @@ def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
             return (f"NCCL refuses two ranks on one GPU ({world} ranks on {gpu_count} GPU"
                     f"{'s' if gpu_count != 1 else ''}); it runs only when every rank has its own GPU")
         return _nccl_problem()
+    if backend in THIRD_PARTY_PACKAGES:
+        return _packages_problem(backend)
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -174,4 +198,12 @@ def open_backend(ctx: "RankContext", job: "RankJob") -> Any:
         from pcie_allreduce.bench.backend_nccl import NcclBackend
 
         return NcclBackend(ctx, job)
+    if job.backend in CUSTOM_AR_BACKENDS:
+        from pcie_allreduce.bench.backend_custom_ar import CustomAllreduceBackend
+
+        return CustomAllreduceBackend(ctx, job)
+    if job.backend == FLASHINFER:
+        from pcie_allreduce.bench.backend_flashinfer import FlashInferPcieIpcBackend
+
+        return FlashInferPcieIpcBackend(ctx, job)
     raise ValueError(f"unknown backend {job.backend!r}")

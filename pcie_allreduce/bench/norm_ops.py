@@ -13,8 +13,9 @@ torch ops' temporaries come from the CUDA graph's private pool when captured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -131,6 +132,10 @@ class NormAdapter:
 
     def prepare_capture(self, stream: torch.cuda.Stream) -> None:
         self.inner.prepare_capture(stream)
+
+    def capture_context(self) -> ContextManager[Any]:
+        inner = getattr(self.inner, "capture_context", None)
+        return inner() if inner is not None else contextlib.nullcontext()
 
     def device_sync(self) -> None:
         self.inner.device_sync()

@@ -16,7 +16,7 @@ from pcie_allreduce.bench.results import ALLREDUCE, FUSED
 
 DTYPE_SIZES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})  # element bytes
 OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
-BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl", "nccl_ll")
+BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
 MIN_WORLD, MAX_WORLD = 2, 8
 EMULATED_WORLDS: tuple[int, ...] = (2, 4, 8)
 DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES = "1K", "64M"

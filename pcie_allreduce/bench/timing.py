@@ -9,6 +9,7 @@ not skewed by when each host left the barrier). The block is timed with CUDA eve
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -45,10 +46,14 @@ def make_block(backend: RankBackend, bufs: Buffers, algo: str, job: RankJob,
         return eager_block
     graph = torch.cuda.CUDAGraph()
     result = bufs.out
+    # Some backends must see the capture begin and end (vLLM's custom all-reduce registers the
+    # captured buffers with its peers when the capture ends).
+    capture_context = getattr(backend, "capture_context", None)
     # thread_local: a backend's background threads (NCCL's watchdog) may call CUDA during capture.
-    with torch.cuda.graph(graph, stream=capture_stream, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            result = backend.call(bufs, algo)
+    with capture_context() if capture_context is not None else contextlib.nullcontext():
+        with torch.cuda.graph(graph, stream=capture_stream, capture_error_mode="thread_local"):
+            for _ in range(calls):
+                result = backend.call(bufs, algo)
 
     def replay() -> torch.Tensor:
         graph.replay()

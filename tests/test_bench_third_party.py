@@ -1,0 +1,192 @@
+"""CPU tests of the third-party backends of ``pcie-allreduce bench`` (FlashInfer's PCIe IPC
+all-reduce, vLLM's and sgl-kernel's custom all-reduce): why they are skipped when their packages
+are missing, and how the rank side drives the libraries' objects (played here by fakes with
+their documented surface), including the capture context the custom all-reduce needs."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from pcie_allreduce.bench import backends, timing
+from pcie_allreduce.bench.backend_custom_ar import CustomAllreduceBackend
+from pcie_allreduce.bench.backend_flashinfer import FlashInferPcieIpcBackend
+from pcie_allreduce.bench.plan import Case, RankJob
+from pcie_allreduce.testing import RankContext
+
+CTX = RankContext(rank=0, world_size=2, group=None, device=torch.device("cpu"))
+
+
+def _job(backend: str, max_bytes: int = 4096, eager: bool = False) -> RankJob:
+    return RankJob(backend=backend, dtype="bfloat16", cases=(), max_bytes=max_bytes, progress_dir="", eager=eager,
+                   calls_per_graph=3)
+
+
+@pytest.mark.parametrize("backend, missing, says", [
+    ("vllm", {"vllm"}, "vllm not installed (pip install vllm)"),
+    ("sgl_kernel", {"sgl_kernel"}, "sgl_kernel not installed (pip install sglang sgl-kernel)"),
+    ("sgl_kernel", {"sgl_kernel", "sglang"}, "sgl_kernel and sglang not installed"),
+    ("flashinfer", {"flashinfer"}, "flashinfer not installed (pip install flashinfer-python"),
+])
+def test_missing_packages_are_a_printed_skip_reason(monkeypatch, backend, missing, says) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real("json"))
+    assert says in (backends.skip_reason(backend, 2, 1) or "")
+
+
+def test_installed_packages_are_not_skipped(monkeypatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    for backend in ("vllm", "sgl_kernel", "flashinfer"):
+        assert backends.skip_reason(backend, 8, 8) is None
+
+
+def test_variants_of_the_third_party_backends() -> None:
+    assert backends.algos_for("vllm", ("auto",)) == ("custom_ar",)
+    assert backends.algos_for("sgl_kernel", ("auto",)) == ("custom_ar",)
+    assert backends.algos_for("flashinfer", ("auto",)) == ("pcie_ipc",)
+    assert backends.algos_for("flashinfer", ("auto",), "fused") == ("pcie_ipc+norm",)
+
+
+# ---------------------------------------------------------------------------- custom all-reduce
+
+
+class FakeCustomAllreduce:
+    """The surface of vLLM's / SGLang's CustomAllreduce that the backend uses."""
+
+    def __init__(self, disabled: bool = False) -> None:
+        self.disabled = disabled
+        self.capturing = False
+        self.events: list[str] = []
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        self.capturing = True
+        self.events.append("capture begins")
+        try:
+            yield
+        finally:
+            self.capturing = False
+            self.events.append("capture ends: graph buffers registered")
+
+    def custom_all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        self.events.append("call in capture" if self.capturing else "call")
+        return x * 2 if x.numel() * x.element_size() <= 4096 else None
+
+    def close(self) -> None:
+        self.events.append("closed")
+
+
+def _custom_backend(fake: Any, backend: str = "vllm") -> CustomAllreduceBackend:
+    return CustomAllreduceBackend(CTX, _job(backend), open_wrapper=lambda name, group, device, size: fake)
+
+
+def test_custom_allreduce_backend_drives_the_wrapper() -> None:
+    fake = FakeCustomAllreduce()
+    backend = _custom_backend(fake)
+    assert backend.skip_reason(Case(0, 4096, 2048, "custom_ar")) is None
+    assert "registered" in backend.skip_reason(Case(0, 8192, 4096, "custom_ar"))
+    assert "multiple of 16" in backend.skip_reason(Case(0, 24, 12, "custom_ar"))
+    bufs = backend.buffers(8, torch.bfloat16, "custom_ar")
+    bufs.inp.fill_(3)
+    assert torch.equal(backend.call(bufs, "custom_ar"), torch.full((8,), 6, dtype=torch.bfloat16))
+    assert not backend.mutates_input("custom_ar")
+    backend.device_sync()
+    backend.close()
+    assert fake.events == ["call", "call", "closed"]
+
+
+def test_custom_allreduce_declining_a_call_is_an_error_not_a_silent_result() -> None:
+    backend = _custom_backend(FakeCustomAllreduce())
+    with pytest.raises(RuntimeError, match="declined"):
+        backend.call(backend.buffers(4096, torch.bfloat16, "custom_ar"), "custom_ar")
+
+
+def test_a_disabled_or_broken_wrapper_skips_every_case_with_the_reason() -> None:
+    disabled = _custom_backend(FakeCustomAllreduce(disabled=True), "sgl_kernel")
+    reason = disabled.skip_reason(Case(0, 1024, 512, "custom_ar"))
+    assert "sgl_kernel CustomAllreduce disabled itself" in reason and "NVLink" in reason
+    disabled.device_sync()  # no call into a disabled wrapper
+
+    def broken(*_: Any) -> Any:
+        raise ImportError("vllm._C has no custom_ar ops")
+
+    backend = CustomAllreduceBackend(CTX, _job("vllm"), open_wrapper=broken)
+    assert "could not be created: ImportError: vllm._C" in backend.skip_reason(Case(0, 1024, 512, "custom_ar"))
+    backend.close()
+
+
+def test_graph_capture_runs_inside_the_backends_capture_context(monkeypatch) -> None:
+    fake = FakeCustomAllreduce()
+    backend = _custom_backend(fake)
+
+    class FakeGraph:
+        def replay(self) -> None:
+            fake.events.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    bufs = backend.buffers(8, torch.bfloat16, "custom_ar")
+    block = timing.make_block(backend, bufs, "custom_ar", _job("vllm"), capture_stream=None)
+    block()
+    assert fake.events == ["capture begins", "call in capture", "call in capture", "call in capture",
+                           "capture ends: graph buffers registered", "replay"]
+
+
+# ---------------------------------------------------------------------------- FlashInfer
+
+
+class FakeWorkspace:
+    """The surface of flashinfer.comm.PcieIpcAllReduceWorkspace that the backend uses."""
+
+    profile = "rootcplx"
+    profile_reason = "fake"
+
+    def __init__(self, max_numel: int) -> None:
+        self.max_numel = max_numel
+        self.destroyed = False
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self.max_numel
+
+    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(x * 2)
+        return out
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+def test_flashinfer_backend_drives_the_workspace() -> None:
+    made: list[tuple[int, torch.dtype]] = []
+
+    def open_workspace(group: Any, max_numel: int, dtype: torch.dtype) -> FakeWorkspace:
+        made.append((max_numel, dtype))
+        return FakeWorkspace(max_numel)
+
+    backend = FlashInferPcieIpcBackend(CTX, _job("flashinfer", max_bytes=1000), open_workspace=open_workspace)
+    assert made == [(504, torch.bfloat16)], "max_numel: whole 16-byte packs covering max_bytes"
+    assert backend.facts() == {"flashinfer_profile": "rootcplx", "flashinfer_profile_reason": "fake"}
+    assert backend.skip_reason(Case(0, 1000, 500, "pcie_ipc")) is None
+    assert "supports() is False" in backend.skip_reason(Case(0, 2048, 1024, "pcie_ipc"))
+    bufs = backend.buffers(16, torch.bfloat16, "pcie_ipc")
+    bufs.inp.fill_(1)
+    assert backend.call(bufs, "pcie_ipc") is bufs.out and torch.equal(bufs.out, torch.full_like(bufs.out, 2))
+    backend.device_sync()
+    ws = backend._ws
+    backend.close()
+    assert ws.destroyed
+
+
+def test_flashinfer_without_the_workspace_class_skips_with_its_version() -> None:
+    def too_old(*_: Any) -> Any:
+        raise RuntimeError("FlashInfer 0.6.18 has no comm.PcieIpcAllReduceWorkspace (added in 0.7)")
+
+    backend = FlashInferPcieIpcBackend(CTX, _job("flashinfer"), open_workspace=too_old)
+    assert "0.6.18 has no comm.PcieIpcAllReduceWorkspace" in backend.skip_reason(Case(0, 1024, 512, "pcie_ipc"))
+    assert backend.facts() == {}
+    backend.device_sync()
+    backend.close()
