@@ -9,7 +9,8 @@
   every round (untimed ``setup``) rank 0 broadcasts over gloo how many calls follow, so the two
   always agree, whatever pytest-benchmark decides to run (``--benchmark-disable`` included), and
   every 32 rounds it synchronizes so the launch queue never fills up (a full queue would make
-  the launch block and time the GPU instead of the host).
+  the launch block and time the GPU instead of the host). With one GPU both ranks share it as
+  clients of a private MPS daemon (no context time-slicing inside the measurement).
 
 Run on a GPU machine:  pytest tests/test_host_overhead.py --benchmark-columns=min,median,mean,max
 """
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -133,13 +135,42 @@ def _gpu_problem() -> str | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def shared_gpu_mps() -> Any:
+    """With one GPU both ranks run on it: start a private MPS daemon first, so the two processes'
+    kernels run side by side instead of time-slicing contexts (which would put GPU context
+    switches into a host-side measurement). Must happen before this process touches CUDA."""
+    if _gpu_problem() is not None or testing.gpu_count() >= 2:
+        yield None
+        return
+    from pcie_allreduce.mps import MpsDaemon, MpsError
+
+    try:
+        daemon = MpsDaemon.start()
+    except MpsError as exc:
+        yield f"no MPS ({exc})"
+        return
+    saved = {k: os.environ.get(k) for k in daemon.env}
+    os.environ.update(daemon.env)
+    try:
+        yield "MPS"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        daemon.stop()
+
+
 @pytest.mark.parametrize("path", ["full", "raw"])
-def test_host_cost_eager_call(benchmark, tmp_path, path: str) -> None:
+def test_host_cost_eager_call(benchmark, tmp_path, path: str, shared_gpu_mps: Any) -> None:
     problem = _gpu_problem()
     if problem is not None:
         pytest.skip(problem)
     import torch.distributed as dist
 
+    benchmark.extra_info.update(sharing=shared_gpu_mps or "distinct GPUs")
     init_file = str(tmp_path / "rendezvous")
     peer = subprocess.Popen([sys.executable, "-c", _PEER, init_file, str(HIDDEN)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
