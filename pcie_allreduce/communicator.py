@@ -79,6 +79,7 @@ class Communicator:
         self.table_source: str = ("algo_table argument" if algo_table is not None
                                   else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
+        self._fused_choices: dict[tuple[int, int, torch.dtype], str] = {}
         self._views: dict[int, WorkspaceView] = {}
 
         status = self._ext.runtime_status()
@@ -132,8 +133,10 @@ class Communicator:
         ``x`` and ``residual`` are ``[tokens, hidden]`` bf16/fp16; ``weight`` is ``[hidden]`` (same
         dtype or fp32). Returns ``(normed, new_residual)``; ``out=x`` / ``residual_out=residual``
         work in place. ``new_residual`` is bitwise equal to ``residual + self.all_reduce(x)`` and
-        identical on every rank. One Triton launch: one-shot for few tokens, token-split
-        two-shot when the algorithm table picks two-shot for this size.
+        identical on every rank (``normed`` too; its last bit may depend on which fused kernel
+        ran). One Triton launch: the low-latency one-shot where the plain table picks
+        ``oneshot_ll`` for this size, the flag-based one-shot for other small sizes, the
+        token-split two-shot where it picks two-shot (:meth:`select_fused_algo`).
         """
         from pcie_allreduce import fused_rmsnorm
 
@@ -149,7 +152,10 @@ class Communicator:
         if x.numel() == 0:
             return normed, new_residual
         if algo == "auto":
-            algo = self.select_fused_algo(x.shape[0], x.shape[1], x.dtype)
+            key = (x.shape[0], x.shape[1], x.dtype)
+            algo = self._fused_choices.get(key) or self.select_fused_algo(*key)
+            if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
+                self._fused_choices[key] = algo
         workspace = self.workspace()
         if workspace.failed():
             raise self._error_of(workspace)
