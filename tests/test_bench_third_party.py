@@ -190,3 +190,38 @@ def test_flashinfer_without_the_workspace_class_skips_with_its_version() -> None
     assert backend.facts() == {}
     backend.device_sync()
     backend.close()
+
+
+# ---------------------------------------------------------------------------- the trimmed wheel
+
+
+def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path) -> None:
+    import zipfile
+
+    from pcie_allreduce.bench import trim_flashinfer
+
+    names = ["flashinfer/__init__.py", "flashinfer/comm/pcie_ipc_ar.py", "flashinfer/tuning.json",
+             "flashinfer/data/include/flashinfer/comm/pcie_ipc_all_reduce.cuh",
+             "flashinfer/data/csrc/pcie_ipc_all_reduce.cu", "flashinfer/data/csrc/tvm_ffi_utils.h",
+             "flashinfer/data/csrc/batch_decode.cu", "flashinfer/data/cutlass/include/cute/tensor.hpp",
+             "flashinfer/experimental/kernel.cu", "flashinfer/lib/prebuilt.so"]
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = src_dir / "flashinfer_python-0.7.4-py3-none-any.whl"
+    record = "".join(f"{n},sha256=x,1\n" for n in names) + "flashinfer_python-0.7.4.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(src, "w") as z:
+        for n in names:
+            z.writestr(n, "x")
+        z.writestr("flashinfer_python-0.7.4.dist-info/RECORD", record)
+    out = trim_flashinfer.trim_wheel(str(src), str(tmp_path))
+    with zipfile.ZipFile(out) as z:
+        kept = set(z.namelist())
+        new_record = z.read("flashinfer_python-0.7.4.dist-info/RECORD").decode()
+    want = {"flashinfer/__init__.py", "flashinfer/comm/pcie_ipc_ar.py", "flashinfer/tuning.json",
+            "flashinfer/data/include/flashinfer/comm/pcie_ipc_all_reduce.cuh",
+            "flashinfer/data/csrc/pcie_ipc_all_reduce.cu", "flashinfer/data/csrc/tvm_ffi_utils.h",
+            "flashinfer_python-0.7.4.dist-info/RECORD"}
+    assert kept == want
+    assert "batch_decode.cu" not in new_record and "pcie_ipc_ar.py" in new_record
+    with pytest.raises(ValueError, match="must differ"):
+        trim_flashinfer.trim_wheel(str(src), str(src_dir))
