@@ -1,11 +1,15 @@
-"""The signalling protocol of csrc/protocol.cuh, for Triton kernels on the same workspace.
+"""The signalling protocol of csrc/protocol.cuh (and the low-latency lines of csrc/ll_line.cuh),
+for Triton kernels on the same workspace: epochs per program, flags, bounded spins that record
+(kind, rank, peer, stage, program, epoch) and raise the abort flag, and the line flag.
 
 Memory ordering without inline PTX where possible: the CPU interpreter (TRITON_INTERPRET=1)
 runs programs one after another and cannot execute inline assembly, so the acquire load,
 release store and global timer have an interpreter path (volatile load, plain store, a spin
 count) selected by the INTERPRET constexpr. On the GPU they are ld.acquire.sys /
 st.release.sys / %globaltimer, the same instructions the CUDA kernels use (Triton has no
-system-scope release store without an atomic, and PCIe may not support peer atomics).
+system-scope release store without an atomic, and PCIe may not support peer atomics). The
+low-latency lines use st.volatile / ld.volatile u64 through inline PTX on the GPU as well: a
+plain tl.load(volatile=True) poll may be hoisted or re-issued by the compiler.
 """
 
 from __future__ import annotations
