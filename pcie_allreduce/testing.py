@@ -53,6 +53,7 @@ __all__ = [
     "RankFailed",
     "gpu_count",
     "mps_active",
+    "patched_environ",
     "run_ranks",
     "skip_reason_no_gpu",
 ]
@@ -251,7 +252,7 @@ def _rank_main(spec: _RunSpec, rank: int, conn: multiprocessing.connection.Conne
 
 
 @contextlib.contextmanager
-def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
+def patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
     """Temporarily set env vars; spawned children copy os.environ at start.
 
     The children need them from their very first instruction (CUDA reads the MPS pipe
@@ -613,7 +614,7 @@ def run_ranks(
         readers = []
         stack.callback(lambda: [r.close() for r in readers])
         stack.callback(_kill_all, procs)  # a no-op when every rank has exited
-        with _patched_environ(_child_env(mps_env, env)):
+        with patched_environ(_child_env(mps_env, env)):
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)

@@ -62,20 +62,12 @@ def trim_sglang_wheel(src: str, dest_dir: str) -> str:
     files' lines so the wheel stays consistent. Used only to bring SGLang to the offline GPU test
     machine: ``python -m sglang_plugin.testing trim-wheel SRC DEST_DIR``.
     """
-    import zipfile
+    from pcie_allreduce.bench.wheels import copy_wheel_keeping
 
-    dest = os.path.join(dest_dir, os.path.basename(src))
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
-        dropped = {n for n in zin.namelist() if n.startswith(TRIM_PREFIXES) and n.endswith(".so")}
-        for info in zin.infolist():
-            if info.filename in dropped:
-                continue
-            data = zin.read(info.filename)
-            if info.filename.endswith(".dist-info/RECORD"):
-                lines = data.decode().splitlines(keepends=True)
-                data = "".join(line for line in lines if line.split(",", 1)[0] not in dropped).encode()
-            zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-    return dest
+    def keep(name: str) -> bool:
+        return not (name.startswith(TRIM_PREFIXES) and name.endswith(".so"))
+
+    return copy_wheel_keeping(src, dest_dir, keep)
 
 
 if __name__ == "__main__":

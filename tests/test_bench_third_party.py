@@ -225,3 +225,20 @@ def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path
     assert "batch_decode.cu" not in new_record and "pcie_ipc_ar.py" in new_record
     with pytest.raises(ValueError, match="must differ"):
         trim_flashinfer.trim_wheel(str(src), str(src_dir))
+
+
+def test_trimmed_sglang_wheel_drops_only_its_native_server_extensions(tmp_path) -> None:
+    import zipfile
+
+    from sglang_plugin.testing import trim_sglang_wheel
+
+    names = ["sglang/srt/distributed/parallel_state.py", "sglang/srt/rust_extensions/radix.so",
+             "sglang/srt/rust_extensions/__init__.py", "sglang/srt/mem_cache/rust_tree_core/core.so"]
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = src_dir / "sglang-0.5.23-py3-none-any.whl"
+    with zipfile.ZipFile(src, "w") as z:
+        for n in names:
+            z.writestr(n, "x")
+    with zipfile.ZipFile(trim_sglang_wheel(str(src), str(tmp_path))) as z:
+        assert set(z.namelist()) == {names[0], names[2]}

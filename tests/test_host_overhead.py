@@ -150,16 +150,10 @@ def shared_gpu_mps() -> Any:
     except MpsError as exc:
         yield f"no MPS ({exc})"
         return
-    saved = {k: os.environ.get(k) for k in daemon.env}
-    os.environ.update(daemon.env)
     try:
-        yield "MPS"
+        with testing.patched_environ(daemon.env):  # the peer subprocess inherits it too
+            yield "MPS"
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         daemon.stop()
 
 

@@ -13,9 +13,9 @@ needs nvcc and links libcuda / libcudart, so it runs only where those exist.
 
 from __future__ import annotations
 
-import os
 import sys
-import zipfile
+
+from pcie_allreduce.bench.wheels import copy_wheel_keeping
 
 KEEP_DATA_PREFIXES: tuple[str, ...] = (
     "flashinfer/data/include/",
@@ -36,20 +36,7 @@ def keep(name: str) -> bool:
 
 def trim_wheel(src: str, dest_dir: str) -> str:
     """Write the trimmed copy of ``src`` into ``dest_dir`` (same file name); returns its path."""
-    dest = os.path.join(dest_dir, os.path.basename(src))
-    if os.path.abspath(dest) == os.path.abspath(src):
-        raise ValueError("DEST_DIR must differ from the wheel's own directory")
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
-        dropped = {n for n in zin.namelist() if not keep(n)}
-        for info in zin.infolist():
-            if info.filename in dropped:
-                continue
-            data = zin.read(info.filename)
-            if info.filename.endswith(".dist-info/RECORD"):
-                lines = data.decode().splitlines(keepends=True)
-                data = "".join(line for line in lines if line.split(",", 1)[0] not in dropped).encode()
-            zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-    return dest
+    return copy_wheel_keeping(src, dest_dir, keep)
 
 
 if __name__ == "__main__":
