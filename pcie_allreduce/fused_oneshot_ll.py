@@ -212,14 +212,20 @@ def launch_shape(tokens: int, hidden: int, world: int, max_programs: int,
         chunks = 1
     else:
         chunks = max(math.ceil(hidden / MAX_CHUNK), min(cap // tokens, math.ceil(hidden / MIN_CHUNK)))
-    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)  # even: a word never straddles chunks
-    chunks = math.ceil(hidden / width)
-    programs = tokens * chunks
+    shape = shape_with_chunks(tokens, hidden, chunks)
+    programs, chunks = shape[0], shape[1]
     if programs > cap or programs * chunks > ROW_STATS_SLOTS:
         return None
+    return shape
+
+
+def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> tuple[int, int, int, int, int]:
+    """The launch shape with (about) ``chunks`` even-width column chunks per row."""
+    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)  # even: a word never straddles chunks
+    chunks = math.ceil(hidden / width)
     num_warps = 4 if width <= 512 else 8 if width <= 1024 else 16
     block_c = max(triton.next_power_of_2(width), 32 * num_warps)  # >= threads: no replicated elements
-    return programs, chunks, width, block_c, num_warps
+    return tokens * chunks, chunks, width, block_c, num_warps
 
 
 def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int) -> int:
@@ -228,10 +234,16 @@ def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunk
 
 
 def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-           normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int) -> None:
-    """Enqueue one call on the current stream (arguments validated, eligibility checked)."""
+           normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int,
+           chunks: int | None = None) -> None:
+    """Enqueue one call on the current stream (arguments validated, eligibility checked).
+
+    ``chunks`` forces that many column chunks per row instead of :func:`launch_shape`'s choice
+    (tests: under the interpreter the choice is 1, which never exercises the row statistics
+    exchange between programs)."""
     tokens, hidden = x.shape
-    shape = launch_shape(tokens, hidden, view.world, max_programs, interpret)
+    shape = (launch_shape(tokens, hidden, view.world, max_programs, interpret) if chunks is None
+             else shape_with_chunks(tokens, hidden, chunks))
     nbytes = x.numel() * x.element_size()
     if shape is None or nbytes > view.layout.ll_capacity:
         raise ValueError(f"fused oneshot_ll cannot take [{tokens}, {hidden}] {x.dtype} at world size {view.world} "

@@ -103,3 +103,46 @@ def test_launch_shape_rules() -> None:
     programs, chunks, *_ = ll.launch_shape(4, 7168, 8, 16)
     assert programs <= 16 and chunks >= 7168 / ll.MAX_CHUNK
     assert ll.launch_shape(64, 7168, 8, 16) is None, "more programs than the block cap"
+
+
+@pytest.mark.parametrize("world, rank, tokens, hidden, chunks", [
+    (2, 0, 2, 96, 3),
+    (4, 3, 3, 200, 4),
+])
+def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, chunks) -> None:
+    """C > 1 programs per row, which the interpreter otherwise never runs: programs execute one
+    after another here, so the statistics of the chunks to the right of each program (sent by
+    programs that run later) are posted by the test first, as those programs would."""
+    fake = FakeRanks(world, rank)
+    dtype = torch.bfloat16
+    xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=7 * world + tokens)
+    programs, c_count, width, *_ = ll.shape_with_chunks(tokens, hidden, chunks)
+    sig = ll.signature(dtype, tokens, hidden, programs, c_count)
+    flag = line_flag_of(fake.epoch, sig)
+    for peer in range(world):
+        if peer != rank:
+            _lines(fake, rank, peer)[:tokens * hidden // 2] = _encode(xs[peer], flag)
+    want_res, want_norm = _expected(xs, residual, weight, 1e-6)
+    tag = (fake.epoch & 0x7FFFFFFF) | 0x80000000
+    stats = _stats(fake)
+    later = set()  # slot (row, to a, from b) with b > a: read before its sender runs
+    for row in range(tokens):
+        for a in range(c_count):
+            for b in range(a + 1, c_count):
+                part = want_res[row, b * width:(b + 1) * width].float().pow(2).sum().reshape(1)
+                bits = int(part.view(torch.int32).item()) & 0xFFFFFFFF
+                stats[(row * c_count + a) * c_count + b] = ((tag << 32) | bits) - (1 << 64)
+                later.add((row * c_count + a) * c_count + b)
+    normed = torch.full_like(residual, float("nan"))
+    res_out = torch.full_like(residual, float("nan"))
+    ll.launch(fake.view, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True, max_programs=64,
+              chunks=chunks)
+
+    assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
+    assert torch.equal(res_out, want_res)
+    torch.testing.assert_close(normed.double(), want_norm, rtol=ref.TOLERANCE[dtype] * 2, atol=1e-2)
+    # Every slot a program read was cleared; the ones listed in `later` were written again by
+    # their sender after their reader had consumed the test's copy (so they hold that sender's word).
+    left = {i for i in range(lay.ROW_STATS_SLOTS) if int(stats[i]) != 0}
+    assert left == later
+    assert all((int(stats[i]) >> 32) & 0xFFFFFFFF == tag for i in left)
