@@ -32,6 +32,11 @@ MAX_LAUNCH_BLOCKS = 64
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
 
 
+def fits_capacity(algo: str, nbytes: int, ll_capacity: int | None) -> bool:
+    """Whether ``algo`` can take ``nbytes`` given the low-latency capacity (None: unbounded)."""
+    return ll_capacity is None or algo not in CAPPED_ALGORITHMS or nbytes <= ll_capacity
+
+
 @dataclass(frozen=True)
 class Choice:
     """What one call launches."""
@@ -65,7 +70,7 @@ class Rule:
         return ((self.world is None or world in self.world)
                 and (self.dtypes is None or dtype in self.dtypes)
                 and (self.max_bytes is None or nbytes <= self.max_bytes)
-                and (ll_capacity is None or self.algo not in CAPPED_ALGORITHMS or nbytes <= ll_capacity))
+                and fits_capacity(self.algo, nbytes, ll_capacity))
 
     def blocks_for(self, nbytes: int) -> int:
         return max(1, min(self.max_blocks, math.ceil(nbytes / self.bytes_per_block)))

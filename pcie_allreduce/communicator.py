@@ -251,7 +251,7 @@ class Communicator:
                 choice = self.table.select(nbytes, self.world_size, dtype_name, self.ll_capacity)
                 hit = (algo_mod.ALGO_IDS[choice.algo], choice.blocks)
             else:
-                if algo in algo_mod.CAPPED_ALGORITHMS and nbytes > self.ll_capacity:
+                if not algo_mod.fits_capacity(algo, nbytes, self.ll_capacity):
                     raise ValueError(f"algo={algo!r} takes messages up to {self.ll_capacity} bytes (the low-latency "
                                      f"line slots of this communicator), got {nbytes}; use 'auto' or another algorithm")
                 hit = (algo_mod.ALGO_IDS[algo], self.table.blocks_for(algo, nbytes, self.world_size, dtype_name))

@@ -150,6 +150,7 @@ def test_raw_launch_backend_arguments(monkeypatch) -> None:
     class Comm:
         device = torch.device("cpu")
         block_cap = 16
+        ll_capacity = 512 << 10
 
         def workspace(self, stream):
             assert stream == 77

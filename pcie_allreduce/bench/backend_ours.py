@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pcie_allreduce.algo import CAPPED_ALGORITHMS
+from pcie_allreduce.algo import fits_capacity
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import Case, RankJob
 from pcie_allreduce.testing import RankContext
@@ -81,6 +81,6 @@ class OursBackend:
 
 def capacity_problem(comm: "Communicator", algo: str, size_bytes: int) -> str | None:
     """Why ``algo`` cannot take a message of ``size_bytes`` (the low-latency cap), or None."""
-    if algo in CAPPED_ALGORITHMS and size_bytes > comm.ll_capacity:
+    if not fits_capacity(algo, size_bytes, comm.ll_capacity):
         return f"{algo} takes messages up to {comm.ll_capacity} bytes"
     return None
