@@ -153,9 +153,11 @@ class Communicator:
             return normed, new_residual
         if algo == "auto":
             key = (x.shape[0], x.shape[1], x.dtype)
-            algo = self._fused_choices.get(key) or self.select_fused_algo(*key)
-            if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
-                self._fused_choices[key] = algo
+            algo = self._fused_choices.get(key)
+            if algo is None:
+                algo = self.select_fused_algo(*key)
+                if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
+                    self._fused_choices[key] = algo
         workspace = self.workspace()
         if workspace.failed():
             raise self._error_of(workspace)
