@@ -44,6 +44,10 @@ MAX_PROGRAMS = 64   # the CUDA kernels' kMaxLaunchBlocks
 MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
 MIN_CHUNK = 512     # below this, more programs only add statistics traffic
 PUSH_WORDS = 1024   # words per push step
+SMALL_CHUNK = 512             # columns of a small program: its [8 peers, 256 words] tile fits in 128 registers
+SMALL_PROGRAM_WARPS = 4
+SMALL_PROGRAM_MAX_REGS = 128  # 4 warps x 128 registers = 16K: four such programs fit on any SM (64K)
+SMALL_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -82,19 +86,19 @@ def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns
 
 @triton.jit
 def _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid,
-                        C: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr):
+                        C: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """(sum over the row's C chunks of their sums of squares, ok); same value in every program of the row.
 
-    The C slots are handled as a BLOCK_C-wide tensor masked to its first C entries (BLOCK_C is at
+    The C slots are handled as a BLOCK-wide tensor masked to its first C entries (BLOCK is at
     least the thread count): every slot is then stored and polled by exactly one thread and the
     wait's exit test is a block-wide reduction, so all warps leave the loop together. A narrow
     [C] tensor would be replicated across warps, each polling its own copy and leaving on its
     own, and the first to leave would clear slots the others still wait for."""
     tag = (epoch & 0x7FFFFFFF) | 0x80000000  # never 0: a zero word is "not sent yet"
     word = (tag << 32) | partial.to(tl.uint32, bitcast=True).to(tl.uint64)
-    q = tl.arange(0, BLOCK_C)
+    q = tl.arange(0, BLOCK)
     q_ok = q < C
-    store_volatile_u64(stats + (row * C + q) * C + c, tl.zeros([BLOCK_C], tl.uint64) + word, q_ok,
+    store_volatile_u64(stats + (row * C + q) * C + c, tl.zeros([BLOCK], tl.uint64) + word, q_ok,
                        INTERPRET)                      # slot (row, to q, from c)
     mine = stats + (row * C + c) * C + q               # slot (row, to c, from q)
     got = load_volatile_u64(mine, q_ok, INTERPRET)
@@ -114,7 +118,7 @@ def _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig, time
             got = load_volatile_u64(mine, q_ok, INTERPRET)
             waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
     tl.debug_barrier()  # every thread has its final copy before any slot is cleared
-    store_volatile_u64(mine, tl.zeros([BLOCK_C], tl.uint64), q_ok, INTERPRET)
+    store_volatile_u64(mine, tl.zeros([BLOCK], tl.uint64), q_ok, INTERPRET)
     partials = (got & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
     return tl.sum(tl.where(q_ok, partials, 0.0), axis=0), ok
 
@@ -124,7 +128,7 @@ def _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig, time
 def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                              rank, T, H, eps, sig, timeout_ns, ll_slot_bytes, ll_offset, control_offset, stats_offset,
-                             C: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr,
+                             C: tl.constexpr, CW: tl.constexpr, BLOCK_W: tl.constexpr,
                              W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -154,46 +158,57 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                     store_volatile_u64(dst + k, word, m, INTERPRET)
             off += PUSH
 
-        # 2. gather this program's chunk from every peer, reduce in rank order, add the residual
-        j = tl.arange(0, BLOCK_C)
-        cols = c * CW + j
-        cols_ok = (j < CW) & (cols < H)
-        e = row.to(tl.int64) * H + cols
+        # 2. gather this program's chunk from every peer as one [peers, words] tile: word i holds
+        #    elements 2i (low half) and 2i + 1 (high half), each reduced in rank order
+        j = tl.arange(0, BLOCK_W)
+        w_ok = j < (last - first)
+        word = first + j
+        e_lo = 2 * word  # element index of each word's low half (the high half is e_lo + 1)
+        cols_lo = c * CW + 2 * j
         peers = tl.arange(0, WP)[:, None]
-        live = (peers < W) & (peers != rank) & cols_ok[None, :]
-        addr = my_base + ll_offset + parity_off + peers.to(tl.int64) * ll_slot_bytes + (e // 2)[None, :] * 8
+        live = (peers < W) & (peers != rank) & w_ok[None, :]
+        addr = my_base + ll_offset + parity_off + peers.to(tl.int64) * ll_slot_bytes + word[None, :] * 8
         lines = addr.to(tl.pointer_type(tl.uint64))
         words, ok = _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
                                 INTERPRET)
         if ok == 1:
-            halves = ((words >> ((e % 2).to(tl.uint64) * 16)[None, :]) & 0xFFFF).to(tl.uint16)
-            vals = halves.to(DT, bitcast=True).to(tl.float32)
-            own = tl.load(x_ptr + e, mask=cols_ok, other=0.0).to(tl.float32)
+            lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+            hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+            own_lo = tl.load(x_ptr + e_lo, mask=w_ok, other=0.0).to(tl.float32)
+            own_hi = tl.load(x_ptr + e_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
             for r in tl.static_range(W):
                 # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
-                v = tl.where(r == rank, own, tl.sum(tl.where(peers == r, vals, -0.0), axis=0))
+                v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
+                v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
                 if r == 0:
-                    acc = v
+                    acc_lo = v_lo
+                    acc_hi = v_hi
                 else:
-                    acc += v
-            s = round_to(acc, DT, INTERPRET)
-            res = tl.load(res_ptr + e, mask=cols_ok, other=0.0)
-            nr = round_to(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
-            tl.store(res_out_ptr + e, nr, mask=cols_ok)
+                    acc_lo += v_lo
+                    acc_hi += v_hi
+            res_lo = tl.load(res_ptr + e_lo, mask=w_ok, other=0.0)
+            res_hi = tl.load(res_ptr + e_lo + 1, mask=w_ok, other=0.0)
+            nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo.to(tl.float32), DT, INTERPRET)
+            nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi.to(tl.float32), DT, INTERPRET)
+            tl.store(res_out_ptr + e_lo, nr_lo, mask=w_ok)
+            tl.store(res_out_ptr + e_lo + 1, nr_hi, mask=w_ok)
             tl.debug_barrier()  # every thread has read its words before any is cleared
-            store_volatile_u64(lines, tl.zeros_like(words), live & ((e % 2) == 0)[None, :], INTERPRET)  # invariant L2
+            store_volatile_u64(lines, tl.zeros_like(words), live, INTERPRET)  # invariant L2
 
             # 3. the row's sum of squares, shared by its C programs
-            nv = nr.to(tl.float32)
-            partial = tl.sum(tl.where(cols_ok, nv * nv, 0.0), axis=0)
+            v_lo = nr_lo.to(tl.float32)
+            v_hi = nr_hi.to(tl.float32)
+            partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
             stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
             sumsq, ok = _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank,
-                                            pid, C, BLOCK_C, INTERPRET)
+                                            pid, C, BLOCK_W, INTERPRET)
             # 4. normalise
             if ok == 1:
                 rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
-                w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
-                tl.store(normed_ptr + e, round_to(nv * rstd * w, DT, INTERPRET), mask=cols_ok)
+                w_lo = tl.load(w_ptr + cols_lo, mask=w_ok, other=0.0).to(tl.float32)
+                w_hi = tl.load(w_ptr + cols_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
+                tl.store(normed_ptr + e_lo, round_to(v_lo * rstd * w_lo, DT, INTERPRET), mask=w_ok)
+                tl.store(normed_ptr + e_lo + 1, round_to(v_hi * rstd * w_hi, DT, INTERPRET), mask=w_ok)
     end_call(ctrl, epoch, pid)
 
 
@@ -201,31 +216,59 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
 
 
 def launch_shape(tokens: int, hidden: int, world: int, max_programs: int,
-                 interpret: bool = False) -> tuple[int, int, int, int, int] | None:
-    """(programs, C chunks per row, chunk width, BLOCK_C, num_warps), or None when this kernel
-    cannot take the call (odd hidden size, or more programs than may run at once). A pure
-    function of the call's shape and the communicator's agreed block cap."""
+                 interpret: bool = False) -> tuple[int, int, int, int, int, int | None] | None:
+    """(programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps, maxnreg),
+    or None when this kernel cannot take the call (odd hidden size, or more programs than may run
+    at once). A pure function of the call's shape and the communicator's agreed block cap.
+
+    ``max_programs`` (the block cap) assumes one program per SM. Small programs (4 warps, at most
+    128 registers, SMALL_CHUNK columns) are guaranteed SMALL_PROGRAMS_PER_SM per SM, so when they
+    give more programs than the regular shape they may use that many times the cap: under MPS
+    emulation that is what lets W=8 run 56 programs instead of 16."""
     if hidden % 2 or tokens < 1:
         return None
     cap = max(1, min(MAX_PROGRAMS, max_programs))
+    regular = _regular_shape(tokens, hidden, cap, interpret)
+    if interpret:
+        return regular
+    small = _small_shape(tokens, hidden, min(MAX_PROGRAMS, cap * SMALL_PROGRAMS_PER_SM))
+    if small is not None and (regular is None or small[0] > regular[0]):
+        return small
+    return regular
+
+
+def _fits(tokens: int, chunks: int, cap: int) -> bool:
+    return tokens * chunks <= cap and tokens * chunks * chunks <= ROW_STATS_SLOTS
+
+
+def _regular_shape(tokens: int, hidden: int, cap: int,
+                   interpret: bool) -> tuple[int, int, int, int, int, int | None] | None:
     if interpret:
         chunks = 1
     else:
         chunks = max(math.ceil(hidden / MAX_CHUNK), min(cap // tokens, math.ceil(hidden / MIN_CHUNK)))
     shape = shape_with_chunks(tokens, hidden, chunks)
-    programs, chunks = shape[0], shape[1]
-    if programs > cap or programs * chunks > ROW_STATS_SLOTS:
-        return None
-    return shape
+    return shape if _fits(tokens, shape[1], cap) else None
 
 
-def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> tuple[int, int, int, int, int]:
-    """The launch shape with (about) ``chunks`` even-width column chunks per row."""
+def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> tuple[int, int, int, int, int, int | None]:
+    """The regular launch shape with (about) ``chunks`` even-width column chunks per row."""
     width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)  # even: a word never straddles chunks
     chunks = math.ceil(hidden / width)
-    num_warps = 4 if width <= 512 else 8 if width <= 1024 else 16
-    block_c = max(triton.next_power_of_2(width), 32 * num_warps)  # >= threads: no replicated elements
-    return tokens * chunks, chunks, width, block_c, num_warps
+    words = width // 2
+    num_warps = 4 if words <= 256 else 8 if words <= 512 else 16
+    block_w = max(triton.next_power_of_2(words), 32 * num_warps)  # >= threads: no replicated elements
+    return tokens * chunks, chunks, width, block_w, num_warps, None
+
+
+def _small_shape(tokens: int, hidden: int, cap: int) -> tuple[int, int, int, int, int, int | None] | None:
+    chunks = math.ceil(hidden / SMALL_CHUNK)
+    width = 2 * math.ceil(math.ceil(hidden / chunks) / 2)
+    chunks = math.ceil(hidden / width)
+    if not _fits(tokens, chunks, cap):
+        return None
+    block_w = max(triton.next_power_of_2(width // 2), 32 * SMALL_PROGRAM_WARPS)
+    return tokens * chunks, chunks, width, block_w, SMALL_PROGRAM_WARPS, SMALL_PROGRAM_MAX_REGS
 
 
 def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int) -> int:
@@ -249,12 +292,13 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         raise ValueError(f"fused oneshot_ll cannot take [{tokens}, {hidden}] {x.dtype} at world size {view.world} "
                          f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
                          f"{max_programs} programs); use algo='auto'")
-    programs, chunks, width, block_c, num_warps = shape
+    programs, chunks, width, block_w, num_warps, maxnreg = shape
     bases = view.padded_bases()
     assert len(bases) == MAX_RANKS
     _fused_oneshot_ll_kernel[(programs,)](
         x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
         view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
         view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
-        C=chunks, CW=width, BLOCK_C=block_c, W=view.world,
-        WP=triton.next_power_of_2(view.world), PUSH=PUSH_WORDS, INTERPRET=interpret, num_warps=num_warps)
+        C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
+        WP=triton.next_power_of_2(view.world), PUSH=PUSH_WORDS, INTERPRET=interpret, num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg is not None else {}))

@@ -98,11 +98,17 @@ def test_oneshot_ll_peer_with_another_call_records_mismatch() -> None:
 
 def test_launch_shape_rules() -> None:
     assert ll.launch_shape(4, 7167, 4, 32) is None, "odd hidden sizes take the flag-based one-shot"
-    programs, chunks, width, block_c, _ = ll.launch_shape(4, 7168, 4, 32)
-    assert programs == 4 * chunks <= 32 and width % 2 == 0 and chunks * width >= 7168 and block_c >= width
-    programs, chunks, *_ = ll.launch_shape(4, 7168, 8, 16)
-    assert programs <= 16 and chunks >= 7168 / ll.MAX_CHUNK
-    assert ll.launch_shape(64, 7168, 8, 16) is None, "more programs than the block cap"
+    programs, chunks, width, block_w, num_warps, _ = ll.launch_shape(4, 7168, 4, 64)
+    assert programs == 4 * chunks <= 64 and width % 2 == 0 and chunks * width >= 7168
+    assert block_w >= width // 2 and block_w >= 32 * num_warps, "a word tile covers the chunk and every thread"
+    # W=8 sharing one GPU (cap 16 one-per-SM programs): small programs, four per SM, give 56
+    programs, chunks, width, _, num_warps, maxnreg = ll.launch_shape(4, 7168, 8, 16)
+    assert (programs, chunks, width, num_warps, maxnreg) == (56, 14, 512, 4, 128)
+    # too many tokens for small programs: the regular shape within the cap, or none
+    programs, chunks, _, _, _, maxnreg = ll.launch_shape(16, 7168, 8, 64)
+    assert programs == 64 and chunks == 4 and maxnreg is None
+    assert ll.launch_shape(8, 7168, 8, 16) is None, "more programs than the block cap allows"
+    assert ll.launch_shape(3, 96, 8, 16, interpret=True)[1] == 1, "the interpreter runs one program per row"
 
 
 @pytest.mark.parametrize("world, rank, tokens, hidden, chunks", [
