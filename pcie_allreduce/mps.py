@@ -106,6 +106,20 @@ def _external_mps_env() -> dict[str, str] | None:
     return env if _answers(rc, out) else None
 
 
+def client_visible_devices(environ: Mapping[str, str]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for the clients of a daemon started under ``environ`` ({} if unset).
+
+    The daemon serves only the GPUs its own CUDA_VISIBLE_DEVICES names, and its clients count
+    from 0 within those: a client that inherits ``CUDA_VISIBLE_DEVICES=1`` is refused ("Invalid
+    CUDA_VISIBLE_DEVICES") by a daemon started with that same value, so clients get 0..n-1.
+    """
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return {}
+    entries = [e for e in (part.strip() for part in value.split(",")) if e]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(len(entries)))}
+
+
 class MpsDaemon:
     """A private MPS control daemon whose pipe and log directories live in a temp dir.
 
@@ -119,10 +133,11 @@ class MpsDaemon:
     def __init__(self, root: str, binary: str) -> None:
         self.root = root
         self.binary = binary
-        self.env: dict[str, str] = {
+        self._daemon_env: dict[str, str] = {
             "CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"),
             "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log"),
         }
+        self.env: dict[str, str] = {**self._daemon_env, **client_visible_devices(os.environ)}
         self._stopped = False
 
     @classmethod
@@ -140,10 +155,11 @@ class MpsDaemon:
         return daemon
 
     def _control(self, args: Sequence[str] = (), command: str | None = None) -> tuple[int, str]:
-        return _run_control(self.binary, {**os.environ, **self.env}, args, command)
+        # The daemon keeps the caller's CUDA_VISIBLE_DEVICES: it decides which GPUs MPS serves.
+        return _run_control(self.binary, {**os.environ, **self._daemon_env}, args, command)
 
     def _launch(self, ready_timeout_s: float) -> None:
-        for path in self.env.values():
+        for path in self._daemon_env.values():
             os.makedirs(path, exist_ok=True)
         rc, out = self._control(["-d"])
         if rc != 0:

@@ -73,6 +73,10 @@ def _mps_view(ctx: RankContext) -> tuple[bool, bool, str | None]:
     return ctx.mps, testing.mps_active(), os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
 
 
+def _visible_devices(ctx: RankContext) -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -89,6 +93,7 @@ FAKE_MPS = """#!/bin/sh
 # Fake nvidia-cuda-mps-control: log argv, MPS env and stdin; emulate -d / get_server_list / quit.
 echo "argv=$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_LOG"
 if [ "$1" = "-d" ]; then
+  echo "daemon sees CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES-unset}}" >> "$FAKE_MPS_LOG"
   {start}
 fi
 read cmd
@@ -208,6 +213,20 @@ def test_private_mps_daemon_started_with_env_and_stopped(fake_mps) -> None:
     assert all(env_part in c for c in calls if c.startswith("argv="))
     assert not os.path.exists(root), "the MPS temp dir must be removed"
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_mps_clients_count_gpus_from_zero_within_the_daemons_devices(fake_mps, monkeypatch) -> None:
+    # An MPS server started with CUDA_VISIBLE_DEVICES=1 refuses clients that say 1 ("Invalid
+    # CUDA_VISIBLE_DEVICES"): its clients count from 0 within the GPUs it serves.
+    install, log = fake_mps
+    install(START_OK)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert run_ranks(_visible_devices, 2, gpu=False, mps=True) == ["0", "0"]
+    assert "daemon sees CUDA_VISIBLE_DEVICES=1" in log.read_text().splitlines()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5, 3")
+    assert run_ranks(_visible_devices, 2, gpu=False, mps=True) == ["0,1", "0,1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert run_ranks(_visible_devices, 2, gpu=False, mps=True) == [None, None]
 
 
 def test_mps_start_failure_warns_and_runs_anyway(fake_mps) -> None:
