@@ -44,10 +44,15 @@ MAX_PROGRAMS = 64   # the CUDA kernels' kMaxLaunchBlocks
 MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
 MIN_CHUNK = 512     # below this, more programs only add statistics traffic
 PUSH_WORDS = 1024   # words per push step
-SMALL_CHUNK = 512             # columns of a small program: its [8 peers, 256 words] tile fits in 128 registers
-SMALL_PROGRAM_WARPS = 4
-SMALL_PROGRAM_MAX_REGS = 128  # 4 warps x 128 registers = 16K: four such programs fit on any SM (64K)
-SMALL_PROGRAMS_PER_SM = 4
+# Register-capped programs (<= 128 registers): (columns per program, warps, how many times the
+# one-per-SM block cap they may use). Four 4-warp programs fit on any SM (4 x 16K of 64K
+# registers), so under MPS emulation W=8 runs 56 of them instead of 16 regular ones. The 8-warp
+# ones stay within the cap: at 2x (two per SM, no register left over) the bench's W=8 fused case
+# timed out twice under MPS (bench/notes/PERF_NOTES.md).
+MEDIUM_PROGRAM = (1024, 8, 1)
+SMALL_PROGRAM = (512, 4, 4)    # its [8 peers, 256 words] tile fits in 128 registers
+CAPPED_PROGRAM_MAX_REGS = 128
+MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
 
 
 @triton.jit
@@ -221,17 +226,21 @@ def launch_shape(tokens: int, hidden: int, world: int, max_programs: int,
     or None when this kernel cannot take the call (odd hidden size, or more programs than may run
     at once). A pure function of the call's shape and the communicator's agreed block cap.
 
-    ``max_programs`` (the block cap) assumes one program per SM. Small programs (4 warps, at most
-    128 registers, SMALL_CHUNK columns) are guaranteed SMALL_PROGRAMS_PER_SM per SM, so when they
-    give more programs than the regular shape they may use that many times the cap: under MPS
-    emulation that is what lets W=8 run 56 programs instead of 16."""
+    ``max_programs`` (the block cap) assumes one program per SM; 4-warp programs capped at 128
+    registers may use 4x the cap (see SMALL_PROGRAM). First that fits: 1024-column 8-warp
+    programs if there are at least 16 of them (fastest measured at 4 x 7168, W=4: 7.66 us
+    against 7.95 for 512 columns and 9.03 for 1792; bench/RESULTS.md), 512-column 4-warp
+    programs when they give more programs than the regular shape, the regular shape."""
     if hidden % 2 or tokens < 1:
         return None
     cap = max(1, min(MAX_PROGRAMS, max_programs))
     regular = _regular_shape(tokens, hidden, cap, interpret)
     if interpret:
         return regular
-    small = _small_shape(tokens, hidden, min(MAX_PROGRAMS, cap * SMALL_PROGRAMS_PER_SM))
+    medium = _capped_shape(tokens, hidden, cap, *MEDIUM_PROGRAM)
+    if medium is not None and medium[0] >= MIN_SPREAD_PROGRAMS:
+        return medium
+    small = _capped_shape(tokens, hidden, cap, *SMALL_PROGRAM)
     if small is not None and (regular is None or small[0] > regular[0]):
         return small
     return regular
@@ -261,14 +270,17 @@ def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> tuple[int, int, 
     return tokens * chunks, chunks, width, block_w, num_warps, None
 
 
-def _small_shape(tokens: int, hidden: int, cap: int) -> tuple[int, int, int, int, int, int | None] | None:
-    chunks = math.ceil(hidden / SMALL_CHUNK)
+def _capped_shape(tokens: int, hidden: int, cap: int, columns: int, warps: int,
+                  per_sm: int) -> tuple[int, int, int, int, int, int | None] | None:
+    """Programs of about ``columns`` columns and ``warps`` warps capped at 128 registers, allowed
+    ``per_sm`` times the one-per-SM cap; None if they do not fit."""
+    chunks = math.ceil(hidden / columns)
     width = 2 * math.ceil(math.ceil(hidden / chunks) / 2)
     chunks = math.ceil(hidden / width)
-    if not _fits(tokens, chunks, cap):
+    if not _fits(tokens, chunks, min(MAX_PROGRAMS, cap * per_sm)):
         return None
-    block_w = max(triton.next_power_of_2(width // 2), 32 * SMALL_PROGRAM_WARPS)
-    return tokens * chunks, chunks, width, block_w, SMALL_PROGRAM_WARPS, SMALL_PROGRAM_MAX_REGS
+    block_w = max(triton.next_power_of_2(width // 2), 32 * warps)
+    return tokens * chunks, chunks, width, block_w, warps, CAPPED_PROGRAM_MAX_REGS
 
 
 def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int) -> int:
