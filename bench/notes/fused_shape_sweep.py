@@ -1,0 +1,85 @@
+"""Run: `PYTHONPATH=$PWD python3 bench/notes/fused_shape_sweep.py W` on a GPU machine (a note, not part of the package).
+
+Time the fused LL kernel at several launch shapes vs the plain all-reduce (graph replay, one GPU
+under MPS), same graph/replay method as the bench: 16 calls per graph, slowest rank's median."""
+import math, sys, time
+import torch
+import torch.distributed as dist
+import triton
+import pcie_allreduce
+from pcie_allreduce import testing, fused_oneshot_ll as ll
+
+T, H, EPS, CALLS, REPLAYS = 4, 7168, 1e-6, 16, 60
+CONFIGS = [  # (chunks per row, warps, maxnreg)
+    (14, 4, 128), (16, 4, 128), (7, 8, 128), (7, 4, 0), (8, 8, 0), (4, 16, 0), (14, 2, 0), (14, 4, 0),
+]
+
+
+def shape_for(C, warps, maxnreg):
+    width = 2 * math.ceil(math.ceil(H / C) / 2)
+    C = math.ceil(H / width)
+    block_w = max(triton.next_power_of_2(width // 2), 32 * warps)
+    return T * C, C, width, block_w, warps, (maxnreg or None)
+
+
+def timed(ctx, fn):
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn(); torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(CALLS):
+                fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=ctx.group)
+    times = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / CALLS)
+    times.sort()
+    med = torch.tensor([times[len(times) // 2]])
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctx.group)
+    return float(med)
+
+
+def body(ctx):
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=1 << 20, timeout_s=10)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(ctx.device)
+    res = torch.randn(T, H, generator=torch.Generator().manual_seed(99)).to(torch.bfloat16).to(ctx.device)
+    w = torch.rand(H, generator=torch.Generator().manual_seed(98)).to(torch.bfloat16).to(ctx.device)
+    out, nr, normed = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    lines = []
+    ar = lambda: comm.all_reduce(x, out=out)
+    want_nr = res + comm.all_reduce(x.clone())
+    lines.append(f"AR {timed(ctx, ar):.2f}")
+    orig = ll.launch_shape
+    for cfg in CONFIGS:
+        shape = shape_for(*cfg)
+        if shape[0] > 64 or T * shape[1] * shape[1] > 1024:
+            lines.append(f"{cfg} skip"); continue
+        ll.launch_shape = lambda *a, _s=shape, **k: _s
+        comm._fused_choices.clear()
+        f = lambda: comm.all_reduce_rmsnorm(x, res, w, EPS, out=normed, residual_out=nr, algo="oneshot_ll")
+        try:
+            f(); torch.cuda.synchronize()
+            ok = bool(torch.equal(nr, want_nr))
+            lines.append(f"{cfg} shape={shape} fused {timed(ctx, f):.2f} correct={ok}")
+        except Exception as exc:
+            lines.append(f"{cfg} FAILED {str(exc)[:300]}"); break
+    ll.launch_shape = orig
+    lines.append(f"AR {timed(ctx, ar):.2f}")
+    comm.close()
+    return lines
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[1])
+    t = time.time()
+    try:
+        res = testing.run_ranks(body, world, timeout_s=240)
+        print(f"=== W={world}"); [print("  ", l) for l in res[0]]
+    except Exception as exc:
+        print(f"=== W={world} FAILED", str(exc)[:3000])
+    print(f"  ({time.time() - t:.1f} s)", flush=True)
