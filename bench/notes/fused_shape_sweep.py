@@ -10,8 +10,9 @@ import pcie_allreduce
 from pcie_allreduce import testing, fused_oneshot_ll as ll
 
 T, H, EPS, CALLS, REPLAYS = 4, 7168, 1e-6, 16, 60
-CONFIGS = [  # (chunks per row, warps, maxnreg)
+CONFIGS = [  # (chunks per row, warps, maxnreg); C = 1 has no row-statistics exchange at all
     (14, 4, 128), (16, 4, 128), (7, 8, 128), (7, 4, 0), (8, 8, 0), (4, 16, 0), (14, 2, 0), (14, 4, 0),
+    (1, 16, 0), (2, 16, 0),
 ]
 
 
