@@ -3,6 +3,8 @@
 - ``test_host_cost_python_path`` (runs anywhere, CI records it): ``Communicator.all_reduce`` on
   a CPU tensor with a fake workspace, so it times exactly the Python part (validation, algorithm
   choice, the call into the binding) with a no-op binding.
+- ``test_host_cost_reference_torch_launch`` (GPU): one eager torch kernel launch on the same
+  tensor, the floor this host puts under any eager GPU call.
 - ``test_host_cost_eager_call[full|raw]`` (GPU): a real 2-rank communicator; ``full`` times
   ``comm.all_reduce`` (Python + binding + kernel launch), ``raw`` the binding + launch alone
   (``Workspace.all_reduce``). The peer rank is a subprocess that issues the same calls: before
@@ -181,6 +183,30 @@ def test_host_cost_eager_call(benchmark, tmp_path, path: str, shared_gpu_mps: An
         if peer.poll() is None:
             peer.kill()
             peer.wait()
+
+
+def test_host_cost_reference_torch_launch(benchmark, shared_gpu_mps: Any) -> None:
+    """The floor this host puts under any eager GPU call: one torch elementwise kernel on the same
+    7168 bf16 tensor (dispatcher + launch, no communication). Recorded next to ours so the 10 us
+    goal can be read against what a launch costs on this machine."""
+    problem = _gpu_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    device = torch.device("cuda", 0)
+    x = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(x)
+    rounds = [0]
+
+    def setup() -> None:
+        if rounds[0] % SYNC_EVERY == 0:
+            torch.cuda.synchronize(device)  # keep the launch queue from filling up
+        rounds[0] += 1
+
+    benchmark.extra_info.update(what="torch.add(x, x, out=out): one eager torch kernel launch",
+                                bytes=x.numel() * 2, sharing=shared_gpu_mps or "own GPU")
+    benchmark.pedantic(lambda: torch.add(x, x, out=out), setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS)
+    torch.cuda.synchronize(device)
+    assert torch.equal(out, torch.full_like(out, 2))
 
 
 def _measure(benchmark, path: str, dist) -> None:
