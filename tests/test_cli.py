@@ -279,6 +279,18 @@ def test_exit_status() -> None:
     assert command.exit_status(not_run) == 1
 
 
+def test_environment_lists_only_the_gpus_the_run_can_see() -> None:
+    rows = [{"index": "0", "uuid": "GPU-aaaa-1111", "name": "H200"},
+            {"index": "1", "uuid": "GPU-bbbb-2222", "name": "H200"},
+            {"index": "2", "uuid": "GPU-cccc-3333", "name": "L40S"}]
+    assert environment.visible_gpus(rows, None) == rows
+    assert environment.visible_gpus(rows, "0") == rows[:1]
+    assert environment.visible_gpus(rows, "2,0") == [rows[2], rows[0]]
+    assert environment.visible_gpus(rows, "GPU-bbbb") == [rows[1]]
+    assert environment.visible_gpus(rows, "1,7,0") == [rows[1]], "CUDA stops at the first unknown entry"
+    assert environment.visible_gpus(rows, "") == []
+
+
 def test_placement_labels() -> None:
     assert environment.placement_label(4, 1, True) == "emulation: 4 ranks on one GPU under MPS"
     assert environment.placement_label(8, 2, True) == "emulation: 8 ranks on 2 GPUs under MPS"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     from pcie_allreduce.testing import RankContext
 
-_SMI_FIELDS = ("index", "name", "pci.bus_id", "driver_version", "memory.total")
+_SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total")
 
 
 def placement_label(world: int, gpu_count: int, mps: bool | None) -> str:
@@ -55,6 +55,28 @@ def _nvidia_smi() -> list[dict[str, str]]:
         if len(cells) == len(_SMI_FIELDS):
             rows.append(dict(zip(_SMI_FIELDS, cells)))
     return rows
+
+
+def visible_gpus(rows: list[dict[str, str]], cuda_visible_devices: str | None) -> list[dict[str, str]]:
+    """The nvidia-smi rows of the GPUs CUDA_VISIBLE_DEVICES leaves to this run, in its order.
+
+    nvidia-smi lists every GPU of the host; a run pinned with CUDA_VISIBLE_DEVICES=0 on a two-GPU
+    host used one. Entries are indices or (prefixes of) UUIDs; CUDA stops at the first entry that
+    names no GPU, and so does this."""
+    if cuda_visible_devices is None:
+        return rows
+    picked: list[dict[str, str]] = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.isdigit():
+            match = [r for r in rows if r.get("index") == entry]
+        elif entry:
+            match = [r for r in rows if r.get("uuid", "").startswith(entry)]
+        else:
+            match = []
+        if len(match) != 1 or match[0] in picked:
+            break
+        picked.append(match[0])
+    return picked
 
 
 def _driver_from_proc() -> str | None:
@@ -95,7 +117,7 @@ def host_environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     import pcie_allreduce
 
-    smi = _nvidia_smi()
+    smi = visible_gpus(_nvidia_smi(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(sys.argv if argv is None else argv),
