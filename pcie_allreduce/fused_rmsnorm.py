@@ -81,6 +81,55 @@ def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl
 
 
 @triton.jit
+def _shard(T, W: tl.constexpr, owner):
+    per = (T + W - 1) // W
+    begin = tl.minimum(per * owner, T)
+    end = tl.minimum(begin + per, T)
+    return begin, end
+
+
+@triton.jit
+def _call_state(x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H: tl.constexpr):
+    """This program's view of the call: (pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off)."""
+    ES: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+    pid = tl.program_id(0)
+    ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
+    epoch, aborted = begin_call(ctrl, pid)
+    cols = tl.arange(0, BLOCK_H)
+    parity_off = (epoch & 1).to(tl.int64) * parity_bytes
+    return pid, ctrl, epoch, aborted, sig.to(tl.uint64), cols, cols < H, slot_bytes // ES, parity_off
+
+
+@triton.jit
+def _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
+                   parity_off, flags_offset, SHARDED: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Push this program's rows of x into our slot of every peer (all rows, or with SHARDED only
+    the rows that peer owns), then release that peer's flag of kind 0."""
+    for p in tl.static_range(W):
+        if p != rank:
+            base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+            dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            if SHARDED:
+                begin, end = _shard(T, W, p)
+            else:
+                begin, end = 0, T
+            _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS)
+            tl.debug_barrier()
+            store_release(flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
+
+
+@triton.jit
+def _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """residual + all_reduce(x) for one row: the reduction rounded once, then the add rounded once."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    s = _reduce_row(x_ptr + row_off + cols, slot0, slot_elems, row_off, cols, mask, rank, W, DT, INTERPRET)
+    res = tl.load(res_ptr + row_off + cols, mask=mask, other=0.0)
+    return round_to(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
+
+
+@triton.jit
 def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
                     stage: tl.constexpr, W: tl.constexpr, INTERPRET: tl.constexpr):
     """1 once every peer's flag of ``kind`` for this program carries our epoch; 0 on failure."""
@@ -95,32 +144,23 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
 
 # ---- kernels -----------------------------------------------------------------------------
 
+# Arguments that vary between workspaces and calls: specialising on them would recompile.
+_RUNTIME_ARGS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H", "sig",
+                 "timeout_ns", "slot_bytes", "parity_bytes", "flags_offset", "control_offset")
 
-@triton.jit(do_not_specialize=["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H",
-                                  "sig", "timeout_ns", "slot_bytes", "parity_bytes", "flags_offset", "control_offset"])
+
+@triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                           rank, T, H, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
                           ROWS: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    ES: tl.constexpr = DT.primitive_bitwidth // 8
-    pid = tl.program_id(0)
-    ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
-    epoch, aborted = begin_call(ctrl, pid)
-    sig64 = sig.to(tl.uint64)
-    cols = tl.arange(0, BLOCK_H)
-    cols_ok = cols < H
-    slot_elems = slot_bytes // ES
-    parity_off = (epoch & 1).to(tl.int64) * parity_bytes
+    pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
+        x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
-        for p in tl.static_range(W):
-            if p != rank:
-                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
-                _push_rows(x_ptr, dst, 0, T, pid, H, cols, cols_ok, ROWS)
-                tl.debug_barrier()
-                store_release(flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
+        _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
+                       parity_off, flags_offset, False, ROWS, W, INTERPRET)
         # 2. wait for every peer's rows
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
                              INTERPRET)
@@ -132,47 +172,23 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 row = pid * ROWS + i
                 mask = cols_ok & (row < T)
                 row_off = row.to(tl.int64) * H
-                s = _reduce_row(x_ptr + row_off + cols, slot0, slot_elems, row_off, cols, mask, rank, W, DT, INTERPRET)
-                res = tl.load(res_ptr + row_off + cols, mask=mask, other=0.0)
-                nr = round_to(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
+                nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
     end_call(ctrl, epoch, pid)
 
 
-@triton.jit
-def _shard(T, W: tl.constexpr, owner):
-    per = (T + W - 1) // W
-    begin = tl.minimum(per * owner, T)
-    end = tl.minimum(begin + per, T)
-    return begin, end
-
-
-@triton.jit(do_not_specialize=["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H",
-                                  "sig", "timeout_ns", "slot_bytes", "parity_bytes", "flags_offset", "control_offset"])
+@triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                           rank, T, H, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
                           ROWS: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    ES: tl.constexpr = DT.primitive_bitwidth // 8
-    pid = tl.program_id(0)
-    ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
-    epoch, aborted = begin_call(ctrl, pid)
-    sig64 = sig.to(tl.uint64)
-    cols = tl.arange(0, BLOCK_H)
-    cols_ok = cols < H
-    slot_elems = slot_bytes // ES
-    parity_off = (epoch & 1).to(tl.int64) * parity_bytes
+    pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
+        x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
-        for p in tl.static_range(W):
-            if p != rank:
-                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
-                begin, end = _shard(T, W, p)
-                _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS)
-                tl.debug_barrier()
-                store_release(flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
+        _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
+                       parity_off, flags_offset, True, ROWS, W, INTERPRET)
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
                              INTERPRET)
         w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
@@ -184,9 +200,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 row = begin + pid * ROWS + i
                 mask = cols_ok & (row < end)
                 row_off = row.to(tl.int64) * H
-                s = _reduce_row(x_ptr + row_off + cols, slot0, slot_elems, row_off, cols, mask, rank, W, DT, INTERPRET)
-                res = tl.load(res_ptr + row_off + cols, mask=mask, other=0.0)
-                nr = round_to(s.to(tl.float32) + res.to(tl.float32), DT, INTERPRET)
+                nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
                 for p in tl.static_range(W):
                     if p != rank:
