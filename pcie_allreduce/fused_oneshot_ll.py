@@ -20,8 +20,11 @@ Grid: T rows x C column chunks, one program each.
  4. normed = new_residual * rstd * weight.
 
 Needs an even hidden size (a word never straddles two chunks), T*C programs that can all be
-resident at once (the communicator's block cap) and a message within the line slots' capacity;
-:func:`launch_shape` says None otherwise and the caller takes the flag-based one-shot.
+resident at once and a message within the line slots' capacity; :func:`launch_shape` says None
+otherwise and the caller takes the flag-based one-shot. "Resident at once" is the communicator's
+block cap (one program per SM when ranks share a GPU), or 4x that for 4-warp programs capped at
+128 registers; step 3 waits for the other programs of the row, so a program that never got an SM
+would stall its row until the timeout.
 Under the interpreter (programs run one after another) C is 1, so no program waits for another.
 """
 
