@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce.layout import MAX_RANKS, ROW_STATS_SLOTS, WorkspaceView
-from pcie_allreduce.triton_protocol import (begin_call, end_call, line_flag, load_volatile_u64, now_ns, pick_base,
-                                            record_error, round_to, spin_verdict, store_volatile_u64)
+from pcie_allreduce.triton_protocol import (begin_call, end_call, line_flag, load_volatile_u64, now_ns, pause_ns,
+                                            pick_base, record_error, round_to, spin_verdict, store_volatile_u64)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(7)
 STAGE_ROW_STATS: tl.constexpr = tl.constexpr(8)
@@ -60,7 +60,7 @@ MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to to
 
 @triton.jit
 def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, pid,
-                INTERPRET: tl.constexpr):
+                BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
     """(words, ok): bounded wait until every live word carries our flag; 0 on mismatch/timeout/abort."""
     words = load_volatile_u64(lines, live, INTERPRET)
     seen = words >> 32
@@ -86,6 +86,7 @@ def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns
                 record_error(ctrl, err_addr, 1, rank, late, STAGE_LOW_LATENCY_GATHER, pid, epoch, sig, 0)
                 ok = 0
             else:
+                pause_ns(BACKOFF, INTERPRET)
                 words = load_volatile_u64(lines, live, INTERPRET)
                 seen = words >> 32
                 waiting = tl.max((live & (seen != flag)).to(tl.int32)) > 0
@@ -94,7 +95,7 @@ def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns
 
 @triton.jit
 def _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid,
-                        C: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                        C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
     """(sum over the row's C chunks of their sums of squares, ok); same value in every program of the row.
 
     The C slots are handled as a BLOCK-wide tensor masked to its first C entries (BLOCK is at
@@ -123,6 +124,7 @@ def _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig, time
             record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0)
             ok = 0
         else:
+            pause_ns(BACKOFF, INTERPRET)
             got = load_volatile_u64(mine, q_ok, INTERPRET)
             waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
     tl.debug_barrier()  # every thread has its final copy before any slot is cleared
@@ -137,7 +139,8 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                              rank, T, H, eps, sig, timeout_ns, ll_slot_bytes, ll_offset, control_offset, stats_offset,
                              C: tl.constexpr, CW: tl.constexpr, BLOCK_W: tl.constexpr,
-                             W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, INTERPRET: tl.constexpr):
+                             W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, INTERPRET: tl.constexpr,
+                             BACKOFF: tl.constexpr = 0):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
@@ -178,7 +181,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         addr = my_base + ll_offset + parity_off + peers.to(tl.int64) * ll_slot_bytes + word[None, :] * 8
         lines = addr.to(tl.pointer_type(tl.uint64))
         words, ok = _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
-                                INTERPRET)
+                                BACKOFF, INTERPRET)
         if ok == 1:
             lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
             hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
@@ -209,7 +212,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
             stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
             sumsq, ok = _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank,
-                                            pid, C, BLOCK_W, INTERPRET)
+                                            pid, C, BLOCK_W, BACKOFF, INTERPRET)
             # 4. normalise
             if ok == 1:
                 rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
@@ -293,12 +296,14 @@ def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunk
 
 def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
            normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int,
-           chunks: int | None = None) -> None:
+           chunks: int | None = None, backoff_ns: int = 0) -> None:
     """Enqueue one call on the current stream (arguments validated, eligibility checked).
 
     ``chunks`` forces that many column chunks per row instead of :func:`launch_shape`'s choice
     (tests: under the interpreter the choice is 1, which never exercises the row statistics
-    exchange between programs)."""
+    exchange between programs). ``backoff_ns`` > 0 sleeps that long between polls (an experiment
+    for ranks sharing a GPU, bench/notes/fused_shape_sweep.py; 0 compiles the same code as
+    before the knob existed)."""
     tokens, hidden = x.shape
     shape = (launch_shape(tokens, hidden, view.world, max_programs, interpret) if chunks is None
              else shape_with_chunks(tokens, hidden, chunks))
@@ -316,4 +321,4 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
         C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
         WP=triton.next_power_of_2(view.world), PUSH=PUSH_WORDS, INTERPRET=interpret, num_warps=num_warps,
-        **({"maxnreg": maxnreg} if maxnreg is not None else {}))
+        **({"maxnreg": maxnreg} if maxnreg is not None else {}), **({"BACKOFF": backoff_ns} if backoff_ns else {}))

@@ -84,6 +84,16 @@ def store_volatile_u64(ptr, value, mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def pause_ns(NS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Between two polls: let other warps on the SM issue for about NS ns (nanosleep); nothing
+    when NS is 0 (the default everywhere) or under the interpreter."""
+    if NS > 0:
+        if not INTERPRET:
+            tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [tl.full((), NS, tl.uint32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def now_ns(INTERPRET: tl.constexpr):
     if INTERPRET:
         t = tl.full((), 0, tl.uint64)

@@ -120,11 +120,11 @@ def test_launch_shape_rules() -> None:
     assert ll.launch_shape(3, 96, 8, 16, interpret=True)[1] == 1, "the interpreter runs one program per row"
 
 
-@pytest.mark.parametrize("world, rank, tokens, hidden, chunks", [
-    (2, 0, 2, 96, 3),
-    (4, 3, 3, 200, 4),
+@pytest.mark.parametrize("world, rank, tokens, hidden, chunks, backoff_ns", [
+    (2, 0, 2, 96, 3, 0),
+    (4, 3, 3, 200, 4, 64),  # the poll back-off knob (a no-op here) must not change the result
 ])
-def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, chunks) -> None:
+def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, chunks, backoff_ns) -> None:
     """C > 1 programs per row, which the interpreter otherwise never runs: programs execute one
     after another here, so the statistics of the chunks to the right of each program (sent by
     programs that run later) are posted by the test first, as those programs would."""
@@ -151,7 +151,7 @@ def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, c
     normed = torch.full_like(residual, float("nan"))
     res_out = torch.full_like(residual, float("nan"))
     ll.launch(fake.view, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True, max_programs=64,
-              chunks=chunks)
+              chunks=chunks, backoff_ns=backoff_ns)
 
     assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
     assert torch.equal(res_out, want_res)
