@@ -266,27 +266,34 @@ def _regular_shape(tokens: int, hidden: int, cap: int,
     return shape if _fits(tokens, shape[1], cap) else None
 
 
+def _even_chunks(hidden: int, chunks: int) -> tuple[int, int]:
+    """(chunks, width): about ``chunks`` column chunks of one even width (a word never straddles two)."""
+    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)
+    return math.ceil(hidden / width), width
+
+
+def _word_tile(width: int, warps: int) -> int:
+    """BLOCK_W: the chunk's words rounded up to a power of two, and at least one per thread (no
+    replicated elements)."""
+    return max(triton.next_power_of_2(width // 2), 32 * warps)
+
+
 def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> tuple[int, int, int, int, int, int | None]:
     """The regular launch shape with (about) ``chunks`` even-width column chunks per row."""
-    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)  # even: a word never straddles chunks
-    chunks = math.ceil(hidden / width)
+    chunks, width = _even_chunks(hidden, chunks)
     words = width // 2
     num_warps = 4 if words <= 256 else 8 if words <= 512 else 16
-    block_w = max(triton.next_power_of_2(words), 32 * num_warps)  # >= threads: no replicated elements
-    return tokens * chunks, chunks, width, block_w, num_warps, None
+    return tokens * chunks, chunks, width, _word_tile(width, num_warps), num_warps, None
 
 
 def _capped_shape(tokens: int, hidden: int, cap: int, columns: int, warps: int,
                   per_sm: int) -> tuple[int, int, int, int, int, int | None] | None:
     """Programs of about ``columns`` columns and ``warps`` warps capped at 128 registers, allowed
     ``per_sm`` times the one-per-SM cap; None if they do not fit."""
-    chunks = math.ceil(hidden / columns)
-    width = 2 * math.ceil(math.ceil(hidden / chunks) / 2)
-    chunks = math.ceil(hidden / width)
+    chunks, width = _even_chunks(hidden, math.ceil(hidden / columns))
     if not _fits(tokens, chunks, min(MAX_PROGRAMS, cap * per_sm)):
         return None
-    block_w = max(triton.next_power_of_2(width // 2), 32 * warps)
-    return tokens * chunks, chunks, width, block_w, warps, CAPPED_PROGRAM_MAX_REGS
+    return tokens * chunks, chunks, width, _word_tile(width, warps), warps, CAPPED_PROGRAM_MAX_REGS
 
 
 def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int) -> int:
