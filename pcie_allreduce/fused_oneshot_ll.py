@@ -30,6 +30,7 @@ Under the interpreter (programs run one after another) C is 1, so no program wai
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -226,6 +227,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
 # ---- host side ---------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
 def launch_shape(tokens: int, hidden: int, world: int, max_programs: int,
                  interpret: bool = False) -> tuple[int, int, int, int, int, int | None] | None:
     """(programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps, maxnreg),
@@ -296,6 +298,7 @@ def _capped_shape(tokens: int, hidden: int, cap: int, columns: int, warps: int,
     return tokens * chunks, chunks, width, _word_tile(width, warps), warps, CAPPED_PROGRAM_MAX_REGS
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
 def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int) -> int:
     """32-bit call signature (peers must agree); differs from every other call's."""
     return zlib.crc32(f"fused-rmsnorm:oneshot_ll:{dtype}:{tokens}:{hidden}:{programs}:{chunks}".encode())

@@ -26,6 +26,7 @@ messages in :mod:`pcie_allreduce.fused_oneshot_ll`.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -233,6 +234,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
 # ---- host side ---------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
 def launch_shape(algo: str, tokens: int, world: int, hidden: int,
                  max_programs: int = MAX_PROGRAMS) -> tuple[int, int, int, int]:
     """(programs, rows per program, BLOCK_H, num_warps): a pure function of the call's shape
@@ -246,6 +248,7 @@ def launch_shape(algo: str, tokens: int, world: int, hidden: int,
     return programs, rows_per_program, block_h, num_warps
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
 def signature(algo: str, dtype: torch.dtype, tokens: int, hidden: int, programs: int) -> int:
     """32-bit call signature (peers must agree); differs from every plain all-reduce's."""
     return zlib.crc32(f"fused-rmsnorm:{algo}:{dtype}:{tokens}:{hidden}:{programs}".encode())
