@@ -77,7 +77,6 @@ __device__ __forceinline__ void store_payload(void* base, uint64_t unit, uint64_
 __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* lines0, uint64_t stride, uint64_t i,
                                              uint32_t flag, uint32_t epoch, uint2 (&got)[kMaxRanks]) {
   uint32_t pending = ((1u << a.world) - 1u) & ~(1u << a.rank);
-  const uint32_t* abort = &control_of(a)->abort;
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
     // Issue every pending peer's load before testing any: tested one by one, each test waits for
@@ -101,16 +100,11 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
       }
     }
     if (pending == 0u) return true;
-    if ((spins & 63u) == 63u) {
-      if (load_volatile(abort)) return false;
-      const uint64_t now = global_timer_ns();
-      if (started == 0) {
-        started = now;
-      } else if (now - started > a.timeout_ns) {
-        record_error(a, ErrorKind::kTimeout, __ffs(pending) - 1, Stage::kLowLatencyGather, epoch, 0);
-        return false;
-      }
+    const SpinVerdict verdict = spin_verdict(a, spins, started);
+    if (verdict == SpinVerdict::kTimedOut) {
+      record_error(a, ErrorKind::kTimeout, __ffs(pending) - 1, Stage::kLowLatencyGather, epoch, 0);
     }
+    if (verdict != SpinVerdict::kSpin) return false;
   }
 }
 

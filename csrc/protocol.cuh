@@ -165,10 +165,25 @@ __device__ __forceinline__ void signal_peer(const KernelArgs& a, int peer, int k
   store_release_sys(flag_slot(a, peer, kind, a.rank, blockIdx.x), flag_word(epoch, a.signature));
 }
 
+enum class SpinVerdict { kSpin, kAborted, kTimedOut };
+
+// The bound of every spin, checked every 64th spin: kAborted once any wait of this workspace
+// failed (the abort flag), kTimedOut after timeout_ns of spinning (the clock starts at the first
+// check), else kSpin. The caller records the timeout with its own peer and stage.
+__device__ __forceinline__ SpinVerdict spin_verdict(const KernelArgs& a, uint32_t spins, uint64_t& started) {
+  if ((spins & 63u) != 63u) return SpinVerdict::kSpin;
+  if (load_volatile(&control_of(a)->abort)) return SpinVerdict::kAborted;
+  const uint64_t now = global_timer_ns();
+  if (started == 0) {
+    started = now;
+    return SpinVerdict::kSpin;
+  }
+  return now - started > a.timeout_ns ? SpinVerdict::kTimedOut : SpinVerdict::kSpin;
+}
+
 // Bounded wait for `peer`'s flag in our own workspace. False on timeout, mismatch or abort.
 static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int kind, uint32_t epoch, Stage stage) {
   const uint64_t* flag = flag_slot(a, a.rank, kind, peer, blockIdx.x);
-  const uint32_t* abort = &control_of(a)->abort;
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
     const uint64_t word = load_acquire_sys(flag);
@@ -181,16 +196,9 @@ static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int
       }
       return true;  // ahead > 0: the peer already moved on to the next call, so it finished this one
     }
-    if ((spins & 63u) == 63u) {
-      if (load_volatile(abort)) return false;
-      const uint64_t now = global_timer_ns();
-      if (started == 0) {
-        started = now;
-      } else if (now - started > a.timeout_ns) {
-        record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
-        return false;
-      }
-    }
+    const SpinVerdict verdict = spin_verdict(a, spins, started);
+    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
+    if (verdict != SpinVerdict::kSpin) return false;
   }
 }
 
