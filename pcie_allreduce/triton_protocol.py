@@ -174,21 +174,17 @@ def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.const
     spins = 0
     start = now_ns(INTERPRET)
     while waiting & (ok == 1):
-        word = load_acquire(flag, INTERPRET)
-        diff = ((word >> 32) - epoch) & 0xFFFFFFFF
-        waiting = diff >= 0x80000000
         spins += 1
-        if waiting & (spins % 64 == 0):
-            aborted = tl.load(ctrl + _ABORT, volatile=True)
-            if INTERPRET:
-                expired = spins > 10000
-            else:
-                expired = (now_ns(INTERPRET) - start) > timeout_ns
-            if aborted != 0:
-                ok = 0
-            elif expired:
-                record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
-                ok = 0
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        if verdict == 1:
+            ok = 0
+        elif verdict == 2:
+            record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
+            ok = 0
+        else:
+            word = load_acquire(flag, INTERPRET)
+            diff = ((word >> 32) - epoch) & 0xFFFFFFFF
+            waiting = diff >= 0x80000000
     if ok == 1:
         observed = word & 0xFFFFFFFF
         if (diff == 0) & (observed != sig):
