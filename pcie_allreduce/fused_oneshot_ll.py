@@ -330,5 +330,5 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
         view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
         C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
-        WP=triton.next_power_of_2(view.world), PUSH=PUSH_WORDS, INTERPRET=interpret, num_warps=num_warps,
+        WP=triton.next_power_of_2(view.world), PUSH=min(PUSH_WORDS, block_w), INTERPRET=interpret, num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg is not None else {}), **({"BACKOFF": backoff_ns} if backoff_ns else {}))

@@ -10,9 +10,9 @@ import pcie_allreduce
 from pcie_allreduce import testing, fused_oneshot_ll as ll
 
 T, H, EPS, CALLS, REPLAYS = 4, 7168, 1e-6, 16, 60
-CONFIGS = [  # (chunks per row, warps, maxnreg[, poll back-off ns]); C = 1 has no row-statistics exchange
-    (14, 4, 128), (16, 4, 128), (7, 8, 128), (7, 4, 0), (8, 8, 0), (4, 16, 0), (14, 2, 0), (14, 4, 0),
-    (1, 16, 0), (2, 16, 0),
+CONFIGS = [  # (chunks per row, warps, maxnreg[, poll back-off ns[, push tile words]]); C = 1 has no row-statistics exchange
+    (14, 4, 128), (14, 4, 128, 0, 256), (16, 4, 128), (16, 4, 128, 0, 256), (7, 8, 128), (7, 4, 0), (8, 8, 0),
+    (4, 16, 0), (14, 2, 0), (14, 4, 0), (1, 16, 0), (2, 16, 0),
     (14, 4, 128, 100), (14, 4, 128, 400), (7, 8, 128, 100), (4, 16, 0, 100),
 ]
 
@@ -45,6 +45,19 @@ def timed(ctx, fn):
     return float(med)
 
 
+class _Progress(list):
+    """Lines of the result, also printed as they come on rank 0 (a cut-off run still shows them)."""
+
+    def __init__(self, loud: bool):
+        super().__init__()
+        self.loud = loud
+
+    def append(self, line):
+        super().append(line)
+        if self.loud:
+            print("   ", line, flush=True)
+
+
 def body(ctx):
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=1 << 20, timeout_s=10)
     g = torch.Generator().manual_seed(ctx.rank)
@@ -52,11 +65,11 @@ def body(ctx):
     res = torch.randn(T, H, generator=torch.Generator().manual_seed(99)).to(torch.bfloat16).to(ctx.device)
     w = torch.rand(H, generator=torch.Generator().manual_seed(98)).to(torch.bfloat16).to(ctx.device)
     out, nr, normed = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-    lines = []
+    lines = _Progress(ctx.rank == 0)
     ar = lambda: comm.all_reduce(x, out=out)
     want_nr = res + comm.all_reduce(x.clone())
     lines.append(f"AR {timed(ctx, ar):.2f}")
-    orig, orig_launch = ll.launch_shape, ll.launch
+    orig, orig_launch, push_words = ll.launch_shape, ll.launch, ll.PUSH_WORDS
     for cfg in CONFIGS:
         shape = shape_for(*cfg[:3])
         if shape[0] > 64 or T * shape[1] * shape[1] > 1024:
@@ -66,6 +79,7 @@ def body(ctx):
         if shape[0] > room:
             lines.append(f"{cfg} skip: {shape[0]} programs > {room} that are sure to be resident"); continue
         ll.launch_shape = lambda *a, _s=shape, **k: _s
+        ll.PUSH_WORDS = cfg[4] if len(cfg) > 4 else push_words
         backoff = cfg[3] if len(cfg) > 3 else 0
         ll.launch = lambda *a, _b=backoff, **k: orig_launch(*a, backoff_ns=_b, **k)
         comm._fused_choices.clear()
@@ -76,7 +90,7 @@ def body(ctx):
             lines.append(f"{cfg} shape={shape} fused {timed(ctx, f):.2f} correct={ok}")
         except Exception as exc:
             lines.append(f"{cfg} FAILED {str(exc)[:300]}"); break
-    ll.launch_shape, ll.launch = orig, orig_launch
+    ll.launch_shape, ll.launch, ll.PUSH_WORDS = orig, orig_launch, push_words
     lines.append(f"AR {timed(ctx, ar):.2f}")
     comm.close()
     return lines
