@@ -22,9 +22,8 @@ Grid: T rows x C column chunks, one program each.
 Needs an even hidden size (a word never straddles two chunks), T*C programs that can all be
 resident at once and a message within the line slots' capacity; :func:`launch_shape` says None
 otherwise and the caller takes the flag-based one-shot. "Resident at once" is the communicator's
-block cap (one program per SM when ranks share a GPU), or 4x that for 4-warp programs capped at
-128 registers; step 3 waits for the other programs of the row, so a program that never got an SM
-would stall its row until the timeout.
+block cap (one program per SM when ranks share a GPU): step 3 waits for the other programs of
+the row, so a program that never got an SM would stall its row until the timeout.
 Under the interpreter (programs run one after another) C is 1, so no program waits for another.
 """
 
@@ -48,13 +47,12 @@ MAX_PROGRAMS = 64   # the CUDA kernels' kMaxLaunchBlocks
 MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
 MIN_CHUNK = 512     # below this, more programs only add statistics traffic
 PUSH_WORDS = 1024   # words per push step
-# Register-capped programs (<= 128 registers): (columns per program, warps, how many times the
-# one-per-SM block cap they may use). Four 4-warp programs fit on any SM (4 x 16K of 64K
-# registers), so under MPS emulation W=8 runs 56 of them instead of 16 regular ones. The 8-warp
-# ones stay within the cap: at 2x (two per SM, no register left over) the bench's W=8 fused case
-# timed out twice under MPS (bench/notes/PERF_NOTES.md).
-MEDIUM_PROGRAM = (1024, 8, 1)
-SMALL_PROGRAM = (512, 4, 4)    # its [8 peers, 256 words] tile fits in 128 registers
+# The 1024-column 8-warp program capped at 128 registers: (columns, warps). Within the block cap
+# (one program per SM). Register-capped programs at 2x or 4x the cap (several per SM) were tried
+# and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold part of an
+# SM, so register arithmetic is no residency guarantee) and 4-warp ones at 4x were slower at W=8
+# than the regular shape (16.6 vs 13.1 us, bench/notes/PERF_NOTES.md).
+MEDIUM_PROGRAM = (1024, 8)
 CAPPED_PROGRAM_MAX_REGS = 128
 MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
 
@@ -232,26 +230,21 @@ def launch_shape(tokens: int, hidden: int, world: int, max_programs: int,
                  interpret: bool = False) -> tuple[int, int, int, int, int, int | None] | None:
     """(programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps, maxnreg),
     or None when this kernel cannot take the call (odd hidden size, or more programs than may run
-    at once). A pure function of the call's shape and the communicator's agreed block cap.
+    at once). A pure function of the call's shape and the communicator's agreed block cap
+    (``max_programs``, one program per SM when ranks share a GPU).
 
-    ``max_programs`` (the block cap) assumes one program per SM; 4-warp programs capped at 128
-    registers may use 4x the cap (see SMALL_PROGRAM). First that fits: 1024-column 8-warp
-    programs if there are at least 16 of them (fastest measured at 4 x 7168, W=4: 7.66 us
-    against 7.95 for 512 columns and 9.03 for 1792; bench/RESULTS.md), 512-column 4-warp
-    programs when they give more programs than the regular shape, the regular shape."""
+    1024-column 8-warp programs if there are at least 16 of them within the cap (fastest at
+    4 x 7168, W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else the regular
+    shape: as many column chunks as the cap allows, 512 to 2048 columns each (W=8, cap 16:
+    1792-column 16-warp programs, 13.1 us against 16.6 for 56 4-warp ones; bench/RESULTS.md)."""
     if hidden % 2 or tokens < 1:
         return None
     cap = max(1, min(MAX_PROGRAMS, max_programs))
-    regular = _regular_shape(tokens, hidden, cap, interpret)
-    if interpret:
-        return regular
-    medium = _capped_shape(tokens, hidden, cap, *MEDIUM_PROGRAM)
-    if medium is not None and medium[0] >= MIN_SPREAD_PROGRAMS:
-        return medium
-    small = _capped_shape(tokens, hidden, cap, *SMALL_PROGRAM)
-    if small is not None and (regular is None or small[0] > regular[0]):
-        return small
-    return regular
+    if not interpret:
+        medium = _capped_shape(tokens, hidden, cap, *MEDIUM_PROGRAM)
+        if medium is not None and medium[0] >= MIN_SPREAD_PROGRAMS:
+            return medium
+    return _regular_shape(tokens, hidden, cap, interpret)
 
 
 def _fits(tokens: int, chunks: int, cap: int) -> bool:
@@ -288,12 +281,12 @@ def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> tuple[int, int, 
     return tokens * chunks, chunks, width, _word_tile(width, num_warps), num_warps, None
 
 
-def _capped_shape(tokens: int, hidden: int, cap: int, columns: int, warps: int,
-                  per_sm: int) -> tuple[int, int, int, int, int, int | None] | None:
-    """Programs of about ``columns`` columns and ``warps`` warps capped at 128 registers, allowed
-    ``per_sm`` times the one-per-SM cap; None if they do not fit."""
+def _capped_shape(tokens: int, hidden: int, cap: int, columns: int,
+                  warps: int) -> tuple[int, int, int, int, int, int | None] | None:
+    """Programs of about ``columns`` columns and ``warps`` warps capped at 128 registers, within
+    the cap; None if they do not fit."""
     chunks, width = _even_chunks(hidden, math.ceil(hidden / columns))
-    if not _fits(tokens, chunks, min(MAX_PROGRAMS, cap * per_sm)):
+    if not _fits(tokens, chunks, cap):
         return None
     return tokens * chunks, chunks, width, _word_tile(width, warps), warps, CAPPED_PROGRAM_MAX_REGS
 

@@ -104,16 +104,16 @@ def test_launch_shape_rules() -> None:
     # W=4 sharing one GPU (cap 33): 1024-column 8-warp programs, within the cap
     programs, chunks, width, _, num_warps, maxnreg = ll.launch_shape(4, 7168, 4, 33)
     assert (programs, chunks, width, num_warps, maxnreg) == (28, 7, 1024, 8, 128)
-    # W=8 sharing one GPU (cap 16): 512-column 4-warp programs, four per SM, give 56
+    # W=8 sharing one GPU (cap 16): the regular shape, 16 programs of 1792 columns (16 warps)
     programs, chunks, width, _, num_warps, maxnreg = ll.launch_shape(4, 7168, 8, 16)
-    assert (programs, chunks, width, num_warps, maxnreg) == (56, 14, 512, 4, 128)
-    # one token: 7 such programs would leave the push to too few SMs; 512-column programs instead
+    assert (programs, chunks, width, num_warps, maxnreg) == (16, 4, 1792, 16, None)
+    # one token: 7 1024-column programs would leave the push to too few SMs; 512-column ones instead
     programs, chunks, width, _, num_warps, _ = ll.launch_shape(1, 7168, 8, 16)
     assert (programs, chunks, width, num_warps) == (14, 14, 512, 4)
-    # a tight cap (8): only 512-column programs, four per SM, reach beyond the regular shape
+    # never more programs than the cap, however small the cap
     programs, chunks, _, _, num_warps, maxnreg = ll.launch_shape(2, 7168, 8, 8)
-    assert (programs, chunks, num_warps, maxnreg) == (28, 14, 4, 128)
-    # too many tokens for small programs: the regular shape within the cap, or none
+    assert (programs, chunks, num_warps, maxnreg) == (8, 4, 16, None)
+    # many tokens: the regular shape within the cap, or none
     programs, chunks, _, _, _, maxnreg = ll.launch_shape(16, 7168, 8, 64)
     assert programs == 64 and chunks == 4 and maxnreg is None
     assert ll.launch_shape(8, 7168, 8, 16) is None, "more programs than the block cap allows"
