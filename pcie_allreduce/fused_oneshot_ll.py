@@ -142,6 +142,25 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              BACKOFF: tl.constexpr = 0):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    row = pid // C
+    c = pid % C
+    first = (row.to(tl.int64) * H + c * CW) // 2  # in words; CW and H are even
+    last = first + tl.minimum(CW, H - c * CW) // 2
+    # this program's words: word i holds elements 2i (low half) and 2i + 1 (high half)
+    j = tl.arange(0, BLOCK_W)
+    w_ok = j < (last - first)
+    word = first + j
+    e_lo = 2 * word  # element index of each word's low half (the high half is e_lo + 1)
+    cols_lo = c * CW + 2 * j
+    # Every local operand is loaded before the first wait, so these loads overlap the epoch load
+    # and the peers' pushes instead of following them (the waits are side-effecting asm that no
+    # load is moved across). In place stays safe: only this program writes these elements, later.
+    x_lo = tl.load(x_ptr + e_lo, mask=w_ok, other=0.0)
+    x_hi = tl.load(x_ptr + e_lo + 1, mask=w_ok, other=0.0)
+    res_lo = tl.load(res_ptr + e_lo, mask=w_ok, other=0.0).to(tl.float32)
+    res_hi = tl.load(res_ptr + e_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
+    w_lo = tl.load(w_ptr + cols_lo, mask=w_ok, other=0.0).to(tl.float32)
+    w_hi = tl.load(w_ptr + cols_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
     epoch, aborted = begin_call(ctrl, pid)
     sig64 = sig.to(tl.uint64)
@@ -150,31 +169,31 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     if aborted == 0:
         # 1. push this program's chunk of x to every peer (the chunk it also reduces and finishes,
         #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it)
-        row = pid // C
-        c = pid % C
-        first = (row.to(tl.int64) * H + c * CW) // 2  # in words; CW and H are even
-        last = first + tl.minimum(CW, H - c * CW) // 2
-        off = first
-        while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
-            k = off + tl.arange(0, PUSH)
-            m = k < last
-            lo = tl.load(x_ptr + 2 * k, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
-            hi = tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
-            word = lo | (hi << 16) | (flag << 32)
+        if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
+            payload = (x_lo.to(tl.uint16, bitcast=True).to(tl.uint64)
+                       | (x_hi.to(tl.uint16, bitcast=True).to(tl.uint64) << 16) | (flag << 32))
             for p in tl.static_range(W):
                 if p != rank:
                     base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
                     dst = (base + ll_offset + parity_off + rank.to(tl.int64) * ll_slot_bytes).to(tl.pointer_type(tl.uint64))
-                    store_volatile_u64(dst + k, word, m, INTERPRET)
-            off += PUSH
+                    store_volatile_u64(dst + word, payload, w_ok, INTERPRET)
+        else:  # wide chunks (C = 1): PUSH words at a time bounds the registers the push needs
+            off = first
+            while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
+                k = off + tl.arange(0, PUSH)
+                m = k < last
+                lo = tl.load(x_ptr + 2 * k, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
+                hi = tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
+                payload = lo | (hi << 16) | (flag << 32)
+                for p in tl.static_range(W):
+                    if p != rank:
+                        base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                        dst = (base + ll_offset + parity_off + rank.to(tl.int64) * ll_slot_bytes).to(tl.pointer_type(tl.uint64))
+                        store_volatile_u64(dst + k, payload, m, INTERPRET)
+                off += PUSH
 
-        # 2. gather this program's chunk from every peer as one [peers, words] tile: word i holds
-        #    elements 2i (low half) and 2i + 1 (high half), each reduced in rank order
-        j = tl.arange(0, BLOCK_W)
-        w_ok = j < (last - first)
-        word = first + j
-        e_lo = 2 * word  # element index of each word's low half (the high half is e_lo + 1)
-        cols_lo = c * CW + 2 * j
+        # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
+        #    reduced in rank order
         peers = tl.arange(0, WP)[:, None]
         live = (peers < W) & (peers != rank) & w_ok[None, :]
         addr = my_base + ll_offset + parity_off + peers.to(tl.int64) * ll_slot_bytes + word[None, :] * 8
@@ -184,8 +203,8 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         if ok == 1:
             lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
             hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
-            own_lo = tl.load(x_ptr + e_lo, mask=w_ok, other=0.0).to(tl.float32)
-            own_hi = tl.load(x_ptr + e_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
+            own_lo = x_lo.to(tl.float32)
+            own_hi = x_hi.to(tl.float32)
             for r in tl.static_range(W):
                 # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
                 v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
@@ -196,10 +215,8 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 else:
                     acc_lo += v_lo
                     acc_hi += v_hi
-            res_lo = tl.load(res_ptr + e_lo, mask=w_ok, other=0.0)
-            res_hi = tl.load(res_ptr + e_lo + 1, mask=w_ok, other=0.0)
-            nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo.to(tl.float32), DT, INTERPRET)
-            nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi.to(tl.float32), DT, INTERPRET)
+            nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET)
+            nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET)
             tl.store(res_out_ptr + e_lo, nr_lo, mask=w_ok)
             tl.store(res_out_ptr + e_lo + 1, nr_hi, mask=w_ok)
             tl.debug_barrier()  # every thread has read its words before any is cleared
@@ -215,8 +232,6 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             # 4. normalise
             if ok == 1:
                 rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
-                w_lo = tl.load(w_ptr + cols_lo, mask=w_ok, other=0.0).to(tl.float32)
-                w_hi = tl.load(w_ptr + cols_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
                 tl.store(normed_ptr + e_lo, round_to(v_lo * rstd * w_lo, DT, INTERPRET), mask=w_ok)
                 tl.store(normed_ptr + e_lo + 1, round_to(v_hi * rstd * w_hi, DT, INTERPRET), mask=w_ok)
     end_call(ctrl, epoch, pid)
