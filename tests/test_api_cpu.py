@@ -118,6 +118,95 @@ def test_validation_algo() -> None:
 # ---- algorithm table ---------------------------------------------------------------------
 
 
+# ---- Communicator.all_reduce's fast check agrees with the validation functions ---------------
+
+
+class _RecordingWorkspace:
+    """Stands in for ``_C.Workspace``: records each launch and reports success."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, ...]] = []
+
+    def all_reduce(self, *args: int) -> int:
+        self.calls.append(args)
+        return 0
+
+
+def _cpu_communicator(monkeypatch) -> tuple[pcie_allreduce.Communicator, _RecordingWorkspace]:
+    """A Communicator on the CPU whose only workspace records calls (no rendezvous, no GPU)."""
+    from pcie_allreduce import communicator
+
+    monkeypatch.setattr(communicator, "current_stream_handle", lambda device: 0)
+    comm = communicator.Communicator.__new__(communicator.Communicator)
+    workspace = _RecordingWorkspace()
+    comm._closed, comm.device, comm.max_bytes, comm.ll_capacity = False, torch.device("cpu"), 1 << 16, 1 << 12
+    comm.world_size, comm.rank, comm.table, comm.block_cap = 4, 0, algo.default_table(), algo.MAX_LAUNCH_BLOCKS
+    comm._choices, comm._workspaces = {}, {0: workspace}
+    return comm, workspace
+
+
+_BUF = torch.zeros(4096, dtype=torch.bfloat16)
+_FAST_CHECK_CASES = {  # name: (x, out); "x" stands for out=x
+    "separate out": (torch.zeros(64, dtype=torch.bfloat16), torch.empty(64, dtype=torch.bfloat16)),
+    "in place": (torch.zeros(8, 16), "x"),
+    "new out": (torch.zeros(3, 5, dtype=torch.float16), None),
+    "out aliases x through a view": (_BUF[:64], _BUF[:64].view(64)),
+    "out adjacent to x": (_BUF[:64], _BUF[64:128]),
+    "out partially overlaps x": (_BUF[:64], _BUF[1:65]),
+    "x overlaps out from above": (_BUF[3:67], _BUF[:64]),
+    "empty": (torch.zeros(0), torch.zeros(0)),
+    "at max_bytes": (torch.zeros(1 << 14), "x"),
+    "over max_bytes": (torch.zeros((1 << 14) + 1), "x"),
+    "x not a tensor": ([1.0], None),
+    "x int32": (torch.zeros(4, dtype=torch.int32), None),
+    "x float64": (torch.zeros(4, dtype=torch.float64), None),
+    "x on another device": (torch.zeros(4, device="meta"), None),
+    "x not contiguous": (torch.zeros(8, 8)[:, :3], None),
+    "x expanded": (torch.zeros(1).expand(4), None),
+    "x sparse": (torch.zeros(4).to_sparse(), None),
+    "x a Parameter": (torch.nn.Parameter(torch.zeros(4)), None),
+    "out a Parameter": (torch.zeros(4), torch.nn.Parameter(torch.zeros(4), requires_grad=False)),
+    "out not a tensor": (torch.zeros(4), [0.0]),
+    "out other dtype": (torch.zeros(4), torch.zeros(4, dtype=torch.float16)),
+    "out other shape": (torch.zeros(4), torch.zeros(4, 1)),
+    "out on another device": (torch.zeros(4), torch.zeros(4, device="meta")),
+    "out not contiguous": (torch.zeros(4), torch.zeros(4, 2)[:, 0]),
+}
+
+
+@pytest.mark.parametrize("case", list(_FAST_CHECK_CASES))
+def test_all_reduce_accepts_and_rejects_exactly_as_the_validation_functions(case, monkeypatch) -> None:
+    """The fast check inside ``all_reduce`` must not change what is accepted, the error raised, or
+    the arguments of the launch."""
+    from pcie_allreduce.communicator import DTYPE_IDS
+
+    comm, workspace = _cpu_communicator(monkeypatch)
+    x, out = _FAST_CHECK_CASES[case]
+    out = x if isinstance(out, str) else out
+    try:
+        validation.validate_tensor(x, name="input", device=comm.device, max_bytes=comm.max_bytes)
+        validation.validate_out(x, out)
+    except Exception as expected:
+        with pytest.raises(type(expected)) as raised:
+            comm.all_reduce(x, out=out)
+        assert str(raised.value) == str(expected)
+        assert workspace.calls == []
+        return
+    result = comm.all_reduce(x, out=out)
+    assert result is out or out is None
+    nbytes = x.numel() * x.element_size()
+    if nbytes == 0:
+        assert workspace.calls == []
+        return
+    algo_id, blocks = comm._choice(nbytes, x.dtype, "auto")
+    assert workspace.calls == [(algo_id, x.data_ptr(), result.data_ptr(), nbytes, DTYPE_IDS[x.dtype], blocks, 0)]
+    with pytest.raises(ValueError, match="unknown algo 'bogus'"):
+        comm.all_reduce(x, out=out, algo="bogus")
+    comm._closed = True
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.all_reduce(x, out=out)
+
+
 def test_default_table_is_total_and_pure() -> None:
     table = algo.default_table()
     for world in range(2, 9):
