@@ -45,6 +45,32 @@ uint64_t seconds_to_ns(double seconds) {
   return static_cast<uint64_t>(seconds * 1e9);
 }
 
+// The last call's shape and its signature. Eager callers repeat one shape call after call (a
+// decode step's hidden size), so the FNV hash over the shape runs once per change of shape
+// instead of on every call; call_signature stays the one definition of the value.
+class SignatureMemo {
+ public:
+  uint32_t of(Algo algo, int dtype, uint64_t nbytes, int blocks) {
+    if (!valid_ || algo != algo_ || dtype != dtype_ || nbytes != nbytes_ || blocks != blocks_) {
+      signature_ = call_signature(algo, dtype, nbytes, blocks);
+      valid_ = true;
+      algo_ = algo;
+      dtype_ = dtype;
+      nbytes_ = nbytes;
+      blocks_ = blocks;
+    }
+    return signature_;
+  }
+
+ private:
+  bool valid_ = false;
+  Algo algo_ = Algo::kOneShot;
+  int dtype_ = 0;
+  uint64_t nbytes_ = 0;
+  int blocks_ = 0;
+  uint32_t signature_ = 0;
+};
+
 }  // namespace
 
 struct Workspace::State {
@@ -55,6 +81,22 @@ struct Workspace::State {
   Layout layout{};
   uint64_t timeout_ns = 0;
   bool peers_open = false;
+  // Every field of a launch's arguments that is not the call's own (bases, layout, error record,
+  // timeout, rank, world), kept current by open_peers and set_timeout: a call copies it and fills
+  // in its pointers, size and signature instead of rebuilding the rest each time.
+  KernelArgs launch_template{};
+  SignatureMemo signatures;
+
+  void refresh_launch_template(int rank, int world) {
+    KernelArgs& t = launch_template;
+    t = KernelArgs{};
+    for (int r = 0; r < world; ++r) t.bases[r] = peers[r];
+    t.layout = layout;
+    t.error = error_device;
+    t.timeout_ns = timeout_ns;
+    t.rank = rank;
+    t.world = world;
+  }
 };
 
 Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s)
@@ -117,6 +159,7 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
     }
     state_->peers[r] = static_cast<char*>(ptr);
   }
+  state_->refresh_launch_template(rank_, world_);
   state_->peers_open = true;
 }
 
@@ -131,18 +174,12 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kOneShotLL || nbytes <= state_->layout.ll_capacity,
                       "message larger than the low-latency capacity (" + std::to_string(state_->layout.ll_capacity) +
                           " bytes); use another algorithm");
-  KernelArgs args{};
+  KernelArgs args = state_->launch_template;
   args.input = reinterpret_cast<const void*>(input);
   args.output = reinterpret_cast<void*>(output);
   args.nbytes = nbytes;
-  for (int r = 0; r < world_; ++r) args.bases[r] = state_->peers[r];
-  args.layout = state_->layout;
-  args.error = state_->error_device;
-  args.timeout_ns = state_->timeout_ns;
-  args.signature = call_signature(static_cast<Algo>(algo), dtype, nbytes, blocks);
-  args.rank = rank_;
-  args.world = world_;
-  DeviceGuard guard(device_);
+  args.signature = state_->signatures.of(static_cast<Algo>(algo), dtype, nbytes, blocks);
+  DeviceGuard guard(device_);  // sets the device only when the caller's current one differs
   launch_all_reduce(static_cast<Algo>(algo), dtype, args, blocks, reinterpret_cast<cudaStream_t>(stream));
   return 0;
 }
@@ -172,7 +209,10 @@ uint32_t Workspace::signature(int algo, int dtype, uint64_t nbytes, int blocks) 
   return call_signature(static_cast<Algo>(algo), dtype, nbytes, blocks);
 }
 
-void Workspace::set_timeout(double seconds) { state_->timeout_ns = seconds_to_ns(seconds); }
+void Workspace::set_timeout(double seconds) {
+  state_->timeout_ns = seconds_to_ns(seconds);
+  state_->launch_template.timeout_ns = state_->timeout_ns;  // the next launch's wait bound too
+}
 double Workspace::timeout() const { return static_cast<double>(state_->timeout_ns) * 1e-9; }
 
 std::vector<uint64_t> Workspace::bases() const {
