@@ -113,31 +113,9 @@ class Communicator:
         """
         if self._closed:
             raise RuntimeError("Communicator is closed")
-        # Fast check of the common call (a plain tensor, one of ours, out None / x / a separate
-        # matching tensor): the validation functions were half of this method's time. It tests the
-        # same conditions in the same order with the cheapest reads torch has (x.nbytes is
-        # numel * element_size; dtypes are singletons), stricter only where that is cheaper (plain
-        # torch.Tensor, out on the communicator's device). Whatever it does not accept, the
-        # validation functions see, and they raise the precise error or accept it after all.
-        device = self.device
-        dtype = x.dtype if type(x) is torch.Tensor else None
-        dtype_id = DTYPE_IDS.get(dtype, -1) if dtype is not None else -1
-        nbytes = x.nbytes if dtype_id >= 0 and x.device == device and x.is_contiguous() else -1
-        inp = out_ptr = -1  # read here only for the overlap check, else after the empty-message return
-        if nbytes > self.max_bytes:
-            nbytes = -1
-        elif nbytes >= 0 and out is not None and out is not x:
-            if (type(out) is torch.Tensor and out.dtype is dtype and out.shape == x.shape and out.device == device
-                    and out.is_contiguous()):
-                inp, out_ptr = x.data_ptr(), out.data_ptr()
-                if inp != out_ptr and inp < out_ptr + nbytes and out_ptr < inp + nbytes:
-                    nbytes = -1  # partial overlap
-            else:
-                nbytes = -1
-        if nbytes < 0:
+        nbytes = self._common_call_nbytes(x, out)
+        if nbytes < 0:  # anything else: the full checks raise the precise error, or accept the call
             self._validate_tensors(x, out)
-            dtype = x.dtype
-            dtype_id = DTYPE_IDS[dtype]
             nbytes = x.numel() * x.element_size()
         if algo != "auto":
             validation.validate_algo(algo)
@@ -145,16 +123,14 @@ class Communicator:
             out = torch.empty_like(x)
         if nbytes == 0:
             return out
-        if inp < 0:
-            inp = x.data_ptr()
-            out_ptr = inp if out is x else out.data_ptr()
-        hit = self._choices.get((nbytes, dtype, algo))  # inlined hit path of _choice: one call less
+        dtype = x.dtype
+        hit = self._choices.get((nbytes, dtype, algo))  # _choice's cache, without the call
         algo_id, blocks = hit if hit is not None else self._choice(nbytes, dtype, algo)
-        stream = current_stream_handle(device)
+        stream = current_stream_handle(self.device)
         workspace = self._workspaces.get(stream)
         if workspace is None:
             workspace = self._workspace_for(stream)
-        if workspace.all_reduce(algo_id, inp, out_ptr, nbytes, dtype_id, blocks, stream):
+        if workspace.all_reduce(algo_id, x.data_ptr(), out.data_ptr(), nbytes, DTYPE_IDS[dtype], blocks, stream):
             raise self._error_of(workspace)
         return out
 
@@ -273,6 +249,28 @@ class Communicator:
         """The full checks of ``all_reduce``'s tensors, with the precise error messages."""
         validation.validate_tensor(x, name="input", device=self.device, max_bytes=self.max_bytes)
         validation.validate_out(x, out)  # type: ignore[arg-type]
+
+    def _common_call_nbytes(self, x: object, out: object) -> int:
+        """``x``'s size in bytes when (x, out) is the common, valid call, else -1.
+
+        The same conditions as :meth:`_validate_tensors` with the cheapest reads torch has (the
+        validation functions were half of an eager call's Python time): a plain tensor of one of
+        our dtypes on our device, contiguous, within max_bytes; ``out`` None, ``x``, or a matching
+        contiguous tensor that does not partly overlap it. Stricter only where that is cheaper
+        (subclasses go the long way), so -1 never means the call is invalid."""
+        if (type(x) is not torch.Tensor or x.dtype not in DTYPE_IDS or x.device != self.device
+                or not x.is_contiguous()):
+            return -1
+        nbytes = x.nbytes
+        if nbytes > self.max_bytes:
+            return -1
+        if out is None or out is x:
+            return nbytes
+        if (type(out) is not torch.Tensor or out.dtype is not x.dtype or out.shape != x.shape
+                or out.device != self.device or not out.is_contiguous()):
+            return -1
+        a, b = x.data_ptr(), out.data_ptr()
+        return -1 if a != b and a < b + nbytes and b < a + nbytes else nbytes
 
     def _choice(self, nbytes: int, dtype: torch.dtype, algo: str) -> tuple[int, int]:
         key = (nbytes, dtype, algo)
