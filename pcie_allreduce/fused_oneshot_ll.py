@@ -93,21 +93,32 @@ def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns
 
 
 @triton.jit
-def _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid,
+def _stats_tag(epoch):
+    return (epoch & 0x7FFFFFFF) | 0x80000000  # never 0: a zero word is "not sent yet"
+
+
+@triton.jit
+def _post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Send this chunk's sum of squares to the C programs of its row (slot (row, to q, from c))."""
+    word = (_stats_tag(epoch) << 32) | partial.to(tl.uint32, bitcast=True).to(tl.uint64)
+    q = tl.arange(0, BLOCK)
+    store_volatile_u64(stats + (row * C + q) * C + c, tl.zeros([BLOCK], tl.uint64) + word, q < C, INTERPRET)
+
+
+@triton.jit
+def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid,
                         C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
-    """(sum over the row's C chunks of their sums of squares, ok); same value in every program of the row.
+    """(sum over the row's C chunks of their sums of squares, ok) once every program of the row
+    has posted its partial; the same value in every program of the row.
 
     The C slots are handled as a BLOCK-wide tensor masked to its first C entries (BLOCK is at
     least the thread count): every slot is then stored and polled by exactly one thread and the
     wait's exit test is a block-wide reduction, so all warps leave the loop together. A narrow
     [C] tensor would be replicated across warps, each polling its own copy and leaving on its
     own, and the first to leave would clear slots the others still wait for."""
-    tag = (epoch & 0x7FFFFFFF) | 0x80000000  # never 0: a zero word is "not sent yet"
-    word = (tag << 32) | partial.to(tl.uint32, bitcast=True).to(tl.uint64)
+    tag = _stats_tag(epoch)
     q = tl.arange(0, BLOCK)
     q_ok = q < C
-    store_volatile_u64(stats + (row * C + q) * C + c, tl.zeros([BLOCK], tl.uint64) + word, q_ok,
-                       INTERPRET)                      # slot (row, to q, from c)
     mine = stats + (row * C + c) * C + q               # slot (row, to c, from q)
     got = load_volatile_u64(mine, q_ok, INTERPRET)
     waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
@@ -217,18 +228,19 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                     acc_hi += v_hi
             nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET)
             nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET)
-            tl.store(res_out_ptr + e_lo, nr_lo, mask=w_ok)
-            tl.store(res_out_ptr + e_lo + 1, nr_hi, mask=w_ok)
-            tl.debug_barrier()  # every thread has read its words before any is cleared
-            store_volatile_u64(lines, tl.zeros_like(words), live, INTERPRET)  # invariant L2
-
-            # 3. the row's sum of squares, shared by its C programs
+            # 3. the row's sum of squares, shared by its C programs: posted first, so the residual
+            #    stores and line clears below overlap its trip to the other programs of the row
             v_lo = nr_lo.to(tl.float32)
             v_hi = nr_hi.to(tl.float32)
             partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
             stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
-            sumsq, ok = _row_sum_of_squares(stats, partial, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank,
-                                            pid, C, BLOCK_W, BACKOFF, INTERPRET)
+            _post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
+            tl.store(res_out_ptr + e_lo, nr_lo, mask=w_ok)
+            tl.store(res_out_ptr + e_lo + 1, nr_hi, mask=w_ok)
+            tl.debug_barrier()  # every thread has read its words before any is cleared
+            store_volatile_u64(lines, tl.zeros_like(words), live, INTERPRET)  # invariant L2
+            sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid,
+                                            C, BLOCK_W, BACKOFF, INTERPRET)
             # 4. normalise
             if ok == 1:
                 rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
