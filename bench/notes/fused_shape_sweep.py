@@ -1,8 +1,8 @@
-"""Run: `PYTHONPATH=$PWD python3 bench/notes/fused_shape_sweep.py W` on a GPU machine (a note, not part of the package).
+"""Run: `PYTHONPATH=$PWD python3 bench/notes/fused_shape_sweep.py W [CONFIGS]` on a GPU machine (a note, not part of the package).
 
 Time the fused LL kernel at several launch shapes vs the plain all-reduce (graph replay, one GPU
 under MPS), same graph/replay method as the bench: 16 calls per graph, slowest rank's median."""
-import math, sys, time
+import ast, math, os, sys, time
 import torch
 import torch.distributed as dist
 import triton
@@ -15,6 +15,12 @@ CONFIGS = [  # (chunks per row, warps, maxnreg[, poll back-off ns[, push tile wo
     (4, 16, 0), (14, 2, 0), (14, 4, 0), (1, 16, 0), (2, 16, 0),
     (14, 4, 128, 100), (14, 4, 128, 400), (7, 8, 128, 100), (4, 16, 0, 100),
 ]
+
+
+if len(sys.argv) > 2:  # an explicit list of configurations, e.g. "[(4, 16, 0), (4, 8, 128)]"
+    os.environ["FUSED_SWEEP_CONFIGS"] = sys.argv[2]  # the spawned ranks import this file without our argv
+if "FUSED_SWEEP_CONFIGS" in os.environ:
+    CONFIGS = ast.literal_eval(os.environ["FUSED_SWEEP_CONFIGS"])
 
 
 def shape_for(C, warps, maxnreg):
