@@ -58,18 +58,28 @@ MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to to
 
 
 @triton.jit
+def _line_state(live, seen, flag):
+    """Per word: 0 arrived (or not ours to wait for), 1 not written yet, 2 a foreign flag (L3)."""
+    return tl.where(live & (seen != flag), tl.where(seen == 0, 1, 2), 0)
+
+
+@triton.jit
 def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, pid,
                 BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
-    """(words, ok): bounded wait until every live word carries our flag; 0 on mismatch/timeout/abort."""
+    """(words, ok): bounded wait until every live word carries our flag; 0 on mismatch/timeout/abort.
+
+    One block-wide reduction per spin (the worst word state: arrived < not yet < foreign): each
+    reduction is a block barrier, and the first version's two per spin (waiting?, foreign?) made
+    16-warp programs notice the last arrival later."""
     words = load_volatile_u64(lines, live, INTERPRET)
     seen = words >> 32
-    waiting = tl.max((live & (seen != flag)).to(tl.int32)) > 0
+    state = tl.max(_line_state(live, seen, flag))
     ok = 1
     spins = 0
     start = now_ns(INTERPRET)
-    while waiting & (ok == 1):
-        foreign = live & (seen != 0) & (seen != flag)
-        if tl.max(foreign.to(tl.int32)) > 0:
+    while (state != 0) & (ok == 1):
+        if state == 2:
+            foreign = live & (seen != 0) & (seen != flag)
             culprit = tl.max(tl.where(foreign, peers, -1))
             observed = tl.max(tl.where(foreign & (peers == culprit), seen, 0))
             their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
@@ -88,7 +98,7 @@ def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns
                 pause_ns(BACKOFF, INTERPRET)
                 words = load_volatile_u64(lines, live, INTERPRET)
                 seen = words >> 32
-                waiting = tl.max((live & (seen != flag)).to(tl.int32)) > 0
+                state = tl.max(_line_state(live, seen, flag))
     return words, ok
 
 
