@@ -165,6 +165,7 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
 
 uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64_t nbytes, int dtype, int blocks,
                                uint64_t stream) {
+  PCIE_AR_HOST_ASSERT(state_->local != nullptr, "workspace is closed");  // close() frees the error record
   // The host reads the record with no CUDA call: it is pinned, mapped memory the kernels write.
   const uint32_t failed = reinterpret_cast<volatile ErrorRecord*>(state_->error_host)->kind;
   if (failed != 0) return failed;
