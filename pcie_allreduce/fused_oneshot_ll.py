@@ -38,8 +38,9 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce.layout import MAX_RANKS, ROW_STATS_SLOTS, WorkspaceView
-from pcie_allreduce.triton_protocol import (begin_call, end_call, line_flag, load_volatile_u64, now_ns, pause_ns,
-                                            pick_base, record_error, round_to, spin_verdict, store_volatile_u64)
+from pcie_allreduce.triton_protocol import (begin_call, end_call, keep_spinning, line_flag, load_volatile_u64, now_ns,
+                                            pause_ns, pick_base, record_error, round_to, spin_verdict,
+                                            store_volatile_u64)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(7)
 STAGE_ROW_STATS: tl.constexpr = tl.constexpr(8)
@@ -137,13 +138,9 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
     start = now_ns(INTERPRET)
     while waiting & (ok == 1):
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
-        if verdict == 1:
-            ok = 0
-        elif verdict == 2:
-            record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0)
-            ok = 0
-        else:
+        ok = keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, rank, STAGE_ROW_STATS, pid, epoch, sig,
+                           INTERPRET)
+        if ok == 1:
             pause_ns(BACKOFF, INTERPRET)
             got = load_volatile_u64(mine, q_ok, INTERPRET)
             waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0

@@ -175,13 +175,8 @@ def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.const
     start = now_ns(INTERPRET)
     while waiting & (ok == 1):
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
-        if verdict == 1:
-            ok = 0
-        elif verdict == 2:
-            record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
-            ok = 0
-        else:
+        ok = keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, peer, stage, pid, epoch, sig, INTERPRET)
+        if ok == 1:
             word = load_acquire(flag, INTERPRET)
             diff = ((word >> 32) - epoch) & 0xFFFFFFFF
             waiting = diff >= 0x80000000
@@ -227,6 +222,18 @@ def spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET: tl.constexpr):
         elif expired:
             verdict = 2
     return verdict
+
+
+@triton.jit
+def keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, peer, stage, pid, epoch, sig,
+                  INTERPRET: tl.constexpr):
+    """1 while a bounded spin may go on; 0 once the workspace was aborted or this wait timed out,
+    the timeout recorded as waiting for ``peer`` in ``stage``. (A wait that only knows its late
+    peer after a reduction calls :func:`spin_verdict` and records the timeout itself.)"""
+    verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+    if verdict == 2:
+        record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
+    return (verdict == 0).to(tl.int32)
 
 
 def line_flag_of(epoch: int, signature: int) -> int:
