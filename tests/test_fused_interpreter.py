@@ -55,6 +55,16 @@ class FakeRanks:
         self.flags(self.rank)[kind, sender, :programs] = word - (1 << 64) if word >= 1 << 63 else word
 
 
+# (world, rank, tokens, hidden, dtype) for one rank's one-shot call, flag-based here and over
+# low-latency lines in test_fused_ll_interpreter.py: odd worlds and hidden sizes, both dtypes.
+ONE_SHOT_CASES = [
+    (2, 0, 1, 4096, torch.bfloat16),
+    (4, 2, 4, 7168, torch.bfloat16),
+    (3, 1, 5, 100, torch.float16),
+    (8, 7, 3, 96, torch.bfloat16),
+]
+
+
 def _inputs(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int):
     xs = [ref.rank_input(seed, r, tokens * hidden, dtype).view(tokens, hidden) for r in range(world)]
     residual = ref.rank_input(seed, 99, tokens * hidden, dtype).view(tokens, hidden)
@@ -76,12 +86,7 @@ def _shard(tokens: int, world: int, owner: int) -> range:
     return range(begin, min(begin + per, tokens))
 
 
-@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", [
-    (2, 0, 1, 4096, torch.bfloat16),
-    (4, 2, 4, 7168, torch.bfloat16),
-    (3, 1, 5, 100, torch.float16),
-    (8, 7, 3, 96, torch.bfloat16),
-])
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", ONE_SHOT_CASES)
 def test_oneshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     fake = FakeRanks(world, rank)
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens)

@@ -13,7 +13,7 @@ import torch
 from pcie_allreduce import layout as lay
 from pcie_allreduce.triton_protocol import line_flag_of
 from tests import _reference as ref
-from tests.test_fused_interpreter import FakeRanks, _expected, _inputs
+from tests.test_fused_interpreter import ONE_SHOT_CASES, FakeRanks, _expected, _inputs
 
 fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
 ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
@@ -44,12 +44,7 @@ def _call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tupl
     return programs, ll.signature(dtype, tokens, hidden, programs, chunks)
 
 
-@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", [
-    (2, 0, 1, 4096, torch.bfloat16),
-    (4, 2, 4, 7168, torch.bfloat16),
-    (3, 1, 5, 100, torch.float16),
-    (8, 7, 3, 96, torch.bfloat16),
-])
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", ONE_SHOT_CASES)
 def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype) -> None:
     fake = FakeRanks(world, rank)
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens)
