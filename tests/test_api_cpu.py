@@ -48,6 +48,23 @@ def test_extension_reports_no_device_without_driver() -> None:
     assert module.driver_version() == 0 or module.runtime_status()
 
 
+def test_python_mirrors_match_the_extension_constants() -> None:
+    """The ids and names Python keeps (it must import without the extension) are the C++ ones:
+    a stage or algorithm added on one side only would mislabel errors or launch the wrong kernel."""
+    from pcie_allreduce import _ext, algo as algo_mod, communicator, fused_oneshot_ll, layout
+
+    module = _ext.load()
+    if module is None:
+        pytest.skip(f"extension not built: {_ext.unavailable_reason()}")
+    assert communicator.STAGE_NAMES == {int(k): v for k, v in module.STAGE_NAMES.items()}
+    assert communicator.STAGE_NAMES[fused_oneshot_ll.STAGE_LOW_LATENCY_GATHER.value] == "low-latency gather"
+    assert communicator.STAGE_NAMES[fused_oneshot_ll.STAGE_ROW_STATS.value] == "fused row statistics"
+    assert algo_mod.ALGO_IDS == dict(module.ALGO_IDS)
+    assert {str(d).removeprefix("torch."): i for d, i in communicator.DTYPE_IDS.items()} == dict(module.DTYPE_IDS)
+    assert (layout.MAX_RANKS, layout.MAX_FLAG_BLOCKS, algo_mod.MAX_LAUNCH_BLOCKS) == (
+        module.MAX_RANKS, module.MAX_FLAG_BLOCKS, module.MAX_LAUNCH_BLOCKS)
+
+
 # ---- validation --------------------------------------------------------------------------
 
 
