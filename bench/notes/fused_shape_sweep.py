@@ -80,7 +80,8 @@ def body(ctx):
         shape = shape_for(*cfg[:3])
         if shape[0] > 64 or T * shape[1] * shape[1] > 1024:
             lines.append(f"{cfg} skip"); continue
-        # the library's residency rule: one program per SM of the cap, 4x for 4-warp 128-register ones
+        # programs sure to be resident: one per SM of the cap; 4-warp 128-register ones four per SM (a
+        # shape the library no longer launches, slower at W=8, kept here to compare against)
         room = comm.block_cap * (4 if (shape[4], shape[5]) == (4, 128) else 1)
         if shape[0] > room:
             lines.append(f"{cfg} skip: {shape[0]} programs > {room} that are sure to be resident"); continue
