@@ -48,13 +48,13 @@ MAX_PROGRAMS = 64   # the CUDA kernels' kMaxLaunchBlocks
 MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
 MIN_CHUNK = 512     # below this, more programs only add statistics traffic
 PUSH_WORDS = 1024   # words per push step
-# The 1024-column 8-warp program capped at 128 registers: (columns, warps). Within the block cap
-# (one program per SM). Register-capped programs at 2x or 4x the cap (several per SM) were tried
-# and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold part of an
-# SM, so register arithmetic is no residency guarantee) and 4-warp ones at 4x were slower at W=8
-# than the regular shape (16.6 vs 13.1 us, bench/notes/PERF_NOTES.md).
-MEDIUM_PROGRAM = (1024, 8)
-CAPPED_PROGRAM_MAX_REGS = 128
+MAX_WARPS = 32      # 1024 threads: one word per thread up to MAX_CHUNK columns
+# Programs of this many columns when there are at least MIN_SPREAD_PROGRAMS of them within the
+# block cap (one program per SM). Several programs per SM (register-capped, at 2x or 4x the cap)
+# were tried and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold
+# part of an SM, so register arithmetic is no residency guarantee) and 4-warp ones at 4x were
+# slower at W=8 than the regular shape (16.6 vs 13.1 us, bench/notes/PERF_NOTES.md).
+MEDIUM_COLUMNS = 1024
 MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
 
 
@@ -259,24 +259,27 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
 # ---- host side ---------------------------------------------------------------------------
 
 
+Shape = tuple[int, int, int, int, int]
+
+
 @functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
-def launch_shape(tokens: int, hidden: int, world: int, max_programs: int,
-                 interpret: bool = False) -> tuple[int, int, int, int, int, int | None] | None:
-    """(programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps, maxnreg),
-    or None when this kernel cannot take the call (odd hidden size, or more programs than may run
-    at once). A pure function of the call's shape and the communicator's agreed block cap
+def launch_shape(tokens: int, hidden: int, world: int, max_programs: int, interpret: bool = False) -> Shape | None:
+    """(programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps), or None
+    when this kernel cannot take the call (odd hidden size, or more programs than may run at
+    once). A pure function of the call's shape and the communicator's agreed block cap
     (``max_programs``, one program per SM when ranks share a GPU).
 
-    1024-column 8-warp programs if there are at least 16 of them within the cap (fastest at
-    4 x 7168, W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else the regular
-    shape: as many column chunks as the cap allows, 512 to 2048 columns each (W=8, cap 16:
-    1792-column 16-warp programs, 13.1 us against 16.6 for 56 4-warp ones; bench/RESULTS.md)."""
+    1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
+    W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
+    the cap allows, 512 to 2048 columns each (W=8, cap 16: 1792-column programs, 13.1 us against
+    16.6 for 56 small ones; bench/RESULTS.md). Always one word (two elements) per thread: at
+    4 x 7168, 16 warps instead of 8 at W=4 and 32 instead of 16 at W=8 were faster (session 5)."""
     if hidden % 2 or tokens < 1:
         return None
     cap = max(1, min(MAX_PROGRAMS, max_programs))
     if not interpret:
-        medium = _capped_shape(tokens, hidden, cap, *MEDIUM_PROGRAM)
-        if medium is not None and medium[0] >= MIN_SPREAD_PROGRAMS:
+        medium = shape_with_chunks(tokens, hidden, math.ceil(hidden / MEDIUM_COLUMNS))
+        if _fits(tokens, medium[1], cap) and medium[0] >= MIN_SPREAD_PROGRAMS:
             return medium
     return _regular_shape(tokens, hidden, cap, interpret)
 
@@ -285,8 +288,7 @@ def _fits(tokens: int, chunks: int, cap: int) -> bool:
     return tokens * chunks <= cap and tokens * chunks * chunks <= ROW_STATS_SLOTS
 
 
-def _regular_shape(tokens: int, hidden: int, cap: int,
-                   interpret: bool) -> tuple[int, int, int, int, int, int | None] | None:
+def _regular_shape(tokens: int, hidden: int, cap: int, interpret: bool) -> Shape | None:
     if interpret:
         chunks = 1
     else:
@@ -301,28 +303,13 @@ def _even_chunks(hidden: int, chunks: int) -> tuple[int, int]:
     return math.ceil(hidden / width), width
 
 
-def _word_tile(width: int, warps: int) -> int:
-    """BLOCK_W: the chunk's words rounded up to a power of two, and at least one per thread (no
-    replicated elements)."""
-    return max(triton.next_power_of_2(width // 2), 32 * warps)
-
-
-def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> tuple[int, int, int, int, int, int | None]:
-    """The regular launch shape with (about) ``chunks`` even-width column chunks per row."""
+def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> Shape:
+    """The launch shape with (about) ``chunks`` even-width column chunks per row: BLOCK_W is the
+    chunk's words rounded up to a power of two, one per thread (at least 4 warps, at most
+    MAX_WARPS; wider chunks, which only forced shapes have, give each thread several)."""
     chunks, width = _even_chunks(hidden, chunks)
-    words = width // 2
-    num_warps = 4 if words <= 256 else 8 if words <= 512 else 16
-    return tokens * chunks, chunks, width, _word_tile(width, num_warps), num_warps, None
-
-
-def _capped_shape(tokens: int, hidden: int, cap: int, columns: int,
-                  warps: int) -> tuple[int, int, int, int, int, int | None] | None:
-    """Programs of about ``columns`` columns and ``warps`` warps capped at 128 registers, within
-    the cap; None if they do not fit."""
-    chunks, width = _even_chunks(hidden, math.ceil(hidden / columns))
-    if not _fits(tokens, chunks, cap):
-        return None
-    return tokens * chunks, chunks, width, _word_tile(width, warps), warps, CAPPED_PROGRAM_MAX_REGS
+    block_w = max(triton.next_power_of_2(width // 2), 128)
+    return tokens * chunks, chunks, width, block_w, min(block_w // 32, MAX_WARPS)
 
 
 @functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
@@ -349,7 +336,7 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         raise ValueError(f"fused oneshot_ll cannot take [{tokens}, {hidden}] {x.dtype} at world size {view.world} "
                          f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
                          f"{max_programs} programs); use algo='auto'")
-    programs, chunks, width, block_w, num_warps, maxnreg = shape
+    programs, chunks, width, block_w, num_warps = shape
     bases = view.padded_bases()
     assert len(bases) == MAX_RANKS
     _fused_oneshot_ll_kernel[(programs,)](
@@ -358,4 +345,4 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
         C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
         WP=triton.next_power_of_2(view.world), PUSH=min(PUSH_WORDS, block_w), INTERPRET=interpret, num_warps=num_warps,
-        **({"maxnreg": maxnreg} if maxnreg is not None else {}), **({"BACKOFF": backoff_ns} if backoff_ns else {}))
+        **({"BACKOFF": backoff_ns} if backoff_ns else {}))

@@ -93,26 +93,31 @@ def test_oneshot_ll_peer_with_another_call_records_mismatch() -> None:
 
 def test_launch_shape_rules() -> None:
     assert ll.launch_shape(4, 7167, 4, 32) is None, "odd hidden sizes take the flag-based one-shot"
-    programs, chunks, width, block_w, num_warps, _ = ll.launch_shape(4, 7168, 4, 64)
+    programs, chunks, width, block_w, num_warps = ll.launch_shape(4, 7168, 4, 64)
     assert programs == 4 * chunks <= 64 and width % 2 == 0 and chunks * width >= 7168
-    assert block_w >= width // 2 and block_w >= 32 * num_warps, "a word tile covers the chunk and every thread"
-    # W=4 sharing one GPU (cap 33): 1024-column 8-warp programs, within the cap
-    programs, chunks, width, _, num_warps, maxnreg = ll.launch_shape(4, 7168, 4, 33)
-    assert (programs, chunks, width, num_warps, maxnreg) == (28, 7, 1024, 8, 128)
-    # W=8 sharing one GPU (cap 16): the regular shape, 16 programs of 1792 columns (16 warps)
-    programs, chunks, width, _, num_warps, maxnreg = ll.launch_shape(4, 7168, 8, 16)
-    assert (programs, chunks, width, num_warps, maxnreg) == (16, 4, 1792, 16, None)
+    assert block_w >= width // 2 and block_w == 32 * num_warps, "one word per thread covers the chunk"
+    # W=4 sharing one GPU (cap 33): 1024-column programs, within the cap, one word per thread
+    assert ll.launch_shape(4, 7168, 4, 33) == (28, 7, 1024, 512, 16)
+    # W=8 sharing one GPU (cap 16): 16 programs of 1792 columns, 32 warps
+    assert ll.launch_shape(4, 7168, 8, 16) == (16, 4, 1792, 1024, 32)
     # one token: 7 1024-column programs would leave the push to too few SMs; 512-column ones instead
-    programs, chunks, width, _, num_warps, _ = ll.launch_shape(1, 7168, 8, 16)
-    assert (programs, chunks, width, num_warps) == (14, 14, 512, 4)
+    assert ll.launch_shape(1, 7168, 8, 16) == (14, 14, 512, 256, 8)
     # never more programs than the cap, however small the cap
-    programs, chunks, _, _, num_warps, maxnreg = ll.launch_shape(2, 7168, 8, 8)
-    assert (programs, chunks, num_warps, maxnreg) == (8, 4, 16, None)
+    programs, chunks, _, _, num_warps = ll.launch_shape(2, 7168, 8, 8)
+    assert (programs, chunks, num_warps) == (8, 4, 32)
     # many tokens: the regular shape within the cap, or none
-    programs, chunks, _, _, _, maxnreg = ll.launch_shape(16, 7168, 8, 64)
-    assert programs == 64 and chunks == 4 and maxnreg is None
+    programs, chunks, *_ = ll.launch_shape(16, 7168, 8, 64)
+    assert programs == 64 and chunks == 4
     assert ll.launch_shape(8, 7168, 8, 16) is None, "more programs than the block cap allows"
     assert ll.launch_shape(3, 96, 8, 16, interpret=True)[1] == 1, "the interpreter runs one program per row"
+    # every shape the rule can give stays within a 1024-thread program and a 2048-column chunk
+    for tokens in (1, 2, 4, 8, 32):
+        for hidden in (96, 4096, 7168, 8192, 16384):
+            for cap in (8, 16, 33, 64):
+                shape = ll.launch_shape(tokens, hidden, 8, cap)
+                if shape is not None:
+                    assert shape[0] <= cap and shape[2] <= ll.MAX_CHUNK and shape[4] <= ll.MAX_WARPS
+                    assert shape[3] == 32 * shape[4], (tokens, hidden, cap, shape)
 
 
 @pytest.mark.parametrize("world, rank, tokens, hidden, chunks, backoff_ns", [
