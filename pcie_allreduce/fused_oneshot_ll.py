@@ -104,6 +104,34 @@ def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns
 
 
 @triton.jit
+def _load_pairs(ptr, word, mask, PAIRED: tl.constexpr):
+    """(low, high) element of each word (elements 2 * word and 2 * word + 1): one 4-byte load per
+    word when PAIRED (a 2-byte dtype at a 4-byte aligned base), else two 2-byte loads."""
+    if PAIRED:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.uint32)) + word, mask=mask, other=0)
+        lo = (bits & 0xFFFF).to(tl.uint16).to(ptr.dtype.element_ty, bitcast=True)
+        hi = (bits >> 16).to(tl.uint16).to(ptr.dtype.element_ty, bitcast=True)
+    else:
+        lo = tl.load(ptr + 2 * word, mask=mask, other=0.0)
+        hi = tl.load(ptr + 2 * word + 1, mask=mask, other=0.0)
+    return lo, hi
+
+
+@triton.jit
+def _store_pairs(ptr, word, lo, hi, mask, PAIRED: tl.constexpr):
+    """Store each word's two elements (already of ptr's dtype): as one 4-byte store when PAIRED.
+    Two 2-byte stores half-fill the same sectors twice; at the end of the kernel, where nothing
+    overlaps them, that cost W=8 about a microsecond (bench/notes/PERF_NOTES.md)."""
+    if PAIRED:
+        bits = (lo.to(tl.uint16, bitcast=True).to(tl.uint32)
+                | (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+        tl.store(ptr.to(tl.pointer_type(tl.uint32)) + word, bits, mask=mask)
+    else:
+        tl.store(ptr + 2 * word, lo, mask=mask)
+        tl.store(ptr + 2 * word + 1, hi, mask=mask)
+
+
+@triton.jit
 def _stats_tag(epoch):
     return (epoch & 0x7FFFFFFF) | 0x80000000  # never 0: a zero word is "not sent yet"
 
@@ -156,8 +184,8 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                              rank, T, H, eps, sig, timeout_ns, ll_slot_bytes, ll_offset, control_offset, stats_offset,
                              C: tl.constexpr, CW: tl.constexpr, BLOCK_W: tl.constexpr,
-                             W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, INTERPRET: tl.constexpr,
-                             BACKOFF: tl.constexpr = 0):
+                             W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, PAIRED: tl.constexpr,
+                             INTERPRET: tl.constexpr, BACKOFF: tl.constexpr = 0):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     row = pid // C
@@ -168,15 +196,14 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     j = tl.arange(0, BLOCK_W)
     w_ok = j < (last - first)
     word = first + j
-    e_lo = 2 * word  # element index of each word's low half (the high half is e_lo + 1)
-    cols_lo = c * CW + 2 * j
+    cols_lo = c * CW + 2 * j  # the low half's column (weight is per column)
     # Every local operand is loaded before the first wait, so these loads overlap the epoch load
     # and the peers' pushes instead of following them (the waits are side-effecting asm that no
     # load is moved across). In place stays safe: only this program writes these elements, later.
-    x_lo = tl.load(x_ptr + e_lo, mask=w_ok, other=0.0)
-    x_hi = tl.load(x_ptr + e_lo + 1, mask=w_ok, other=0.0)
-    res_lo = tl.load(res_ptr + e_lo, mask=w_ok, other=0.0).to(tl.float32)
-    res_hi = tl.load(res_ptr + e_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
+    x_lo, x_hi = _load_pairs(x_ptr, word, w_ok, PAIRED)
+    res_lo, res_hi = _load_pairs(res_ptr, word, w_ok, PAIRED)
+    res_lo = res_lo.to(tl.float32)
+    res_hi = res_hi.to(tl.float32)
     w_lo = tl.load(w_ptr + cols_lo, mask=w_ok, other=0.0).to(tl.float32)
     w_hi = tl.load(w_ptr + cols_lo + 1, mask=w_ok, other=0.0).to(tl.float32)
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
@@ -242,8 +269,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
             stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
             _post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
-            tl.store(res_out_ptr + e_lo, nr_lo, mask=w_ok)
-            tl.store(res_out_ptr + e_lo + 1, nr_hi, mask=w_ok)
+            _store_pairs(res_out_ptr, word, nr_lo, nr_hi, w_ok, PAIRED)
             tl.debug_barrier()  # every thread has read its words before any is cleared
             store_volatile_u64(lines, tl.zeros_like(words), live, INTERPRET)  # invariant L2
             sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid,
@@ -251,8 +277,8 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             # 4. normalise
             if ok == 1:
                 rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
-                tl.store(normed_ptr + e_lo, round_to(v_lo * rstd * w_lo, DT, INTERPRET), mask=w_ok)
-                tl.store(normed_ptr + e_lo + 1, round_to(v_hi * rstd * w_hi, DT, INTERPRET), mask=w_ok)
+                _store_pairs(normed_ptr, word, round_to(v_lo * rstd * w_lo, DT, INTERPRET),
+                             round_to(v_hi * rstd * w_hi, DT, INTERPRET), w_ok, PAIRED)
     end_call(ctrl, epoch, pid)
 
 
@@ -337,6 +363,7 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
                          f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
                          f"{max_programs} programs); use algo='auto'")
     programs, chunks, width, block_w, num_warps = shape
+    paired = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
     bases = view.padded_bases()
     assert len(bases) == MAX_RANKS
     _fused_oneshot_ll_kernel[(programs,)](
@@ -344,5 +371,5 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
         view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
         C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
-        WP=triton.next_power_of_2(view.world), PUSH=min(PUSH_WORDS, block_w), INTERPRET=interpret, num_warps=num_warps,
+        WP=triton.next_power_of_2(view.world), PUSH=min(PUSH_WORDS, block_w), PAIRED=paired, INTERPRET=interpret, num_warps=num_warps,
         **({"BACKOFF": backoff_ns} if backoff_ns else {}))

@@ -23,6 +23,17 @@ def all_inputs(seed: int, world: int, numel: int, dtype: torch.dtype) -> list[to
     return [rank_input(seed, r, numel, dtype) for r in range(world)]
 
 
+def misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` (2-byte dtype) that starts one element past an allocation: its
+    address is 2-byte but not 4-byte aligned, which kernels that move element pairs must handle."""
+    assert t.element_size() == 2, "only 2-byte dtypes can start half-way into a 4-byte word"
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    copy = buf[1:].view(t.shape)
+    copy.copy_(t)
+    assert copy.data_ptr() % 4 == 2
+    return copy
+
+
 def exact(inputs: list[torch.Tensor]) -> torch.Tensor:
     acc = inputs[0].float()
     for x in inputs[1:]:

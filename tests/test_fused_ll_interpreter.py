@@ -44,8 +44,11 @@ def _call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tupl
     return programs, ll.signature(dtype, tokens, hidden, programs, chunks)
 
 
-@pytest.mark.parametrize("world, rank, tokens, hidden, dtype", ONE_SHOT_CASES)
-def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype) -> None:
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype, misaligned",
+                         [case + (False,) for case in ONE_SHOT_CASES] + [ONE_SHOT_CASES[2] + (True,)])
+def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype, misaligned) -> None:
+    """``misaligned``: x, residual and both outputs start 2 bytes past a 4-byte boundary, so the
+    kernel moves elements one by one instead of as 4-byte pairs."""
     fake = FakeRanks(world, rank)
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens)
     _, sig = _call(fake, tokens, hidden, dtype)
@@ -56,7 +59,10 @@ def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype) -> None:
             _lines(fake, rank, peer)[:words] = _encode(xs[peer], flag)
     normed = torch.full_like(residual, float("nan"))
     res_out = torch.full_like(residual, float("nan"))
-    fused.launch(fake.view, "oneshot_ll", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+    x, res = xs[rank], residual
+    if misaligned:
+        x, res, normed, res_out = (ref.misaligned_copy(t) for t in (x, res, normed, res_out))
+    fused.launch(fake.view, "oneshot_ll", x, res, weight, 1e-6, normed, res_out, interpret=True)
 
     assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
     want_res, want_norm = _expected(xs, residual, weight, 1e-6)
