@@ -4,6 +4,7 @@ RMSNorm checks (on CPU ranks with fake backends), and the report with its accept
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 
@@ -121,6 +122,24 @@ def test_fused_rank_loop_on_cpu(monkeypatch) -> None:
     assert rounding.status == WRONG and "not bitwise equal to residual + all_reduce(x) on random data" in rounding.error
     assert {r.workload for r in rep.results} == {FUSED} and all(r.hidden == 64 for r in rep.results)
     assert rep.environment["ranks"]["2"]["gpu_name"] == "Fake GPU"  # the backend's facts reach the setup event
+
+
+def test_rounds_interleave_cases_and_pool_their_replays(monkeypatch) -> None:
+    """--rounds 2: every case is timed twice (half the replays each, pooled into one row); a case
+    found wrong in the first round is reported once and not timed again."""
+    fakes.use_cpu_ranks(monkeypatch)
+    cfg = _config(["--fused", "--world", "2", "--tokens", "1", "2", "--hidden", "64", "--backends", "ours", "--eager",
+                   "--iters", "6", "--warmup", "1", "--calls-per-graph", "2", "--rounds", "2"])
+    assert cfg.rounds == 2 and plan.make_job(cfg, "ours", (), "/tmp").rounds == 2
+    cfg = dataclasses.replace(cfg, setup_timeout_s=60.0, retries=0)
+    bar = fakes.RecordingBar()
+    rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None, bar)
+    by = {(r.algo, r.tokens): r for r in rep.results}
+    assert bar.done == runner.total_cases(cfg) == 6 == len(rep.results)
+    assert by[("fused", 1)].status == OK and by[("fused", 1)].replays == 6, "3 + 3 replays pooled"
+    assert by[("auto", 2)].status == OK and by[("auto", 2)].replays == 6
+    assert by[("fused", 2)].status == WRONG  # the scripted fault at T=2, caught in round 1
+    assert "2 interleaved rounds (replays pooled)" in report.format_world(rep, 2)
 
 
 # ----------------------------------------------------------------------------- report

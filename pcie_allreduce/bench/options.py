@@ -61,6 +61,7 @@ class BenchConfig:
     calls_per_graph: int = 16
     eager: bool = False
     time_budget_s: float = 1.0
+    rounds: int = 1
     case_timeout_s: float = 30.0
     setup_timeout_s: float = 90.0
     retries: int = 1
@@ -148,6 +149,11 @@ def add_timing_arguments(parser: argparse.ArgumentParser, *, iters: int = 100, w
     how.add_argument("--eager", action="store_true", help="time eager launches instead of CUDA-graph replay")
     how.add_argument("--time-budget", type=positive_float, default=time_budget, metavar="S",
                      help=f"seconds of timed replays per case before --iters is cut short (default {time_budget:g})")
+    how.add_argument("--rounds", type=positive_int, default=1, metavar="N",
+                     help="time the cases in N interleaved rounds (every case, then every case again, ...), each "
+                          "round with 1/N of --iters and --time-budget, and pool each case's replays: rows then "
+                          "sample the same minutes, so a drifting machine (up to ~20%% between minutes on a GPU "
+                          "shared under MPS) cannot favour one row (default 1)")
     how.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the input pattern (default 0)")
 
 
@@ -238,6 +244,7 @@ def common_fields(args: argparse.Namespace, gpu_count: int) -> dict[str, Any]:
         warmup=args.warmup,
         eager=args.eager,
         time_budget_s=args.time_budget,
+        rounds=args.rounds,
         case_timeout_s=args.case_timeout,
         setup_timeout_s=args.setup_timeout,
         retries=args.retries,

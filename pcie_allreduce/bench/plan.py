@@ -44,6 +44,7 @@ class RankJob:
     calls_per_graph: int = 16
     eager: bool = False
     time_budget_s: float = 1.0
+    rounds: int = 1
     case_timeout_s: float = 30.0
     setup_timeout_s: float = 90.0
     workload: str = ALLREDUCE
@@ -97,6 +98,7 @@ def make_job(cfg: BenchConfig, backend: str, cases: Sequence[Case], progress_dir
     return RankJob(
         backend=backend, dtype=cfg.dtype, cases=tuple(cases), max_bytes=cfg.max_bytes, progress_dir=progress_dir,
         seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, calls_per_graph=cfg.calls_per_graph, eager=cfg.eager,
-        time_budget_s=cfg.time_budget_s, case_timeout_s=cfg.case_timeout_s, setup_timeout_s=cfg.setup_timeout_s,
+        time_budget_s=cfg.time_budget_s, rounds=cfg.rounds, case_timeout_s=cfg.case_timeout_s,
+        setup_timeout_s=cfg.setup_timeout_s,
         workload=cfg.workload, eps=cfg.eps,
     )

@@ -3,6 +3,10 @@
 What a case's inputs are and how its result is judged lives in :mod:`.checks`; with ``--fused``
 and verify the backend is wrapped in :class:`~.norm_ops.NormAdapter`.
 
+With ``rounds`` > 1 the case list runs that many times over (case 1, 2, ..., then again), each
+time with 1/rounds of the replays and time budget, and a case's replays are pooled: rows then
+sample the same stretch of time, so a drifting machine cannot favour one of them.
+
 Every case ends with an all-gather over gloo of each rank's outcome, so all ranks agree on
 whether to time it and whether to go on: a case that is wrong on one rank is wrong for all (and
 not timed); a case that raised on any rank stops the run on every rank (the parent restarts a
@@ -13,6 +17,8 @@ the backend cannot run here is "skipped" on all. A rank that hangs is killed by 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -69,7 +75,9 @@ def _skip(ctx: RankContext, backend: Any, case: Case, calls: int) -> dict[str, A
 
 
 def _run_case(ctx: RankContext, job: RankJob, backend: Any, case: Case, check: checks.PlainCheck,
-              capture_stream: torch.cuda.Stream) -> dict[str, Any]:
+              capture_stream: torch.cuda.Stream, earlier: list[float], last_round: bool) -> dict[str, Any] | None:
+    """The case's merged event; None after a good round that is not the last (its replay times
+    are added to ``earlier``, this rank's times of the case in the rounds before)."""
     dtype = getattr(torch, job.dtype)
     calls = job.calls(case)
     skipped = _skip(ctx, backend, case, calls)
@@ -94,28 +102,51 @@ def _run_case(ctx: RankContext, job: RankJob, backend: Any, case: Case, check: c
         times, result = timing.time_case(backend, bufs, case.algo, job, ctx.group, capture_stream, calls=calls)
         backend.check()
         problem = check.mismatch(bufs, result, zeroed=zeroed)
-        mine = outcome.rank_outcome(ctx.rank, WRONG if problem else OK, times=times, resolved=resolved,
+        mine = outcome.rank_outcome(ctx.rank, WRONG if problem else OK, times=earlier + times, resolved=resolved,
                                     error=f"after timing: {problem}" if problem else "")
     except Exception as exc:  # noqa: BLE001
         mine = outcome.rank_outcome(ctx.rank, FAILED, error=outcome.one_line(exc), resolved=resolved)
-    return outcome.merge(_gather(ctx, mine), calls)
+    timed = _gather(ctx, mine)
+    if outcome.worst_status(timed) == OK and not last_round:
+        earlier.extend(times)
+        return None
+    return outcome.merge(timed, calls)
+
+
+def _round_job(job: RankJob) -> RankJob:
+    """The timing knobs of one of ``job.rounds`` rounds: a share of the replays and the budget."""
+    if job.rounds == 1:
+        return job
+    return dataclasses.replace(job, iters=math.ceil(job.iters / job.rounds),
+                               time_budget_s=job.time_budget_s / job.rounds)
 
 
 def _run_cases(ctx: RankContext, job: RankJob, backend: Any, dog: Watchdog, log: ProgressLog | None,
                capture_stream: torch.cuda.Stream) -> None:
-    check: checks.PlainCheck | None = None
-    for case in job.cases:
-        dog.arm(job.case_timeout_s, "case", index=case.index, size_bytes=case.size_bytes, algo=case.algo)
-        if log:
-            log.write("start", index=case.index)
-        if check is None or check.key != (case.count, case.hidden):
-            check = None  # free the previous shape's tensors first
-            check = checks.make_check(ctx, job, case)
-        event = _run_case(ctx, job, backend, case, check, capture_stream)
-        if log:
-            log.write("done", index=case.index, **event)
-        if event["status"] == FAILED:
-            return
+    round_job = _round_job(job)
+    earlier: dict[int, list[float]] = {}  # case index -> this rank's replay times of the rounds so far
+    finished: set[int] = set()            # cases with their final event (wrong, skipped: not timed again)
+    for round_index in range(job.rounds):
+        last_round = round_index == job.rounds - 1
+        check: checks.PlainCheck | None = None
+        for case in job.cases:
+            if case.index in finished:
+                continue
+            dog.arm(job.case_timeout_s, "case", index=case.index, size_bytes=case.size_bytes, algo=case.algo)
+            if log:
+                log.write("start", index=case.index)
+            if check is None or check.key != (case.count, case.hidden):
+                check = None  # free the previous shape's tensors first
+                check = checks.make_check(ctx, job, case)
+            event = _run_case(ctx, round_job, backend, case, check, capture_stream,
+                              earlier.setdefault(case.index, []), last_round)
+            if event is None:
+                continue
+            finished.add(case.index)
+            if log:
+                log.write("done", index=case.index, **event)
+            if event["status"] == FAILED:
+                return
 
 
 def bench_rank(ctx: RankContext, job: RankJob) -> dict[str, Any]:

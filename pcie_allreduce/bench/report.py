@@ -83,6 +83,9 @@ def _timing_line(config: dict[str, Any]) -> str:
     calls = config.get("calls_per_graph", "?")
     how = (f"eager launches, {calls} calls per timed block" if config.get("eager")
            else f"CUDA-graph replay, {calls} calls per graph")
+    rounds = config.get("rounds", 1)
+    if rounds > 1:
+        how += f", {rounds} interleaved rounds (replays pooled)"
     return (f"# {how}; time per call = p50 / p99 over timed replays of (slowest rank's replay time, "
             "CUDA events) / calls")
 

@@ -40,6 +40,8 @@ VERIFY_COLUMNS = verify_columns(5.0)  # the compute time only changes the verify
 
 def timing_line(config: dict[str, Any]) -> str:
     how = "eager launches" if config.get("eager") else "one CUDA graph per pass"
+    if config.get("rounds", 1) > 1:
+        how += f", {config['rounds']} interleaved rounds (replays pooled)"
     return (f"# {how}: 2 x L collectives on [T, H]; pass = p50 / p99 over timed replays of the slowest rank's "
             f"pass time; verify = pass + {config.get('compute_ms', 5.0):g} ms compute")
 
