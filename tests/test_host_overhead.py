@@ -7,12 +7,15 @@
   tensor, the floor this host puts under any eager GPU call.
 - ``test_host_cost_eager_call[full|raw]`` (GPU): a real 2-rank communicator; ``full`` times
   ``comm.all_reduce`` (Python + binding + kernel launch), ``raw`` the binding + launch alone
-  (``Workspace.all_reduce``). The peer rank is a subprocess that issues the same calls: before
-  every round (untimed ``setup``) rank 0 broadcasts over gloo how many calls follow, so the two
-  always agree, whatever pytest-benchmark decides to run (``--benchmark-disable`` included), and
-  every 32 rounds it synchronizes so the launch queue never fills up (a full queue would make
-  the launch block and time the GPU instead of the host). With one GPU both ranks share it as
-  clients of a private MPS daemon (no context time-slicing inside the measurement).
+  (``Workspace.all_reduce``). The peer rank is a subprocess that queues the matching calls 32
+  at a time: before every 32nd call (untimed ``setup``) rank 0 synchronizes (so its launch queue
+  never fills up: a full queue would make the launch block and time the GPU instead of the
+  host), then has the peer queue the next 32 and waits until it has. So rank 0's calls run
+  back to back like the reference's, neither each behind a gloo round trip (cold caches) nor
+  next to the peer's launches (which queue in a shared MPS server), and the two ranks always
+  agree, whatever pytest-benchmark decides to run (``--benchmark-disable`` included): rank 0
+  makes up the rest of the last batch untimed. With one GPU both ranks share it as clients of a
+  private MPS daemon (no context time-slicing inside the measurement).
 
 Run on a GPU machine:  pytest tests/test_host_overhead.py --benchmark-columns=min,median,mean,max
 """
@@ -111,11 +114,12 @@ _PEER = textwrap.dedent("""
     out = torch.empty_like(x)
     n = torch.zeros(1, dtype=torch.int64)
     while True:
-        dist.broadcast(n, src=0)
+        dist.broadcast(n, src=0)  # how many calls rank 0 will make next
         if int(n) == 0:
             break
         for _ in range(int(n)):
             comm.all_reduce(x, out=out)
+        dist.broadcast(n, src=1)  # all queued: rank 0 may start
     torch.cuda.synchronize(device)
     comm.check()
     comm.close()
@@ -209,20 +213,27 @@ def test_host_cost_reference_torch_launch(benchmark, shared_gpu_mps: Any) -> Non
     assert torch.equal(out, torch.full_like(out, 2))
 
 
+def _peer_queues(dist, calls: int) -> None:
+    """Have the peer queue ``calls`` all-reduces; returns once it has."""
+    count = torch.tensor([calls], dtype=torch.int64)
+    dist.broadcast(count, src=0)
+    dist.broadcast(count, src=1)
+
+
 def _measure(benchmark, path: str, dist) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     comm = Communicator(dist.group.WORLD, device, max_bytes=HIDDEN * 2)
     x = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(x)
-    one = torch.ones(1, dtype=torch.int64)
-    rounds = [0]
+    made, queued_by_peer = [0], [0]
 
-    def setup() -> None:
-        if rounds[0] % SYNC_EVERY == 0:
+    def setup() -> None:  # called once before every call pytest-benchmark makes
+        if made[0] == queued_by_peer[0]:
             torch.cuda.synchronize(device)
-        rounds[0] += 1
-        dist.broadcast(one, src=0)  # the peer issues exactly one matching call
+            _peer_queues(dist, SYNC_EVERY)
+            queued_by_peer[0] += SYNC_EVERY
+        made[0] += 1
 
     if path == "full":
         target = lambda: comm.all_reduce(x, out=out)  # noqa: E731
@@ -240,6 +251,8 @@ def _measure(benchmark, path: str, dist) -> None:
     try:
         benchmark.pedantic(target, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS)
     finally:
+        for _ in range(queued_by_peer[0] - made[0]):  # the rest of the peer's last batch, untimed
+            target()
         dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)  # the peer stops
         torch.cuda.synchronize(device)
     comm.check()
