@@ -1,6 +1,6 @@
 #!/bin/bash
-# The first owed GPU runs of NEXT_GPU_RUNS.md as one short device call (one H200, ~2 min):
-#   run(command="bash bench/notes/gpu_plan.sh", timeout_s=300)
+# The first owed GPU run of NEXT_GPU_RUNS.md (§1) as one short device call (one H200, ~2 min):
+#   run(command="bash bench/notes/gpu_plan.sh", carry=[".whl"], timeout_s=300)
 # Each step has its own limit and leaves its log under $OUT/plan (packed at every step, so a
 # cut-off run still returns what finished).
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -8,10 +8,9 @@ t0=$(date +%s); R=/tmp/plan; mkdir -p $R
 step() { echo; echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 pack() { tar czf $OUT/plan.tgz -C /tmp plan; }
 PCIE_AR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace > $R/build.log 2>&1 || { tail -30 $R/build.log; exit 1; }
-step "W=8: 32-warp programs (one word per thread) vs the shipped 16-warp ones, alternated"
-timeout 90 python3 bench/notes/fused_shape_sweep.py 8 "[(4, 16, 0), (4, 32, 0), (4, 16, 0), (4, 32, 0)]" > $R/sweep_w8.log 2>&1
-grep -v "^\[" $R/sweep_w8.log | tail -8; pack
-step "W=4: 16-warp programs vs the shipped 8-warp ones, alternated"
-timeout 90 python3 bench/notes/fused_shape_sweep.py 4 "[(7, 8, 128), (7, 16, 0), (7, 8, 128), (7, 16, 0)]" > $R/sweep_w4.log 2>&1
-grep -v "^\[" $R/sweep_w4.log | tail -8; pack
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > $R/pip.log 2>&1
+step "small sizes: ours vs FlashInfer pcie_ipc, W=2 4 8, two interleaved rounds"
+PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pcie_allreduce bench --world 2 4 8 --sizes 1K 14K 56K 256K \
+  --backends ours flashinfer --time-budget 0.2 --rounds 2 --out $R/fi > $R/fi.log 2>&1
+grep -E "^#   size|^ +[0-9]+ +[248] " $R/fi.log | tail -16; pack
 step "done"
