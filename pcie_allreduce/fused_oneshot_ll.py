@@ -370,6 +370,6 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
         view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
         view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
-        C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
-        WP=triton.next_power_of_2(view.world), PUSH=min(PUSH_WORDS, block_w), PAIRED=paired, INTERPRET=interpret, num_warps=num_warps,
+        C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
+        PUSH=min(PUSH_WORDS, block_w), PAIRED=paired, INTERPRET=interpret, num_warps=num_warps,
         **({"BACKOFF": backoff_ns} if backoff_ns else {}))
