@@ -14,6 +14,7 @@ from pcie_allreduce import layout as lay
 from tests import _reference as ref
 
 fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
+ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
 pytestmark = pytest.mark.skipif(not fused.interpreting(), reason="needs TRITON_INTERPRET=1 (CPU interpreter)")
 
 MAX_BYTES = 256 << 10
@@ -150,13 +151,15 @@ def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     assert bool((fake.control(rank)[:lay.EPOCH_WORDS] == fake.epoch).all())
 
 
-def test_missing_peer_records_timeout_instead_of_hanging() -> None:
+@pytest.mark.parametrize("algo, gather_stage", [("oneshot", fused.STAGE_FUSED_GATHER),
+                                                 ("oneshot_ll", ll.STAGE_LOW_LATENCY_GATHER.value)])
+def test_missing_peer_records_timeout_instead_of_hanging(algo: str, gather_stage: int) -> None:
     fake = FakeRanks(2, 0)
     xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=3)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, "oneshot", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    fused.launch(fake.view, algo, xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
     kind, rank, peer, stage, block, epoch = (int(v) for v in fake.error[:6])
-    assert (kind, rank, peer, stage, block, epoch) == (1, 0, 1, fused.STAGE_FUSED_GATHER, 0, fake.epoch)
+    assert (kind, rank, peer, stage, block, epoch) == (1, 0, 1, gather_stage, 0, fake.epoch)
     assert int(fake.control(0)[lay.ABORT_WORD]) == 1, "abort flag raised so queued calls drain"
 
 
