@@ -192,6 +192,33 @@ def ninja_dir() -> str | None:
         return None
 
 
+def forget_stale_cache(build_dir: Path, cmake: str, ninja: str | None) -> None:
+    """Drop a CMake cache that names tools which are gone or have changed.
+
+    pip's isolated builds run cmake and ninja from a temporary environment that is deleted
+    afterwards; the cache of that build keeps their paths, and the next configure in the same
+    checkout (a re-install, or an editable install after ``pip install .``) would fail with
+    "Running '.../overlay/bin/ninja' '--version' failed". Only the cache goes: compiled objects
+    stay, so ninja still skips compiles whose command lines did not change.
+    """
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.is_file():
+        return
+    recorded = dict(re.findall(r"^(CMAKE_COMMAND|CMAKE_MAKE_PROGRAM):[A-Z]+=(.*)$",
+                               cache.read_text(errors="replace"), flags=re.MULTILINE))
+    current = {"CMAKE_COMMAND": str(Path(cmake).resolve())}
+    if ninja:
+        current["CMAKE_MAKE_PROGRAM"] = str((Path(ninja) / "ninja").resolve())
+    stale = [
+        f"{key}={path}" for key, path in recorded.items()
+        if not Path(path).exists() or (key in current and str(Path(path).resolve()) != current[key])
+    ]
+    if stale:
+        print(f"pcie_allreduce: reconfiguring {build_dir.name}: its cache names other tools ({', '.join(stale)})",
+              flush=True)
+        cache.unlink()
+
+
 class CMakeExtension(Extension):
     """An extension whose sources CMake finds by itself (csrc/)."""
 
@@ -242,6 +269,7 @@ class CMakeBuild(build_ext):
         base = ROOT / "build" if os.access(ROOT, os.W_OK) else Path(self.build_temp).resolve()
         build_dir = base / f"cmake-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
+        forget_stale_cache(build_dir, cmake, ninja)
 
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_dir),
@@ -256,6 +284,8 @@ class CMakeBuild(build_ext):
         ]
         if generator:
             configure += ["-G", generator]
+        if generator == "Ninja" and ninja:
+            configure.append(f"-DCMAKE_MAKE_PROGRAM={Path(ninja) / 'ninja'}")
         configure += shlex.split(os.environ.get("PCIE_AR_CMAKE_ARGS", ""))
         build = [cmake, "--build", str(build_dir), "--parallel", str(jobs)]
 
