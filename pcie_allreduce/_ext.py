@@ -7,7 +7,16 @@ at import time; callers ask :func:`load` or :func:`unavailable_reason`.
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
+
+
+# Oldest Linux driver branch that supports each CUDA runtime this package can be built with
+# (NVIDIA's CUDA Toolkit release notes, "CUDA Toolkit and Minimum Required Driver Version").
+_MIN_DRIVER_FOR_RUNTIME: tuple[tuple[int, str], ...] = ((13000, "580"), (12090, "575"), (12080, "570"))
+
+INSTALL_HINT = ("install on a Linux machine with an NVIDIA GPU and driver: `pip install -e .` from a checkout "
+                "(builds the extension with nvcc from CUDA 12.8 or newer)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -15,8 +24,7 @@ def _import() -> tuple[ModuleType | None, str | None]:
     try:
         from pcie_allreduce import _C  # type: ignore[attr-defined]
     except ImportError as exc:
-        return None, (f"the CUDA extension pcie_allreduce._C is not built or does not load ({exc}); "
-                      "build it with `pip install .` on a machine with nvcc (CUDA 12.8+)")
+        return None, (f"the CUDA extension pcie_allreduce._C is not built or does not load ({exc}); {INSTALL_HINT}")
     return _C, None
 
 
@@ -35,12 +43,43 @@ def require() -> ModuleType:
     return module
 
 
+def cuda_version_text(version: int) -> str:
+    """CUDA's integer version (12080) as text ("12.8")."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _min_driver(runtime: int) -> str:
+    return next((branch for floor, branch in _MIN_DRIVER_FOR_RUNTIME if runtime >= floor), "570")
+
+
 def unavailable_reason() -> str | None:
-    """Why the kernels cannot run in this process, or None when they can."""
+    """Why the kernels cannot run in this process, or None when they can.
+
+    One sentence that names the missing piece and what to install; the same text everywhere
+    (``pcie_allreduce.unavailable_reason()``, ``pcie-allreduce env``, the benchmark, test skips).
+    """
     module, reason = _import()
     if module is None:
         return reason
+    runtime = module.runtime_version()
+    needs = (f"this build uses the CUDA {cuda_version_text(runtime)} runtime, which needs NVIDIA driver "
+             f"{_min_driver(runtime)} or newer")
+    if module.driver_version() == 0:
+        return (f"no NVIDIA driver: libcuda.so.1 cannot be loaded in this process (no GPU here, or the driver is "
+                f"not installed); {needs}")
     status = module.runtime_status()
+    if "InsufficientDriver" in status:
+        return (f"the NVIDIA driver supports CUDA {cuda_version_text(module.driver_version())} only; {needs}: "
+                "update the driver, or rebuild with an older nvcc (12.8 or newer)")
     if status:
-        return f"no usable CUDA GPU: {status}"
+        if "NoDevice" in status or "no CUDA device" in status:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            return f"no CUDA GPU is visible to this process{where}"
+        return f"CUDA cannot start in this process: {status}"
+    import torch
+
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch "
+                "(https://pytorch.org/get-started/locally/)")
     return None

@@ -39,6 +39,8 @@ COMMANDS: tuple[Command, ...] = (
             "pcie_allreduce.bench.tune:add_arguments", "pcie_allreduce.bench.tune:run"),
     Command("plot", "draw the PNG of a saved bench / fused / verify / tune JSON (needs matplotlib)",
             "pcie_allreduce.bench.plot:add_arguments", "pcie_allreduce.bench.plot:run"),
+    Command("env", "print the build and runtime configuration: versions, compiled archs, CUDA, GPUs and peer access",
+            "pcie_allreduce.environment:add_arguments", "pcie_allreduce.environment:run"),
     Command("topo", "show which GPUs have CUDA peer access to which (PCI bus ids, NUMA nodes), and measure flag "
                     "round-trip latency and write bandwidth between the ranks",
             "pcie_allreduce.bench.topo:add_arguments", "pcie_allreduce.bench.topo:run"),

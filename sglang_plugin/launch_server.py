@@ -37,6 +37,9 @@ def prepare_environment(environ: "os._Environ[str] | dict[str, str]") -> setting
 def main(argv: Sequence[str] | None = None) -> None:
     """Run SGLang's launcher with the plugin enabled; ``argv`` are SGLang's arguments."""
     args = list(sys.argv[1:] if argv is None else argv)
+    missing = sglang_missing()
+    if missing:
+        sys.exit(f"sglang_plugin.launch_server: {missing}")
     try:
         settings = prepare_environment(os.environ)
     except settings_mod.SettingsError as exc:
@@ -49,6 +52,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                  "import hook is not installed; run `python -m sglang_plugin.import_hook install` once")
     sys.argv = ["sglang.launch_server", *args]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+def sglang_missing() -> str | None:
+    """Why SGLang's launcher cannot start here (SGLang not installed), or None."""
+    import importlib.util
+
+    from sglang_plugin import surface
+
+    if importlib.util.find_spec("sglang") is not None:
+        return None
+    tested = ", ".join(surface.SUPPORTED_SGLANG_VERSIONS)
+    return (f"SGLang is not installed in this Python ({sys.executable}); this plugin is tested with SGLang {tested}: "
+            f"pip install 'sglang=={surface.SUPPORTED_SGLANG_VERSIONS[-1]}'")
 
 
 def _attaches(settings: settings_mod.Settings) -> bool:

@@ -119,6 +119,21 @@ def test_launcher_turns_the_plugin_on_and_extends_the_allow_list() -> None:
         prepare_environment({"PCIE_AR_SGLANG_MODE": "x"})
 
 
+def test_launcher_without_sglang_names_the_version_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from sglang_plugin import launch_server
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        launch_server.main(["--help"])
+    message = str(exc.value)
+    assert "SGLang is not installed" in message
+    assert f"sglang=={surface.SUPPORTED_SGLANG_VERSIONS[-1]}" in message
+
+
 def test_package_import_is_light() -> None:
     code = "import sys, sglang_plugin, sglang_plugin.import_hook; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

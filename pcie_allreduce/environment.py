@@ -1,0 +1,168 @@
+"""``pcie-allreduce env``: the build and runtime configuration, as one report.
+
+What a bug report or a benchmark result needs to say about a machine: this package and how it was
+built (compiled archs, CUDA runtime), the driver, torch and triton, every visible GPU with its PCI
+bus id, NUMA node and CUDA peer access to the others, MPS, the ``PCIE_AR_*`` settings in force,
+and :func:`pcie_allreduce.unavailable_reason`. Works on a machine without GPU or without the
+built extension (it says so); nothing here raises for a missing piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SETTINGS_PREFIXES = ("PCIE_AR_", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_", "TRITON_INTERPRET")
+
+
+def _version_of(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _numa_node(pci_bus_id: str) -> int | None:
+    """The NUMA node Linux reports for a PCI device (None where unknown; -1 means one node)."""
+    path = Path("/sys/bus/pci/devices") / pci_bus_id.lower() / "numa_node"
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _nvidia_smi_driver() -> str | None:
+    """The driver version as ``nvidia-smi`` prints it (e.g. "580.65.06"), if it runs."""
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return None
+    try:
+        proc = subprocess.run([binary, "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def _gpus(ext: Any) -> list[dict[str, Any]]:
+    """Every visible GPU: index, name, compute capability, memory, PCI bus id, NUMA node."""
+    import torch
+
+    count = ext.device_count()
+    gpus = []
+    for index in range(count):
+        gpu: dict[str, Any] = {"index": index, "pci_bus_id": ext.pci_bus_id(index).lower()}
+        if torch.version.cuda is not None:
+            props = torch.cuda.get_device_properties(index)
+            gpu.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                       memory_gib=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count)
+        gpu["numa_node"] = _numa_node(gpu["pci_bus_id"])
+        gpus.append(gpu)
+    return gpus
+
+
+def _mps() -> dict[str, Any]:
+    from pcie_allreduce import mps
+
+    external = mps._external_mps_env()
+    return {"control_binary": shutil.which(mps.MPS_CONTROL_BINARY),
+            "daemon_running": external is not None,
+            "pipe_directory": (external or {}).get("CUDA_MPS_PIPE_DIRECTORY")}
+
+
+def collect() -> dict[str, Any]:
+    """The configuration as a JSON-able dict (keys: package, build, runtime, gpus, peer_access,
+    mps, settings, unavailable_reason)."""
+    import torch
+
+    import pcie_allreduce
+    from pcie_allreduce import _ext
+
+    ext = _ext.load()
+    report: dict[str, Any] = {
+        "package": {"version": pcie_allreduce.__version__, "location": str(Path(pcie_allreduce.__file__).parent)},
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": {"version": torch.__version__, "cuda": torch.version.cuda},
+        "triton": _version_of("triton"),
+        "sglang": _version_of("sglang"),
+        "build": {"extension": ext.__file__ if ext is not None else None},
+        "runtime": {"driver": _nvidia_smi_driver()},
+        "gpus": [],
+        "peer_access": [],
+        "mps": _mps(),
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTINGS_PREFIXES)},
+        "unavailable_reason": pcie_allreduce.unavailable_reason(),
+    }
+    if ext is None:
+        return report
+    report["build"].update(compiled_archs=[f"sm_{a // 10}" for a in ext.compiled_archs()],
+                           cuda_runtime=_ext.cuda_version_text(ext.runtime_version()))
+    driver_cuda = ext.driver_version()
+    report["runtime"]["driver_cuda"] = _ext.cuda_version_text(driver_cuda) if driver_cuda else None
+    if ext.device_count() > 0 and not ext.runtime_status():
+        gpus = report["gpus"] = _gpus(ext)
+        report["peer_access"] = [[bool(ext.can_access_peer(a["index"], b["index"])) for b in gpus] for a in gpus]
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as aligned text lines."""
+    build, runtime = report["build"], report["runtime"]
+    rows = [
+        ("pcie_allreduce", f"{report['package']['version']} ({report['package']['location']})"),
+        ("extension", build["extension"] or "not built"),
+        ("compiled archs", " ".join(build.get("compiled_archs", [])) or "-"),
+        ("CUDA runtime", build.get("cuda_runtime") or "-"),
+        ("driver", " / ".join(filter(None, [runtime.get("driver"),
+                                             runtime.get("driver_cuda") and f"CUDA {runtime['driver_cuda']}"]))
+         or "none found"),
+        ("torch", f"{report['torch']['version']} (CUDA {report['torch']['cuda'] or 'none: CPU build'})"),
+        ("triton", report["triton"] or "not installed"),
+        ("sglang", report["sglang"] or "not installed"),
+        ("python", f"{report['python']} on {report['platform']}"),
+        ("MPS", "daemon running at " + report["mps"]["pipe_directory"] if report["mps"]["daemon_running"]
+         else "no daemon running" + ("" if report["mps"]["control_binary"] else " (nvidia-cuda-mps-control not found)")),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    gpus = report["gpus"]
+    lines.append(f"{'GPUs':<{width}}  {len(gpus) or 'none visible'}")
+    for gpu in gpus:
+        numa = gpu["numa_node"]
+        lines.append(f"  {gpu['index']}: {gpu.get('name', '?')} (sm_{gpu.get('capability', '?').replace('.', '')}, "
+                     f"{gpu.get('memory_gib', '?')} GiB) at {gpu['pci_bus_id']}, NUMA node "
+                     f"{'?' if numa is None or numa < 0 else numa}")
+    if len(gpus) > 1:
+        lines.append("peer access (row: from GPU, column: to GPU; Y = cudaDeviceCanAccessPeer)")
+        lines.append("     " + " ".join(f"{g['index']:>2}" for g in gpus))
+        for i, row in enumerate(report["peer_access"]):
+            cells = (" -" if i == j else (" Y" if ok else " N") for j, ok in enumerate(row))
+            lines.append(f"  {gpus[i]['index']:>2} " + " ".join(cells))
+    if report["settings"]:
+        lines.append("settings: " + " ".join(f"{k}={v}" for k, v in report["settings"].items()))
+    reason = report["unavailable_reason"]
+    lines.append(f"{'status':<{width}}  " + ("ready: the kernels can run here" if reason is None
+                                          else f"cannot run here: {reason}"))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pcie-allreduce env``."""
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print the report; exit 0 whether or not the kernels can run here (the report says)."""
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
