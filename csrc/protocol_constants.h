@@ -42,8 +42,10 @@ struct Named {
   Id id;
   const char* name;
 };
-constexpr Named<Algo> kAlgoNames[] = {
-    {Algo::kOneShot, "oneshot"}, {Algo::kStaged, "staged"}, {Algo::kTwoShot, "twoshot"}, {Algo::kOneShotLL, "oneshot_ll"}};
+constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
+                                      {Algo::kStaged, "staged"},
+                                      {Algo::kTwoShot, "twoshot"},
+                                      {Algo::kOneShotLL, "oneshot_ll"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
