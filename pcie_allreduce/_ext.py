@@ -7,13 +7,17 @@ at import time; callers ask :func:`load` or :func:`unavailable_reason`.
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 
 @functools.lru_cache(maxsize=None)
 def _import() -> tuple[ModuleType | None, str | None]:
     try:
-        from pcie_allreduce import _C  # type: ignore[attr-defined]
+        # By full name: this first runs while the package itself is still importing (constants.py
+        # reads the exported values), where `from pcie_allreduce import _C` would report a missing
+        # build as a circular import.
+        _C = importlib.import_module("pcie_allreduce._C")
     except ImportError as exc:
         return None, (f"the CUDA extension pcie_allreduce._C is not built or does not load ({exc}); "
                       "build it with `pip install .` on a machine with nvcc (CUDA 12.8+)")
