@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "protocol_constants.h"
 #include "workspace.h"
 
 namespace py = pybind11;
@@ -74,19 +75,56 @@ void register_workspace(py::module_& m) {
       .def("close", &Workspace::close);
 }
 
+// {name: id} (or {id: name} with by_id) from one of protocol_constants.h's name tables.
+template <typename Id, size_t N>
+py::dict names_table(const pcie_ar::Named<Id> (&table)[N], bool by_id = false) {
+  py::dict out;
+  for (const auto& entry : table) {
+    const auto id = static_cast<int64_t>(entry.id);
+    if (by_id) {
+      out[py::int_(id)] = entry.name;
+    } else {
+      out[entry.name] = id;
+    }
+  }
+  return out;
+}
+
+// Every value Python mirrors in pcie_allreduce/constants.py, from its C++ name.
 void register_constants(py::module_& m) {
-  m.attr("MAX_RANKS") = 8;
-  m.attr("MAX_LAUNCH_BLOCKS") = 64;
-  m.attr("MAX_FLAG_BLOCKS") = 128;
-  m.attr("THREADS_PER_BLOCK") = 512;
-  m.attr("ALGO_IDS") = py::dict(py::arg("oneshot") = 0, py::arg("staged") = 1, py::arg("twoshot") = 2,
-                                 py::arg("oneshot_ll") = 3);
-  m.attr("DTYPE_IDS") = py::dict(py::arg("float32") = 0, py::arg("float16") = 1, py::arg("bfloat16") = 2);
-  m.attr("STAGE_NAMES") = py::dict(py::arg("1") = "one-shot gather", py::arg("2") = "reduce-scatter",
-                                   py::arg("3") = "all-gather", py::arg("4") = "fused gather",
-                                   py::arg("5") = "fused reduce-scatter", py::arg("6") = "fused all-gather",
-                                   py::arg("7") = "low-latency gather",
-                                   py::arg("8") = "fused row statistics");
+  m.attr("MIN_RANKS") = pcie_ar::kMinRanks;
+  m.attr("MAX_RANKS") = pcie_ar::kMaxRanks;
+  m.attr("MAX_LAUNCH_BLOCKS") = pcie_ar::kMaxLaunchBlocks;
+  m.attr("MAX_FLAG_BLOCKS") = pcie_ar::kMaxFlagBlocks;
+  m.attr("THREADS_PER_BLOCK") = pcie_ar::kThreadsPerBlock;
+  m.attr("FLAG_KINDS") = pcie_ar::kFlagKinds;
+  m.attr("ALIGN") = pcie_ar::kAlign;
+  m.attr("LOW_LATENCY_MAX_BYTES") = pcie_ar::kLowLatencyMaxBytes;
+  m.attr("ROW_STATS_SLOTS") = pcie_ar::kRowStatsSlots;
+  m.attr("LINE_PAYLOAD_BYTES") = pcie_ar::kLinePayloadBytes;
+  m.attr("LINE_BYTES") = pcie_ar::kLineBytes;
+  m.attr("LINE_FLAG_MIX") = pcie_ar::kLineFlagMix;
+  m.attr("EPOCH_WORDS") = pcie_ar::kEpochWords;
+  m.attr("ABORT_WORD") = pcie_ar::kAbortWord;
+  m.attr("CLAIM_WORD") = pcie_ar::kClaimWord;
+  m.attr("CONTROL_WORDS") = pcie_ar::kControlWords;
+  m.attr("ERROR_WORDS") = pcie_ar::kErrorRecordWords;
+  m.attr("ALGO_IDS") = names_table(pcie_ar::kAlgoNames);
+  m.attr("DTYPE_IDS") = names_table(pcie_ar::kDTypeNames);
+  m.attr("ERROR_KINDS") = names_table(pcie_ar::kErrorKindNames);
+  m.attr("STAGE_NAMES") = names_table(pcie_ar::kStageNames, /*by_id=*/true);
+  m.def(
+      "layout",
+      [](uint64_t max_bytes, int world) {
+        const auto l = pcie_ar::Layout::make(max_bytes, world);
+        return py::dict(py::arg("slot_bytes") = l.slot_bytes, py::arg("parity_bytes") = l.parity_bytes,
+                        py::arg("ll_capacity") = l.ll_capacity, py::arg("ll_slot_bytes") = l.ll_slot_bytes,
+                        py::arg("ll_offset") = l.ll_offset, py::arg("flags_offset") = l.flags_offset,
+                        py::arg("control_offset") = l.control_offset, py::arg("stats_offset") = l.stats_offset,
+                        py::arg("total_bytes") = l.total_bytes);
+      },
+      py::arg("max_bytes"), py::arg("world"),
+      "Byte offsets of Layout::make(max_bytes, world): the workspace layout every kernel uses.");
 }
 
 }  // namespace

@@ -7,8 +7,6 @@
 
 namespace pcie_ar {
 
-enum class Algo : int { kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3 };
-
 // 32-bit signature of a call's shape; peers must agree on it (protocol invariant 3).
 uint32_t call_signature(Algo algo, int dtype, uint64_t nbytes, int blocks);
 

@@ -8,11 +8,11 @@
 
 #include <cstdint>
 
+#include "protocol_constants.h"
+
 namespace pcie_ar {
 
-constexpr uint64_t kLinePayloadBytes = 8;
-constexpr uint64_t kLineBytes = 16;
-constexpr uint32_t kLineFlagMix = 0x9E3779B9u;  // odd: epochs e and e + 2 never share a flag
+// kLinePayloadBytes, kLineBytes and kLineFlagMix live in protocol_constants.h (Python mirrors them).
 
 // The flag of the call with this epoch and signature. Never 0 (a cleared line), and for a fixed
 // epoch it differs for different signatures, so a peer that issued another call is detected.

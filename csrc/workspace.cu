@@ -101,7 +101,9 @@ struct Workspace::State {
 
 Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s)
     : state_(std::make_unique<State>()), device_(device), rank_(rank), world_(world), max_bytes_(max_bytes) {
-  PCIE_AR_HOST_ASSERT(world >= 2 && world <= kMaxRanks, "world size must be in [2, 8], got " + std::to_string(world));
+  PCIE_AR_HOST_ASSERT(world >= kMinRanks && world <= kMaxRanks, "world size must be in [" + std::to_string(kMinRanks) +
+                                                                      ", " + std::to_string(kMaxRanks) + "], got " +
+                                                                      std::to_string(world));
   PCIE_AR_HOST_ASSERT(rank >= 0 && rank < world, "rank out of range");
   PCIE_AR_HOST_ASSERT(max_bytes > 0, "max_bytes must be positive");
   state_->timeout_ns = seconds_to_ns(timeout_s);

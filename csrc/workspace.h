@@ -12,7 +12,7 @@
 namespace pcie_ar {
 
 struct CallError {
-  uint32_t kind = 0;  // 0 none, 1 timeout, 2 mismatch
+  uint32_t kind = 0;  // an ErrorKind (protocol_constants.h); 0: none
   int rank = -1;
   int peer = -1;
   uint32_t stage = 0;

@@ -7,6 +7,7 @@ at import time; callers ask :func:`load` or :func:`unavailable_reason`.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from types import ModuleType
 
@@ -22,7 +23,10 @@ INSTALL_HINT = ("install on a Linux machine with an NVIDIA GPU and driver: `pip 
 @functools.lru_cache(maxsize=None)
 def _import() -> tuple[ModuleType | None, str | None]:
     try:
-        from pcie_allreduce import _C  # type: ignore[attr-defined]
+        # By full name: this first runs while the package itself is still importing (constants.py
+        # reads the exported values), where `from pcie_allreduce import _C` would report a missing
+        # build as a circular import.
+        _C = importlib.import_module("pcie_allreduce._C")
     except ImportError as exc:
         return None, (f"the CUDA extension pcie_allreduce._C is not built or does not load ({exc}); {INSTALL_HINT}")
     return _C, None

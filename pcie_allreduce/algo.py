@@ -1,4 +1,4 @@
-"""Algorithm choice: a pure function of (message bytes, world size, dtype).
+"""Algorithm tables: the data the plain choice of :mod:`pcie_allreduce.dispatch` reads.
 
 Every rank must launch the same algorithm with the same launch shape for the same call (the
 kernels' flags are per block), so the choice depends only on the call's shape and on a table
@@ -24,11 +24,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ALGORITHMS: tuple[str, ...] = ("oneshot", "staged", "twoshot", "oneshot_ll")
-ALGO_IDS: dict[str, int] = {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3}
+from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
+
+ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # Algorithms whose messages must fit the workspace's low-latency line slots (Layout.ll_capacity).
 CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll",)
-MAX_LAUNCH_BLOCKS = 64
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
 
 

@@ -1,4 +1,8 @@
-"""The object users hold: rendezvous, per-stream workspaces, validation and dispatch."""
+"""The object users hold: rendezvous, per-stream workspaces, caches of choices, errors.
+
+What a call launches is decided by :mod:`pcie_allreduce.dispatch` (pure functions); the
+communicator holds the state those choices read (agreed table, capacity, block cap) and caches
+their results per call shape."""
 
 from __future__ import annotations
 
@@ -10,15 +14,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, algo as algo_mod, ops, topology, validation
-from pcie_allreduce.layout import Layout, WorkspaceView
+from pcie_allreduce import _ext, algo as algo_mod, dispatch, ops, topology, validation
+from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES
+from pcie_allreduce.dispatch import DTYPE_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
+from pcie_allreduce.layout import Layout, WorkspaceView
+from pcie_allreduce.validation import common_call_nbytes
 
-DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-STAGE_NAMES: dict[int, str] = {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
-                               5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
-                               8: "fused row statistics"}
 DEFAULT_MAX_BYTES = 8 << 20
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
 
@@ -63,8 +65,9 @@ class Communicator:
         self._closed = False
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
-        if not 2 <= self.world_size <= 8:
-            raise ValueError(f"pcie_allreduce supports 2 to 8 ranks, the group has {self.world_size}")
+        if not MIN_RANKS <= self.world_size <= MAX_RANKS:
+            raise ValueError(f"pcie_allreduce supports {MIN_RANKS} to {MAX_RANKS} ranks, "
+                             f"the group has {self.world_size}")
         self.device: torch.device = _cuda_device(device)
         if not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
@@ -98,7 +101,8 @@ class Communicator:
         if problems:
             raise UnavailableError(problems[0] if len(problems) == 1 else "; ".join(dict.fromkeys(problems)))
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
-        self.block_cap: int = self._block_cap()
+        self.block_cap: int = dispatch.block_cap(topology.ranks_per_gpu(self.placements),
+                                                 torch.cuda.get_device_properties(self.device).multi_processor_count)
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         with torch.cuda.device(self.device):
             self._workspace_for(current_stream_handle(self.device))
@@ -113,7 +117,7 @@ class Communicator:
         """
         if self._closed:
             raise RuntimeError("Communicator is closed")
-        nbytes = self._common_call_nbytes(x, out)
+        nbytes = common_call_nbytes(x, out, self.device, self.max_bytes)
         if nbytes < 0:  # anything else: the full checks raise the precise error, or accept the call
             self._validate_tensors(x, out)
             nbytes = x.numel() * x.element_size()
@@ -181,20 +185,15 @@ class Communicator:
         two-shot (token split) where it picks two-shot and there is at least one token per rank;
         the low-latency one-shot where it picks ``oneshot_ll`` and that kernel can take the shape;
         else the flag-based one-shot."""
-        from pcie_allreduce import fused_oneshot_ll, fused_rmsnorm
+        from pcie_allreduce.triton_protocol import interpreting
 
-        nbytes = tokens * hidden * torch.empty((), dtype=dtype).element_size()
-        plain = self.table.select(nbytes, self.world_size, DTYPE_NAMES[dtype], self.ll_capacity).algo
-        if plain == "twoshot" and tokens >= self.world_size:
-            return "twoshot"
-        if plain == "oneshot_ll" and fused_oneshot_ll.launch_shape(
-                tokens, hidden, self.world_size, self.block_cap, fused_rmsnorm.interpreting()) is not None:
-            return "oneshot_ll"
-        return "oneshot"
+        return dispatch.fused_algo(tokens, hidden, dtype, self.world_size, self.table, ll_capacity=self.ll_capacity,
+                                   block_cap=self.block_cap, interpret=interpreting())
 
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
         """The algorithm ``algo="auto"`` uses for a message of ``nbytes`` bytes of ``dtype``."""
-        return self.table.select(nbytes, self.world_size, DTYPE_NAMES.get(dtype, str(dtype)), self.ll_capacity).algo
+        return dispatch.plain_choice(nbytes, self.world_size, dtype, self.table, ll_capacity=self.ll_capacity,
+                                     block_cap=self.block_cap).algo
 
     def check(self) -> None:
         """Raise the CollectiveTimeout / CollectiveMismatch a kernel recorded, if any (no GPU sync)."""
@@ -250,42 +249,12 @@ class Communicator:
         validation.validate_tensor(x, name="input", device=self.device, max_bytes=self.max_bytes)
         validation.validate_out(x, out)  # type: ignore[arg-type]
 
-    def _common_call_nbytes(self, x: object, out: object) -> int:
-        """``x``'s size in bytes when (x, out) is the common, valid call, else -1.
-
-        The same conditions as :meth:`_validate_tensors` with the cheapest reads torch has (the
-        validation functions were half of an eager call's Python time): a plain tensor of one of
-        our dtypes on our device, contiguous, within max_bytes; ``out`` None, ``x``, or a matching
-        contiguous tensor that does not partly overlap it. Stricter only where that is cheaper
-        (subclasses go the long way), so -1 never means the call is invalid."""
-        if (type(x) is not torch.Tensor or x.dtype not in DTYPE_IDS or x.device != self.device
-                or not x.is_contiguous()):
-            return -1
-        nbytes = x.nbytes
-        if nbytes > self.max_bytes:
-            return -1
-        if out is None or out is x:
-            return nbytes
-        if (type(out) is not torch.Tensor or out.dtype is not x.dtype or out.shape != x.shape
-                or out.device != self.device or not out.is_contiguous()):
-            return -1
-        a, b = x.data_ptr(), out.data_ptr()
-        return -1 if a != b and a < b + nbytes and b < a + nbytes else nbytes
-
     def _choice(self, nbytes: int, dtype: torch.dtype, algo: str) -> tuple[int, int]:
         key = (nbytes, dtype, algo)
         hit = self._choices.get(key)
         if hit is None:
-            dtype_name = DTYPE_NAMES[dtype]
-            if algo == "auto":
-                choice = self.table.select(nbytes, self.world_size, dtype_name, self.ll_capacity)
-                hit = (algo_mod.ALGO_IDS[choice.algo], choice.blocks)
-            else:
-                if not algo_mod.fits_capacity(algo, nbytes, self.ll_capacity):
-                    raise ValueError(f"algo={algo!r} takes messages up to {self.ll_capacity} bytes (the low-latency "
-                                     f"line slots of this communicator), got {nbytes}; use 'auto' or another algorithm")
-                hit = (algo_mod.ALGO_IDS[algo], self.table.blocks_for(algo, nbytes, self.world_size, dtype_name))
-            hit = (hit[0], min(hit[1], self.block_cap))
+            hit = dispatch.plain_launch(nbytes, self.world_size, dtype, self.table, ll_capacity=self.ll_capacity,
+                                        block_cap=self.block_cap, algo=algo)
             if len(self._choices) < 4096:  # bounded: shapes in serving are few
                 self._choices[key] = hit
         return hit
@@ -316,20 +285,6 @@ class Communicator:
             self.table_source = f"tune cache {path}"
         except ValueError as exc:
             warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
-
-    def _block_cap(self) -> int:
-        """Most blocks (CUDA) or programs (Triton) one call may launch.
-
-        Every block spins on the same-numbered block of every peer, so all ranks' blocks of a call
-        must be able to run at once. On distinct GPUs that always holds. When ranks share a GPU
-        (tests under MPS) their blocks compete for its SMs: cap each rank at SMs / ranks-per-GPU,
-        since one block per SM always fits. Derived from the agreed placements: same on all ranks.
-        """
-        per_gpu = max(sum(p.pci_bus_id == q.pci_bus_id for q in self.placements) for p in self.placements)
-        if per_gpu <= 1:
-            return algo_mod.MAX_LAUNCH_BLOCKS
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, min(algo_mod.MAX_LAUNCH_BLOCKS, sms // per_gpu))
 
     def _workspace_for(self, stream: int) -> Any:
         """Create (collectively) the workspace for a stream this rank has not used before."""
@@ -368,7 +323,7 @@ class Communicator:
         err = workspace.error()
         stage = STAGE_NAMES.get(err.stage, f"stage {err.stage}")
         where = dict(rank=err.rank, peer=err.peer, stage=stage, epoch=err.epoch, block=err.block)
-        if err.kind == 2:
+        if err.kind == ERROR_MISMATCH:
             return CollectiveMismatch(
                 f"rank {err.rank} got a different collective from rank {err.peer} as call #{err.epoch} "
                 f"({stage}, block {err.block}; signature {err.observed_signature:#010x} vs ours "

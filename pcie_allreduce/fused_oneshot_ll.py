@@ -37,14 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-from pcie_allreduce.layout import MAX_RANKS, ROW_STATS_SLOTS, WorkspaceView
+from pcie_allreduce import constants
+from pcie_allreduce.constants import MAX_RANKS, ROW_STATS_SLOTS
+from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.triton_protocol import (begin_call, end_call, keep_spinning, line_flag, load_volatile_u64, now_ns,
                                             pause_ns, pick_base, record_error, round_to, spin_verdict,
                                             store_volatile_u64)
 
-STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(7)
-STAGE_ROW_STATS: tl.constexpr = tl.constexpr(8)
-MAX_PROGRAMS = 64   # the CUDA kernels' kMaxLaunchBlocks
+STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
+STAGE_ROW_STATS: tl.constexpr = tl.constexpr(constants.STAGE_FUSED_ROW_STATS)
+MAX_PROGRAMS = constants.MAX_LAUNCH_BLOCKS  # the CUDA kernels' cap
 MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
 MIN_CHUNK = 512     # below this, more programs only add statistics traffic
 PUSH_WORDS = 1024   # words per push step

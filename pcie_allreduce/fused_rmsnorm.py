@@ -34,14 +34,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pcie_allreduce import fused_oneshot_ll
-from pcie_allreduce.layout import MAX_FLAG_BLOCKS, MAX_RANKS, WorkspaceView
+from pcie_allreduce import constants, fused_oneshot_ll
+from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
+from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.triton_protocol import (begin_call, end_call, flag_addr, interpreting, pick_base, round_to,
                                             store_release, wait_peer)
 
 FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll")
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
-STAGE_FUSED_GATHER, STAGE_FUSED_REDUCE_SCATTER, STAGE_FUSED_ALL_GATHER = 4, 5, 6
+STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
+STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
+STAGE_FUSED_ALL_GATHER = constants.STAGE_FUSED_ALL_GATHER
 
 
 @triton.jit

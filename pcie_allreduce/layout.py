@@ -1,9 +1,9 @@
 """The workspace memory layout, as the Triton kernels see it.
 
-Mirrors ``Layout::make`` in csrc/protocol.cuh (a CPU test checks the two agree when the
-extension is built). A :class:`WorkspaceView` is everything a fused kernel needs to follow the
-CUDA kernels' protocol on the same memory: every rank's base address as mapped here, the
-offsets, and the host-mapped error record.
+Mirrors ``Layout::make`` in csrc/protocol_constants.h (tests/test_constants.py checks the two agree,
+through ``_C.layout``, when the extension is built). A :class:`WorkspaceView` is everything a fused
+kernel needs to follow the CUDA kernels' protocol on the same memory: every rank's base address as
+mapped here, the offsets, and the host-mapped error record.
 """
 
 from __future__ import annotations
@@ -11,18 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-MAX_RANKS = 8
-MAX_FLAG_BLOCKS = 128
-FLAG_KINDS = 2
-ALIGN = 256
-LOW_LATENCY_MAX_BYTES = 512 * 1024  # kLowLatencyMaxBytes: payload cap of the line slots
-ROW_STATS_SLOTS = 1024  # kRowStatsSlots: uint64 words for the fused one-shot's per-row statistics
-# Control words (uint32): one epoch copy per flag block, then abort, then error_claim.
-EPOCH_WORDS = MAX_FLAG_BLOCKS
-ABORT_WORD = MAX_FLAG_BLOCKS
-CLAIM_WORD = MAX_FLAG_BLOCKS + 1
-CONTROL_WORDS = MAX_FLAG_BLOCKS + 2
-ERROR_WORDS = 8    # kind, rank, peer, stage, block, epoch, expected_signature, observed_signature
+from pcie_allreduce.constants import (ALIGN, CONTROL_WORDS, FLAG_KINDS, LINE_BYTES, LINE_PAYLOAD_BYTES,
+                                      LOW_LATENCY_MAX_BYTES, MAX_FLAG_BLOCKS, MAX_RANKS, ROW_STATS_SLOTS)
+# The word indices of the control and error records, next to the offsets they index from (the
+# interpreter tests' fake workspace reads them here); defined in pcie_allreduce.constants.
+from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, ERROR_WORDS  # noqa: F401
+
+_U64, _U32 = 8, 4  # bytes of the flag / statistics words and of the control words
 
 
 def _round_up(x: int, a: int) -> int:
@@ -49,12 +44,13 @@ class Layout:
         slot = _round_up(max(max_bytes, 1), ALIGN)
         parity = slot * world
         ll_capacity = min(slot, LOW_LATENCY_MAX_BYTES)
+        ll_slot = ll_capacity // LINE_PAYLOAD_BYTES * LINE_BYTES
         ll_offset = 2 * parity
-        flags = ll_offset + 2 * 2 * ll_capacity * world
-        control = flags + _round_up(8 * FLAG_KINDS * MAX_RANKS * MAX_FLAG_BLOCKS, ALIGN)
-        stats = control + _round_up(4 * CONTROL_WORDS, ALIGN)
-        return cls(slot, parity, ll_capacity, 2 * ll_capacity, ll_offset, flags, control, stats,
-                   stats + _round_up(8 * ROW_STATS_SLOTS, ALIGN))
+        flags = ll_offset + 2 * ll_slot * world
+        control = flags + _round_up(_U64 * FLAG_KINDS * MAX_RANKS * MAX_FLAG_BLOCKS, ALIGN)
+        stats = control + _round_up(_U32 * CONTROL_WORDS, ALIGN)
+        return cls(slot, parity, ll_capacity, ll_slot, ll_offset, flags, control, stats,
+                   stats + _round_up(_U64 * ROW_STATS_SLOTS, ALIGN))
 
     @classmethod
     def of_workspace(cls, workspace: Any) -> "Layout":

@@ -48,5 +48,12 @@ def peer_access_problem(ext: ModuleType, me: RankPlacement, device_index: int,
 
 def shares_gpu(placements: list[RankPlacement]) -> bool:
     """True when two or more ranks run on the same GPU (test emulation under MPS)."""
-    ids = [p.pci_bus_id for p in placements]
-    return len(set(ids)) < len(ids)
+    return ranks_per_gpu(placements) > 1
+
+
+def ranks_per_gpu(placements: list[RankPlacement]) -> int:
+    """The most ranks that run on any one GPU (1 when every rank has its own)."""
+    per_gpu: dict[str, int] = {}
+    for p in placements:
+        per_gpu[p.pci_bus_id] = per_gpu.get(p.pci_bus_id, 0) + 1
+    return max(per_gpu.values(), default=1)

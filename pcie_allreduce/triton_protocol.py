@@ -19,13 +19,12 @@ import os
 import triton
 import triton.language as tl
 
-from pcie_allreduce import layout as _layout
+from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, LINE_FLAG_MIX
 
 INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
-LINE_FLAG_MIX = 0x9E3779B9  # kLineFlagMix in csrc/ll_line.cuh
-_EPOCH_WORDS: tl.constexpr = tl.constexpr(_layout.EPOCH_WORDS)
-_ABORT: tl.constexpr = tl.constexpr(_layout.ABORT_WORD)
-_CLAIM: tl.constexpr = tl.constexpr(_layout.CLAIM_WORD)
+_EPOCH_WORDS: tl.constexpr = tl.constexpr(EPOCH_WORDS)
+_ABORT: tl.constexpr = tl.constexpr(ABORT_WORD)
+_CLAIM: tl.constexpr = tl.constexpr(CLAIM_WORD)
 _MIX: tl.constexpr = tl.constexpr(LINE_FLAG_MIX)
 _SPIN_LIMIT: tl.constexpr = tl.constexpr(INTERPRETER_SPIN_LIMIT)
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from pcie_allreduce.algo import ALGO_IDS, ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS
+from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+#: The dtypes the kernels take (those with a kernel dtype id), in id order.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name)
+                                                  for name in sorted(DTYPE_IDS, key=DTYPE_IDS.__getitem__))
+_SUPPORTED_DTYPE_SET: frozenset[torch.dtype] = frozenset(SUPPORTED_DTYPES)
 
 
 def validate_tensor(x: object, *, name: str, device: torch.device, max_bytes: int,
@@ -46,6 +50,30 @@ def validate_out(x: torch.Tensor, out: object, *, name: str = "out") -> None:
     a, b = x.data_ptr(), out.data_ptr()
     if a != b and a < b + nbytes and b < a + nbytes:
         raise ValueError(f"{name} partially overlaps the input; pass {name}=x for in place or a separate tensor")
+
+
+def common_call_nbytes(x: object, out: object, device: torch.device, max_bytes: int) -> int:
+    """``x``'s size in bytes when (x, out) is the common, valid all-reduce call, else -1.
+
+    The same conditions as :func:`validate_tensor` + :func:`validate_out` with the cheapest reads
+    torch has (those functions were half of an eager call's Python time): a plain tensor of a
+    supported dtype on ``device``, contiguous, within ``max_bytes``; ``out`` None, ``x``, or a
+    matching contiguous tensor that does not partly overlap it. Stricter only where that is
+    cheaper (subclasses go the long way), so -1 never means the call is invalid: the caller then
+    runs the full checks, which raise the precise error or accept the call."""
+    if (type(x) is not torch.Tensor or x.dtype not in _SUPPORTED_DTYPE_SET or x.device != device
+            or not x.is_contiguous()):
+        return -1
+    nbytes = x.nbytes
+    if nbytes > max_bytes:
+        return -1
+    if out is None or out is x:
+        return nbytes
+    if (type(out) is not torch.Tensor or out.dtype is not x.dtype or out.shape != x.shape
+            or out.device != device or not out.is_contiguous()):
+        return -1
+    a, b = x.data_ptr(), out.data_ptr()
+    return -1 if a != b and a < b + nbytes and b < a + nbytes else nbytes
 
 
 def validate_algo(algo: object) -> str:

@@ -19,11 +19,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from pcie_allreduce import validation
 from sglang_plugin.settings import Settings
 
-DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
-FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-MAX_FUSED_HIDDEN = 16384  # pcie_allreduce.validation.MAX_RMSNORM_HIDDEN
+# What the communicator accepts, so the adapter declines the rest up front.
+DTYPES: tuple[torch.dtype, ...] = validation.SUPPORTED_DTYPES
+FUSED_DTYPES: tuple[torch.dtype, ...] = validation.RMSNORM_DTYPES
+MAX_FUSED_HIDDEN: int = validation.MAX_RMSNORM_HIDDEN
 
 CommunicatorFactory = Callable[..., Any]
 

@@ -16,12 +16,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
 from sglang_plugin.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 SERVED_GROUPS: tuple[str, ...] = ("tp",)
-MIN_WORLD, MAX_WORLD = 2, 8
+MIN_WORLD, MAX_WORLD = MIN_RANKS, MAX_RANKS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -232,24 +232,3 @@ def _compiled(ctx: testing.RankContext) -> dict:
 
 def test_torch_library_op_under_torch_compile() -> None:
     testing.run_ranks(_compiled, 2, timeout_s=300)
-
-
-def _layout_pairs(ctx: testing.RankContext) -> list:
-    from pcie_allreduce import _ext, layout
-
-    ext = _ext.require()
-    pairs = []
-    for world, max_bytes in ((2, 1), (3, 12345), (8, MAX_BYTES)):
-        ws = ext.Workspace(ctx.device.index, 0, world, max_bytes, 1.0)
-        want = layout.Layout.make(max_bytes, world)
-        pairs.append((layout.Layout.of_workspace(ws), want))
-        ws.close()
-    return pairs
-
-
-def test_layout_mirror_matches_extension() -> None:
-    """pcie_allreduce.layout (what the Triton kernels use) must match Layout::make in C++.
-
-    Runs in a spawned rank: the test process itself must not create a CUDA context (MPS)."""
-    for got, want in testing.run_ranks(_layout_pairs, 1, timeout_s=120)[0]:
-        assert got == want

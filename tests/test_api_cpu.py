@@ -48,23 +48,6 @@ def test_extension_reports_no_device_without_driver() -> None:
     assert module.driver_version() == 0 or module.runtime_status()
 
 
-def test_python_mirrors_match_the_extension_constants() -> None:
-    """The ids and names Python keeps (it must import without the extension) are the C++ ones:
-    a stage or algorithm added on one side only would mislabel errors or launch the wrong kernel."""
-    from pcie_allreduce import _ext, algo as algo_mod, communicator, fused_oneshot_ll, layout
-
-    module = _ext.load()
-    if module is None:
-        pytest.skip(f"extension not built: {_ext.unavailable_reason()}")
-    assert communicator.STAGE_NAMES == {int(k): v for k, v in module.STAGE_NAMES.items()}
-    assert communicator.STAGE_NAMES[fused_oneshot_ll.STAGE_LOW_LATENCY_GATHER.value] == "low-latency gather"
-    assert communicator.STAGE_NAMES[fused_oneshot_ll.STAGE_ROW_STATS.value] == "fused row statistics"
-    assert algo_mod.ALGO_IDS == dict(module.ALGO_IDS)
-    assert {str(d).removeprefix("torch."): i for d, i in communicator.DTYPE_IDS.items()} == dict(module.DTYPE_IDS)
-    assert (layout.MAX_RANKS, layout.MAX_FLAG_BLOCKS, algo_mod.MAX_LAUNCH_BLOCKS) == (
-        module.MAX_RANKS, module.MAX_FLAG_BLOCKS, module.MAX_LAUNCH_BLOCKS)
-
-
 # ---- validation --------------------------------------------------------------------------
 
 
@@ -193,13 +176,14 @@ _FAST_CHECK_CASES = {  # name: (x, out); "x" stands for out=x
 
 @pytest.mark.parametrize("case", list(_FAST_CHECK_CASES))
 def test_all_reduce_accepts_and_rejects_exactly_as_the_validation_functions(case, monkeypatch) -> None:
-    """The fast check inside ``all_reduce`` must not change what is accepted, the error raised, or
-    the arguments of the launch."""
-    from pcie_allreduce.communicator import DTYPE_IDS
+    """The fast check ``all_reduce`` runs first (validation.common_call_nbytes) must not change what
+    is accepted, the error raised, or the arguments of the launch."""
+    from pcie_allreduce.dispatch import DTYPE_IDS
 
     comm, workspace = _cpu_communicator(monkeypatch)
     x, out = _FAST_CHECK_CASES[case]
     out = x if isinstance(out, str) else out
+    fast = validation.common_call_nbytes(x, out, comm.device, comm.max_bytes)
     try:
         validation.validate_tensor(x, name="input", device=comm.device, max_bytes=comm.max_bytes)
         validation.validate_out(x, out)
@@ -208,10 +192,12 @@ def test_all_reduce_accepts_and_rejects_exactly_as_the_validation_functions(case
             comm.all_reduce(x, out=out)
         assert str(raised.value) == str(expected)
         assert workspace.calls == []
+        assert fast == -1
         return
     result = comm.all_reduce(x, out=out)
     assert result is out or out is None
     nbytes = x.numel() * x.element_size()
+    assert fast in (-1, nbytes)  # -1: the long checks decide (they accepted the call)
     if nbytes == 0:
         assert workspace.calls == []
         return
@@ -222,6 +208,25 @@ def test_all_reduce_accepts_and_rejects_exactly_as_the_validation_functions(case
     comm._closed = True
     with pytest.raises(RuntimeError, match="closed"):
         comm.all_reduce(x, out=out)
+
+
+def test_communicator_choices_are_the_dispatch_choices(monkeypatch) -> None:
+    """select_algo, select_fused_algo and the cached launch choice are thin over pcie_allreduce.dispatch."""
+    from pcie_allreduce import dispatch
+    from pcie_allreduce.triton_protocol import interpreting
+
+    comm, _ = _cpu_communicator(monkeypatch)
+    comm.block_cap = 8
+    agreed = dict(ll_capacity=comm.ll_capacity, block_cap=comm.block_cap)
+    for nbytes in (2, 4 << 10, 64 << 10, 1 << 20):
+        assert comm.select_algo(nbytes, torch.bfloat16) == dispatch.plain_choice(
+            nbytes, comm.world_size, torch.bfloat16, comm.table, **agreed).algo
+        assert comm._choice(nbytes, torch.float16, "auto") == dispatch.plain_launch(
+            nbytes, comm.world_size, torch.float16, comm.table, **agreed)
+        assert comm._choice(nbytes, torch.float16, "auto")[1] <= 8
+    for tokens, hidden in ((1, 2048), (2, 4096), (16, 8192)):
+        assert comm.select_fused_algo(tokens, hidden, torch.bfloat16) == dispatch.fused_algo(
+            tokens, hidden, torch.bfloat16, comm.world_size, comm.table, **agreed, interpret=interpreting())
 
 
 def test_default_table_is_total_and_pure() -> None:

@@ -1,0 +1,126 @@
+// The numbers and names of the protocol (protocol.cuh) that the binding exports to Python: sizes,
+// ids of algorithms, dtypes, stages and error kinds, the local control words, and the workspace
+// layout. Plain C++ (no CUDA headers), so the host-compiled binding includes it and exports every
+// value from its C++ name; pcie_allreduce/constants.py mirrors them for imports without the
+// extension, and a CPU test checks the mirror.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define PCIE_AR_HOST_DEVICE __host__ __device__
+#else
+#define PCIE_AR_HOST_DEVICE
+#endif
+
+namespace pcie_ar {
+
+constexpr int kMinRanks = 2;
+constexpr int kMaxRanks = 8;
+constexpr int kMaxFlagBlocks = 128;  // flag slots per (kind, sender); CUDA kernels use <= kMaxLaunchBlocks
+constexpr int kMaxLaunchBlocks = 64;
+constexpr int kThreadsPerBlock = 512;
+constexpr int kFlagKinds = 2;        // 0: first exchange (one-shot push, two-shot reduce-scatter), 1: all-gather
+constexpr uint64_t kAlign = 256;
+// The low-latency line (ll_line.cuh): 8 bytes of payload travel as one 16-byte line whose flag is
+// signature ^ (epoch * kLineFlagMix). Odd: epochs e and e + 2 never share a flag.
+constexpr uint64_t kLinePayloadBytes = 8;
+constexpr uint64_t kLineBytes = 16;
+constexpr uint32_t kLineFlagMix = 0x9E3779B9u;
+
+enum class Algo : int { kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3 };
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
+                              kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
+                              kFusedRowStats = 8 };
+enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
+
+// The names Python knows each id by (algorithm table, dtype names, error messages, error kinds).
+template <typename Id>
+struct Named {
+  Id id;
+  const char* name;
+};
+constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
+                                      {Algo::kStaged, "staged"},
+                                      {Algo::kTwoShot, "twoshot"},
+                                      {Algo::kOneShotLL, "oneshot_ll"}};
+constexpr Named<DType> kDTypeNames[] = {
+    {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
+constexpr Named<Stage> kStageNames[] = {
+    {Stage::kOneShotGather, "one-shot gather"},     {Stage::kReduceScatter, "reduce-scatter"},
+    {Stage::kAllGather, "all-gather"},              {Stage::kFusedGather, "fused gather"},
+    {Stage::kFusedReduceScatter, "fused reduce-scatter"}, {Stage::kFusedAllGather, "fused all-gather"},
+    {Stage::kLowLatencyGather, "low-latency gather"}, {Stage::kFusedRowStats, "fused row statistics"}};
+constexpr Named<ErrorKind> kErrorKindNames[] = {{ErrorKind::kTimeout, "timeout"}, {ErrorKind::kMismatch, "mismatch"}};
+
+// Lives in pinned, host-mapped memory: the host reads it with no CUDA call.
+struct ErrorRecord {
+  uint32_t kind;
+  int32_t rank;
+  int32_t peer;
+  uint32_t stage;
+  int32_t block;
+  uint32_t epoch;
+  uint32_t expected_signature;
+  uint32_t observed_signature;
+};
+
+// Local-only state at the end of each rank's workspace (peers never touch it).
+// The epoch (calls completed) is kept once per block slot, all copies equal between calls: block b
+// of a call reads epochs[b] and, when done, writes every slot i with i % gridDim.x == b. No block
+// reads a slot another block of the same call writes, so advancing needs no atomics, no fence and
+// no "last block" detection, whatever the grid size of the previous or next call.
+struct Control {
+  uint32_t epochs[kMaxFlagBlocks];
+  uint32_t abort;        // set once any wait failed; every later call skips its work
+  uint32_t error_claim;  // first failing thread wins the right to fill the ErrorRecord
+};
+
+// The same records as arrays of 32-bit words (how the Triton kernels address them).
+constexpr uint64_t kEpochWords = kMaxFlagBlocks;
+constexpr uint64_t kAbortWord = offsetof(Control, abort) / sizeof(uint32_t);
+constexpr uint64_t kClaimWord = offsetof(Control, error_claim) / sizeof(uint32_t);
+constexpr uint64_t kControlWords = sizeof(Control) / sizeof(uint32_t);
+constexpr uint64_t kErrorRecordWords = sizeof(ErrorRecord) / sizeof(uint32_t);
+
+// Byte offsets inside one rank's workspace allocation. Identical on every rank (checked at rendezvous).
+//   [2 parities x W data slots][2 parities x W low-latency line slots][flags][control][row stats]
+// The line slots hold the data-as-flag exchange of oneshot_ll.cuh: kLineBytes of line per
+// kLinePayloadBytes of payload, for messages up to ll_capacity bytes (a fixed cap: the format
+// doubles the traffic, so it only pays for small messages).
+constexpr uint64_t kLowLatencyMaxBytes = 512 * 1024;
+// Local-only words the fused Triton one-shot uses to share per-chunk RMSNorm statistics among
+// the programs of one row (fused_rmsnorm.py); zero when not in flight, like the lines.
+constexpr uint64_t kRowStatsSlots = 1024;
+
+struct Layout {
+  uint64_t slot_bytes;     // one sender's data slot: max_bytes rounded up
+  uint64_t parity_bytes;   // world * slot_bytes
+  uint64_t ll_capacity;    // largest payload the line slots carry
+  uint64_t ll_slot_bytes;  // one sender's line slot: ll_capacity bytes of payload as lines
+  uint64_t ll_offset;      // after 2 parities of data; each parity is world * ll_slot_bytes
+  uint64_t flags_offset;   // after 2 parities of lines
+  uint64_t control_offset;
+  uint64_t stats_offset;
+  uint64_t total_bytes;
+
+  PCIE_AR_HOST_DEVICE static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+  static Layout make(uint64_t max_bytes, int world) {
+    Layout l{};
+    l.slot_bytes = round_up(max_bytes > 0 ? max_bytes : 1, kAlign);
+    l.parity_bytes = l.slot_bytes * static_cast<uint64_t>(world);
+    l.ll_capacity = l.slot_bytes < kLowLatencyMaxBytes ? l.slot_bytes : kLowLatencyMaxBytes;
+    l.ll_slot_bytes = l.ll_capacity / kLinePayloadBytes * kLineBytes;  // ll_capacity is a multiple of kAlign
+    l.ll_offset = 2 * l.parity_bytes;
+    l.flags_offset = l.ll_offset + 2 * l.ll_slot_bytes * static_cast<uint64_t>(world);
+    l.control_offset = l.flags_offset + round_up(sizeof(uint64_t) * kFlagKinds * kMaxRanks * kMaxFlagBlocks, kAlign);
+    l.stats_offset = l.control_offset + round_up(sizeof(Control), kAlign);
+    l.total_bytes = l.stats_offset + round_up(sizeof(uint64_t) * kRowStatsSlots, kAlign);
+    return l;
+  }
+};
+
+}  // namespace pcie_ar

@@ -1,0 +1,100 @@
+"""The numbers and names shared with the CUDA kernels, in one place for Python.
+
+C++ holds the definitions (csrc/protocol_constants.h) and the binding exports each one under the
+name used here. :data:`MIRROR` repeats them in pure Python so ``import pcie_allreduce`` works
+without the extension (CPU machines, docs builds); when ``pcie_allreduce._C`` loads, its values
+are the ones used. tests/test_constants.py checks that the mirror equals the extension, so a
+constant changed on one side only fails CI instead of mislabelling an error or launching the
+wrong kernel. Every Python user (layout, dispatch, validation, the Triton kernels) imports from
+here; nothing else types these numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pcie_allreduce import _ext
+
+#: The values of csrc/protocol_constants.h, by the name ``pcie_allreduce._C`` exports them under.
+MIRROR: dict[str, Any] = {
+    "MIN_RANKS": 2,
+    "MAX_RANKS": 8,
+    "MAX_LAUNCH_BLOCKS": 64,   # CUDA blocks (or Triton programs) of one call
+    "MAX_FLAG_BLOCKS": 128,    # flag slots per (kind, sender)
+    "THREADS_PER_BLOCK": 512,
+    "FLAG_KINDS": 2,           # 0: first exchange, 1: all-gather
+    "ALIGN": 256,              # workspace regions start on this many bytes
+    "LOW_LATENCY_MAX_BYTES": 512 * 1024,  # payload cap of the low-latency line slots
+    "ROW_STATS_SLOTS": 1024,   # uint64 words for the fused one-shot's per-row statistics
+    "LINE_PAYLOAD_BYTES": 8,   # a low-latency line carries this much payload ...
+    "LINE_BYTES": 16,          # ... in this many bytes
+    "LINE_FLAG_MIX": 0x9E3779B9,  # line flag = signature ^ (epoch * LINE_FLAG_MIX), never 0
+    # Control words (uint32): one epoch copy per flag block, then abort, then error_claim.
+    "EPOCH_WORDS": 128,
+    "ABORT_WORD": 128,
+    "CLAIM_WORD": 129,
+    "CONTROL_WORDS": 130,
+    "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
+    "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3},
+    "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
+    "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
+    "STAGE_NAMES": {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
+                    5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
+                    8: "fused row statistics"},
+}
+
+
+def exported(module: Any) -> dict[str, Any]:
+    """The values ``module`` (the extension) exports for the names of :data:`MIRROR`, as plain
+    ints and dicts; a name it lacks (an older build) keeps the mirror's value."""
+    return {name: _plain(getattr(module, name, value)) for name, value in MIRROR.items()}
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value
+
+
+def _values() -> dict[str, Any]:
+    module = _ext.load()
+    return dict(MIRROR) if module is None else exported(module)
+
+
+_VALUES = _values()
+
+MIN_RANKS: int = _VALUES["MIN_RANKS"]
+MAX_RANKS: int = _VALUES["MAX_RANKS"]
+MAX_LAUNCH_BLOCKS: int = _VALUES["MAX_LAUNCH_BLOCKS"]
+MAX_FLAG_BLOCKS: int = _VALUES["MAX_FLAG_BLOCKS"]
+THREADS_PER_BLOCK: int = _VALUES["THREADS_PER_BLOCK"]
+FLAG_KINDS: int = _VALUES["FLAG_KINDS"]
+ALIGN: int = _VALUES["ALIGN"]
+LOW_LATENCY_MAX_BYTES: int = _VALUES["LOW_LATENCY_MAX_BYTES"]
+ROW_STATS_SLOTS: int = _VALUES["ROW_STATS_SLOTS"]
+LINE_PAYLOAD_BYTES: int = _VALUES["LINE_PAYLOAD_BYTES"]
+LINE_BYTES: int = _VALUES["LINE_BYTES"]
+LINE_FLAG_MIX: int = _VALUES["LINE_FLAG_MIX"]
+EPOCH_WORDS: int = _VALUES["EPOCH_WORDS"]
+ABORT_WORD: int = _VALUES["ABORT_WORD"]
+CLAIM_WORD: int = _VALUES["CLAIM_WORD"]
+CONTROL_WORDS: int = _VALUES["CONTROL_WORDS"]
+ERROR_WORDS: int = _VALUES["ERROR_WORDS"]
+#: Algorithm name -> the kernels' algorithm id.
+ALGO_IDS: dict[str, int] = _VALUES["ALGO_IDS"]
+#: dtype name (as torch spells it after ``torch.``) -> the kernels' dtype id.
+DTYPE_IDS: dict[str, int] = _VALUES["DTYPE_IDS"]
+#: Error kind name -> the kind a failed wait records (0: none).
+ERROR_KINDS: dict[str, int] = _VALUES["ERROR_KINDS"]
+#: Stage id a failed wait records -> the name error messages use.
+STAGE_NAMES: dict[int, str] = _VALUES["STAGE_NAMES"]
+
+ERROR_TIMEOUT: int = ERROR_KINDS["timeout"]
+ERROR_MISMATCH: int = ERROR_KINDS["mismatch"]
+_STAGE_IDS = {name: stage for stage, name in STAGE_NAMES.items()}
+STAGE_ONE_SHOT_GATHER: int = _STAGE_IDS["one-shot gather"]
+STAGE_REDUCE_SCATTER: int = _STAGE_IDS["reduce-scatter"]
+STAGE_ALL_GATHER: int = _STAGE_IDS["all-gather"]
+STAGE_FUSED_GATHER: int = _STAGE_IDS["fused gather"]
+STAGE_FUSED_REDUCE_SCATTER: int = _STAGE_IDS["fused reduce-scatter"]
+STAGE_FUSED_ALL_GATHER: int = _STAGE_IDS["fused all-gather"]
+STAGE_LOW_LATENCY_GATHER: int = _STAGE_IDS["low-latency gather"]
+STAGE_FUSED_ROW_STATS: int = _STAGE_IDS["fused row statistics"]

@@ -1,0 +1,80 @@
+"""What one call launches, as pure functions of the call's shape and of agreed values.
+
+Every rank must launch the same kernel with the same launch shape for the same call (the
+kernels' flags are per block), so each choice here depends only on the call's shape and on
+values every rank agreed on when the communicator was created: the algorithm table
+(:mod:`pcie_allreduce.algo`), the low-latency capacity of the workspace and the block cap.
+The communicator caches the results per call shape; these functions hold the policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pcie_allreduce import constants
+from pcie_allreduce.algo import AlgoTable, Choice, fits_capacity
+from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
+
+#: torch dtype -> the kernels' dtype id (``constants.DTYPE_IDS`` is keyed by name).
+DTYPE_IDS: dict[torch.dtype, int] = {getattr(torch, name): i for name, i in constants.DTYPE_IDS.items()}
+#: torch dtype -> the name algorithm tables use for it.
+DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in constants.DTYPE_IDS}
+
+
+def plain_choice(nbytes: int, world: int, dtype: torch.dtype | str, table: AlgoTable, *, ll_capacity: int | None,
+                 block_cap: int = MAX_LAUNCH_BLOCKS, algo: str = "auto") -> Choice:
+    """The algorithm and block count of a plain all-reduce of ``nbytes`` bytes of ``dtype``.
+
+    ``algo="auto"``: the table's first matching rule (``oneshot_ll`` rules only for messages
+    within ``ll_capacity``). A forced ``algo`` takes the launch shape of its own rule; raises
+    ValueError when it is ``oneshot_ll`` and the message exceeds ``ll_capacity``. The blocks are
+    capped at ``block_cap`` either way."""
+    dtype_name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, str(dtype))
+    if algo == "auto":
+        choice = table.select(nbytes, world, dtype_name, ll_capacity)
+    else:
+        if not fits_capacity(algo, nbytes, ll_capacity):
+            raise ValueError(f"algo={algo!r} takes messages up to {ll_capacity} bytes (the low-latency "
+                             f"line slots of this communicator), got {nbytes}; use 'auto' or another algorithm")
+        choice = Choice(algo, table.blocks_for(algo, nbytes, world, dtype_name))
+    return choice if choice.blocks <= block_cap else Choice(choice.algo, block_cap)
+
+
+def plain_launch(nbytes: int, world: int, dtype: torch.dtype, table: AlgoTable, *, ll_capacity: int | None,
+                 block_cap: int = MAX_LAUNCH_BLOCKS, algo: str = "auto") -> tuple[int, int]:
+    """:func:`plain_choice` as the binding takes it: (algorithm id, blocks)."""
+    choice = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap, algo=algo)
+    return ALGO_IDS[choice.algo], choice.blocks
+
+
+def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: AlgoTable, *,
+               ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False) -> str:
+    """The fused all-reduce + residual + RMSNorm kernel for ``[tokens, hidden]`` of ``dtype``,
+    following the plain choice for the same message size: the token-split two-shot where that
+    picks two-shot and there is at least one token per rank; the low-latency one-shot where it
+    picks ``oneshot_ll`` and that kernel has a launch shape for the call within ``block_cap``
+    (``interpret``: under Triton's CPU interpreter, which runs one chunk per row); else the
+    flag-based one-shot. The launch shapes themselves belong to the kernels' modules."""
+    nbytes = tokens * hidden * dtype.itemsize
+    plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap).algo
+    if plain == "twoshot" and tokens >= world:
+        return "twoshot"
+    if plain == "oneshot_ll":
+        from pcie_allreduce import fused_oneshot_ll  # Triton: imported on the first fused call only
+
+        if fused_oneshot_ll.launch_shape(tokens, hidden, world, block_cap, interpret) is not None:
+            return "oneshot_ll"
+    return "oneshot"
+
+
+def block_cap(ranks_per_gpu: int, sms_per_gpu: int) -> int:
+    """Most blocks (CUDA) or programs (Triton) one call may launch.
+
+    Every block spins on the same-numbered block of every peer, so all ranks' blocks of a call
+    must be able to run at once. On distinct GPUs (``ranks_per_gpu`` 1) that always holds. When
+    ranks share a GPU (tests under MPS) their blocks compete for its SMs: each rank gets
+    ``sms_per_gpu // ranks_per_gpu``, since one block per SM always fits. Computed from the
+    agreed placements, so the same on every rank."""
+    if ranks_per_gpu <= 1:
+        return MAX_LAUNCH_BLOCKS
+    return max(1, min(MAX_LAUNCH_BLOCKS, sms_per_gpu // ranks_per_gpu))

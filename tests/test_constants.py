@@ -1,0 +1,91 @@
+"""CPU tests of pcie_allreduce.constants: its pure-Python mirror equals what the extension exports.
+
+The extension tests skip with a reason when ``pcie_allreduce._C`` is not built; set
+PCIE_AR_REQUIRE_BUILD=1 (CI does) to make a missing build a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from pcie_allreduce import constants, layout
+
+
+@pytest.fixture(scope="module")
+def extension() -> ModuleType:
+    from pcie_allreduce import _ext
+
+    module = _ext.load()
+    if module is None:
+        reason = f"extension not built: {_ext.unavailable_reason()}"
+        if os.environ.get("PCIE_AR_REQUIRE_BUILD") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return module
+
+
+@pytest.mark.parametrize("name", list(constants.MIRROR))
+def test_mirror_value_equals_the_extension(extension: ModuleType, name: str) -> None:
+    """Changing a constant on one side only must fail here: a stage or algorithm id that differs
+    mislabels errors or launches the wrong kernel; a size that differs corrupts the workspace."""
+    assert hasattr(extension, name), f"_C does not export {name} (stale build?)"
+    assert constants.exported(extension)[name] == constants.MIRROR[name]
+
+
+def test_extension_exports_nothing_the_mirror_lacks(extension: ModuleType) -> None:
+    exported = {name for name in dir(extension)
+                if name.isupper() and isinstance(getattr(extension, name), (int, dict))}
+    assert exported - set(constants.MIRROR) == set(), "mirror the new constants in pcie_allreduce/constants.py"
+
+
+def test_module_uses_the_extension_values(extension: ModuleType) -> None:
+    assert constants.MAX_LAUNCH_BLOCKS == extension.MAX_LAUNCH_BLOCKS
+    assert constants.STAGE_NAMES == dict(extension.STAGE_NAMES)
+
+
+@pytest.mark.parametrize("max_bytes, world", [(1, 2), (255, 2), (12345, 3), (2 << 20, 4), (8 << 20, 8),
+                                              (512 << 10, 5), ((512 << 10) + 1, 7)])
+def test_layout_mirror_matches_layout_make(extension: ModuleType, max_bytes: int, world: int) -> None:
+    """pcie_allreduce.layout (what the Triton kernels use) is Layout::make of csrc/protocol_constants.h."""
+    assert layout.Layout.make(max_bytes, world) == layout.Layout(**extension.layout(max_bytes, world))
+
+
+def test_named_ids_follow_the_tables() -> None:
+    assert constants.STAGE_NAMES[constants.STAGE_LOW_LATENCY_GATHER] == "low-latency gather"
+    assert constants.STAGE_NAMES[constants.STAGE_FUSED_ROW_STATS] == "fused row statistics"
+    assert {constants.ERROR_TIMEOUT, constants.ERROR_MISMATCH} == set(constants.ERROR_KINDS.values())
+    assert constants.ABORT_WORD == constants.EPOCH_WORDS == constants.MAX_FLAG_BLOCKS
+
+
+def test_triton_constants_come_from_the_constants_module() -> None:
+    from pcie_allreduce import algo, fused_oneshot_ll, fused_rmsnorm, triton_protocol
+
+    assert fused_oneshot_ll.MAX_PROGRAMS == algo.MAX_LAUNCH_BLOCKS == constants.MAX_LAUNCH_BLOCKS
+    assert fused_oneshot_ll.STAGE_LOW_LATENCY_GATHER.value == constants.STAGE_LOW_LATENCY_GATHER
+    assert fused_oneshot_ll.STAGE_ROW_STATS.value == constants.STAGE_FUSED_ROW_STATS
+    assert fused_rmsnorm.STAGE_FUSED_GATHER == constants.STAGE_FUSED_GATHER
+    assert triton_protocol.line_flag_of(0, 0) == constants.LINE_FLAG_MIX
+
+
+def test_import_without_the_extension_uses_the_mirror() -> None:
+    """``import pcie_allreduce`` must work where _C is not built (CPU machines, docs builds)."""
+    code = (
+        "import sys\n"
+        "sys.modules['pcie_allreduce._C'] = None  # any import of it raises ImportError\n"
+        "import pcie_allreduce\n"
+        "from pcie_allreduce import _ext, algo, constants, layout\n"
+        "assert _ext.load() is None\n"
+        "assert {n: getattr(constants, n) for n in constants.MIRROR} == constants.MIRROR\n"
+        "assert algo.ALGORITHMS == ('oneshot', 'staged', 'twoshot', 'oneshot_ll')\n"
+        "assert layout.Layout.make(1, 2).slot_bytes == constants.ALIGN\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -1,0 +1,103 @@
+"""CPU tests of pcie_allreduce.dispatch: the plain and fused choices and the block cap, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcie_allreduce import dispatch, topology
+from pcie_allreduce.algo import AlgoTable, Choice, Rule
+from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
+
+KIB, MIB = 1 << 10, 1 << 20
+BF16 = torch.bfloat16
+# Low-latency up to 64 KiB, one-shot up to 1 MiB, two-shot beyond: one rule per algorithm, so
+# each case below names the rule it exercises.
+TABLE = AlgoTable((
+    Rule("oneshot_ll", max_bytes=64 * KIB, bytes_per_block=4 * KIB, max_blocks=32),
+    Rule("oneshot", max_bytes=MIB, bytes_per_block=16 * KIB, max_blocks=16),
+    Rule("staged", max_bytes=2 * MIB, world=(8,), bytes_per_block=16 * KIB, max_blocks=64),
+    Rule("twoshot", bytes_per_block=64 * KIB, max_blocks=32),
+))
+LL_CAP = 512 * KIB
+
+
+@pytest.mark.parametrize("nbytes, world, ll_capacity, block_cap, algo, expected", [
+    (1, 4, LL_CAP, 64, "auto", Choice("oneshot_ll", 1)),
+    (64 * KIB, 4, LL_CAP, 64, "auto", Choice("oneshot_ll", 16)),
+    (64 * KIB, 4, 32 * KIB, 64, "auto", Choice("oneshot", 4)),        # above the line slots' capacity
+    (64 * KIB, 4, None, 64, "auto", Choice("oneshot_ll", 16)),        # None: unbounded
+    (512 * KIB, 4, LL_CAP, 64, "auto", Choice("oneshot", 16)),
+    (512 * KIB, 4, LL_CAP, 8, "auto", Choice("oneshot", 8)),          # block cap applied
+    (2 * MIB, 8, LL_CAP, 64, "auto", Choice("staged", 64)),           # world-specific rule
+    (2 * MIB, 8, LL_CAP, 33, "auto", Choice("staged", 33)),
+    (2 * MIB, 4, LL_CAP, 64, "auto", Choice("twoshot", 32)),
+    (64 * MIB, 2, LL_CAP, 64, "auto", Choice("twoshot", 32)),
+    (2 * MIB, 4, LL_CAP, 64, "oneshot", Choice("oneshot", 16)),       # forced: its own rule's shape
+    (64 * KIB, 4, LL_CAP, 64, "twoshot", Choice("twoshot", 1)),
+    (2 * MIB, 4, LL_CAP, 3, "twoshot", Choice("twoshot", 3)),
+    (32 * KIB, 4, 32 * KIB, 64, "oneshot_ll", Choice("oneshot_ll", 8)),
+])
+def test_plain_choice(nbytes, world, ll_capacity, block_cap, algo, expected) -> None:
+    got = dispatch.plain_choice(nbytes, world, BF16, TABLE, ll_capacity=ll_capacity, block_cap=block_cap, algo=algo)
+    assert got == expected
+    assert dispatch.plain_launch(nbytes, world, BF16, TABLE, ll_capacity=ll_capacity, block_cap=block_cap,
+                                 algo=algo) == (ALGO_IDS[expected.algo], expected.blocks)
+
+
+def test_plain_choice_refuses_a_forced_low_latency_call_above_the_capacity() -> None:
+    with pytest.raises(ValueError, match="takes messages up to 32768 bytes"):
+        dispatch.plain_choice(32 * KIB + 1, 4, BF16, TABLE, ll_capacity=32 * KIB, algo="oneshot_ll")
+
+
+def test_plain_choice_reads_dtype_rules() -> None:
+    table = AlgoTable((Rule("staged", dtypes=("float32",)), Rule("twoshot")))
+    assert dispatch.plain_choice(4 * KIB, 2, torch.float32, table, ll_capacity=None).algo == "staged"
+    assert dispatch.plain_choice(4 * KIB, 2, "float32", table, ll_capacity=None).algo == "staged"
+    assert dispatch.plain_choice(4 * KIB, 2, BF16, table, ll_capacity=None).algo == "twoshot"
+
+
+@pytest.mark.parametrize("tokens, hidden, world, ll_capacity, block_cap, interpret, expected", [
+    (1, 4096, 4, LL_CAP, 64, False, "oneshot_ll"),
+    (1, 4095, 4, LL_CAP, 64, False, "oneshot"),      # odd hidden: the low-latency kernel has no shape
+    (8, 4096, 4, LL_CAP, 64, False, "oneshot_ll"),
+    (8, 4096, 4, LL_CAP, 4, False, "oneshot"),       # block cap: 8 rows need more programs than 4
+    (1, 4096, 4, 4 * KIB, 64, False, "oneshot"),     # above the line slots' capacity
+    (2, 4096, 2, LL_CAP, 64, True, "oneshot_ll"),    # interpreter: one chunk per row
+    (3, 262144, 4, LL_CAP, 64, False, "oneshot"),    # two-shot size, fewer tokens than ranks
+    (4, 262144, 4, LL_CAP, 64, False, "twoshot"),
+    (16, 32768, 8, LL_CAP, 64, False, "oneshot"),    # 1 MiB: the plain one-shot's range
+])
+def test_fused_algo(tokens, hidden, world, ll_capacity, block_cap, interpret, expected) -> None:
+    got = dispatch.fused_algo(tokens, hidden, BF16, world, TABLE, ll_capacity=ll_capacity, block_cap=block_cap,
+                              interpret=interpret)
+    assert got == expected
+
+
+@pytest.mark.parametrize("ranks_per_gpu, sms, expected", [
+    (1, 132, MAX_LAUNCH_BLOCKS),   # own GPU: every block of every rank runs at once
+    (1, 8, MAX_LAUNCH_BLOCKS),
+    (2, 132, MAX_LAUNCH_BLOCKS),   # 66 SMs each: the kernels' cap
+    (4, 132, 33),
+    (8, 132, 16),
+    (8, 4, 1),                     # never 0
+])
+def test_block_cap(ranks_per_gpu, sms, expected) -> None:
+    assert dispatch.block_cap(ranks_per_gpu, sms) == expected
+
+
+def test_ranks_per_gpu_from_placements() -> None:
+    def placements(*bus_ids: str) -> list[topology.RankPlacement]:
+        return [topology.RankPlacement(rank, "host", bus) for rank, bus in enumerate(bus_ids)]
+
+    assert topology.ranks_per_gpu(placements("a", "b", "c", "d")) == 1
+    assert topology.ranks_per_gpu(placements("a", "a", "b", "a")) == 3
+    assert topology.ranks_per_gpu([]) == 1
+    assert topology.shares_gpu(placements("a", "b", "a")) and not topology.shares_gpu(placements("a", "b"))
+
+
+def test_dtype_maps_cover_the_kernels_dtypes() -> None:
+    from pcie_allreduce import constants, validation
+
+    assert {dispatch.DTYPE_NAMES[d]: i for d, i in dispatch.DTYPE_IDS.items()} == constants.DTYPE_IDS
+    assert set(validation.SUPPORTED_DTYPES) == set(dispatch.DTYPE_IDS)
