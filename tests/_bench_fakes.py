@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import testing
+from pcie_allreduce import ranks
 from pcie_allreduce.bench import backends
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.norm_ops import torch_rmsnorm
@@ -47,7 +47,7 @@ class FakeComm:
 
     block_cap = FAKE_BLOCK_CAP
 
-    def __init__(self, ctx: testing.RankContext) -> None:
+    def __init__(self, ctx: ranks.RankContext) -> None:
         self.ctx = ctx
         self.device = ctx.device
 
@@ -103,7 +103,7 @@ class QuietBackendHooks:
 class FakeBackend(QuietBackendHooks):
     """gloo all-reduce; ``comm`` only for "ours"."""
 
-    def __init__(self, ctx: testing.RankContext, job: Any) -> None:
+    def __init__(self, ctx: ranks.RankContext, job: Any) -> None:
         self.ctx = ctx
         self.name = job.backend
         if job.backend in ("ours", backends.OURS_SHAPES):
@@ -136,7 +136,7 @@ class FakeBackend(QuietBackendHooks):
         return {"block_cap": FAKE_BLOCK_CAP, "gpu_name": "Fake GPU", "fingerprint": "0123456789ab"}
 
 
-def cpu_bench_rank(ctx: testing.RankContext, job: Any) -> dict:
+def cpu_bench_rank(ctx: ranks.RankContext, job: Any) -> dict:
     """bench_rank with the CUDA calls stubbed and the fake backends, in a CPU rank."""
     from pcie_allreduce.bench import environment, rank
 
@@ -151,13 +151,13 @@ def cpu_bench_rank(ctx: testing.RankContext, job: Any) -> dict:
 
 def use_cpu_ranks(monkeypatch: Any) -> None:
     """Make the runner spawn CPU ranks running :func:`cpu_bench_rank`, every backend available."""
-    real_run_ranks = testing.run_ranks
+    real_run_ranks = ranks.run_ranks
 
     def cpu_run_ranks(fn: Any, world: int, *args: Any, **kw: Any) -> Any:
         kw["gpu"] = False
         return real_run_ranks(cpu_bench_rank, world, *args, **kw)
 
-    monkeypatch.setattr(testing, "run_ranks", cpu_run_ranks)
+    monkeypatch.setattr(ranks, "run_ranks", cpu_run_ranks)
     monkeypatch.setattr(backends, "skip_reason", lambda b, w, g: None)
 
 

@@ -16,7 +16,7 @@ from pcie_allreduce.bench import backends, timing
 from pcie_allreduce.bench.backend_custom_ar import CustomAllreduceBackend
 from pcie_allreduce.bench.backend_flashinfer import FlashInferPcieIpcBackend
 from pcie_allreduce.bench.plan import Case, RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 CTX = RankContext(rank=0, world_size=2, group=None, device=torch.device("cpu"))
 

@@ -69,10 +69,10 @@ class _FakeExt:
 
 
 def test_topo_command_with_a_fake_probe(monkeypatch, capsys, tmp_path) -> None:
-    from pcie_allreduce import _ext, testing
+    from pcie_allreduce import _ext, ranks
 
-    monkeypatch.setattr(testing, "skip_reason_no_gpu", lambda: None)
-    monkeypatch.setattr(testing, "gpu_count", lambda: 1)
+    monkeypatch.setattr(ranks, "skip_reason_no_gpu", lambda: None)
+    monkeypatch.setattr(ranks, "gpu_count", lambda: 1)
     monkeypatch.setattr(_ext, "load", lambda: _FakeExt())
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: argparse.Namespace(name="NVIDIA H200"))
     monkeypatch.setattr(topo, "_nvidia_smi_topo", lambda: "")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import pcie_allreduce
-from pcie_allreduce import cli, testing
+from pcie_allreduce import cli, ranks
 from pcie_allreduce.bench import (
     backends, command, environment, options, outcome, pattern, progress, report, runner, sizes, stats, topo,
     watchdog,
@@ -32,7 +32,7 @@ from tests._bench_fakes import FakeEvent, QuietBackendHooks
 from pcie_allreduce.bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NO_GPU = testing.skip_reason_no_gpu() is not None or not pcie_allreduce.is_available()
+NO_GPU = ranks.skip_reason_no_gpu() is not None or not pcie_allreduce.is_available()
 NO_GPU_TOPO = NO_GPU
 
 # ----------------------------------------------------------------------------- sizes
@@ -408,7 +408,7 @@ def test_rows_from_events_and_unfinished_case() -> None:
 
 
 def test_describe_failure() -> None:
-    exc = testing.RankFailed("rank 1 raised an exception\n\n--- rank 1 ---\n...",
+    exc = ranks.RankFailed("rank 1 raised an exception\n\n--- rank 1 ---\n...",
                              {1: "Traceback (most recent call last):\n  ...\nValueError: bad thing\n"})
     f = runner.describe_failure(exc, None)
     assert f.reason == "rank 1 raised an exception: ValueError: bad thing" and "rank 1 raised" in f.detail
@@ -503,7 +503,7 @@ def test_run_sweep_keeps_finished_runs_on_ctrl_c(monkeypatch) -> None:
 class _GlooBackend(QuietBackendHooks):
     """A CPU "backend": gloo all_reduce. Algo names script failures: wrong / raise / hang."""
 
-    def __init__(self, ctx: testing.RankContext, job: object) -> None:
+    def __init__(self, ctx: ranks.RankContext, job: object) -> None:
         self.ctx = ctx
 
     def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:
@@ -529,7 +529,7 @@ class _GlooBackend(QuietBackendHooks):
 
 
 
-def _cpu_bench_rank(ctx: testing.RankContext, job: object) -> dict:
+def _cpu_bench_rank(ctx: ranks.RankContext, job: object) -> dict:
     """bench_rank with the CUDA calls of the eager path stubbed, in a CPU rank."""
     from pcie_allreduce.bench import rank
 
@@ -543,13 +543,13 @@ def _cpu_bench_rank(ctx: testing.RankContext, job: object) -> dict:
 
 
 def test_rank_loop_on_cpu_survives_wrong_raising_and_hanging_cases(monkeypatch) -> None:
-    real_run_ranks = testing.run_ranks
+    real_run_ranks = ranks.run_ranks
 
     def cpu_run_ranks(fn, world, *args, **kw):
         kw["gpu"] = False
         return real_run_ranks(_cpu_bench_rank, world, *args, **kw)
 
-    monkeypatch.setattr(testing, "run_ranks", cpu_run_ranks)
+    monkeypatch.setattr(ranks, "run_ranks", cpu_run_ranks)
     monkeypatch.setattr(backends, "skip_reason", lambda b, w, g: None)
     monkeypatch.setattr(backends, "algos_for", lambda b, a: ("ok", "wrong", "raise", "hang", "ok2"))
     cfg = options.BenchConfig(worlds=(2,), sizes=(1024,), backends=("ours",), eager=True, iters=5, warmup=1,

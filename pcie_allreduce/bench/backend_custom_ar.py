@@ -22,7 +22,7 @@ import torch
 
 from pcie_allreduce.bench.backends import CUSTOM_AR_ALGOS, Buffers
 from pcie_allreduce.bench.plan import Case, RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 SYNC_COUNT = 16  # elements of the device-sync all-reduce (a multiple of 16 bytes in fp32)
 

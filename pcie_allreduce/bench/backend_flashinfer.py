@@ -17,7 +17,7 @@ import torch
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.options import DTYPE_SIZES
 from pcie_allreduce.bench.plan import Case, RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 SYNC_COUNT = 64  # elements of the device-sync all-reduce (whole 16-byte packs in bf16/fp16/fp32)
 

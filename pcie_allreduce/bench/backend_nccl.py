@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 
 class NcclBackend:

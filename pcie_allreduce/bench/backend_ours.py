@@ -9,7 +9,7 @@ import torch
 from pcie_allreduce.algo import fits_capacity
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import Case, RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 if TYPE_CHECKING:
     from pcie_allreduce.communicator import Communicator

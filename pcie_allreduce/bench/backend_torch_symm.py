@@ -16,7 +16,7 @@ import torch
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.options import DTYPE_SIZES
 from pcie_allreduce.bench.plan import RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 SYNC_COUNT = 64
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # torch only inside ranks and availability probes
     import torch
 
     from pcie_allreduce.bench.plan import RankJob
-    from pcie_allreduce.testing import RankContext
+    from pcie_allreduce.ranks import RankContext
 
 from pcie_allreduce.bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIX, VERIFY
 

@@ -17,7 +17,7 @@ from pcie_allreduce.bench import pattern
 from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.norm_ops import NormBuffers, close_enough
 from pcie_allreduce.bench.plan import Case, RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 
 class PlainCheck:

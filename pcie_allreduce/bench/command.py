@@ -21,9 +21,9 @@ def echo(line: str) -> None:
 
 def unavailable_reason(cfg: options.BenchConfig) -> str | None:
     """Why no benchmark can run here: no GPU, or our kernels are asked for but not usable."""
-    from pcie_allreduce import testing
+    from pcie_allreduce import ranks
 
-    reason = testing.skip_reason_no_gpu()
+    reason = ranks.skip_reason_no_gpu()
     if reason is not None:
         return reason
     if any(b.startswith("ours") for b in cfg.backends):
@@ -90,9 +90,9 @@ def finish(rep: Report, cfg: options.BenchConfig, text: str | None = None) -> in
 def _gpu_count() -> int:
     import torch
 
-    from pcie_allreduce import testing
+    from pcie_allreduce import ranks
 
-    return testing.gpu_count() if torch.version.cuda is not None else 0
+    return ranks.gpu_count() if torch.version.cuda is not None else 0
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

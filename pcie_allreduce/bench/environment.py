@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from pcie_allreduce.testing import RankContext
+    from pcie_allreduce.ranks import RankContext
 
 _SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total")
 

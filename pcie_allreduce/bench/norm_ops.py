@@ -23,7 +23,7 @@ from pcie_allreduce.bench.backends import Buffers
 from pcie_allreduce.bench.plan import Case, RankJob
 from pcie_allreduce.bench.results import FUSED_ALGO, NORM_SUFFIX
 from pcie_allreduce.bench.results import is_norm_algo as is_norm
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 NORMED_RTOL = NORMED_ATOL = 2.0 ** -6  # a few bf16 ulps: two roundings and a different reduction order
 CROSS_CHECK_SEED = 1234

@@ -30,7 +30,7 @@ from pcie_allreduce.bench.plan import Case, RankJob
 from pcie_allreduce.bench.progress import ProgressLog
 from pcie_allreduce.bench.results import FAILED, FUSED, OK, SKIPPED, VERIFY, WRONG
 from pcie_allreduce.bench.watchdog import Watchdog
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
 
 
 def _gather(ctx: RankContext, obj: Any) -> list[Any]:

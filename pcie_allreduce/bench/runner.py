@@ -143,7 +143,7 @@ class _Follower(threading.Thread):
 
 def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: Sequence[Case], directory: str,
             echo: Echo, bar: Progress) -> Failure | None:
-    from pcie_allreduce import testing
+    from pcie_allreduce import ranks
     from pcie_allreduce.bench.rank import bench_rank
 
     job = plan.make_job(cfg, backend, cases, directory)
@@ -152,8 +152,8 @@ def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: S
     follower.start()
     try:
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", testing.MpsUnavailableWarning)
-            testing.run_ranks(bench_rank, world, job, timeout_s=backstop, gpu=True, mps="auto",
+            warnings.simplefilter("always", ranks.MpsUnavailableWarning)
+            ranks.run_ranks(bench_rank, world, job, timeout_s=backstop, gpu=True, mps="auto",
                               env=backends.rank_env(backend, world, gpu_count))
         for w in caught:
             echo(f"[W={world} {backend}] warning: {' '.join(str(w.message).split())}")

@@ -169,15 +169,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of the ``topo`` subcommand."""
     import torch
 
-    from pcie_allreduce import _ext, testing
+    from pcie_allreduce import _ext, ranks
 
-    reason = testing.skip_reason_no_gpu()
+    reason = ranks.skip_reason_no_gpu()
     if reason is not None:
         raise Unavailable(reason)
     ext = _ext.load()
     if ext is None:
         raise Unavailable(_ext.unavailable_reason() or "the extension pcie_allreduce._C does not load")
-    count = testing.gpu_count()
+    count = ranks.gpu_count()
     names = [torch.cuda.get_device_properties(i).name for i in range(count)]
     topo = probe(ext, names, smi_topo=_nvidia_smi_topo())
     data = topo.to_dict()

@@ -196,7 +196,7 @@ def run_probe(world: int, job: ProbeJob) -> dict[str, Any]:
     """
     import warnings
 
-    from pcie_allreduce import testing
+    from pcie_allreduce import ranks
     from pcie_allreduce.bench import runner, watchdog
 
     with tempfile.TemporaryDirectory(prefix="pcie_ar_topo_") as directory:
@@ -205,8 +205,8 @@ def run_probe(world: int, job: ProbeJob) -> dict[str, Any]:
         backstop = job.step_timeout_s * steps + runner.SPAWN_SLACK_S
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", testing.MpsUnavailableWarning)
-                results = testing.run_ranks(probe_rank, world, probe, timeout_s=backstop, gpu=True, mps="auto")
+                warnings.simplefilter("ignore", ranks.MpsUnavailableWarning)
+                results = ranks.run_ranks(probe_rank, world, probe, timeout_s=backstop, gpu=True, mps="auto")
         except Exception as exc:  # noqa: BLE001 - one line for the report, whatever went wrong
             failure = runner.describe_failure(exc, watchdog.read_hang(directory, world))
             raise RuntimeError(failure.reason) from None

@@ -1,6 +1,6 @@
-"""CPU tests of the multi-rank harness (pcie_allreduce.testing): run with gpu=False, no GPU needed.
+"""CPU tests of the rank spawner (pcie_allreduce.ranks): run with gpu=False, no GPU needed.
 
-Rank functions live at module level because the harness pickles them into spawned children.
+Rank functions live at module level because the spawner pickles them into spawned children.
 The MPS tests put a fake ``nvidia-cuda-mps-control`` first on PATH; it records every call.
 """
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import testing
-from pcie_allreduce.testing import (
+from pcie_allreduce import ranks
+from pcie_allreduce.ranks import (
     MpsDaemon,
     MpsError,
     MpsUnavailableWarning,
@@ -41,7 +41,7 @@ def _sum_ranks(ctx: RankContext, offset: int, *, scale: int = 1) -> dict:
         "sum": t.item() * scale,
         "device": str(ctx.device),
         "mps": ctx.mps,
-        "mps_active": testing.mps_active(),
+        "mps_active": ranks.mps_active(),
         "shared_gpu": ctx.shared_gpu,
         "env": os.environ.get("PCIE_AR_TEST_VAR"),
     }
@@ -70,7 +70,7 @@ def _exit_on_rank_1(ctx: RankContext) -> int:
 
 
 def _mps_view(ctx: RankContext) -> tuple[bool, bool, str | None]:
-    return ctx.mps, testing.mps_active(), os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    return ctx.mps, ranks.mps_active(), os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
 
 
 def _visible_devices(ctx: RankContext) -> str | None:
@@ -179,7 +179,7 @@ def test_hanging_rank_times_out_and_leaves_nothing(tmp_path: Path) -> None:
     assert info.value.unfinished == [1]
     pids = [int((tmp_path / name).read_text()) for name in ("rank0.pid", "rank1.pid", "helper.pid")]
     for pid in pids:
-        assert _process_gone(pid), f"process {pid} survived the harness"
+        assert _process_gone(pid), f"process {pid} survived the spawner"
     assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
 
 
@@ -276,9 +276,9 @@ def test_existing_mps_daemon_is_reused(fake_mps, tmp_path: Path, monkeypatch) ->
     pipe = tmp_path / "their_pipe"
     pipe.mkdir()
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
-    assert testing._external_mps_env() is None  # a directory nobody answers in
+    assert ranks._external_mps_env() is None  # a directory nobody answers in
     (pipe / "fake_running").touch()
-    assert testing._external_mps_env() == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    assert ranks._external_mps_env() == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
 
 
 @pytest.mark.parametrize(
@@ -292,7 +292,7 @@ def test_existing_mps_daemon_is_reused(fake_mps, tmp_path: Path, monkeypatch) ->
     ],
 )
 def test_when_mps_is_wanted(mps, gpu: bool, shared: bool, want: bool) -> None:
-    assert testing._want_mps(mps, gpu, shared) is want
+    assert ranks._want_mps(mps, gpu, shared) is want
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -308,9 +308,9 @@ def test_argument_errors_before_spawning() -> None:
 
 
 def test_gpu_helpers_without_creating_a_context() -> None:
-    reason = testing.skip_reason_no_gpu()
-    assert (reason is None) == (testing.gpu_count() > 0)
-    assert testing.requires_gpu.name == "skipif"
+    reason = ranks.skip_reason_no_gpu()
+    assert (reason is None) == (ranks.gpu_count() > 0)
+    assert ranks.requires_gpu.name == "skipif"
     if reason is not None:
         assert reason.startswith("no CUDA GPU visible")
         with pytest.raises(RuntimeError, match="no CUDA GPU visible"):

@@ -1,4 +1,4 @@
-"""Multi-rank harness for tests and benchmarks: spawn W ranks, each with a gloo group.
+"""The rank spawner: start W ranks, each with a gloo group (used by ``tune``, the tests and the harness).
 
 ``run_ranks(fn, W, ...)`` starts W fresh interpreters (spawn, never fork: the parent may have
 imported CUDA-using libraries), joins them into one gloo process group through a ``file://``
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from pcie_allreduce.mps import (  # noqa: F401 - re-exported: part of the harness API
+from pcie_allreduce.mps import (  # noqa: F401 - re-exported: part of the spawner API
     MPS_CONTROL_BINARY,
     MpsDaemon,
     MpsError,
@@ -93,7 +93,7 @@ class RankFailed(RuntimeError):
         self.unfinished: list[int] = list(unfinished)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Keep the exception picklable (a benchmark may run the harness inside a worker).
+        # Keep the exception picklable (a benchmark may run the spawner inside a worker).
         return (type(self), (str(self), self.failures, self.unfinished))
 
 
@@ -155,7 +155,7 @@ def __getattr__(name: str) -> Any:
         try:
             import pytest
         except ImportError as exc:
-            raise AttributeError("pcie_allreduce.testing.requires_gpu needs pytest") from exc
+            raise AttributeError("pcie_allreduce.ranks.requires_gpu needs pytest") from exc
         reason = skip_reason_no_gpu()
         return pytest.mark.skipif(reason is not None, reason=reason or "")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -475,7 +475,7 @@ class _Run:
 
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit while the harness runs, so its cleanup still happens.
+    """Turn SIGTERM into SystemExit while the spawner runs, so its cleanup still happens.
 
     Without this a CI time-out or ``kill`` of the caller skips every ``finally``: the ranks die
     with it (parent-death signal) but their helper processes, the MPS daemon and the temp dirs
@@ -526,7 +526,7 @@ def _mps_env_for_run(
             else "ranks run without MPS"
         )
         warnings.warn(
-            f"pcie_allreduce.testing: could not start an MPS daemon ({exc}); {where}",
+            f"pcie_allreduce.ranks: could not start an MPS daemon ({exc}); {where}",
             MpsUnavailableWarning,
             stacklevel=3,
         )
@@ -551,7 +551,7 @@ def run_ranks(
         fn: a module-level (picklable) function taking a :class:`RankContext` first.
         world_size: number of ranks (>= 1).
         *args, **kwargs: passed to ``fn``; must be picklable. (``timeout_s``, ``gpu``, ``mps``
-            and ``env`` are the harness's own and never reach ``fn``.)
+            and ``env`` are the spawner's own and never reach ``fn``.)
         timeout_s: wall-clock limit for the whole run, process start-up included.
         gpu: put rank r on ``cuda:{r % gpu_count()}``; False: CPU only.
         mps: "auto" starts a private MPS daemon when ranks share a GPU; True always; False never.
