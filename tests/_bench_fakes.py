@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import ranks
-from pcie_allreduce.bench import backends
-from pcie_allreduce.bench.backends import Buffers
-from pcie_allreduce.bench.norm_ops import torch_rmsnorm
-from pcie_allreduce.bench.plan import Case, parse_shape_algo
+from bench import backends
+from bench.backends import Buffers
+from bench.norm_ops import torch_rmsnorm
+from bench.plan import Case, parse_shape_algo
 
 FAKE_BLOCK_CAP = 4
 
@@ -138,7 +138,7 @@ class FakeBackend(QuietBackendHooks):
 
 def cpu_bench_rank(ctx: ranks.RankContext, job: Any) -> dict:
     """bench_rank with the CUDA calls stubbed and the fake backends, in a CPU rank."""
-    from pcie_allreduce.bench import environment, rank
+    from bench import environment, rank
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.Stream = lambda *a, **k: object()

@@ -13,15 +13,15 @@ import torch
 
 from pcie_allreduce import algo as algo_mod, cli
 from pcie_allreduce import tune_cache
-from pcie_allreduce.bench import command, environment, plan, runner, tune, tune_table
-from pcie_allreduce.bench.backends import OURS_SHAPES
-from pcie_allreduce.bench.options import BenchConfig
-from pcie_allreduce.bench.results import OK, SKIPPED, TUNE, Report, Result
+from bench import command, environment, plan, runner, tune, tune_table
+from bench.backends import OURS_SHAPES
+from bench.options import BenchConfig
+from bench.results import OK, SKIPPED, TUNE, Report, Result
 from tests import _bench_fakes as fakes
 
 
 def _tune_config(argv: list[str], gpu_count: int = 1) -> BenchConfig:
-    parser = cli.build_parser()
+    parser = cli.build_parser(["tune"])
     args = parser.parse_args(["tune", *argv])
     return tune.config_from_args(args, args.parser, gpu_count)
 
@@ -137,8 +137,8 @@ def test_cache_paths_and_fingerprint(tmp_path) -> None:
 
 
 def test_raw_launch_backend_arguments(monkeypatch) -> None:
-    from pcie_allreduce.bench import backend_ours_shapes
-    from pcie_allreduce.bench.backends import Buffers
+    from bench import backend_ours_shapes
+    from bench.backends import Buffers
 
     launched = []
 
