@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from bench.backends import Buffers
-from bench.options import DTYPE_SIZES
+from pcie_allreduce.sizes import DTYPE_SIZES
 from bench.plan import Case, RankJob
 from pcie_allreduce.ranks import RankContext
 

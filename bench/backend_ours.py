@@ -32,7 +32,7 @@ class OursBackend:
 
     @property
     def comm(self) -> "Communicator":
-        """The communicator (the fused kernel and the raw launches use it directly)."""
+        """The communicator (the fused kernel uses it directly)."""
         return self._comm
 
     def facts(self) -> dict[str, Any]:

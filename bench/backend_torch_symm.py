@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from bench.backends import Buffers
-from bench.options import DTYPE_SIZES
+from pcie_allreduce.sizes import DTYPE_SIZES
 from bench.plan import RankJob
 from pcie_allreduce.ranks import RankContext
 

@@ -6,7 +6,6 @@ fails or hangs cannot take the others' results with it. Adding a backend (issue 
 pcie_ipc, vLLM and sgl-kernel were added this way) means one ``backend_<name>.py`` with a class
 following :class:`RankBackend` plus one entry in each function below.
 
-``ours_shapes`` is internal (``pcie-allreduce tune``): our raw launch at a forced block count.
 With ``--fused`` and ``verify`` every backend is wrapped in :class:`~.norm_ops.NormAdapter`,
 which adds the "+norm" variants (all-reduce, then torch residual add + RMSNorm) and our fused kernel.
 """
@@ -29,7 +28,6 @@ TORCH_SYMM_ALGOS: tuple[str, ...] = ("one_shot", "two_shot")
 NCCL_ALGOS: tuple[str, ...] = ("default",)  # NCCL picks ring/tree and protocol itself
 NCCL_LL = "nccl_ll"  # NCCL with NCCL_PROTO=LL: the tuned-NCCL row (its low-latency protocol for small messages)
 NCCL_BACKENDS: tuple[str, ...] = ("nccl", NCCL_LL)
-OURS_SHAPES = "ours_shapes"
 CUSTOM_AR_ALGOS: tuple[str, ...] = ("custom_ar",)  # vLLM's / sgl-kernel's custom all-reduce
 CUSTOM_AR_BACKENDS: tuple[str, ...] = ("vllm", "sgl_kernel")
 FLASHINFER = "flashinfer"
@@ -153,7 +151,7 @@ def _packages_problem(backend: str) -> str | None:
 
 def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
     """Why ``backend`` cannot run ``world`` ranks on ``gpu_count`` local GPUs, or None."""
-    if backend in ("ours", OURS_SHAPES):
+    if backend == "ours":
         import pcie_allreduce
 
         reason = pcie_allreduce.unavailable_reason()
@@ -186,10 +184,6 @@ def open_backend(ctx: "RankContext", job: "RankJob") -> Any:
         from bench.backend_ours import OursBackend
 
         return OursBackend(ctx, job)
-    if job.backend == OURS_SHAPES:
-        from bench.backend_ours_shapes import OursShapesBackend
-
-        return OursShapesBackend(ctx, job)
     if job.backend == "torch_symm":
         from bench.backend_torch_symm import TorchSymmBackend
 

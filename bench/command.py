@@ -40,7 +40,7 @@ def exit_status(rep: Report) -> int:
     """0, or EXIT_FAILURES when any of our cases is not ok or any backend returned a wrong sum.
 
     Other backends failing (torch symmetric memory hanging at W=8, say) is reported but is not
-    our failure; a case skipped by design (more blocks than the block cap) is not a failure.
+    our failure; a case skipped by design (over a backend's capacity) is not a failure.
     """
     bad = [r for r in rep.results
            if r.status == WRONG or (r.backend.startswith("ours") and r.status not in (OK, SKIPPED))]

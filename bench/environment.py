@@ -23,21 +23,6 @@ if TYPE_CHECKING:
 _SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total")
 
 
-def placement_label(world: int, gpu_count: int, mps: bool | None) -> str:
-    """How ``world`` ranks sit on ``gpu_count`` GPUs, e.g. "emulation: 4 ranks on one GPU under MPS".
-
-    ``mps`` None: not known (no run got far enough to say).
-    """
-    if 0 < world <= gpu_count:
-        return f"{world} ranks on {world} GPUs"
-    where = "one GPU" if gpu_count <= 1 else f"{gpu_count} GPUs"
-    if mps is None:
-        return f"emulation: {world} ranks on {where}"
-    if mps:
-        return f"emulation: {world} ranks on {where} under MPS"
-    return f"emulation: {world} ranks on {where}, time-sliced without MPS (timings not meaningful)"
-
-
 def _nvidia_smi() -> list[dict[str, str]]:
     binary = shutil.which("nvidia-smi")
     if binary is None:

@@ -12,10 +12,11 @@ from typing import Any, Callable, Sequence
 
 from pcie_allreduce.algo import ALGORITHMS
 from pcie_allreduce.cli import typed_arg
-from bench import sizes
+from pcie_allreduce.sizes import DTYPE_SIZES
+from pcie_allreduce import sizes
 from bench.results import ALLREDUCE, FUSED
 
-DTYPE_SIZES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})  # element bytes
+
 OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
 BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
 MIN_WORLD, MAX_WORLD = 2, 8
@@ -47,8 +48,7 @@ class BenchConfig:
     """Everything a sweep needs, validated. Times are seconds; sizes bytes.
 
     ``workload`` says what a case is (see :mod:`.results`): plain all-reduces of ``sizes``;
-    ``fused`` / ``verify``: the ``shapes`` (``sizes`` then holds their byte sizes); ``tune``: our
-    algorithms at every block count of ``blocks``.
+    ``fused`` / ``verify``: the ``shapes`` (``sizes`` then holds their byte sizes).
     """
 
     worlds: tuple[int, ...]
@@ -74,7 +74,6 @@ class BenchConfig:
     eps: float = DEFAULT_EPS
     compute_ms: float = DEFAULT_COMPUTE_MS  # verify: model compute per pass, for the projected verify time
     norm: bool = False                      # verify: also the residual add + RMSNorm variants
-    blocks: tuple[int, ...] = ()            # tune: block counts to try
 
     @property
     def mode(self) -> str:

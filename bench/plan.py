@@ -6,8 +6,10 @@ import dataclasses
 from typing import Sequence
 
 from bench import backends
-from bench.options import DTYPE_SIZES, BenchConfig
-from bench.results import ALLREDUCE, TUNE, VERIFY
+from pcie_allreduce.sizes import DTYPE_SIZES
+
+from bench.options import BenchConfig
+from bench.results import ALLREDUCE, VERIFY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,19 +57,6 @@ class RankJob:
         return case.calls or self.calls_per_graph
 
 
-def shape_algo(algo: str, blocks: int) -> str:
-    """tune: the case name of one launch shape, "oneshot/b8"."""
-    return f"{algo}/b{blocks}"
-
-
-def parse_shape_algo(name: str) -> tuple[str, int]:
-    """"oneshot/b8" -> ("oneshot", 8); ValueError otherwise."""
-    algo, sep, blocks = name.partition("/b")
-    if not sep or not blocks.isdigit() or int(blocks) < 1:
-        raise ValueError(f"not a launch shape: {name!r} (expected e.g. 'oneshot/b8')")
-    return algo, int(blocks)
-
-
 def make_cases(sizes: Sequence[int], algos: Sequence[str], dtype: str) -> tuple[Case, ...]:
     """Size-major order (all algos of a size together, so inputs are built once per size)."""
     element = DTYPE_SIZES[dtype]
@@ -82,8 +71,6 @@ def cases_for(cfg: BenchConfig, backend: str) -> tuple[Case, ...]:
     """Every case ``backend`` runs under ``cfg`` (its workload decides what a case is)."""
     if cfg.workload == ALLREDUCE:
         return make_cases(cfg.sizes, backends.algos_for(backend, cfg.algos), cfg.dtype)
-    if cfg.workload == TUNE:
-        return make_cases(cfg.sizes, [shape_algo(a, b) for a in cfg.algos for b in cfg.blocks], cfg.dtype)
     algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm)
     cases = []
     for shape in cfg.shapes:

@@ -1,6 +1,6 @@
 """PNG plot of a report: one panel per world size, one line per backend/algo.
 
-- all-reduce sweep and tune: p50 latency (us) vs message size (bytes), log-log;
+- all-reduce sweep: p50 latency (us) vs message size (bytes), log-log;
 - ``--fused``: p50 latency vs tokens, log-log;
 - verify: horizontal bars of the pass time (ms) per (model, T, backend/algo).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.results import FUSED, TUNE, VERIFY, Report, Result
+from bench.results import FUSED, VERIFY, Report, Result
 
 Series = dict[int, dict[str, list[tuple[float, float]]]]  # world -> line label -> sorted (x, y) points
 
@@ -22,14 +22,12 @@ def _x(r: Result) -> float:
 
 
 def _label(r: Result) -> str:
-    if r.workload == TUNE:  # one line per algorithm, at its best block count: 3 lines, not 21
-        return f"{r.algo.partition('/')[0]} (best block count)"
     return f"{r.backend} {r.label}"
 
 
 def series(report: Report) -> Series:
-    """Line data: world -> "backend algo" -> [(size or tokens, p50 us)], ok rows only (tune: the
-    fastest block count of each algorithm)."""
+    """Line data: world -> "backend algo" -> [(size or tokens, p50 us)], ok rows only (where several
+    rows share a label and x, the fastest)."""
     best: dict[tuple[int, str, float], float] = {}
     for r in report.results:
         if not r.ok or r.workload == VERIFY:
@@ -117,7 +115,7 @@ def write_plot(report: Report, path: str) -> str | None:
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("json", metavar="JSON", help="a bench.json / fused.json / verify.json / tune.json, or a "
+    parser.add_argument("json", metavar="JSON", help="a bench.json / fused.json / verify.json, or a "
                         "topo.json (then also its CSV)")
     parser.add_argument("--out", metavar="PNG", help="where to write the plot (default: next to JSON, .png)")
     parser.add_argument("--text", action="store_true", help="also print the report again from the JSON")

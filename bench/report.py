@@ -15,7 +15,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from bench.results import (
-    ALLREDUCE, FUSED, NOT_RUN, SKIPPED, TUNE, VERIFY, Note, Report, Result, backend_order, best_per_backend,
+    ALLREDUCE, FUSED, NOT_RUN, SKIPPED, VERIFY, Note, Report, Result, backend_order, best_per_backend,
     sort_key,
 )
 from bench.table import Column, line, num, speedup
@@ -39,7 +39,7 @@ TABLE_COLUMNS: tuple[Column, ...] = (
     Column("speedup", 8, lambda r: speedup(r.speedup)),
     Column("status", 8, lambda r: "" if r.ok else r.status),
 )
-FILE_STEMS = {ALLREDUCE: "bench", FUSED: "fused", VERIFY: "verify", TUNE: "tune"}
+FILE_STEMS = {ALLREDUCE: "bench", FUSED: "fused", VERIFY: "verify"}
 FILE_STEM = FILE_STEMS[ALLREDUCE]
 
 
@@ -160,7 +160,7 @@ def format_errors(results: Iterable[Result]) -> str:
     return "\n".join(lines)
 
 
-TITLES = {ALLREDUCE: "bench", FUSED: "bench --fused", VERIFY: "bench verify", TUNE: "tune"}
+TITLES = {ALLREDUCE: "bench", FUSED: "bench --fused", VERIFY: "bench verify"}
 
 
 def format_report_header(report: Report) -> str:
@@ -234,7 +234,7 @@ def to_json(report: Report) -> str:
 
 
 def file_stem(report: Report) -> str:
-    """"bench", "fused", "verify" or "tune": one out dir can hold every mode's files."""
+    """"bench", "fused" or "verify": one out dir can hold every mode's files."""
     return FILE_STEMS.get(str(report.config.get("workload", ALLREDUCE)), FILE_STEM)
 
 

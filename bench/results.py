@@ -12,14 +12,13 @@ OK = "ok"
 WRONG = "wrong"      # the all-reduce returned a wrong sum: not timed
 FAILED = "failed"    # raised, or hung and was killed by the watchdog
 NOT_RUN = "not run"  # never reached: an earlier case of the same backend run failed for good
-SKIPPED = "skipped"  # the backend cannot run this case here (e.g. more blocks than the block cap): not an error
+SKIPPED = "skipped"  # the backend cannot run this case here (e.g. over its capacity): not an error
 STATUSES: tuple[str, ...] = (OK, WRONG, FAILED, NOT_RUN, SKIPPED)
 
 # What a run measures (BenchConfig.workload): plain all-reduces (the sweep), all-reduce + residual
-# add + RMSNorm ("bench --fused"), one verify forward's collectives ("bench verify"), or our
-# launch shapes ("tune").
-ALLREDUCE, FUSED, VERIFY, TUNE = "allreduce", "fused", "verify", "tune"
-WORKLOADS: tuple[str, ...] = (ALLREDUCE, FUSED, VERIFY, TUNE)
+# add + RMSNorm (``--fused``), or one verify forward's collectives (``verify``).
+ALLREDUCE, FUSED, VERIFY = "allreduce", "fused", "verify"
+WORKLOADS: tuple[str, ...] = (ALLREDUCE, FUSED, VERIFY)
 NORM_SUFFIX = "+norm"  # algo "X+norm": backend's all-reduce X, then torch residual add + RMSNorm
 FUSED_ALGO = "fused"   # our fused all-reduce + residual add + RMSNorm kernel
 

@@ -17,7 +17,7 @@ import warnings
 from typing import Any, Callable, Protocol, Sequence
 
 from bench import backends, plan, progress, report, watchdog
-from bench.environment import placement_label
+from pcie_allreduce.ranks import placement_label
 from bench.options import BenchConfig
 from bench.outcome import one_line
 from bench.plan import Case

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
+
+from pcie_allreduce.tune import percentile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,19 +18,6 @@ class Timing:
     mean_us: float
     rank0_p50_us: float
     replays: int
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summarize(per_rank_block_us: Sequence[Sequence[float]], calls_per_block: int) -> Timing:

@@ -144,7 +144,9 @@ def format_probe(world: int, placement: str, data: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m bench topo``."""
-    from bench import options, sizes
+    from pcie_allreduce import sizes
+
+    from bench import options
 
     parser.add_argument("--out", metavar="DIR", help="also write topo.json, topo.txt, topo.csv and topo.png into DIR")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the matrices")
@@ -221,7 +223,7 @@ def _write_files(out: str, data: dict[str, Any], json_text: str, table: str) -> 
 def _measure(args: argparse.Namespace, gpu_count: int, show: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the probe per world size; (world -> matrices, world -> one-line error)."""
     from bench import topo_probe
-    from bench.environment import placement_label
+    from pcie_allreduce.ranks import placement_label
     from bench.options import default_worlds, unique
 
     measured: dict[str, Any] = {}

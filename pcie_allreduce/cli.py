@@ -39,7 +39,7 @@ class Command(NamedTuple):
 COMMANDS: tuple[Command, ...] = (
     Command("tune", "measure the crossovers between our algorithms and block counts here, and cache the algorithm "
                     "table every Communicator on this machine adopts",
-            "bench.tune:add_arguments", "bench.tune:run"),
+            "pcie_allreduce.tune:add_arguments", "pcie_allreduce.tune:run"),
     Command("env", "print the build and runtime configuration: versions, compiled archs, CUDA, GPUs and peer access",
             "pcie_allreduce.environment:add_arguments", "pcie_allreduce.environment:run"),
 )

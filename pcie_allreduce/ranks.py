@@ -54,6 +54,7 @@ __all__ = [
     "gpu_count",
     "mps_active",
     "patched_environ",
+    "placement_label",
     "run_ranks",
     "skip_reason_no_gpu",
 ]
@@ -139,6 +140,21 @@ def skip_reason_no_gpu() -> str | None:
     if gpu_count() == 0:
         return "no CUDA GPU visible (torch.cuda.device_count() == 0)"
     return None
+
+
+def placement_label(world: int, gpu_count: int, mps: bool | None) -> str:
+    """How ``world`` ranks sit on ``gpu_count`` GPUs, e.g. "emulation: 4 ranks on one GPU under MPS".
+
+    ``mps`` None: not known (no run got far enough to say).
+    """
+    if 0 < world <= gpu_count:
+        return f"{world} ranks on {world} GPUs"
+    where = "one GPU" if gpu_count <= 1 else f"{gpu_count} GPUs"
+    if mps is None:
+        return f"emulation: {world} ranks on {where}"
+    if mps:
+        return f"emulation: {world} ranks on {where} under MPS"
+    return f"emulation: {world} ranks on {where}, time-sliced without MPS (timings not meaningful)"
 
 
 def mps_active() -> bool:

@@ -8,7 +8,6 @@ backends are fakes built on gloo all-reduce:
   residual (the exact check must catch it); T=3 the fused path rounds differently, which only
   random data shows (the bitwise cross-check must catch it).
 - ``torch_symm``: gloo all-reduce whose ``two_shot`` overwrites its input (the zeroing path).
-- ``ours_shapes``: launch shapes "algo/bN", N > 4 is over the fake block cap (skipped).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from pcie_allreduce import ranks
 from bench import backends
 from bench.backends import Buffers
 from bench.norm_ops import torch_rmsnorm
-from bench.plan import Case, parse_shape_algo
 
 FAKE_BLOCK_CAP = 4
 
@@ -106,7 +104,7 @@ class FakeBackend(QuietBackendHooks):
     def __init__(self, ctx: ranks.RankContext, job: Any) -> None:
         self.ctx = ctx
         self.name = job.backend
-        if job.backend in ("ours", backends.OURS_SHAPES):
+        if job.backend == "ours":
             self.comm = FakeComm(ctx)
 
     def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:
@@ -124,13 +122,6 @@ class FakeBackend(QuietBackendHooks):
 
     def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
         return "oneshot" if algo == "auto" else algo
-
-
-    def skip_reason(self, case: Case) -> str | None:
-        if self.name != backends.OURS_SHAPES:
-            return None
-        _, blocks = parse_shape_algo(case.algo)
-        return f"{blocks} blocks > block cap {FAKE_BLOCK_CAP}" if blocks > FAKE_BLOCK_CAP else None
 
     def facts(self) -> dict[str, Any]:
         return {"block_cap": FAKE_BLOCK_CAP, "gpu_name": "Fake GPU", "fingerprint": "0123456789ab"}

@@ -21,17 +21,17 @@ import torch
 import torch.distributed as dist
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce import ranks, sizes
+from pcie_allreduce.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import (
-    backends, command, environment, options, outcome, pattern, progress, report, runner, sizes, stats, topo,
-    watchdog,
+    backends, command, environment, options, outcome, pattern, progress, report, runner, stats, topo, watchdog,
 )
 from bench.backends import Buffers
 from bench.plan import make_cases
-from tests._bench_fakes import FakeEvent, QuietBackendHooks
 from bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
+from tests._bench_fakes import FakeEvent, QuietBackendHooks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = ranks.skip_reason_no_gpu() is not None or not pcie_allreduce.is_available()
@@ -160,8 +160,8 @@ def _fake_report() -> Report:
              Note(8, "torch_symm", "failed", "hung: rank 3 ...", detail="stacks ...")]
     env = {"gpus": ["NVIDIA H200"], "driver": "580.1", "torch": "2.11.0", "cuda_runtime": "13.0",
            "date": "2026-11-29T00:00:00+00:00", "command": "python -m bench"}
-    placements = {2: "2 ranks on 2 GPUs", 4: environment.placement_label(4, 1, True),
-                  8: environment.placement_label(8, 1, True)}
+    placements = {2: "2 ranks on 2 GPUs", 4: placement_label(4, 1, True),
+                  8: placement_label(8, 1, True)}
     return Report(env, options.BenchConfig(worlds=(2, 4, 8), sizes=(14336, 57344)).to_dict(), placements,
                   add_speedups(rows), notes)
 
@@ -267,9 +267,9 @@ def test_exit_status() -> None:
     fine = Report({}, {}, {}, [_row(2, "ours", "oneshot", 1024, 1.0),
                                _row(2, "torch_symm", "one_shot", 1024, None, status=FAILED)])
     assert command.exit_status(fine) == 0  # another backend failing is reported, not our failure
-    skipped = Report({}, {}, {}, [_row(8, "ours_shapes", "oneshot/b32", 1024, None, status=SKIPPED)])
-    assert command.exit_status(skipped) == 0  # skipped by design (over the block cap)
-    not_run = Report({}, {}, {}, [_row(8, "ours_shapes", "oneshot/b8", 1024, None, status=NOT_RUN)])
+    skipped = Report({}, {}, {}, [_row(8, "ours", "oneshot_ll", 1 << 20, None, status=SKIPPED)])
+    assert command.exit_status(skipped) == 0  # skipped by design (over the low-latency capacity)
+    not_run = Report({}, {}, {}, [_row(8, "ours", "oneshot", 1024, None, status=NOT_RUN)])
     assert command.exit_status(not_run) == 1
 
 
@@ -286,22 +286,13 @@ def test_environment_lists_only_the_gpus_the_run_can_see() -> None:
 
 
 def test_placement_labels() -> None:
-    assert environment.placement_label(4, 1, True) == "emulation: 4 ranks on one GPU under MPS"
-    assert environment.placement_label(8, 2, True) == "emulation: 8 ranks on 2 GPUs under MPS"
-    assert "time-sliced" in environment.placement_label(2, 1, False)
-    assert environment.placement_label(4, 8, None) == "4 ranks on 4 GPUs"
+    assert placement_label(4, 1, True) == "emulation: 4 ranks on one GPU under MPS"
+    assert placement_label(8, 2, True) == "emulation: 8 ranks on 2 GPUs under MPS"
+    assert "time-sliced" in placement_label(2, 1, False)
+    assert placement_label(4, 8, None) == "4 ranks on 4 GPUs"
 
 
 # ----------------------------------------------------------------------------- stats, outcomes, pattern
-
-
-def test_percentile_matches_numpy() -> None:
-    np = pytest.importorskip("numpy")
-    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0]
-    for q in (0, 1, 25, 50, 90, 99, 100):
-        assert stats.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-    with pytest.raises(ValueError):
-        stats.percentile([], 50)
 
 
 def test_summarize_takes_the_slowest_rank_per_replay() -> None:
@@ -367,7 +358,7 @@ def test_every_backend_implements_the_rank_interface() -> None:
 
     wanted = {name for name in vars(backends.RankBackend) if not name.startswith("_")}
     for module, cls in (("backend_ours", "OursBackend"), ("backend_torch_symm", "TorchSymmBackend"),
-                        ("backend_nccl", "NcclBackend"), ("backend_ours_shapes", "OursShapesBackend"),
+                        ("backend_nccl", "NcclBackend"),
                         ("norm_ops", "NormAdapter")):
         klass = getattr(importlib.import_module(f"bench.{module}"), cls)
         assert wanted <= set(dir(klass)), (cls, wanted - set(dir(klass)))

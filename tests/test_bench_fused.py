@@ -11,6 +11,8 @@ import json
 import pytest
 import torch
 
+from pcie_allreduce.ranks import placement_label
+
 from bench import __main__ as bench_cli
 from bench import backends, command, environment, norm_ops, options, pattern, plan, report, runner
 from bench.results import FAILED, FUSED, OK, WRONG, Report, Result, add_speedups, is_norm_algo
@@ -167,7 +169,7 @@ def fake_fused_report() -> Report:
     config = options.BenchConfig(worlds=(4,), sizes=(57344, 1835008), workload=FUSED,
                                  shapes=(options.Shape(4, 7168), options.Shape(128, 7168))).to_dict()
     return Report({"gpus": ["NVIDIA H200"], "date": "2026-11-30"}, config,
-                  {4: environment.placement_label(4, 1, True)}, add_speedups(rows))
+                  {4: placement_label(4, 1, True)}, add_speedups(rows))
 
 
 def test_fused_speedups_compare_like_with_like() -> None:

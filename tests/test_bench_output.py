@@ -108,14 +108,6 @@ def test_bar_elsewhere_prints_lines_only() -> None:
     assert not Bar(0, "x", stream=_Tty(), factory=_FakeTqdm).active  # nothing to count
 
 
-def test_series_of_tune_keeps_the_best_block_count_per_algorithm() -> None:
-    from tests.test_bench_tune import _fake_tune_report
-
-    data = plot.series(_fake_tune_report())
-    assert sorted(data[2]) == ["oneshot (best block count)", "staged (best block count)", "twoshot (best block count)"]
-    assert data[2]["oneshot (best block count)"][0] == (1024.0, pytest.approx(10.0 + 1024 / 1e5))
-
-
 @pytest.mark.parametrize("make", [_fake_report, fake_fused_report, fake_verify_report])
 def test_json_round_trip_and_plot_command(make, tmp_path, capsys) -> None:
     from bench import __main__ as bench_cli

@@ -8,6 +8,8 @@ import io
 
 import pytest
 
+from pcie_allreduce.ranks import placement_label
+
 from bench import __main__ as bench_cli
 from bench import command, environment, options, plan, report, runner, verify_options
 from bench.results import OK, VERIFY, Report, Result, add_speedups
@@ -93,7 +95,7 @@ def fake_verify_report(compute_ms: float = 5.0) -> Report:
             _row("ours", "auto+norm", 20.0, resolved_algo="oneshot+norm"), _row("torch_symm", "one_shot+norm", 22.0)]
     config = options.BenchConfig(worlds=(8,), sizes=(57344,), workload=VERIFY, compute_ms=compute_ms, norm=True,
                                  shapes=(options.Shape(4, 7168, 61, "kimi-k2.5"),)).to_dict()
-    return Report({"gpus": ["NVIDIA H200"]}, config, {8: environment.placement_label(8, 1, True)},
+    return Report({"gpus": ["NVIDIA H200"]}, config, {8: placement_label(8, 1, True)},
                   add_speedups(rows, compute_ms))
 
 

@@ -1,4 +1,4 @@
-"""Message sizes on the command line: "4096", "14K", "56KiB", "64M" (binary units, as nccl-tests)."""
+"""Sizes on the command line ("4096", "14K", "56KiB", "64M": binary units, as nccl-tests), and dtype sizes."""
 
 from __future__ import annotations
 
@@ -52,3 +52,7 @@ def doubling_sizes(min_bytes: int, max_bytes: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes
+
+
+# Element bytes of the dtypes the kernels take, by name (what the command lines and tables say).
+DTYPE_SIZES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
