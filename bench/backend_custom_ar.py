@@ -20,26 +20,23 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from bench.backends import CUSTOM_AR_ALGOS, Buffers
-from bench.plan import Case, RankJob
 from pcie_allreduce.ranks import RankContext
+
+from bench.backends import Backend, Buffers
+from bench.plan import Case, RankJob
 
 SYNC_COUNT = 16  # elements of the device-sync all-reduce (a multiple of 16 bytes in fp32)
 
-# backend -> the module holding its CustomAllreduce wrapper
-WRAPPER_MODULES: dict[str, str] = {
-    "vllm": "vllm.distributed.device_communicators.custom_all_reduce",
-    "sgl_kernel": "sglang.srt.distributed.device_communicators.custom_all_reduce",
-}
-
-
-def _open_wrapper(backend: str, group: Any, device: torch.device, max_size: int) -> Any:
-    module = importlib.import_module(WRAPPER_MODULES[backend])
+def _open_wrapper(module_name: str, group: Any, device: torch.device, max_size: int) -> Any:
+    module = importlib.import_module(module_name)
     return module.CustomAllreduce(group=group, device=device, max_size=max_size)
 
 
-class CustomAllreduceBackend:
-    """vLLM's or SGLang's ``CustomAllreduce`` over the rank's gloo group."""
+class CustomAllreduceBackend(Backend):
+    """vLLM's or SGLang's ``CustomAllreduce`` over the rank's gloo group; ``wrapper_module`` holds it."""
+
+    algorithms = ("custom_ar",)
+    wrapper_module = ""
 
     def __init__(self, ctx: RankContext, job: RankJob,
                  open_wrapper: Callable[[str, Any, torch.device, int], Any] = _open_wrapper) -> None:
@@ -49,7 +46,7 @@ class CustomAllreduceBackend:
         self._problem: str | None = None
         self._ca: Any = None
         try:
-            self._ca = open_wrapper(job.backend, ctx.group, ctx.device, self._max_size)
+            self._ca = open_wrapper(self.wrapper_module, ctx.group, ctx.device, self._max_size)
         except Exception as exc:  # noqa: BLE001 - reported per case as the skip reason
             self._problem = f"{self._name} CustomAllreduce could not be created: {type(exc).__name__}: {exc}"
         else:
@@ -94,7 +91,7 @@ class CustomAllreduceBackend:
 
     def device_sync(self) -> None:
         if self._problem is None:
-            self.call(Buffers(self._sync, self._sync), CUSTOM_AR_ALGOS[0])
+            self.call(Buffers(self._sync, self._sync), self.algorithms[0])
 
     def check(self) -> None:
         pass  # the kernels have no error channel; a hang is caught by the bench watchdog
@@ -102,3 +99,15 @@ class CustomAllreduceBackend:
     def close(self) -> None:
         if self._ca is not None and hasattr(self._ca, "close"):
             self._ca.close()
+
+
+class VllmCustomAllreduceBackend(CustomAllreduceBackend):
+    packages = ("vllm",)
+    install_hint = "pip install vllm"
+    wrapper_module = "vllm.distributed.device_communicators.custom_all_reduce"
+
+
+class SglKernelCustomAllreduceBackend(CustomAllreduceBackend):
+    packages = ("sgl_kernel", "sglang")
+    install_hint = "pip install sglang sgl-kernel"
+    wrapper_module = "sglang.srt.distributed.device_communicators.custom_all_reduce"

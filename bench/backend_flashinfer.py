@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from bench.backends import Buffers
 from pcie_allreduce.sizes import DTYPE_SIZES
-from bench.plan import Case, RankJob
 from pcie_allreduce.ranks import RankContext
+
+from bench.backends import Backend, Buffers
+from bench.plan import Case, RankJob
 
 SYNC_COUNT = 64  # elements of the device-sync all-reduce (whole 16-byte packs in bf16/fp16/fp32)
 
@@ -34,8 +35,12 @@ def _open_workspace(group: Any, max_numel: int, dtype: torch.dtype) -> Any:
     return workspace_cls(group=group, max_numel=max_numel, dtype=dtype)
 
 
-class FlashInferPcieIpcBackend:
+class FlashInferPcieIpcBackend(Backend):
     """One ``PcieIpcAllReduceWorkspace`` sized for the run's largest message."""
+
+    algorithms = ("pcie_ipc",)
+    packages = ("flashinfer",)
+    install_hint = "pip install flashinfer-python; its PCIe IPC all-reduce needs >= 0.7"
 
     def __init__(self, ctx: RankContext, job: RankJob,
                  open_workspace: Callable[[Any, int, torch.dtype], Any] = _open_workspace) -> None:

@@ -6,17 +6,30 @@ Only used when every rank has its own GPU (NCCL refuses two ranks on one device)
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
 
-from bench.backends import Buffers
-from bench.plan import RankJob
 from pcie_allreduce.ranks import RankContext
 
+from bench.backends import Backend, Buffers
+from bench.plan import RankJob
 
-class NcclBackend:
+
+class NcclBackend(Backend):
     """NCCL all-reduce, in place (NCCL's out-of-place path costs the same)."""
+
+    algorithms = ("default",)  # NCCL picks ring/tree and protocol itself
+
+    @classmethod
+    def runtime_problem(cls, world: int, gpu_count: int) -> str | None:
+        if world > gpu_count:
+            return (f"NCCL refuses two ranks on one GPU ({world} ranks on {gpu_count} GPU"
+                    f"{'s' if gpu_count != 1 else ''}); it runs only when every rank has its own GPU")
+        if not dist.is_nccl_available():
+            return "this torch has no NCCL backend"
+        return None
 
     def __init__(self, ctx: RankContext, job: RankJob) -> None:
         self._device = ctx.device
@@ -53,3 +66,9 @@ class NcclBackend:
     def close(self) -> None:
         torch.cuda.synchronize(self._device)
         dist.destroy_process_group(self._group)
+
+
+class NcclLowLatencyBackend(NcclBackend):
+    """NCCL with its low-latency protocol for every size: the tuned-NCCL row."""
+
+    env = MappingProxyType({"NCCL_PROTO": "LL"})

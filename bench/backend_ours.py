@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pcie_allreduce.algo import fits_capacity
-from bench.backends import Buffers
-from bench.plan import Case, RankJob
 from pcie_allreduce.ranks import RankContext
+
+from bench.backends import Backend, Buffers
+from bench.options import OUR_ALGOS
+from bench.plan import Case, RankJob
 
 if TYPE_CHECKING:
     from pcie_allreduce.communicator import Communicator
@@ -17,8 +19,17 @@ if TYPE_CHECKING:
 SYNC_COUNT = 8  # elements of the tiny all-reduce that lines the GPUs up before a timed block
 
 
-class OursBackend:
+class OursBackend(Backend):
     """One Communicator sized for the largest message of the run."""
+
+    algorithms = OUR_ALGOS  # --algos picks among them
+
+    @classmethod
+    def runtime_problem(cls, world: int, gpu_count: int) -> str | None:
+        import pcie_allreduce
+
+        reason = pcie_allreduce.unavailable_reason()
+        return None if reason is None else f"pcie_allreduce kernels unavailable: {reason}"
 
     def __init__(self, ctx: RankContext, job: RankJob) -> None:
         from pcie_allreduce.communicator import Communicator

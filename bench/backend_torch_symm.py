@@ -9,14 +9,16 @@ allocation per call); older ones fall back to the allocating / in-place ops.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
 
-from bench.backends import Buffers
 from pcie_allreduce.sizes import DTYPE_SIZES
-from bench.plan import RankJob
 from pcie_allreduce.ranks import RankContext
+
+from bench.backends import Backend, Buffers
+from bench.plan import RankJob
 
 SYNC_COUNT = 64
 
@@ -28,8 +30,28 @@ def _op(name: str) -> Any | None:
         return None
 
 
-class TorchSymmBackend:
+class TorchSymmBackend(Backend):
     """one_shot_all_reduce(_out) and two_shot_all_reduce_(out) over a gloo group's name."""
+
+    algorithms = ("one_shot", "two_shot")
+
+    @classmethod
+    def runtime_problem(cls, world: int, gpu_count: int) -> str | None:
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is built without CUDA"
+        try:
+            importlib.import_module("torch.distributed._symmetric_memory")  # registers the ops' Python side
+        except ImportError as exc:
+            return f"torch.distributed._symmetric_memory does not import ({exc})"
+        for op in ("one_shot_all_reduce", "two_shot_all_reduce_"):
+            if _op(op) is None:
+                return f"torch {torch.__version__} has no torch.ops.symm_mem.{op}"
+        return None
+
+    @classmethod
+    def rank_env(cls, world: int, gpu_count: int) -> dict[str, str]:
+        # Without it torch symmetric memory refuses two ranks whose tensors live on one device.
+        return {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if world > gpu_count else {}
 
     def __init__(self, ctx: RankContext, job: RankJob) -> None:
         import torch.distributed._symmetric_memory as symm_mem

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from pcie_allreduce.ranks import RankContext
+
 from bench import pattern
 from bench.backends import Buffers
 from bench.norm_ops import NormBuffers, close_enough
 from bench.plan import Case, RankJob
-from pcie_allreduce.ranks import RankContext
 
 
 class PlainCheck:

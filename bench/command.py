@@ -7,9 +7,10 @@ import argparse
 import sys
 from typing import Callable
 
-from bench import options, report, runner
 from pcie_allreduce.cli import EXIT_FAILURES, EXIT_INTERRUPTED
 from pcie_allreduce.errors import UnavailableError
+
+from bench import options, report, runner
 from bench.results import OK, SKIPPED, WRONG, Report
 
 Echo = Callable[[str], None]

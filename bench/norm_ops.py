@@ -19,11 +19,12 @@ from typing import Any, ContextManager
 
 import torch
 
+from pcie_allreduce.ranks import RankContext
+
 from bench.backends import Buffers
 from bench.plan import Case, RankJob
 from bench.results import FUSED_ALGO, NORM_SUFFIX
 from bench.results import is_norm_algo as is_norm
-from pcie_allreduce.ranks import RankContext
 
 NORMED_RTOL = NORMED_ATOL = 2.0 ** -6  # a few bf16 ulps: two roundings and a different reduction order
 CROSS_CHECK_SEED = 1234

@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from types import MappingProxyType
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
+from pcie_allreduce import sizes
 from pcie_allreduce.algo import ALGORITHMS
 from pcie_allreduce.cli import typed_arg
 from pcie_allreduce.sizes import DTYPE_SIZES
-from pcie_allreduce import sizes
+from pcie_allreduce.tune import MAX_WORLD, MIN_WORLD, default_worlds
+
+from bench.backends import BACKENDS
 from bench.results import ALLREDUCE, FUSED
 
-
 OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
-BACKENDS: tuple[str, ...] = ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
-MIN_WORLD, MAX_WORLD = 2, 8
-EMULATED_WORLDS: tuple[int, ...] = (2, 4, 8)
 DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES = "1K", "64M"
 NORM_DTYPES: tuple[str, ...] = ("bfloat16", "float16")  # what the fused kernel takes
 DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 32, 128)
@@ -179,13 +177,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def unique(values: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(dict.fromkeys(values))
-
-
-def default_worlds(gpu_count: int) -> tuple[int, ...]:
-    """All local GPUs (capped at 8) when there are several, else the emulated 2, 4, 8 on one GPU."""
-    if gpu_count > 1:
-        return (min(gpu_count, MAX_WORLD),)
-    return EMULATED_WORLDS
 
 
 def sweep_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, ...]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from bench import backends
 from pcie_allreduce.sizes import DTYPE_SIZES
 
+from bench import backends
 from bench.options import BenchConfig
 from bench.results import ALLREDUCE, VERIFY
 

@@ -111,6 +111,41 @@ def write_plot(report: Report, path: str) -> str | None:
     return None
 
 
+def write_topo_png(data: dict[str, Any], path: str) -> str | None:
+    """Heat maps per W; None on success, else why nothing was written (no matplotlib, no data)."""
+    from bench.topo_files import measured_worlds
+
+    measured = measured_worlds(data)
+    if not measured:
+        return "no measurements to plot (topo ran with --no-probe, or every W failed)"
+    plt, problem = pyplot()
+    if plt is None:
+        return problem
+    fig, axes = plt.subplots(len(measured), 2, figsize=(11, 4.6 * len(measured)), squeeze=False)
+    try:
+        for row, (world, m) in enumerate(measured):
+            for col, (key, what, fmt) in enumerate((("rtt_us", "flag round trip (us)", "{:.2f}"),
+                                                    ("write_gbps", "one-way write (GB/s)", "{:.0f}"))):
+                ax = axes[row][col]
+                grid = [[float("nan") if v is None else float(v) for v in line] for line in m.get(key) or []]
+                image = ax.imshow(grid, cmap="viridis")
+                fig.colorbar(image, ax=ax, fraction=0.046)
+                for i, line in enumerate(grid):
+                    for j, v in enumerate(line):
+                        if v == v:  # not NaN (the diagonal)
+                            ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=7, color="white")
+                ax.set_xticks(range(world), [f"r{j}" for j in range(world)])
+                ax.set_yticks(range(world), [f"r{i}" for i in range(world)])
+                ax.set_xlabel("receiver")
+                ax.set_ylabel("sender")
+                ax.set_title(f"W={world} {what}\n{m.get('placement', '')}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return None
+
+
 # ---- ``python -m bench plot``: re-plot a saved run (e.g. on a machine that has matplotlib) ------
 
 
@@ -163,7 +198,7 @@ def _replot_topo(document: dict[str, Any], args: Any) -> int:
         fh.write(topo_files.csv_text(document))
     print(f"wrote {stem}.csv", file=sys.stderr)
     path = args.out or stem + ".png"
-    problem = topo_files.write_png(document, path)
+    problem = write_topo_png(document, path)
     if problem is not None:
         raise UnavailableError(problem)
     print(f"wrote {path}", file=sys.stderr)

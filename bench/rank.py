@@ -24,13 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pcie_allreduce.ranks import RankContext
+
 from bench import backends, checks, environment, outcome, timing
 from bench.norm_ops import NormAdapter
 from bench.plan import Case, RankJob
 from bench.progress import ProgressLog
 from bench.results import FAILED, FUSED, OK, SKIPPED, VERIFY, WRONG
 from bench.watchdog import Watchdog
-from pcie_allreduce.ranks import RankContext
 
 
 def _gather(ctx: RankContext, obj: Any) -> list[Any]:

@@ -16,8 +16,9 @@ import traceback
 import warnings
 from typing import Any, Callable, Protocol, Sequence
 
-from bench import backends, plan, progress, report, watchdog
 from pcie_allreduce.ranks import placement_label
+
+from bench import backends, plan, progress, report, watchdog
 from bench.options import BenchConfig
 from bench.outcome import one_line
 from bench.plan import Case

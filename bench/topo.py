@@ -208,7 +208,7 @@ def format_document(topo: Topology, data: dict[str, Any]) -> str:
 
 def _write_files(out: str, data: dict[str, Any], json_text: str, table: str) -> None:
     """topo.json, topo.txt, topo.csv and (with matplotlib) topo.png into ``out``."""
-    from bench import topo_files
+    from bench import plot, topo_files
 
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, os.path.splitext(JSON_NAME)[0])
@@ -216,7 +216,7 @@ def _write_files(out: str, data: dict[str, Any], json_text: str, table: str) -> 
         with open(stem + suffix, "w", encoding="utf-8") as fh:
             fh.write(content)
         print(f"wrote {stem + suffix}", file=sys.stderr)
-    problem = topo_files.write_png(data, stem + ".png")
+    problem = plot.write_topo_png(data, stem + ".png")
     print(f"no {stem}.png: {problem}" if problem else f"wrote {stem}.png", file=sys.stderr)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import ranks
+
 from bench import backends
 from bench.backends import Buffers
 from bench.norm_ops import torch_rmsnorm

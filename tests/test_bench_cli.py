@@ -31,6 +31,7 @@ from bench import (
 from bench.backends import Buffers
 from bench.plan import make_cases
 from bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
+
 from tests._bench_fakes import FakeEvent, QuietBackendHooks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -678,7 +679,7 @@ def test_bench_command_with_nothing_runnable(monkeypatch, capsys) -> None:
 def test_nccl_ll_is_the_tuned_nccl_row() -> None:
     from bench import backends
 
-    assert backends.algos_for("nccl_ll", ("auto",)) == backends.NCCL_ALGOS
+    assert backends.algos_for("nccl_ll", ("auto",)) == backends.algos_for("nccl", ("auto",)) == ("default",)
     assert backends.rank_env("nccl_ll", 8, 8) == {"NCCL_PROTO": "LL"}
     assert backends.rank_env("nccl", 8, 8) == {}
     assert "refuses two ranks on one GPU" in backends.skip_reason("nccl_ll", 8, 1)

@@ -16,6 +16,7 @@ from pcie_allreduce.ranks import placement_label
 from bench import __main__ as bench_cli
 from bench import backends, command, environment, norm_ops, options, pattern, plan, report, runner
 from bench.results import FAILED, FUSED, OK, WRONG, Report, Result, add_speedups, is_norm_algo
+
 from tests import _bench_fakes as fakes
 
 

@@ -12,6 +12,7 @@ import pytest
 from bench import command, plot
 from bench.progress_bar import Bar
 from bench.results import Report
+
 from tests.test_bench_fused import fake_fused_report
 from tests.test_bench_verify import fake_verify_report
 from tests.test_bench_cli import _fake_report

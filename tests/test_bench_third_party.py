@@ -12,11 +12,12 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from pcie_allreduce.ranks import RankContext
+
 from bench import backends, timing
 from bench.backend_custom_ar import CustomAllreduceBackend
 from bench.backend_flashinfer import FlashInferPcieIpcBackend
 from bench.plan import Case, RankJob
-from pcie_allreduce.ranks import RankContext
 
 CTX = RankContext(rank=0, world_size=2, group=None, device=torch.device("cpu"))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench import __main__ as bench_cli
-from bench import topo, topo_files, topo_probe
+from bench import plot, topo, topo_files, topo_probe
 
 
 def _per_rank(world: int) -> list[dict]:
@@ -121,7 +121,7 @@ def test_topo_files_from_a_document_without_measurements(tmp_path) -> None:
     document = {"gpus": [], "peer_access": [], "nvidia_smi_topo": ""}
     assert topo_files.is_topo_document(document) and not topo_files.is_topo_document({"results": []})
     assert topo_files.csv_text(document).strip() == ",".join(topo_files.CSV_COLUMNS)
-    assert "no measurements" in (topo_files.write_png(document, str(tmp_path / "x.png")) or "")
+    assert "no measurements" in (plot.write_topo_png(document, str(tmp_path / "x.png")) or "")
 
 
 # ---------------------------------------------------------------------------- kernels, interpreted

@@ -13,6 +13,7 @@ from pcie_allreduce.ranks import placement_label
 from bench import __main__ as bench_cli
 from bench import command, environment, options, plan, report, runner, verify_options
 from bench.results import OK, VERIFY, Report, Result, add_speedups
+
 from tests import _bench_fakes as fakes
 
 
