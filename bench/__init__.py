@@ -6,7 +6,6 @@ the library never imports it, and it is not part of the wheel.
 
 Modules, one idea each (parent side first, then what runs inside the ranks):
 
-- ``sizes``        byte-size parsing ("64K", "1MiB") and power-of-two ranges (pure)
 - ``options``      argparse options and the validated :class:`~.options.BenchConfig` (pure)
 - ``results``      the result-row data model, bandwidths and speed-ups (pure)
 - ``report``       table / summary / CSV / JSON formatting and writing (pure)
@@ -14,12 +13,12 @@ Modules, one idea each (parent side first, then what runs inside the ranks):
 - ``plan``         the picklable job a backend run hands to its ranks (pure)
 - ``progress``     JSON-lines log the ranks append to and the parent reads back
 - ``environment``  GPU / driver / software facts and the placement label
-- ``backends``     backend registry: availability, per-rank env, factory
+- ``backends``     the backend registry (name -> "module:Class") and what a backend class declares
 - ``runner``       parent: one isolated ``run_ranks`` per (world, backend), retries, partial results
 - ``command``      the default benchmark and ``verify`` end to end
 - ``outcome``      per-rank case outcomes merged into one logged row (pure)
 - ``verify_options`` ``verify``'s options and model presets (pure)
-- ``table``, ``report_fused``, ``report_verify``, ``plot``, ``progress_bar``: output
+- ``table``, ``report_fused``, ``report_verify``, ``plot`` (also topo's heat maps), ``progress_bar``: output
 - ``topo``         peer-access matrix, PCI bus ids, NUMA nodes, and ``topo_probe`` /
   ``probe_kernels``: latency and bandwidth measured between ranks
 - ``rank``, ``checks``, ``norm_ops``, ``timing``, ``pattern``, ``watchdog``, ``backend_*``: rank side

@@ -1,5 +1,5 @@
-"""``pcie-allreduce bench`` (also ``--fused``) and ``bench verify``: check this machine can run it,
-sweep, print, write files and the plot."""
+"""``python -m bench`` (also ``--fused``) and ``python -m bench verify``: check this machine can run
+it, sweep, print, write files and the plot."""
 
 from __future__ import annotations
 
@@ -98,14 +98,14 @@ def _gpu_count() -> int:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Handler of the ``bench`` subcommand (``--fused`` included)."""
+    """Handler of ``python -m bench`` (``--fused`` included)."""
     gpu_count = _gpu_count()
     cfg = options.config_from_args(args, parser, gpu_count)
     return finish(sweep(cfg, gpu_count, "bench --fused" if args.fused else "bench"), cfg)
 
 
 def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Handler of ``bench verify``."""
+    """Handler of ``python -m bench verify``."""
     from bench import verify_options
 
     gpu_count = _gpu_count()

@@ -1,7 +1,7 @@
-"""The ``bench --fused`` report: the per-case table and the summary the fused kernel is judged by.
+"""The ``python -m bench --fused`` report: the per-case table and the summary the fused kernel is judged by.
 
-Issue 3's acceptance, per W and token count: our fused all-reduce + residual add + RMSNorm
-should cost at most 1.15x our plain all-reduce alone, and at most 0.75x our all-reduce followed by
+The goals, per W and token count: our fused all-reduce + residual add + RMSNorm should cost
+at most 1.15x our plain all-reduce alone, and at most 0.75x our all-reduce followed by
 the separate torch add + RMSNorm. Pure.
 """
 
@@ -36,7 +36,7 @@ def _best(rows: list[Result], backend: str, norm: bool) -> Result | None:
 
 
 def summary_rows(report: Report) -> list[dict[str, Any]]:
-    """Per (world, tokens): the p50 of every contender and the two ratios of the acceptance."""
+    """Per (world, tokens): the p50 of every contender and the two ratios the goals are about."""
     rows = [r for r in report.results if r.workload == FUSED]
     others = [b for b in backend_order(report, rows) if b != "ours"]
     out = []

@@ -1,4 +1,4 @@
-"""The ``bench verify`` report: pass time, projected verify time and speed-up per backend (pure).
+"""The ``python -m bench verify`` report: pass time, projected verify time and speed-up per backend (pure).
 
 A verify pass is 2 x L collectives on [T, H] captured in one CUDA graph; a row's ``p50_us`` is per
 collective, so pass = p50 x calls. Projected verify time = pass + the model's compute

@@ -416,7 +416,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how = parser.add_argument_group("how to time")
     how.add_argument("--iters", type=positive_int, default=30, metavar="N",
                      help="timed replays per shape, at most (fewer if --time-budget runs out; default 30)")
-    how.add_argument("--warmup", type=non_negative_int, default=5, metavar="N", help="untimed replays first (default 5)")
+    how.add_argument("--warmup", type=non_negative_int, default=5, metavar="N",
+                     help="untimed replays first (default 5)")
     how.add_argument("--calls-per-graph", type=positive_int, default=16, metavar="N",
                      help="launches captured in one CUDA graph; time per call = replay time / this (default 16)")
     how.add_argument("--time-budget", type=positive_float, default=0.2, metavar="S",

@@ -634,8 +634,8 @@ def test_help_works_everywhere() -> None:
     assert "--fused" in proc.stdout and all(mode in proc.stdout for mode in ("verify", "topo", "plot"))
 
 
-@pytest.mark.parametrize("argv, fragment", [(["verify", "--help"], "--draft-tokens"), (["topo", "--help"], "--no-probe"),
-                                            (["plot", "--help"], "JSON")])
+@pytest.mark.parametrize("argv, fragment", [(["verify", "--help"], "--draft-tokens"),
+                                            (["topo", "--help"], "--no-probe"), (["plot", "--help"], "JSON")])
 def test_subcommand_help(argv: list[str], fragment: str, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         bench_cli.main(argv)
