@@ -1,13 +1,17 @@
 """The ``pcie-allreduce`` console script (also ``python -m pcie_allreduce``).
 
-Subcommands are registered in :data:`COMMANDS`; each names the function that declares its options
-and the handler, both imported only when that subcommand runs, so ``--help`` and argument errors
-stay fast and never touch a GPU. Implemented: ``bench`` and ``topo`` (peer-access matrix). Planned
-(issue 5): ``bench verify``, ``tune``, and latency/bandwidth per pair in ``topo``.
+    pcie-allreduce tune [options]   measure this machine's crossovers between our algorithms and block
+                                    counts, and cache the algorithm table every Communicator here adopts
+    pcie-allreduce env              print the build and runtime configuration
 
-Exit status: 0 success; 1 the run finished but some of our cases failed or a backend returned a
-wrong sum (``topo``: a measurement failed); 2 usage error; 3 this machine cannot run the command
-(the reason is printed as one line on stderr, without a traceback); 130 interrupted.
+Subcommands are registered in :data:`COMMANDS`; each names the function that declares its options
+and the handler as "module:function" paths, and only the subcommand named on the command line is
+imported, so ``--help`` and argument errors stay fast and never touch a GPU. The benchmark
+harness is not part of the package: from a checkout, run ``python -m bench --help``.
+
+Exit status: 0 success; 1 the run finished but something it checked failed; 2 usage error; 3 this
+machine cannot run the command (the reason is printed as one line on stderr, without a
+traceback); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 PROG = "pcie-allreduce"
-EXIT_INTERRUPTED = 130
+EXIT_FAILURES = 1
 EXIT_UNAVAILABLE = 3
+EXIT_INTERRUPTED = 130
 
 
 class Command(NamedTuple):
@@ -32,65 +37,105 @@ class Command(NamedTuple):
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("bench", "time all-reduce backends side by side (ours, torch symmetric memory, NCCL)",
-            "pcie_allreduce.bench.options:add_arguments", "pcie_allreduce.bench.command:run"),
-    Command("tune", "measure the crossovers between our algorithms and block counts here, and cache an "
-                    "algorithm table for PCIE_AR_ALGO_TABLE",
-            "pcie_allreduce.bench.tune:add_arguments", "pcie_allreduce.bench.tune:run"),
-    Command("plot", "draw the PNG of a saved bench / fused / verify / tune JSON (needs matplotlib)",
-            "pcie_allreduce.bench.plot:add_arguments", "pcie_allreduce.bench.plot:run"),
+    Command("tune", "measure the crossovers between our algorithms and block counts here, and cache the algorithm "
+                    "table every Communicator on this machine adopts",
+            "pcie_allreduce.tune:add_arguments", "pcie_allreduce.tune:run"),
     Command("env", "print the build and runtime configuration: versions, compiled archs, CUDA, GPUs and peer access",
             "pcie_allreduce.environment:add_arguments", "pcie_allreduce.environment:run"),
-    Command("topo", "show which GPUs have CUDA peer access to which (PCI bus ids, NUMA nodes), and measure flag "
-                    "round-trip latency and write bandwidth between the ranks",
-            "pcie_allreduce.bench.topo:add_arguments", "pcie_allreduce.bench.topo:run"),
 )
 
 
-def _resolve(path: str) -> Callable[..., object]:
+def resolve(path: str) -> Callable[..., Any]:
+    """The function a "module:function" path names (imports the module)."""
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser (imports only the option modules of the subcommands, which are pure)."""
+def typed_arg(convert: Callable[[str], Any], check: Callable[[Any], bool], what: str,
+              *, explains: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type=`` that converts and checks, so bad values become usage errors (exit 2).
+
+    ``explains``: the converter's ValueError message is meant for users (``parse_size``); int() and
+    float() messages are not, so those get "'x' is not <what>".
+    """
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) if explains else f"{text!r} is not {what}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def _named_command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is one), if any."""
+    names = {cmd.name for cmd in COMMANDS}
+    return next((word for word in argv if word in names), None)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser, with the options of the subcommand ``argv`` names (only that one is imported).
+
+    Raises ImportError when that subcommand's module is missing from this install.
+    """
     parser = argparse.ArgumentParser(prog=PROG, description="P2P all-reduce for PCIe multi-GPU servers.")
     from pcie_allreduce import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = _named_command(argv)
     for cmd in COMMANDS:
         child = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        _resolve(cmd.add_arguments)(child)
+        if cmd.name == wanted:
+            resolve(cmd.add_arguments)(child)
         child.set_defaults(handler=cmd.handler, parser=child)
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (its type name if it has none)."""
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def run_handler(prefix: str, handler: str | Callable[..., Any], args: argparse.Namespace,
+                parser: argparse.ArgumentParser) -> int:
+    """Run a subcommand's handler; "cannot run here" and Ctrl-C become one line on stderr and a status.
+
+    ``prefix`` starts those lines ("pcie-allreduce tune"); ``handler`` is a function or a
+    "module:function" path. Shared with the benchmark harness (``python -m bench``).
+    """
+    from pcie_allreduce.errors import UnavailableError
+
+    try:
+        function = resolve(handler) if isinstance(handler, str) else handler
+    except ImportError as exc:  # an install without the module this command lives in
+        print(f"{prefix}: error: cannot load the command ({one_line(exc)})", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    try:
+        return int(function(args, parser))
+    except UnavailableError as exc:
+        print(f"{prefix}: cannot run here: {one_line(exc)}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    mode = getattr(args, "bench_mode", None)  # "bench verify"
-    prefix = f"{PROG} {args.command}" + (f" {mode}" if mode else "")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        handler = _resolve(args.handler)
-    except ImportError as exc:  # e.g. an install whose package list lacks pcie_allreduce.bench
-        print(f"{prefix}: error: cannot load the command ({_one_line(exc)})", file=sys.stderr)
+        parser = build_parser(argv)
+    except ImportError as exc:
+        print(f"{PROG} {_named_command(argv)}: error: cannot load the command ({one_line(exc)})", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    from pcie_allreduce.bench.errors import Unavailable
-
-    try:
-        return int(handler(args, args.parser))  # type: ignore[call-overload]
-    except Unavailable as exc:
-        print(f"{prefix}: cannot run here: {_one_line(exc)}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"{prefix}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    args = parser.parse_args(argv)
+    return run_handler(f"{PROG} {args.command}", args.handler, args, args.parser)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A private NVIDIA MPS control daemon, so several processes' kernels share one GPU concurrently.
 
-Used by :func:`pcie_allreduce.testing.run_ranks` when W ranks share fewer GPUs: without MPS their
+Used by :func:`pcie_allreduce.ranks.run_ranks` when W ranks share fewer GPUs: without MPS their
 contexts time-slice (milliseconds per collective); with it their kernels run side by side, which
 spin-waiting collectives need to be fast.
 """

@@ -48,30 +48,3 @@ def ensure_entry_point() -> str | None:
     sys.path.insert(0, root)
     importlib.invalidate_caches()
     return root
-
-
-# Native server extensions SGLang's distributed/plugin code never imports; dropping them keeps the
-# wheel small enough to carry to an offline GPU test machine.
-TRIM_PREFIXES: tuple[str, ...] = ("sglang/srt/rust_extensions/", "sglang/srt/mem_cache/rust_tree_core/")
-
-
-def trim_sglang_wheel(src: str, dest_dir: str) -> str:
-    """Copy SGLang's wheel without its native ``*.so`` server extensions; returns the new path.
-
-    The Python sources are untouched (the tests run SGLang's real code); RECORD loses the dropped
-    files' lines so the wheel stays consistent. Used only to bring SGLang to the offline GPU test
-    machine: ``python -m sglang_plugin.testing trim-wheel SRC DEST_DIR``.
-    """
-    from pcie_allreduce.bench.wheels import copy_wheel_keeping
-
-    def keep(name: str) -> bool:
-        return not (name.startswith(TRIM_PREFIXES) and name.endswith(".so"))
-
-    return copy_wheel_keeping(src, dest_dir, keep)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "trim-wheel":
-        print(trim_sglang_wheel(sys.argv[2], sys.argv[3]))
-    else:
-        sys.exit("usage: python -m sglang_plugin.testing trim-wheel SGLANG_WHEEL DEST_DIR")

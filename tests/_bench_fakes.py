@@ -8,7 +8,6 @@ backends are fakes built on gloo all-reduce:
   residual (the exact check must catch it); T=3 the fused path rounds differently, which only
   random data shows (the bitwise cross-check must catch it).
 - ``torch_symm``: gloo all-reduce whose ``two_shot`` overwrites its input (the zeroing path).
-- ``ours_shapes``: launch shapes "algo/bN", N > 4 is over the fake block cap (skipped).
 """
 
 from __future__ import annotations
@@ -19,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import testing
-from pcie_allreduce.bench import backends
-from pcie_allreduce.bench.backends import Buffers
-from pcie_allreduce.bench.norm_ops import torch_rmsnorm
-from pcie_allreduce.bench.plan import Case, parse_shape_algo
+from pcie_allreduce import ranks
+
+from bench import backends
+from bench.backends import Buffers
+from bench.norm_ops import torch_rmsnorm
 
 FAKE_BLOCK_CAP = 4
 
@@ -47,7 +46,7 @@ class FakeComm:
 
     block_cap = FAKE_BLOCK_CAP
 
-    def __init__(self, ctx: testing.RankContext) -> None:
+    def __init__(self, ctx: ranks.RankContext) -> None:
         self.ctx = ctx
         self.device = ctx.device
 
@@ -103,10 +102,10 @@ class QuietBackendHooks:
 class FakeBackend(QuietBackendHooks):
     """gloo all-reduce; ``comm`` only for "ours"."""
 
-    def __init__(self, ctx: testing.RankContext, job: Any) -> None:
+    def __init__(self, ctx: ranks.RankContext, job: Any) -> None:
         self.ctx = ctx
         self.name = job.backend
-        if job.backend in ("ours", backends.OURS_SHAPES):
+        if job.backend == "ours":
             self.comm = FakeComm(ctx)
 
     def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:
@@ -125,20 +124,13 @@ class FakeBackend(QuietBackendHooks):
     def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
         return "oneshot" if algo == "auto" else algo
 
-
-    def skip_reason(self, case: Case) -> str | None:
-        if self.name != backends.OURS_SHAPES:
-            return None
-        _, blocks = parse_shape_algo(case.algo)
-        return f"{blocks} blocks > block cap {FAKE_BLOCK_CAP}" if blocks > FAKE_BLOCK_CAP else None
-
     def facts(self) -> dict[str, Any]:
         return {"block_cap": FAKE_BLOCK_CAP, "gpu_name": "Fake GPU", "fingerprint": "0123456789ab"}
 
 
-def cpu_bench_rank(ctx: testing.RankContext, job: Any) -> dict:
+def cpu_bench_rank(ctx: ranks.RankContext, job: Any) -> dict:
     """bench_rank with the CUDA calls stubbed and the fake backends, in a CPU rank."""
-    from pcie_allreduce.bench import environment, rank
+    from bench import environment, rank
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.Stream = lambda *a, **k: object()
@@ -151,13 +143,13 @@ def cpu_bench_rank(ctx: testing.RankContext, job: Any) -> dict:
 
 def use_cpu_ranks(monkeypatch: Any) -> None:
     """Make the runner spawn CPU ranks running :func:`cpu_bench_rank`, every backend available."""
-    real_run_ranks = testing.run_ranks
+    real_run_ranks = ranks.run_ranks
 
     def cpu_run_ranks(fn: Any, world: int, *args: Any, **kw: Any) -> Any:
         kw["gpu"] = False
         return real_run_ranks(cpu_bench_rank, world, *args, **kw)
 
-    monkeypatch.setattr(testing, "run_ranks", cpu_run_ranks)
+    monkeypatch.setattr(ranks, "run_ranks", cpu_run_ranks)
     monkeypatch.setattr(backends, "skip_reason", lambda b, w, g: None)
 
 

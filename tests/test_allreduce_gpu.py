@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import testing
+from pcie_allreduce import ranks
 from pcie_allreduce.errors import CollectiveMismatch, CollectiveTimeout
 from tests import _reference as ref
 
-SKIP_REASON = testing.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
+SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split(",")]
@@ -36,7 +36,7 @@ def _sizes(dtype: torch.dtype, seed: int) -> list[int]:
     return fixed + odd
 
 
-def _matrix(ctx: testing.RankContext) -> dict:
+def _matrix(ctx: ranks.RankContext) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     checks = 0
     for dtype in DTYPES:
@@ -75,11 +75,11 @@ def _matrix(ctx: testing.RankContext) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_matrix_every_algorithm_dtype_and_size(world: int) -> None:
-    results = testing.run_ranks(_matrix, world, timeout_s=600)
+    results = ranks.run_ranks(_matrix, world, timeout_s=600)
     assert all(r["checks"] == results[0]["checks"] > 0 for r in results)
 
 
-def _graph(ctx: testing.RankContext, captured: int, replays: int) -> dict:
+def _graph(ctx: ranks.RankContext, captured: int, replays: int) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     rng = random.Random(5)
     algos = ALGOS + ("auto",)
@@ -112,11 +112,11 @@ def _graph(ctx: testing.RankContext, captured: int, replays: int) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_graph_128_calls_replayed_100_times(world: int) -> None:
-    results = testing.run_ranks(_graph, world, 128, 100, timeout_s=600)
+    results = ranks.run_ranks(_graph, world, 128, 100, timeout_s=600)
     assert all(r["checked"] > 0 for r in results)
 
 
-def _back_to_back(ctx: testing.RankContext, calls: int) -> dict:
+def _back_to_back(ctx: ranks.RankContext, calls: int) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     if not ctx.mps and ctx.shared_gpu:
         calls = min(calls, 500)  # time-sliced contexts: milliseconds per call
@@ -137,10 +137,10 @@ def _back_to_back(ctx: testing.RankContext, calls: int) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_10000_back_to_back_calls_of_alternating_sizes(world: int) -> None:
-    testing.run_ranks(_back_to_back, world, 10_000, timeout_s=600)
+    ranks.run_ranks(_back_to_back, world, 10_000, timeout_s=600)
 
 
-def _wraparound(ctx: testing.RankContext) -> dict:
+def _wraparound(ctx: ranks.RankContext) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     comm.workspace().debug_set_epoch(0xFFFFFFF0)
     torch.distributed.barrier(group=ctx.group)
@@ -154,11 +154,11 @@ def _wraparound(ctx: testing.RankContext) -> dict:
 
 
 def test_epoch_counter_wraps_around() -> None:
-    results = testing.run_ranks(_wraparound, 2, timeout_s=300)
+    results = ranks.run_ranks(_wraparound, 2, timeout_s=300)
     assert results[0]["epoch"] == (0xFFFFFFF0 + 40) % (1 << 32)
 
 
-def _skip_one_call(ctx: testing.RankContext, skipper: int) -> dict:
+def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=2.0)
     x = torch.randn(4 * 7168, device=ctx.device).to(torch.bfloat16)
     torch.distributed.barrier(group=ctx.group)
@@ -181,7 +181,7 @@ def _skip_one_call(ctx: testing.RankContext, skipper: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_that_skips_a_call_makes_the_others_raise(world: int) -> None:
     skipper = world - 1
-    results = testing.run_ranks(_skip_one_call, world, skipper, timeout_s=300)
+    results = ranks.run_ranks(_skip_one_call, world, skipper, timeout_s=300)
     for rank, r in enumerate(results):
         if rank == skipper:
             continue
@@ -191,7 +191,7 @@ def test_rank_that_skips_a_call_makes_the_others_raise(world: int) -> None:
         assert r["elapsed"] < 15, r
 
 
-def _mismatched_sizes(ctx: testing.RankContext) -> dict:
+def _mismatched_sizes(ctx: ranks.RankContext) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
     x = torch.randn(1000 + ctx.rank, device=ctx.device)
     kind = None
@@ -208,11 +208,11 @@ def _mismatched_sizes(ctx: testing.RankContext) -> dict:
 
 
 def test_mismatched_sizes_across_ranks_raise_mismatch() -> None:
-    results = testing.run_ranks(_mismatched_sizes, 2, timeout_s=300)
+    results = ranks.run_ranks(_mismatched_sizes, 2, timeout_s=300)
     assert [r["kind"] for r in results] == [("mismatch", 1), ("mismatch", 0)]
 
 
-def _compiled(ctx: testing.RankContext) -> dict:
+def _compiled(ctx: ranks.RankContext) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES)
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -231,4 +231,4 @@ def _compiled(ctx: testing.RankContext) -> dict:
 
 
 def test_torch_library_op_under_torch_compile() -> None:
-    testing.run_ranks(_compiled, 2, timeout_s=300)
+    ranks.run_ranks(_compiled, 2, timeout_s=300)

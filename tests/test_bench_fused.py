@@ -1,4 +1,4 @@
-"""CPU tests of ``pcie-allreduce bench --fused``: options, cases, the rank loop with the residual add +
+"""CPU tests of ``python -m bench --fused``: options, cases, the rank loop with the residual add +
 RMSNorm checks (on CPU ranks with fake backends), and the report with its acceptance ratios."""
 
 from __future__ import annotations
@@ -11,15 +11,18 @@ import json
 import pytest
 import torch
 
-from pcie_allreduce import cli
-from pcie_allreduce.bench import backends, command, environment, norm_ops, options, pattern, plan, report, runner
-from pcie_allreduce.bench.results import FAILED, FUSED, OK, WRONG, Report, Result, add_speedups, is_norm_algo
+from pcie_allreduce.ranks import placement_label
+
+from bench import __main__ as bench_cli
+from bench import backends, command, environment, norm_ops, options, pattern, plan, report, runner
+from bench.results import FAILED, FUSED, OK, WRONG, Report, Result, add_speedups, is_norm_algo
+
 from tests import _bench_fakes as fakes
 
 
 def _config(argv: list[str], gpu_count: int = 1) -> options.BenchConfig:
-    parser = cli.build_parser()
-    args = parser.parse_args(["bench", *argv])
+    parser = bench_cli.build_parser()
+    args = parser.parse_args(argv)
     return options.config_from_args(args, args.parser, gpu_count)
 
 
@@ -167,7 +170,7 @@ def fake_fused_report() -> Report:
     config = options.BenchConfig(worlds=(4,), sizes=(57344, 1835008), workload=FUSED,
                                  shapes=(options.Shape(4, 7168), options.Shape(128, 7168))).to_dict()
     return Report({"gpus": ["NVIDIA H200"], "date": "2026-11-30"}, config,
-                  {4: environment.placement_label(4, 1, True)}, add_speedups(rows))
+                  {4: placement_label(4, 1, True)}, add_speedups(rows))
 
 
 def test_fused_speedups_compare_like_with_like() -> None:
@@ -220,7 +223,7 @@ def test_fused_command_end_to_end(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(command, "unavailable_reason", lambda cfg: None)
     monkeypatch.setattr(environment, "host_environment", lambda: {})
     monkeypatch.setattr(runner, "run_sweep", fake_sweep)
-    assert cli.main(["bench", "--fused", "--tokens", "4", "128", "--world", "4", "--out", str(tmp_path)]) == 0
+    assert bench_cli.main(["--fused", "--tokens", "4", "128", "--world", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert seen["cfg"].workload == FUSED and seen["cfg"].worlds == (4,)
     assert "fused/AR(<=1.15)" in out.out and f"wrote {tmp_path}/fused.json" in out.err

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
-from pcie_allreduce.bench import command, plot
-from pcie_allreduce.bench.progress_bar import Bar
-from pcie_allreduce.bench.results import Report
+from bench import command, plot
+from bench.progress_bar import Bar
+from bench.results import Report
+
 from tests.test_bench_fused import fake_fused_report
 from tests.test_bench_verify import fake_verify_report
-from tests.test_cli import _fake_report
+from tests.test_bench_cli import _fake_report
 
 
 def test_series_of_a_sweep() -> None:
@@ -108,29 +109,21 @@ def test_bar_elsewhere_prints_lines_only() -> None:
     assert not Bar(0, "x", stream=_Tty(), factory=_FakeTqdm).active  # nothing to count
 
 
-def test_series_of_tune_keeps_the_best_block_count_per_algorithm() -> None:
-    from tests.test_bench_tune import _fake_tune_report
-
-    data = plot.series(_fake_tune_report())
-    assert sorted(data[2]) == ["oneshot (best block count)", "staged (best block count)", "twoshot (best block count)"]
-    assert data[2]["oneshot (best block count)"][0] == (1024.0, pytest.approx(10.0 + 1024 / 1e5))
-
-
 @pytest.mark.parametrize("make", [_fake_report, fake_fused_report, fake_verify_report])
 def test_json_round_trip_and_plot_command(make, tmp_path, capsys) -> None:
-    from pcie_allreduce import cli
-    from pcie_allreduce.bench import report
+    from bench import __main__ as bench_cli
+    from bench import report
 
     rep = make()
     back = report.from_json_obj(__import__("json").loads(report.to_json(rep)))
-    from pcie_allreduce.bench.results import sort_key
+    from bench.results import sort_key
 
     assert back.results == sorted(rep.results, key=sort_key)  # the JSON keeps table order
     assert back.placements == rep.placements and back.notes == rep.notes
     assert report.format_report(back) == report.format_report(rep)
     path = tmp_path / "run.json"
     path.write_text(report.to_json(rep))
-    status = cli.main(["plot", str(path), "--text"])
+    status = bench_cli.main(["plot", str(path), "--text"])
     captured = capsys.readouterr()
     assert captured.out == report.format_report(rep)
     try:
@@ -142,8 +135,8 @@ def test_json_round_trip_and_plot_command(make, tmp_path, capsys) -> None:
 
 
 def test_plot_command_bad_file(tmp_path, capsys) -> None:
-    from pcie_allreduce import cli
+    from bench import __main__ as bench_cli
 
     with pytest.raises(SystemExit) as info:
-        cli.main(["plot", str(tmp_path / "missing.json")])
+        bench_cli.main(["plot", str(tmp_path / "missing.json")])
     assert info.value.code == 2 and "cannot read" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""CPU tests of the third-party backends of ``pcie-allreduce bench`` (FlashInfer's PCIe IPC
+"""CPU tests of the third-party backends of ``python -m bench`` (FlashInfer's PCIe IPC
 all-reduce, vLLM's and sgl-kernel's custom all-reduce): why they are skipped when their packages
 are missing, and how the rank side drives the libraries' objects (played here by fakes with
 their documented surface), including the capture context the custom all-reduce needs."""
@@ -12,11 +12,12 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from pcie_allreduce.bench import backends, timing
-from pcie_allreduce.bench.backend_custom_ar import CustomAllreduceBackend
-from pcie_allreduce.bench.backend_flashinfer import FlashInferPcieIpcBackend
-from pcie_allreduce.bench.plan import Case, RankJob
-from pcie_allreduce.testing import RankContext
+from pcie_allreduce.ranks import RankContext
+
+from bench import backends, timing
+from bench.backend_custom_ar import CustomAllreduceBackend
+from bench.backend_flashinfer import FlashInferPcieIpcBackend
+from bench.plan import Case, RankJob
 
 CTX = RankContext(rank=0, world_size=2, group=None, device=torch.device("cpu"))
 
@@ -198,7 +199,7 @@ def test_flashinfer_without_the_workspace_class_skips_with_its_version() -> None
 def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path) -> None:
     import zipfile
 
-    from pcie_allreduce.bench import trim_flashinfer
+    from bench import wheels
 
     names = ["flashinfer/__init__.py", "flashinfer/comm/pcie_ipc_ar.py", "flashinfer/tuning.json",
              "flashinfer/data/include/flashinfer/comm/pcie_ipc_all_reduce.cuh",
@@ -213,7 +214,7 @@ def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path
         for n in names:
             z.writestr(n, "x")
         z.writestr("flashinfer_python-0.7.4.dist-info/RECORD", record)
-    out = trim_flashinfer.trim_wheel(str(src), str(tmp_path))
+    out = wheels.trim_wheel("flashinfer", str(src), str(tmp_path))
     with zipfile.ZipFile(out) as z:
         kept = set(z.namelist())
         new_record = z.read("flashinfer_python-0.7.4.dist-info/RECORD").decode()
@@ -224,13 +225,13 @@ def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path
     assert kept == want
     assert "batch_decode.cu" not in new_record and "pcie_ipc_ar.py" in new_record
     with pytest.raises(ValueError, match="must differ"):
-        trim_flashinfer.trim_wheel(str(src), str(src_dir))
+        wheels.trim_wheel("flashinfer", str(src), str(src_dir))
 
 
 def test_trimmed_sglang_wheel_drops_only_its_native_server_extensions(tmp_path) -> None:
     import zipfile
 
-    from sglang_plugin.testing import trim_sglang_wheel
+    from bench import wheels
 
     names = ["sglang/srt/distributed/parallel_state.py", "sglang/srt/rust_extensions/radix.so",
              "sglang/srt/rust_extensions/__init__.py", "sglang/srt/mem_cache/rust_tree_core/core.so"]
@@ -240,5 +241,5 @@ def test_trimmed_sglang_wheel_drops_only_its_native_server_extensions(tmp_path) 
     with zipfile.ZipFile(src, "w") as z:
         for n in names:
             z.writestr(n, "x")
-    with zipfile.ZipFile(trim_sglang_wheel(str(src), str(tmp_path))) as z:
+    with zipfile.ZipFile(wheels.trim_wheel("sglang", str(src), str(tmp_path))) as z:
         assert set(z.namelist()) == {names[0], names[2]}

@@ -1,4 +1,4 @@
-"""CPU tests of ``pcie-allreduce topo``'s measurements: the matrices from per-rank figures, their
+"""CPU tests of ``python -m bench topo``'s measurements: the matrices from per-rank figures, their
 printed and JSON forms, the command with a fake probe, and the probe kernels under the Triton
 CPU interpreter (TRITON_INTERPRET=1, as CI runs)."""
 
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from pcie_allreduce import cli
-from pcie_allreduce.bench import topo, topo_files, topo_probe
+from bench import __main__ as bench_cli
+from bench import plot, topo, topo_files, topo_probe
 
 
 def _per_rank(world: int) -> list[dict]:
@@ -52,7 +52,7 @@ def test_format_probe() -> None:
 
 
 def test_topo_options(capsys) -> None:
-    parser = cli.build_parser()
+    parser = bench_cli.build_parser()
     args = parser.parse_args(["topo", "--world", "2", "4", "--bytes", "4M", "--iters", "100", "--no-probe"])
     assert args.world == [2, 4] and args.bytes == 4 << 20 and args.iters == 100 and args.no_probe
     with pytest.raises(SystemExit):
@@ -69,10 +69,10 @@ class _FakeExt:
 
 
 def test_topo_command_with_a_fake_probe(monkeypatch, capsys, tmp_path) -> None:
-    from pcie_allreduce import _ext, testing
+    from pcie_allreduce import _ext, ranks
 
-    monkeypatch.setattr(testing, "skip_reason_no_gpu", lambda: None)
-    monkeypatch.setattr(testing, "gpu_count", lambda: 1)
+    monkeypatch.setattr(ranks, "skip_reason_no_gpu", lambda: None)
+    monkeypatch.setattr(ranks, "gpu_count", lambda: 1)
     monkeypatch.setattr(_ext, "load", lambda: _FakeExt())
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: argparse.Namespace(name="NVIDIA H200"))
     monkeypatch.setattr(topo, "_nvidia_smi_topo", lambda: "")
@@ -86,7 +86,7 @@ def test_topo_command_with_a_fake_probe(monkeypatch, capsys, tmp_path) -> None:
                 "mps": True}
 
     monkeypatch.setattr(topo_probe, "run_probe", fake_probe)
-    status = cli.main(["topo", "--world", "2", "8", "--bytes", "1000", "--out", str(tmp_path)])
+    status = bench_cli.main(["topo", "--world", "2", "8", "--bytes", "1000", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 1  # one world's measurement failed
     assert [w for w, _ in jobs] == [2, 8] and jobs[0][1].nbytes == 992  # whole 16-byte units
@@ -105,14 +105,14 @@ def test_topo_command_with_a_fake_probe(monkeypatch, capsys, tmp_path) -> None:
     assert float(next(r for r in rows if r["kind"] == "pair")["rtt_us"]) == 2.0
     if _has_matplotlib():
         assert (tmp_path / "topo.png").stat().st_size > 0
-        assert cli.main(["plot", str(tmp_path / "topo.json"), "--out", str(tmp_path / "again.png")]) == 0
+        assert bench_cli.main(["plot", str(tmp_path / "topo.json"), "--out", str(tmp_path / "again.png")]) == 0
         assert (tmp_path / "again.png").stat().st_size > 0
-    assert cli.main(["topo", "--no-probe", "--json"]) == 0
+    assert bench_cli.main(["topo", "--no-probe", "--json"]) == 0
     assert "measured" not in json.loads(capsys.readouterr().out)
 
 
 def _has_matplotlib() -> bool:
-    from pcie_allreduce.bench.plot import pyplot
+    from bench.plot import pyplot
 
     return pyplot()[0] is not None
 
@@ -121,7 +121,7 @@ def test_topo_files_from_a_document_without_measurements(tmp_path) -> None:
     document = {"gpus": [], "peer_access": [], "nvidia_smi_topo": ""}
     assert topo_files.is_topo_document(document) and not topo_files.is_topo_document({"results": []})
     assert topo_files.csv_text(document).strip() == ",".join(topo_files.CSV_COLUMNS)
-    assert "no measurements" in (topo_files.write_png(document, str(tmp_path / "x.png")) or "")
+    assert "no measurements" in (plot.write_topo_png(document, str(tmp_path / "x.png")) or "")
 
 
 # ---------------------------------------------------------------------------- kernels, interpreted
@@ -132,7 +132,7 @@ needs_interpreter = pytest.mark.skipif(not interpreting, reason="needs TRITON_IN
 
 @needs_interpreter
 def test_push_kernel_copies_a_slice_to_every_peer() -> None:
-    from pcie_allreduce.bench import probe_kernels
+    from bench import probe_kernels
 
     words = 3000
     src = torch.arange(3 * words, dtype=torch.int64)
@@ -145,7 +145,7 @@ def test_push_kernel_copies_a_slice_to_every_peer() -> None:
 
 @needs_interpreter
 def test_pingpong_and_fill_kernels() -> None:
-    from pcie_allreduce.bench import probe_kernels
+    from bench import probe_kernels
 
     flags = torch.full((4,), 7, dtype=torch.int64)
     probe_kernels.fill(flags.data_ptr(), 2)

@@ -1,4 +1,4 @@
-"""CPU tests of ``pcie-allreduce bench verify``: presets and options, the cases (2 x L calls per
+"""CPU tests of ``python -m bench verify``: presets and options, the cases (2 x L calls per
 graph), the rank loop on CPU ranks, and the pass / projected-verify report."""
 
 from __future__ import annotations
@@ -8,16 +8,19 @@ import io
 
 import pytest
 
-from pcie_allreduce import cli
-from pcie_allreduce.bench import command, environment, options, plan, report, runner, verify_options
-from pcie_allreduce.bench.results import OK, VERIFY, Report, Result, add_speedups
+from pcie_allreduce.ranks import placement_label
+
+from bench import __main__ as bench_cli
+from bench import command, environment, options, plan, report, runner, verify_options
+from bench.results import OK, VERIFY, Report, Result, add_speedups
+
 from tests import _bench_fakes as fakes
 
 
 def _verify_config(argv: list[str], gpu_count: int = 1) -> options.BenchConfig:
-    parser = cli.build_parser()
-    args = parser.parse_args(["bench", "verify", *argv])
-    assert args.handler == "pcie_allreduce.bench.command:run_verify"
+    parser = bench_cli.build_parser()
+    args = parser.parse_args(["verify", *argv])
+    assert args.handler == "bench.command:run_verify"
     return verify_options.config_from_args(args, args.parser, gpu_count)
 
 
@@ -93,7 +96,7 @@ def fake_verify_report(compute_ms: float = 5.0) -> Report:
             _row("ours", "auto+norm", 20.0, resolved_algo="oneshot+norm"), _row("torch_symm", "one_shot+norm", 22.0)]
     config = options.BenchConfig(worlds=(8,), sizes=(57344,), workload=VERIFY, compute_ms=compute_ms, norm=True,
                                  shapes=(options.Shape(4, 7168, 61, "kimi-k2.5"),)).to_dict()
-    return Report({"gpus": ["NVIDIA H200"]}, config, {8: environment.placement_label(8, 1, True)},
+    return Report({"gpus": ["NVIDIA H200"]}, config, {8: placement_label(8, 1, True)},
                   add_speedups(rows, compute_ms))
 
 
@@ -147,6 +150,6 @@ def test_verify_command_end_to_end(monkeypatch, capsys) -> None:
     monkeypatch.setattr(command, "unavailable_reason", lambda cfg: None)
     monkeypatch.setattr(environment, "host_environment", lambda: {})
     monkeypatch.setattr(runner, "run_sweep", fake_sweep)
-    assert cli.main(["bench", "verify", "--model", "kimi-k2.5", "--fused", "--world", "8"]) == 0
+    assert bench_cli.main(["verify", "--model", "kimi-k2.5", "--fused", "--world", "8"]) == 0
     assert seen["cfg"].norm and seen["cfg"].worlds == (8,)
     assert "verify(ms)" in capsys.readouterr().out

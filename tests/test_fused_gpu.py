@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import testing
+from pcie_allreduce import ranks
 from tests import _reference as ref
 
-SKIP_REASON = testing.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
+SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,4,8").split(",") if int(w) in (2, 4, 8)]
@@ -29,7 +29,7 @@ def _digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _case(ctx: testing.RankContext, tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+def _case(ctx: ranks.RankContext, tokens: int, hidden: int, dtype: torch.dtype, seed: int):
     xs = [ref.rank_input(seed, r, tokens * hidden, dtype).view(tokens, hidden) for r in range(ctx.world_size)]
     residual = ref.rank_input(seed, 99, tokens * hidden, dtype).view(tokens, hidden)
     weight = (1 + 0.1 * ref.rank_input(seed, 98, hidden, torch.float32)).to(dtype)
@@ -58,7 +58,7 @@ def _algos(comm: pcie_allreduce.Communicator, tokens: int, hidden: int, dtype: t
     return algos + ["auto"]
 
 
-def _fused_matrix(ctx: testing.RankContext) -> dict:
+def _fused_matrix(ctx: ranks.RankContext) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     digests = {}
     seed = 0
@@ -98,11 +98,11 @@ def _fused_matrix(ctx: testing.RankContext) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_fused_matches_reference_and_is_bitwise_identical_across_ranks(world: int) -> None:
-    results = testing.run_ranks(_fused_matrix, world, timeout_s=900)
+    results = ranks.run_ranks(_fused_matrix, world, timeout_s=900)
     assert all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
-def _fused_graph(ctx: testing.RankContext) -> dict:
+def _fused_graph(ctx: ranks.RankContext) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     cases = [_case(ctx, t, 7168, torch.bfloat16, 500 + t) for t in (1, 4, 32, 128)]
     static = [(c[0][ctx.rank].to(ctx.device), c[1].to(ctx.device), c[2].to(ctx.device)) for c in cases]
@@ -131,5 +131,5 @@ def _fused_graph(ctx: testing.RankContext) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_fused_inside_cuda_graph(world: int) -> None:
-    results = testing.run_ranks(_fused_graph, world, timeout_s=900)
+    results = ranks.run_ranks(_fused_graph, world, timeout_s=900)
     assert all(r == results[0] for r in results)

@@ -35,7 +35,7 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 import pcie_allreduce  # noqa: E402
-from pcie_allreduce import algo as algo_mod, testing  # noqa: E402
+from pcie_allreduce import algo as algo_mod, ranks  # noqa: E402
 from pcie_allreduce import communicator  # noqa: E402
 from pcie_allreduce.communicator import Communicator  # noqa: E402
 
@@ -128,7 +128,7 @@ _PEER = textwrap.dedent("""
 
 
 def _gpu_problem() -> str | None:
-    reason = testing.skip_reason_no_gpu()
+    reason = ranks.skip_reason_no_gpu()
     if reason is not None:
         return reason
     reason = pcie_allreduce.unavailable_reason()
@@ -146,7 +146,7 @@ def shared_gpu_mps() -> Any:
     """With one GPU both ranks run on it: start a private MPS daemon first, so the two processes'
     kernels run side by side instead of time-slicing contexts (which would put GPU context
     switches into a host-side measurement). Must happen before this process touches CUDA."""
-    if _gpu_problem() is not None or testing.gpu_count() >= 2:
+    if _gpu_problem() is not None or ranks.gpu_count() >= 2:
         yield None
         return
     from pcie_allreduce.mps import MpsDaemon, MpsError
@@ -157,7 +157,7 @@ def shared_gpu_mps() -> Any:
         yield f"no MPS ({exc})"
         return
     try:
-        with testing.patched_environ(daemon.env):  # the peer subprocess inherits it too
+        with ranks.patched_environ(daemon.env):  # the peer subprocess inherits it too
             yield "MPS"
     finally:
         daemon.stop()

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import testing
+from pcie_allreduce import ranks
 from sglang_plugin.testing import ensure_entry_point, sglang_skip_reason
 from tests import _reference as ref
 
-SKIP_REASON = testing.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()
+SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_SGLANG_WORLDS", "2,4").split(",")]
@@ -43,7 +43,7 @@ EAGER_CASES = [(t, HIDDEN, torch.bfloat16) for t in DECODE_TOKENS] + [
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _coordinator(ctx: testing.RankContext):
+def _coordinator(ctx: ranks.RankContext):
     from sglang.srt.distributed.parallel_state import GroupCoordinator
 
     return GroupCoordinator(group_ranks=[list(range(ctx.world_size))], local_rank=ctx.device.index,
@@ -93,7 +93,7 @@ def _fusion_gate_open() -> bool | str:
     return bool(add_norm.flashinfer_ar_fusion_applies(4)) and not add_norm.flashinfer_ar_fusion_applies(4096)
 
 
-def _rank(ctx: testing.RankContext) -> dict:
+def _rank(ctx: ranks.RankContext) -> dict:
     ensure_entry_point()
     from sglang.srt.layers import flashinfer_comm_fusion
     from sglang.srt.plugins import load_plugins
@@ -161,7 +161,7 @@ def _rank(ctx: testing.RankContext) -> dict:
     return report
 
 
-def _graph(ctx: testing.RankContext, tp) -> dict:
+def _graph(ctx: ranks.RankContext, tp) -> dict:
     from sglang.srt.layers import flashinfer_comm_fusion
 
     plain = [_inputs(ctx, 300 + i, t, HIDDEN, torch.bfloat16)[1] for i, t in enumerate(DECODE_TOKENS)]
@@ -216,7 +216,7 @@ def test_sglang_group_coordinator_with_plugin(world: int) -> None:
     env = {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES),
            "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    results = testing.run_ranks(_rank, world, timeout_s=900, env=env)
+    results = ranks.run_ranks(_rank, world, timeout_s=900, env=env)
     assert all(r == results[0] for r in results), results
     assert results[0]["graph"] == {"replays": 3, "collectives_per_replay": 3 * 2 * len(DECODE_TOKENS)}
     gate = results[0]["fusion_gate"]

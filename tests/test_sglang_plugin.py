@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import testing
+from pcie_allreduce import ranks
 from sglang_plugin import hooks, patching, settings as settings_mod, surface
 from sglang_plugin.eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
@@ -491,7 +491,7 @@ def _plugin_env(**extra: str) -> dict[str, str]:
 @needs_sglang
 @pytest.mark.parametrize("world", [2, 4])
 def test_group_coordinator_uses_the_adapter(world: int) -> None:
-    results = testing.run_ranks(_plugin_rank, world, gpu=False, timeout_s=240, env=_plugin_env())
+    results = ranks.run_ranks(_plugin_rank, world, gpu=False, timeout_s=240, env=_plugin_env())
     for rank, r in enumerate(results):
         assert r["ca_comm"] == "PcieAllReduceAdapter"
         assert len(r["lines"]) == 1, r["lines"]
@@ -514,7 +514,7 @@ def test_group_coordinator_uses_the_adapter(world: int) -> None:
 
 @needs_sglang
 def test_all_ranks_decline_together_and_say_why() -> None:
-    results = testing.run_ranks(_plugin_rank, 2, 1, gpu=False, timeout_s=240, env=_plugin_env())
+    results = ranks.run_ranks(_plugin_rank, 2, 1, gpu=False, timeout_s=240, env=_plugin_env())
     for r in results:
         assert r["ca_comm"] == "NoneType"  # SGLang's own dispatch ran (and, on a CPU, built nothing)
         assert len(r["lines"]) == 1 and "not serving" in r["lines"][0]
@@ -551,7 +551,7 @@ ELIGIBILITY_CASES = [  # (facts per rank, NVML answer per rank, mode) -> (serve,
 def test_eligibility_is_one_decision_for_all_ranks() -> None:
     """Whatever each rank sees, both ranks take the same branch (one spawn for all cases)."""
     cases = [case for case, _ in ELIGIBILITY_CASES]
-    per_rank = testing.run_ranks(_decide_rank, 2, cases, gpu=False, timeout_s=120)
+    per_rank = ranks.run_ranks(_decide_rank, 2, cases, gpu=False, timeout_s=120)
     for (case, (serve, needle)), mine, theirs in zip(ELIGIBILITY_CASES, *per_rank):
         assert mine == theirs, f"ranks decided differently for {case}"
         assert mine.serve is serve and needle in mine.reason, (case, mine)

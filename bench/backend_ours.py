@@ -1,0 +1,97 @@
+"""Rank side of the ``ours`` backend: :class:`pcie_allreduce.Communicator`, out of place."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pcie_allreduce.algo import fits_capacity
+from pcie_allreduce.ranks import RankContext
+
+from bench.backends import Backend, Buffers
+from bench.options import OUR_ALGOS
+from bench.plan import Case, RankJob
+
+if TYPE_CHECKING:
+    from pcie_allreduce.communicator import Communicator
+
+SYNC_COUNT = 8  # elements of the tiny all-reduce that lines the GPUs up before a timed block
+
+
+class OursBackend(Backend):
+    """One Communicator sized for the largest message of the run."""
+
+    algorithms = OUR_ALGOS  # --algos picks among them
+
+    @classmethod
+    def runtime_problem(cls, world: int, gpu_count: int) -> str | None:
+        import pcie_allreduce
+
+        reason = pcie_allreduce.unavailable_reason()
+        return None if reason is None else f"pcie_allreduce kernels unavailable: {reason}"
+
+    def __init__(self, ctx: RankContext, job: RankJob) -> None:
+        from pcie_allreduce.communicator import Communicator
+
+        # Our kernels give up on a missing peer after timeout_s and the next call raises
+        # CollectiveTimeout: keep that well inside the bench watchdog, so a stuck peer is
+        # reported by our own error (with rank/peer/stage) rather than as a killed process.
+        timeout_s = max(1.0, min(10.0, job.case_timeout_s / 3))
+        self._comm = Communicator(ctx.group, ctx.device, max_bytes=max(job.max_bytes, 4096), timeout_s=timeout_s)
+        self._sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=ctx.device)
+
+    @property
+    def comm(self) -> "Communicator":
+        """The communicator (the fused kernel uses it directly)."""
+        return self._comm
+
+    def facts(self) -> dict[str, Any]:
+        """Block cap, GPU model and topology fingerprint (the key of tuned tables) for the setup event."""
+        from pcie_allreduce import tune_cache
+        from pcie_allreduce import _ext
+
+        facts: dict[str, Any] = {"block_cap": self._comm.block_cap,
+                                 "gpu_name": torch.cuda.get_device_name(self._comm.device)}
+        ext = _ext.load()
+        placements = getattr(self._comm, "placements", None)
+        if ext is not None and placements:
+            facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in placements])
+        return facts
+
+    def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:
+        inp = torch.empty(count, dtype=dtype, device=self._comm.device)
+        return Buffers(inp, torch.empty_like(inp))
+
+    def call(self, bufs: Buffers, algo: str) -> torch.Tensor:
+        return self._comm.all_reduce(bufs.inp, out=bufs.out, algo=algo)
+
+    def mutates_input(self, algo: str) -> bool:
+        return False
+
+    def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
+        return self._comm.select_algo(size_bytes, dtype) if algo == "auto" else algo
+
+    def skip_reason(self, case: Case) -> str | None:
+        return capacity_problem(self._comm, case.algo, case.size_bytes)
+
+    def prepare_capture(self, stream: torch.cuda.Stream) -> None:
+        # Creating the capture stream's workspace is collective (IPC handle exchange): do it once,
+        # outside any capture and at the same point on every rank.
+        self._comm.workspace(stream.cuda_stream)
+
+    def device_sync(self) -> None:
+        self._comm.all_reduce(self._sync, out=self._sync)  # zeros stay zeros
+
+    def check(self) -> None:
+        self._comm.check()  # CollectiveTimeout / CollectiveMismatch recorded by a kernel
+
+    def close(self) -> None:
+        self._comm.close()
+
+
+def capacity_problem(comm: "Communicator", algo: str, size_bytes: int) -> str | None:
+    """Why ``algo`` cannot take a message of ``size_bytes`` (the low-latency cap), or None."""
+    if not fits_capacity(algo, size_bytes, comm.ll_capacity):
+        return f"{algo} takes messages up to {comm.ll_capacity} bytes"
+    return None

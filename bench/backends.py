@@ -1,0 +1,165 @@
+"""Backend registry: which algorithms each backend offers, whether it can run here, the
+environment its ranks need, and (inside a rank) the object that issues its all-reduces.
+
+Every backend runs in its own ``run_ranks`` call (fresh processes, fresh MPS daemon), so one that
+fails or hangs cannot take the others' results with it. Adding a backend means one
+``backend_<name>.py`` with a :class:`Backend` subclass (its declarations as class attributes, the
+rank-side methods of :class:`RankBackend`) plus one line in :data:`REGISTRY`. The parent loads a
+class only to read its declarations; third-party packages are imported inside the ranks only.
+
+With ``--fused`` and ``verify`` every backend is wrapped in :class:`~.norm_ops.NormAdapter`,
+which adds the "+norm" variants (all-reduce, then torch residual add + RMSNorm) and our fused kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
+
+from pcie_allreduce.cli import resolve
+
+from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIX, VERIFY
+
+if TYPE_CHECKING:  # torch only inside ranks and availability probes
+    import torch
+
+    from pcie_allreduce.ranks import RankContext
+
+    from bench.plan import RankJob
+
+OURS = "ours"  # our Communicator: --algos picks its variants, and it alone has the fused kernel
+# name -> "module:Class", in the order backends run and appear in tables. One line per backend.
+REGISTRY: Mapping[str, str] = MappingProxyType({
+    OURS: "bench.backend_ours:OursBackend",
+    "torch_symm": "bench.backend_torch_symm:TorchSymmBackend",
+    "nccl": "bench.backend_nccl:NcclBackend",
+    "nccl_ll": "bench.backend_nccl:NcclLowLatencyBackend",
+    "flashinfer": "bench.backend_flashinfer:FlashInferPcieIpcBackend",
+    "vllm": "bench.backend_custom_ar:VllmCustomAllreduceBackend",
+    "sgl_kernel": "bench.backend_custom_ar:SglKernelCustomAllreduceBackend",
+})
+BACKENDS: tuple[str, ...] = tuple(REGISTRY)
+
+
+@dataclasses.dataclass
+class Buffers:
+    """Device buffers of one case. ``out`` is ``inp`` for backends that reduce in place."""
+
+    inp: "torch.Tensor"
+    out: "torch.Tensor"
+
+
+class RankBackend(Protocol):
+    """What the timing loop needs from a backend, inside one rank."""
+
+    def buffers(self, count: int, dtype: "torch.dtype", algo: str) -> Buffers:
+        """Input/output buffers for ``count`` elements (the input may have to be special memory)."""
+
+    def call(self, bufs: Buffers, algo: str) -> "torch.Tensor":
+        """Enqueue one sum all-reduce of ``bufs.inp`` on the current stream; returns the result tensor."""
+
+    def mutates_input(self, algo: str) -> bool:
+        """Whether ``call`` overwrites its input (then the input is zeroed before timing)."""
+
+    def resolved_algo(self, size_bytes: int, dtype: "torch.dtype", algo: str) -> str:
+        """What ``algo`` runs as (``auto`` -> the chosen algorithm)."""
+
+    def prepare_capture(self, stream: "torch.cuda.Stream") -> None:
+        """Collective set-up the capture stream needs before any graph capture on it."""
+
+    def device_sync(self) -> None:
+        """A tiny all-reduce that lines the ranks' GPUs up before a timed block."""
+
+    def check(self) -> None:
+        """Raise an error the backend recorded asynchronously (after a device sync), if any."""
+
+    def close(self) -> None:
+        """Collective teardown."""
+
+    # Optional, looked up with getattr by the rank loop:
+    #   skip_reason(case) -> str | None   a case this backend cannot run here (status "skipped")
+    #   facts() -> dict                  JSON-able facts for the run's "setup" event
+    #   cross_check(bufs, algo) -> str | None   an extra correctness check before timing
+    #   capture_context() -> context manager     entered around every CUDA-graph capture
+
+
+class Backend:
+    """Base of the backend classes: what the parent reads before any rank starts.
+
+    Class attributes: ``algorithms`` (the variants it is timed with), ``packages`` (modules that
+    must be importable, checked without importing them) and ``install_hint``, ``env`` (variables
+    its ranks need from their start). Override :meth:`runtime_problem` / :meth:`rank_env` for
+    checks and variables that depend on the placement.
+    """
+
+    algorithms: ClassVar[tuple[str, ...]] = ()
+    packages: ClassVar[tuple[str, ...]] = ()
+    install_hint: ClassVar[str] = ""
+    env: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    @classmethod
+    def unavailable_reason(cls, world: int, gpu_count: int) -> str | None:
+        """Why ``world`` ranks on ``gpu_count`` local GPUs cannot run it, or None."""
+        missing = [name for name in cls.packages if importlib.util.find_spec(name) is None]
+        if missing:
+            return f"{' and '.join(missing)} not installed ({cls.install_hint})"
+        return cls.runtime_problem(world, gpu_count)
+
+    @classmethod
+    def runtime_problem(cls, world: int, gpu_count: int) -> str | None:
+        """A reason beyond missing packages (no CUDA torch, ranks sharing a GPU, ...), or None."""
+        return None
+
+    @classmethod
+    def rank_env(cls, world: int, gpu_count: int) -> dict[str, str]:
+        """Environment variables its ranks need from their start."""
+        return dict(cls.env)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend ``name`` (imports its module, never a third-party package)."""
+    try:
+        path = REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}") from None
+    return resolve(path)  # type: ignore[return-value]
+
+
+def algos_for(backend: str, our_algos: Sequence[str], workload: str = ALLREDUCE, *,
+              norm: bool = False) -> tuple[str, ...]:
+    """The variants a backend is timed with.
+
+    allreduce: its algorithms (``--algos`` applies to ours only). fused: ours runs the fused
+    kernel, "auto+norm" and plain "auto" (the two ratios the fused kernel is judged by); the
+    others their algorithms + norm. verify: the plain algorithms (ours: "auto"), and with ``norm``
+    the same + norm (ours: the fused kernel and "auto+norm").
+    """
+    ours = backend == OURS
+    if workload == ALLREDUCE:
+        return tuple(our_algos) if ours else backend_class(backend).algorithms
+    plain = ("auto",) if ours else backend_class(backend).algorithms
+    normed = tuple(a + NORM_SUFFIX for a in plain)
+    if ours:
+        normed = (FUSED_ALGO, *normed)
+    if workload == FUSED:
+        return normed + (("auto",) if ours else ())
+    if workload == VERIFY:
+        return plain + (normed if norm else ())
+    raise ValueError(f"no variants for workload {workload!r}")
+
+
+def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
+    """Why ``backend`` cannot run ``world`` ranks on ``gpu_count`` local GPUs, or None."""
+    return backend_class(backend).unavailable_reason(world, gpu_count)
+
+
+def rank_env(backend: str, world: int, gpu_count: int) -> dict[str, str]:
+    """Environment variables the ranks of ``backend`` need from their start."""
+    return backend_class(backend).rank_env(world, gpu_count)
+
+
+def open_backend(ctx: "RankContext", job: "RankJob") -> Any:
+    """Inside a rank: construct (collectively) the backend object of ``job.backend``."""
+    return backend_class(job.backend)(ctx, job)

@@ -1,0 +1,149 @@
+"""Facts recorded with every result set: machine, software, command line, and where ranks ran.
+
+The parent asks ``nvidia-smi`` (a subprocess, so the parent never creates a CUDA context before
+a private MPS daemon starts); each backend run's rank 0 adds what only a CUDA process knows.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from pcie_allreduce.ranks import RankContext
+
+_SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total")
+
+
+def _nvidia_smi() -> list[dict[str, str]]:
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return []
+    try:
+        proc = subprocess.run([binary, f"--query-gpu={','.join(_SMI_FIELDS)}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []
+    rows = []
+    for line in proc.stdout.strip().splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == len(_SMI_FIELDS):
+            rows.append(dict(zip(_SMI_FIELDS, cells)))
+    return rows
+
+
+def visible_gpus(rows: list[dict[str, str]], cuda_visible_devices: str | None) -> list[dict[str, str]]:
+    """The nvidia-smi rows of the GPUs CUDA_VISIBLE_DEVICES leaves to this run, in its order.
+
+    nvidia-smi lists every GPU of the host; a run pinned with CUDA_VISIBLE_DEVICES=0 on a two-GPU
+    host used one. Entries are indices or (prefixes of) UUIDs; CUDA stops at the first entry that
+    names no GPU, and so does this."""
+    if cuda_visible_devices is None:
+        return rows
+    picked: list[dict[str, str]] = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.isdigit():
+            match = [r for r in rows if r.get("index") == entry]
+        elif entry:
+            match = [r for r in rows if r.get("uuid", "").startswith(entry)]
+        else:
+            match = []
+        if len(match) != 1 or match[0] in picked:
+            break
+        picked.append(match[0])
+    return picked
+
+
+def _driver_from_proc() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as fh:
+            match = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?([\d.]+)", fh.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def _cuda_version(encoded: int) -> str | None:
+    """13000 -> "13.0" (CUDA's major*1000 + minor*10 encoding); None for 0 (unknown)."""
+    return f"{encoded // 1000}.{encoded % 1000 // 10}" if encoded > 0 else None
+
+
+def _extension_versions() -> dict[str, Any]:
+    """CUDA runtime our extension was built with (static cudart) and the driver's CUDA version.
+
+    Neither call creates a CUDA context, so the parent may ask before any MPS daemon starts.
+    """
+    from pcie_allreduce import _ext
+
+    ext = _ext.load()
+    if ext is None:
+        return {}
+    try:
+        return {"extension_cuda_runtime": _cuda_version(int(ext.runtime_version())),
+                "cuda_driver_api": _cuda_version(int(ext.driver_version())),
+                "extension_archs": list(ext.compiled_archs())}
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return {}
+
+
+def host_environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Machine and software facts, without creating a CUDA context in this process."""
+    import torch
+
+    import pcie_allreduce
+
+    smi = visible_gpus(_nvidia_smi(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.argv if argv is None else argv),
+        "host": socket.gethostname(),
+        "gpus": [row["name"] for row in smi],
+        "gpu_details": smi,
+        "driver": smi[0]["driver_version"] if smi else _driver_from_proc(),
+        "cuda_runtime": torch.version.cuda,
+        "torch": torch.__version__,
+        "pcie_allreduce": pcie_allreduce.__version__,
+        "python": platform.python_version(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        **_extension_versions(),
+    }
+
+
+def _cuda_driver_api_version() -> str | None:
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return _cuda_version(version.value)
+
+
+def rank_environment(ctx: "RankContext") -> dict[str, Any]:
+    """What a rank (with CUDA up) knows: its placement, the devices it sees, the driver's CUDA version."""
+    import torch
+
+    count = torch.cuda.device_count()
+    return {
+        "world": ctx.world_size,
+        "mps": ctx.mps,
+        "shared_gpu": ctx.shared_gpu,
+        "gpu_count": count,
+        "device_names": [torch.cuda.get_device_name(i) for i in range(count)],
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(ctx.device))),
+        "cuda_driver_api": _cuda_driver_api_version(),
+        "torch_cuda": torch.version.cuda,
+    }

@@ -1,0 +1,91 @@
+"""What a backend run hands to its ranks: the cases and the timing knobs (picklable, pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from pcie_allreduce.sizes import DTYPE_SIZES
+
+from bench import backends
+from bench.options import BenchConfig
+from bench.results import ALLREDUCE, VERIFY
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One (size, algo) of a backend run; ``index`` is its position in the run's full case list.
+
+    ``tokens``/``hidden`` (fused, verify): the activation is [tokens, hidden]; ``calls``: calls per
+    timed block when not the job's ``calls_per_graph`` (verify: 2 x layers); ``model``: the
+    verify preset.
+    """
+
+    index: int
+    size_bytes: int
+    count: int
+    algo: str
+    tokens: int = 0
+    hidden: int = 0
+    calls: int = 0
+    model: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankJob:
+    """Everything :func:`bench.rank.bench_rank` needs, pickled into each rank."""
+
+    backend: str
+    dtype: str
+    cases: tuple[Case, ...]
+    max_bytes: int
+    progress_dir: str
+    seed: int = 0
+    iters: int = 100
+    warmup: int = 10
+    calls_per_graph: int = 16
+    eager: bool = False
+    time_budget_s: float = 1.0
+    rounds: int = 1
+    case_timeout_s: float = 30.0
+    setup_timeout_s: float = 90.0
+    workload: str = ALLREDUCE
+    eps: float = 1e-6
+
+    def calls(self, case: Case) -> int:
+        """Calls per timed block (per CUDA graph) of ``case``."""
+        return case.calls or self.calls_per_graph
+
+
+def make_cases(sizes: Sequence[int], algos: Sequence[str], dtype: str) -> tuple[Case, ...]:
+    """Size-major order (all algos of a size together, so inputs are built once per size)."""
+    element = DTYPE_SIZES[dtype]
+    cases = []
+    for size in sizes:
+        for algo in algos:
+            cases.append(Case(len(cases), size, size // element, algo))
+    return tuple(cases)
+
+
+def cases_for(cfg: BenchConfig, backend: str) -> tuple[Case, ...]:
+    """Every case ``backend`` runs under ``cfg`` (its workload decides what a case is)."""
+    if cfg.workload == ALLREDUCE:
+        return make_cases(cfg.sizes, backends.algos_for(backend, cfg.algos), cfg.dtype)
+    algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm)
+    cases = []
+    for shape in cfg.shapes:
+        calls = 2 * shape.layers if cfg.workload == VERIFY else 0
+        for algo in algos:
+            cases.append(Case(len(cases), shape.nbytes(cfg.dtype), shape.tokens * shape.hidden, algo,
+                              tokens=shape.tokens, hidden=shape.hidden, calls=calls, model=shape.model))
+    return tuple(cases)
+
+
+def make_job(cfg: BenchConfig, backend: str, cases: Sequence[Case], progress_dir: str) -> RankJob:
+    return RankJob(
+        backend=backend, dtype=cfg.dtype, cases=tuple(cases), max_bytes=cfg.max_bytes, progress_dir=progress_dir,
+        seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, calls_per_graph=cfg.calls_per_graph, eager=cfg.eager,
+        time_budget_s=cfg.time_budget_s, rounds=cfg.rounds, case_timeout_s=cfg.case_timeout_s,
+        setup_timeout_s=cfg.setup_timeout_s,
+        workload=cfg.workload, eps=cfg.eps,
+    )

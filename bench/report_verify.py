@@ -1,0 +1,88 @@
+"""The ``python -m bench verify`` report: pass time, projected verify time and speed-up per backend (pure).
+
+A verify pass is 2 x L collectives on [T, H] captured in one CUDA graph; a row's ``p50_us`` is per
+collective, so pass = p50 x calls. Projected verify time = pass + the model's compute
+(``--compute-ms``); the speed-up compares projected verify times with the reference backend's
+(NCCL where it ran, else torch symmetric memory) for the same model, T and op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.results import VERIFY, Report, Result, backend_order
+from bench.table import Column, num, render, speedup
+
+
+def _verify_ms(r: Result, compute_ms: float) -> float | None:
+    return None if r.pass_ms is None else r.pass_ms + compute_ms
+
+
+def verify_columns(compute_ms: float) -> tuple[Column, ...]:
+    return (
+        Column("model", 22, lambda r: r.model),
+        Column("L", 4, lambda r: str(r.layers)),
+        Column("T", 5, lambda r: str(r.tokens)),
+        Column("H", 6, lambda r: str(r.hidden)),
+        Column("backend", 11, lambda r: r.backend),
+        Column("algo", 22, lambda r: r.label),
+        Column("pass(ms)", 9, lambda r: num(r.pass_ms, 3)),
+        Column("p99(ms)", 8, lambda r: num(r.pass_p99_ms, 3)),
+        Column("call(us)", 9, lambda r: num(r.p50_us)),
+        Column("verify(ms)", 11, lambda r: num(_verify_ms(r, compute_ms), 3)),
+        Column("speedup", 8, lambda r: speedup(r.speedup)),
+        Column("status", 8, lambda r: "" if r.ok else r.status),
+    )
+
+
+VERIFY_COLUMNS = verify_columns(5.0)  # the compute time only changes the verify column; see timing_line
+
+
+def timing_line(config: dict[str, Any]) -> str:
+    how = "eager launches" if config.get("eager") else "one CUDA graph per pass"
+    if config.get("rounds", 1) > 1:
+        how += f", {config['rounds']} interleaved rounds (replays pooled)"
+    return (f"# {how}: 2 x L collectives on [T, H]; pass = p50 / p99 over timed replays of the slowest rank's "
+            f"pass time; verify = pass + {config.get('compute_ms', 5.0):g} ms compute")
+
+
+def format_verify_summary(report: Report) -> str:
+    """Per (W, model, T, op): each backend's best pass and projected verify time, and ours vs each."""
+    compute = float(report.config.get("compute_ms", 5.0))
+    rows = [r for r in report.results if r.workload == VERIFY and r.ok]
+    if not rows:
+        return "# verify summary: no successful measurements"
+    backends = backend_order(report, [r for r in report.results if r.workload == VERIFY])
+    groups = sorted({(r.world, r.model, r.tokens, r.op) for r in rows})
+    entries = []
+    for world, model, tokens, op in groups:
+        best: dict[str, Result] = {}
+        for r in rows:
+            if (r.world, r.model, r.tokens, r.op) == (world, model, tokens, op):
+                if r.backend not in best or r.p50_us < best[r.backend].p50_us:  # type: ignore[operator]
+                    best[r.backend] = r
+        entries.append({"world": world, "model": model, "tokens": tokens, "op": op, "best": best})
+
+    def cell(e: dict[str, Any], b: str) -> str:
+        r = e["best"].get(b)
+        return "-" if r is None else f"{r.pass_ms:.3f}/{_verify_ms(r, compute):.3f} ({r.label})"
+
+    def saving(e: dict[str, Any], b: str) -> str:
+        ours, other = e["best"].get("ours"), e["best"].get(b)
+        if ours is None or other is None:
+            return "-"
+        return f"{other.pass_ms - ours.pass_ms:+.3f} ms ({_verify_ms(other, compute) / _verify_ms(ours, compute):.3f}x)"
+
+    others = [b for b in backends if b != "ours"]
+    columns = [
+        Column("W", 3, lambda e: str(e["world"])),
+        Column("model", 22, lambda e: e["model"]),
+        Column("T", 5, lambda e: str(e["tokens"])),
+        Column("op", 15, lambda e: e["op"]),
+        *[Column(b, 34, lambda e, b=b: cell(e, b)) for b in backends],
+        *[Column(f"ours vs {b}", 24, lambda e, b=b: saving(e, b)) for b in others],
+    ]
+    return "\n".join([
+        f"# best per backend: pass ms / projected verify ms (pass + {compute:g} ms compute) (algo); "
+        "ours vs X: the pass time ours saves per verify (verify speed-up)",
+        *render(columns, entries)])

@@ -1,0 +1,162 @@
+"""The import graph of the library, the SGLang plugin and the benchmark harness (CPU, no imports).
+
+Every ``import`` statement of every module under pcie_allreduce/, sglang_plugin/ and bench/ is read
+with ast, those inside functions included (a lazy import is still a dependency); only the ones
+under ``if TYPE_CHECKING:`` are left out (they never run). Then:
+
+- the library never imports the harness, and neither does the plugin;
+- no modules of the library, and none of the harness, import each other in a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from typing import Iterator
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("pcie_allreduce", "sglang_plugin", "bench")
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> path, for every .py file of PACKAGES."""
+    found = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(REPO, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    dotted = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                    found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a package's __init__ binds itself (anything else ``from pkg import X`` gets is a submodule)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+TREES = {name: ast.parse(open(path, encoding="utf-8").read(), path) for name, path in MODULES.items()}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child):
+            for other in child.orelse:
+                yield from _import_nodes(other)
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        yield from _import_nodes(child)
+
+
+def imported(module: str) -> set[str]:
+    """The modules (of PACKAGES, or their top-level names if unknown) ``module`` imports."""
+    out = set()
+    is_package = MODULES[module].endswith("__init__.py")
+    for node in _import_nodes(TREES[module]):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+            continue
+        if node.level:  # relative: resolve against this module's package
+            base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        for alias in node.names:
+            sub = f"{source}.{alias.name}"
+            if sub in MODULES:
+                out.add(sub)
+            elif source in MODULES and MODULES[source].endswith("__init__.py") and \
+                    alias.name not in _top_level_names(TREES[source]):
+                continue  # a submodule we do not track (the compiled extension pcie_allreduce._C)
+            else:
+                out.add(source)
+    out.discard(module)
+    return out
+
+
+GRAPH = {module: {m for m in imported(module) if m in MODULES} for module in MODULES}
+
+
+def _cycles(nodes: set[str]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), within ``nodes``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v] & nodes:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_package_is_found() -> None:
+    for package in PACKAGES:
+        assert package in MODULES
+    assert "bench.backends" in MODULES and "pcie_allreduce.tune" in MODULES
+
+
+@pytest.mark.parametrize("package", ["pcie_allreduce", "sglang_plugin"])
+def test_the_library_and_the_plugin_never_import_the_harness(package: str) -> None:
+    offenders = {m: sorted(i for i in imported(m) if i == "bench" or i.startswith("bench."))
+                 for m in MODULES if m == package or m.startswith(package + ".")}
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
+@pytest.mark.parametrize("package", ["pcie_allreduce", "bench"])
+def test_no_import_cycles(package: str) -> None:
+    nodes = {m for m in MODULES if m == package or m.startswith(package + ".")}
+    assert _cycles(nodes) == []
+
+
+def test_a_cycle_is_found() -> None:
+    GRAPH["bench.table"].add("bench.report")  # report imports table
+    try:
+        cycles = _cycles({m for m in MODULES if m.startswith("bench")})
+        assert any({"bench.report", "bench.table"} <= set(c) for c in cycles)
+    finally:
+        GRAPH["bench.table"].discard("bench.report")

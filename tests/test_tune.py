@@ -1,0 +1,302 @@
+"""CPU tests of ``pcie-allreduce tune`` (pcie_allreduce.tune): options, picking shapes, deriving an
+AlgoTable that launches exactly the picks, the cache path and fingerprint, one shape's check and
+timing in a one-rank gloo group with the CUDA calls faked, and the command end to end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pcie_allreduce
+from pcie_allreduce import algo as algo_mod
+from pcie_allreduce import cli, ranks, tune, tune_cache
+from pcie_allreduce.tune import Measurement, Pick
+from tests._bench_fakes import FakeEvent
+
+NO_GPU = ranks.skip_reason_no_gpu() is not None or not pcie_allreduce.is_available()
+
+
+def _parse(argv: list[str]):
+    parser = cli.build_parser(["tune"])
+    args = parser.parse_args(["tune", *argv])
+    return args, tune.job_from_args(args, args.parser)
+
+
+def test_tune_options() -> None:
+    args, job = _parse([])
+    assert job.algos == algo_mod.ALGORITHMS and job.blocks == tune.DEFAULT_BLOCKS
+    assert job.sizes[0] == 1024 and job.sizes[-1] == 8 << 20 and len(job.sizes) == 14
+    assert (job.iters, job.warmup, job.calls_per_graph, job.time_budget_s) == (30, 5, 16, 0.2)
+    assert args.world is None and not args.dry_run and args.cache_dir is None
+    args, job = _parse(["--sizes", "56K", "14K", "--blocks", "8", "2", "--algos", "oneshot", "--world", "4",
+                        "--dtype", "float16", "--iters", "7"])
+    assert job.sizes == (14336, 57344) and job.blocks == (2, 8) and job.algos == ("oneshot",)
+    assert args.world == [4] and job.dtype == "float16" and job.iters == 7
+    assert tune.default_worlds(1) == (2, 4, 8) and tune.default_worlds(4) == (4,) and tune.default_worlds(16) == (8,)
+
+
+@pytest.mark.parametrize("argv", [["--blocks", "65"], ["--blocks", "0"], ["--tolerance", "1.5"], ["--world", "9"],
+                                  ["--algos", "auto"], ["--sizes", "1K", "--max-bytes", "2K"], ["--sizes", "12x"],
+                                  ["--dtype", "float32", "--sizes", "6"]])
+def test_tune_bad_options(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parse(argv)
+    assert info.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def _m(world: int, size: int, algo: str, blocks: int, p50: float | None, status: str = tune.OK) -> Measurement:
+    return Measurement(world, size, algo, blocks, status, p50, p50, 30 if p50 else 0)
+
+
+def _fake_rows() -> list[Measurement]:
+    rows = []
+    for world in (2, 8):
+        for size, best in ((1024, ("oneshot", 1)), (14336, ("oneshot", 4)), (458752, ("oneshot", 32)),
+                           (4 << 20, ("twoshot", 32))):
+            for algo in ("oneshot", "staged", "twoshot"):
+                for blocks in (1, 2, 4, 8, 16, 32):
+                    if world == 8 and blocks > 16:
+                        rows.append(_m(world, size, algo, blocks, None, status=tune.SKIPPED))
+                        continue
+                    distance = abs(blocks.bit_length() - best[1].bit_length()) + (algo != best[0]) * 3
+                    rows.append(_m(world, size, algo, blocks, (10.0 + size / 1e5) * (1 + 0.1 * distance)))
+    return rows
+
+
+def test_pick_shapes_prefers_fewer_blocks_within_tolerance() -> None:
+    rows = [_m(4, 4096, "oneshot", 8, 10.0), _m(4, 4096, "oneshot", 4, 10.15), _m(4, 4096, "twoshot", 2, 10.5),
+            _m(4, 4096, "staged", 16, 9.9), _m(4, 4096, "oneshot", 1, None, status=tune.WRONG)]
+    pick = tune.pick_shapes(rows, tolerance=0.03)[0]
+    assert (pick.algo, pick.blocks, pick.fastest_us) == ("oneshot", 4, 9.9)
+    assert (tune.pick_shapes(rows, 0.0)[0].algo, tune.pick_shapes(rows, 0.0)[0].blocks) == ("staged", 16)
+    assert tune.pick_shapes(rows, tolerance=0.1)[0].blocks == 2
+
+
+def test_derived_table_launches_exactly_the_picks() -> None:
+    picks = tune.pick_shapes(_fake_rows())
+    assert [(p.world, p.size_bytes, p.algo, p.blocks) for p in picks if p.world == 8][-1] == (8, 4 << 20, "twoshot", 16)
+    table = tune.derive_table(picks)
+    assert tune.check_table(table, picks, "bfloat16") == []
+    assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"  # beyond the largest measured size
+    assert table.select(14336, 4, "bfloat16") == algo_mod.default_table().select(14336, 4, "bfloat16")  # untuned W
+    reloaded = algo_mod.AlgoTable.from_json(table.to_json())
+    assert tune.check_table(reloaded, picks, "float16") == []  # tuned rules apply to every dtype
+
+
+def test_derived_table_on_random_picks() -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        sizes = sorted(rng.sample([1 << p for p in range(10, 27)], rng.randint(1, 10)))
+        picks = [Pick(4, s, rng.choice(algo_mod.ALGORITHMS), rng.choice([1, 2, 4, 8, 16, 32, 64]), 1.0, 1.0)
+                 for s in sizes]
+        table = tune.derive_table(picks)
+        assert tune.check_table(table, picks, "bfloat16") == [], picks
+        assert len(tune.rules_for_world(4, picks)) <= len(picks)
+
+
+def test_merged_rules() -> None:
+    picks = [Pick(2, s, "oneshot", s // 4096, 1.0, 1.0) for s in (16384, 32768, 65536)]
+    rules = tune.rules_for_world(2, picks)
+    assert len(rules) == 1 and rules[0].max_bytes is None and rules[0].bytes_per_block == 4096
+
+
+def test_percentile_matches_numpy() -> None:
+    np = pytest.importorskip("numpy")
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0]
+    for q in (0, 1, 25, 50, 90, 99, 100):
+        assert tune.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    with pytest.raises(ValueError):
+        tune.percentile([], 50)
+
+
+def test_cache_paths_and_fingerprint(tmp_path) -> None:
+    assert tune_cache.cache_dir({"PCIE_AR_CACHE_DIR": "/x"}) == "/x"
+    assert tune_cache.cache_dir({"XDG_CACHE_HOME": "/c", "HOME": "/h"}) == "/c/pcie_allreduce"
+    assert tune_cache.cache_dir({"HOME": "/h"}) == "/h/.cache/pcie_allreduce"
+    assert tune_cache.gpu_slug("NVIDIA RTX PRO 6000 Blackwell") == "nvidia-rtx-pro-6000-blackwell"
+    one_gpu = tune_cache.fingerprint(["0000:00:06.0"] * 4, lambda a, b: True)
+    assert len(one_gpu) == 12 and one_gpu == tune_cache.fingerprint(["0000:00:06.0".upper()] * 4, lambda a, b: False)
+    four = ["0000:19:00.0", "0000:39:00.0", "0000:59:00.0", "0000:79:00.0"]
+    full = tune_cache.fingerprint(four, lambda a, b: True)
+    assert full != tune_cache.fingerprint(four, lambda a, b: {a, b} != {four[0], four[3]})
+    assert full != tune_cache.fingerprint(four[::-1], lambda a, b: True)  # rank order is part of the placement
+    assert full != one_gpu
+
+    class Ext:
+        def device_by_pci_bus_id(self, bus: str) -> int:
+            return four.index(bus)
+
+        def can_access_peer(self, a: int, b: int) -> bool:
+            return True
+
+    assert tune_cache.fingerprint_of(Ext(), four) == full
+    path = tune_cache.table_path("NVIDIA H200", 4, full, str(tmp_path))
+    assert os.path.basename(path) == f"nvidia-h200-w4-{full}.json"
+    tune_cache.write_table(path, algo_mod.default_table().to_json(), {"world": 4})
+    loaded = algo_mod.load_table(environ={"PCIE_AR_ALGO_TABLE": path})
+    assert loaded == algo_mod.default_table()
+    assert json.loads(open(path).read())["meta"] == {"world": 4}
+
+
+# ---- one shape in a one-rank gloo group, the CUDA calls faked ----------------------------------
+
+
+class _Workspace:
+    """The raw launch: records its arguments and writes ``inp`` (+ ``corrupt``) into ``out``."""
+
+    def __init__(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        self.inp, self.out, self.launched, self.corrupt = inp, out, [], 0.0
+
+    def all_reduce(self, *args: object) -> int:
+        self.launched.append(args)
+        self.out.copy_(self.inp)
+        self.out[3] += self.corrupt
+        return 0
+
+    def failed(self) -> bool:
+        return False
+
+
+class _Comm:
+    block_cap = 16
+    ll_capacity = 512 << 10
+
+    def __init__(self, workspace: _Workspace) -> None:
+        self._workspace = workspace
+
+    def workspace(self, stream: int) -> _Workspace:
+        assert stream == 77
+        return self._workspace
+
+    def raise_if_failed(self, workspace: _Workspace) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+
+class _Graph:
+    def replay(self) -> None:
+        pass
+
+
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    """A one-rank gloo group, and torch.cuda's graph / stream / event / sync calls replaced by CPU fakes."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
+    yield types.SimpleNamespace(rank=0, world_size=1, group=dist.group.WORLD, device=torch.device("cpu"), mps=False)
+    dist.destroy_process_group()
+
+
+def _shape(ctx, algo: str, blocks: int, corrupt: float = 0.0, count: int = 512):
+    inp = torch.arange(count, dtype=torch.float32).to(torch.bfloat16) % 7
+    out = torch.empty_like(inp)
+    workspace = _Workspace(inp, out)
+    workspace.corrupt = corrupt
+    stream = types.SimpleNamespace(cuda_stream=77, synchronize=lambda: None)
+    job = tune.TuneJob(sizes=(count * 2,), algos=(algo,), blocks=(blocks,), iters=12, warmup=1, calls_per_graph=4)
+    row = tune._measure_shape(ctx, job, _Comm(workspace), stream, inp, out, inp.clone(), algo, blocks)
+    return row, workspace
+
+
+def test_shape_is_checked_then_timed_with_the_raw_launch(one_rank) -> None:
+    row, workspace = _shape(one_rank, "staged", 8)
+    assert row["status"] == tune.OK and row["replays"] >= tune.MIN_REPLAYS and row["p50_us"] >= 0
+    from pcie_allreduce.dispatch import DTYPE_IDS
+
+    assert workspace.launched[0] == (algo_mod.ALGO_IDS["staged"], workspace.inp.data_ptr(), workspace.out.data_ptr(),
+                                     1024, DTYPE_IDS[torch.bfloat16], 8, 77)
+    assert len(workspace.launched) == 1 + 4  # the exact-sum check, then the captured calls
+
+
+def test_shape_with_a_wrong_sum_is_not_timed(one_rank) -> None:
+    row, workspace = _shape(one_rank, "oneshot", 2, corrupt=1.0)
+    assert row["status"] == tune.WRONG and row["error"] == "rank 0: 1 of 512 elements wrong"
+    assert len(workspace.launched) == 1
+
+
+def test_shapes_over_the_block_cap_or_the_low_latency_capacity_are_skipped(one_rank) -> None:
+    row, workspace = _shape(one_rank, "twoshot", 32)
+    assert row["status"] == tune.SKIPPED and "32 blocks > block cap 16" in row["error"]
+    assert workspace.launched == []
+    row, _ = _shape(one_rank, "oneshot_ll", 4, count=1 << 20)
+    assert row["status"] == tune.SKIPPED and "oneshot_ll takes messages up to" in row["error"]
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def _fake_measure_world(world: int, job: tune.TuneJob, timeout_s: float):
+    rows = [r for r in _fake_rows() if r.world == world]
+    cap = 64 if world == 2 else 16
+    return ([Measurement(world, r.size_bytes, r.algo, r.blocks, r.status, r.p50_us, r.p99_us, r.replays)
+             for r in rows], {"gpu_name": "NVIDIA H200", "fingerprint": "abcdef012345", "block_cap": cap, "mps": True})
+
+
+@pytest.fixture
+def fake_machine(monkeypatch):
+    monkeypatch.setattr(tune, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(tune, "measure_world", _fake_measure_world)
+
+
+def test_tune_command_end_to_end(fake_machine, capsys, tmp_path) -> None:
+    cache = tmp_path / "cache"
+    assert cli.main(["tune", "--world", "2", "8", "--sizes", "1K", "14K", "448K", "4M", "--blocks", "1", "2", "4",
+                     "8", "16", "32", "--cache-dir", str(cache), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "b=32" in out.split("# W=2 |")[1] and "skip" in out.split("# W=8 |")[1]
+    assert "# W=8 | emulation: 8 ranks on one GPU under MPS" in out
+    written = sorted(os.listdir(cache))
+    assert written == ["nvidia-h200-w2-abcdef012345.json", "nvidia-h200-w8-abcdef012345.json"]
+    table = algo_mod.load_table(str(cache / written[1]))
+    assert table.select(4 << 20, 8, "bfloat16") == algo_mod.Choice("twoshot", 16)
+    assert table.select(14336, 8, "bfloat16") == algo_mod.Choice("oneshot", 4)
+    meta = json.loads((cache / written[1]).read_text())["meta"]
+    assert meta["world"] == 8 and meta["picks"][0][:3] == [1024, "oneshot", 1]
+    assert sorted(os.listdir(tmp_path / "out")) == ["tune.json", "tune.txt"]
+    assert (tmp_path / "out" / "tune.txt").read_text() == out
+    document = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert document["facts"]["8"]["block_cap"] == 16 and len(document["measurements"]) == 2 * 4 * 3 * 6
+    assert "tuned" in out and "default" in out and "gain" in out and f"wrote {cache}" in err
+
+
+def test_tune_dry_run_writes_nothing(fake_machine, capsys, tmp_path) -> None:
+    assert cli.main(["tune", "--world", "2", "8", "--dry-run", "--cache-dir", str(tmp_path)]) == 0
+    assert os.listdir(tmp_path) == [] and "--dry-run: would write" in capsys.readouterr().out
+
+
+def test_tune_reports_a_failed_world_and_goes_on(fake_machine, monkeypatch, capsys, tmp_path) -> None:
+    def measure(world: int, job: tune.TuneJob, timeout_s: float):
+        if world == 8:
+            raise ranks.RankFailed("rank 3 hung\nstacks ...")
+        return _fake_measure_world(world, job, timeout_s)
+
+    monkeypatch.setattr(tune, "measure_world", measure)
+    assert cli.main(["tune", "--world", "2", "8", "--cache-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "# W=8: measurement failed: rank 3 hung stacks ..." in out
+    assert os.listdir(tmp_path) == ["nvidia-h200-w2-abcdef012345.json"]
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine can run tune")
+def test_tune_without_gpu_exits_with_one_line(capsys) -> None:
+    assert cli.main(["tune", "--world", "2"]) == 3
+    captured = capsys.readouterr()
+    assert captured.err.startswith("pcie-allreduce tune: cannot run here: ") and captured.err.count("\n") == 1
+    assert captured.out == ""
