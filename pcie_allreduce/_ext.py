@@ -56,6 +56,67 @@ def _min_driver(runtime: int) -> str:
     return next((branch for floor, branch in _MIN_DRIVER_FOR_RUNTIME if runtime >= floor), "570")
 
 
+NO_DRIVER = "no NVIDIA driver: libcuda.so.1 cannot be loaded in this process (no GPU here, or the driver is not installed)"
+
+
+def _no_gpu_visible() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return f"no CUDA GPU is visible to this process{where}"
+
+
+def _runtime_reason(module: ModuleType) -> str | None:
+    """What the extension's CUDA runtime says is missing: driver, a new enough driver, a GPU."""
+    runtime = module.runtime_version()
+    needs = (f"this build uses the CUDA {cuda_version_text(runtime)} runtime, which needs NVIDIA driver "
+             f"{_min_driver(runtime)} or newer")
+    if module.driver_version() == 0:
+        return f"{NO_DRIVER}; {needs}"
+    status = module.runtime_status()
+    if "InsufficientDriver" in status:
+        return (f"the NVIDIA driver supports CUDA {cuda_version_text(module.driver_version())} only; {needs}: "
+                "update the driver, or rebuild with an older nvcc (12.8 or newer)")
+    if "NoDevice" in status or "no CUDA device" in status:
+        return _no_gpu_visible()
+    if status:
+        return f"CUDA cannot start in this process: {status}"
+    return None
+
+
+def _driver_reason_without_extension() -> str | None:
+    """The no-driver / no-GPU part of :func:`gpu_unavailable_reason` when the extension is not built."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return NO_DRIVER
+    import torch
+
+    if torch.version.cuda is not None and torch.cuda.device_count() == 0:
+        return _no_gpu_visible()
+    return None
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why no CUDA GPU can be used in this process (driver, visible devices, torch's build), or None.
+
+    Needs no built extension (the harness's NCCL rows and the rank spawner use it too); with the
+    extension it asks the extension's CUDA runtime, which also knows whether the driver is new enough.
+    Creates no CUDA context.
+    """
+    module = load()
+    reason = _runtime_reason(module) if module is not None else _driver_reason_without_extension()
+    if reason is not None:
+        return reason
+    import torch
+
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch "
+                "(https://pytorch.org/get-started/locally/)")
+    return None
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run in this process, or None when they can.
 
@@ -65,25 +126,4 @@ def unavailable_reason() -> str | None:
     module, reason = _import()
     if module is None:
         return reason
-    runtime = module.runtime_version()
-    needs = (f"this build uses the CUDA {cuda_version_text(runtime)} runtime, which needs NVIDIA driver "
-             f"{_min_driver(runtime)} or newer")
-    if module.driver_version() == 0:
-        return (f"no NVIDIA driver: libcuda.so.1 cannot be loaded in this process (no GPU here, or the driver is "
-                f"not installed); {needs}")
-    status = module.runtime_status()
-    if "InsufficientDriver" in status:
-        return (f"the NVIDIA driver supports CUDA {cuda_version_text(module.driver_version())} only; {needs}: "
-                "update the driver, or rebuild with an older nvcc (12.8 or newer)")
-    if status:
-        if "NoDevice" in status or "no CUDA device" in status:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-            return f"no CUDA GPU is visible to this process{where}"
-        return f"CUDA cannot start in this process: {status}"
-    import torch
-
-    if torch.version.cuda is None:
-        return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch "
-                "(https://pytorch.org/get-started/locally/)")
-    return None
+    return gpu_unavailable_reason()

@@ -134,12 +134,10 @@ def gpu_count() -> int:
 
 
 def skip_reason_no_gpu() -> str | None:
-    """Why GPU tests cannot run here, or None when at least one CUDA GPU is visible."""
-    if torch.version.cuda is None:
-        return f"no CUDA GPU visible (torch {torch.__version__} was built without CUDA)"
-    if gpu_count() == 0:
-        return "no CUDA GPU visible (torch.cuda.device_count() == 0)"
-    return None
+    """Why no CUDA GPU can be used here (see :func:`pcie_allreduce._ext.gpu_unavailable_reason`), or None."""
+    from pcie_allreduce import _ext
+
+    return _ext.gpu_unavailable_reason()
 
 
 def placement_label(world: int, gpu_count: int, mps: bool | None) -> str:

@@ -73,3 +73,15 @@ def test_unavailable_reason_names_the_missing_piece(monkeypatch: pytest.MonkeyPa
     assert reason is not None
     for needle in needles:
         assert needle in reason
+
+
+def test_gpu_reason_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    monkeypatch.setattr(_ext, "load", lambda: None)
+
+    def no_driver(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert _ext.gpu_unavailable_reason() == _ext.NO_DRIVER
