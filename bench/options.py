@@ -20,6 +20,9 @@ from bench.results import ALLREDUCE, FUSED
 
 OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
 DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES = "1K", "64M"
+# Seconds of timed replays per case: the default sweep (17 sizes x every backend's variants x
+# W = 2, 4, 8) then takes a few minutes; small sizes stop at --iters long before it runs out.
+DEFAULT_TIME_BUDGET_S = 0.25
 NORM_DTYPES: tuple[str, ...] = ("bfloat16", "float16")  # what the fused kernel takes
 DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 32, 128)
 DEFAULT_HIDDEN = 7168  # DeepSeek-V3 / Kimi-K2.5
@@ -59,7 +62,7 @@ class BenchConfig:
     warmup: int = 10
     calls_per_graph: int = 16
     eager: bool = False
-    time_budget_s: float = 1.0
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S
     rounds: int = 1
     case_timeout_s: float = 30.0
     setup_timeout_s: float = 90.0
@@ -112,7 +115,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, backends: bool = True,
 
 
 def add_timing_arguments(parser: argparse.ArgumentParser, *, iters: int = 100, warmup: int = 10,
-                         time_budget: float = 1.0, calls_per_graph: bool = True) -> None:
+                         time_budget: float = DEFAULT_TIME_BUDGET_S, calls_per_graph: bool = True) -> None:
     """How cases are timed."""
     how = parser.add_argument_group("how to time")
     how.add_argument("--iters", type=positive_int, default=iters, metavar="N",
