@@ -75,11 +75,25 @@ def _reduce_row(x_row_ptrs, slot_ptr_of_rank0, slot_elems, row_off, cols, mask, 
 
 
 @triton.jit
-def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl.constexpr):
+def _row_mask(cols_ok, row, end, INTERPRET: tl.constexpr):
+    """The columns of ``row`` to touch: ``cols_ok`` where ``row < end``, else none.
+
+    Triton's interpreter broadcasts the scalar ``row < end`` into an int32 array rather than a
+    boolean one, and from Triton 3.9 on its loads and stores reject a mask that is not boolean;
+    the comparison with 0 turns it back into one there. The GPU branch is the plain ``&``."""
+    mask = cols_ok & (row < end)
+    if INTERPRET:
+        mask = mask != 0
+    return mask
+
+
+@triton.jit
+def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl.constexpr,
+               INTERPRET: tl.constexpr):
     """Copy rows first_row + pid*ROWS + i (i < ROWS, row < row_limit) of x to the same rows at dst."""
     for i in tl.static_range(ROWS):
         row = first_row + pid * ROWS + i
-        mask = cols_ok & (row < row_limit)
+        mask = _row_mask(cols_ok, row, row_limit, INTERPRET)
         off = row.to(tl.int64) * H + cols
         tl.store(dst + off, tl.load(x_ptr + off, mask=mask), mask=mask)
 
@@ -118,7 +132,7 @@ def _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols,
                 begin, end = _shard(T, W, p)
             else:
                 begin, end = 0, T
-            _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS)
+            _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
             tl.debug_barrier()
             store_release(flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
 
@@ -174,7 +188,7 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             slot0 = (my_base + parity_off).to(tl.pointer_type(DT))
             for i in tl.static_range(ROWS):
                 row = pid * ROWS + i
-                mask = cols_ok & (row < T)
+                mask = _row_mask(cols_ok, row, T, INTERPRET)
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
@@ -202,7 +216,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             begin, end = _shard(T, W, rank)
             for i in tl.static_range(ROWS):
                 row = begin + pid * ROWS + i
-                mask = cols_ok & (row < end)
+                mask = _row_mask(cols_ok, row, end, INTERPRET)
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
@@ -226,7 +240,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                         begin, end = _shard(T, W, p)
                         for i in tl.static_range(ROWS):
                             row = begin + pid * ROWS + i
-                            mask = cols_ok & (row < end)
+                            mask = _row_mask(cols_ok, row, end, INTERPRET)
                             row_off = row.to(tl.int64) * H
                             nr = tl.load(src + row_off + cols, mask=mask, other=0.0, cache_modifier=".cg")
                             _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols,

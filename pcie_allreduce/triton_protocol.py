@@ -14,8 +14,6 @@ plain tl.load(volatile=True) poll may be hoisted or re-issued by the compiler.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -27,11 +25,6 @@ _ABORT: tl.constexpr = tl.constexpr(ABORT_WORD)
 _CLAIM: tl.constexpr = tl.constexpr(CLAIM_WORD)
 _MIX: tl.constexpr = tl.constexpr(LINE_FLAG_MIX)
 _SPIN_LIMIT: tl.constexpr = tl.constexpr(INTERPRETER_SPIN_LIMIT)
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (Triton's CPU interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---- memory-order primitives -------------------------------------------------------------
@@ -133,6 +126,18 @@ def pick_base(p: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
     else:
         b = b7
     return b
+
+
+# Triton picks its interpreter or its compiler when a function is decorated (from TRITON_INTERPRET
+# when the module is imported), so whether these kernels run interpreted is fixed here, whatever
+# the environment says when they are launched.
+_BUILT_FOR_INTERPRETER = not isinstance(load_acquire, triton.runtime.JITFunction)
+
+
+def interpreting() -> bool:
+    """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1
+    when it was imported): launches then take the interpreter's paths (INTERPRET=True)."""
+    return _BUILT_FOR_INTERPRETER
 
 
 # ---- protocol ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The fused Triton kernels under TRITON_INTERPRET=1, one rank at a time, on the CPU.
+"""The fused Triton kernels under TRITON_INTERPRET=1, one rank at a time, on the CPU (a run without
+it runs this file in an interpreted child process: tests/_interpreted.py).
 
 The interpreter runs programs one after another, so a real wait would hang: the test plays the
 peers by writing their pushes and flags into the rank's workspace before launching, exactly as
@@ -12,10 +13,11 @@ import torch
 
 from pcie_allreduce import layout as lay
 from tests import _reference as ref
+from tests._interpreted import NOT_INTERPRETED
 
 fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
 ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
-pytestmark = pytest.mark.skipif(not fused.interpreting(), reason="needs TRITON_INTERPRET=1 (CPU interpreter)")
+pytestmark = pytest.mark.skipif(not fused.interpreting(), reason=NOT_INTERPRETED)
 
 MAX_BYTES = 256 << 10
 COMPLETED = 41  # calls already done on the workspace; this call is epoch 42
