@@ -1,6 +1,6 @@
 """CPU tests of ``python -m bench topo``'s measurements: the matrices from per-rank figures, their
 printed and JSON forms, the command with a fake probe, and the probe kernels under the Triton
-CPU interpreter (TRITON_INTERPRET=1, as CI runs)."""
+CPU interpreter (in the TRITON_INTERPRET=1 child run of tests/test_interpreter_run.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import argparse
 import csv
 import io
 import json
-import os
 
 import pytest
 import torch
 
 from bench import __main__ as bench_cli
 from bench import plot, topo, topo_files, topo_probe
+from pcie_allreduce import triton_protocol
+from tests._interpreted import NOT_INTERPRETED
 
 
 def _per_rank(world: int) -> list[dict]:
@@ -126,8 +127,7 @@ def test_topo_files_from_a_document_without_measurements(tmp_path) -> None:
 
 # ---------------------------------------------------------------------------- kernels, interpreted
 
-interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-needs_interpreter = pytest.mark.skipif(not interpreting, reason="needs TRITON_INTERPRET=1 (CPU interpreter)")
+needs_interpreter = pytest.mark.skipif(not triton_protocol.interpreting(), reason=NOT_INTERPRETED)
 
 
 @needs_interpreter
