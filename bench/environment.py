@@ -96,6 +96,24 @@ def _extension_versions() -> dict[str, Any]:
         return {}
 
 
+def command_line(argv: Sequence[str]) -> str:
+    """The command as typed: ``python -m bench ...`` rather than the path of bench/__main__.py on
+    the machine that ran it (result files must not carry a machine's paths)."""
+    first = os.path.normpath(argv[0]) if argv else ""
+    if first.endswith(os.path.join("bench", "__main__.py")):
+        return shlex.join(["python", "-m", "bench", *argv[1:]])
+    return shlex.join([os.path.basename(first), *argv[1:]])
+
+
+def _version_of(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def host_environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Machine and software facts, without creating a CUDA context in this process."""
     import torch
@@ -105,13 +123,14 @@ def host_environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
     smi = visible_gpus(_nvidia_smi(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.argv if argv is None else argv),
+        "command": command_line(sys.argv if argv is None else argv),
         "host": socket.gethostname(),
         "gpus": [row["name"] for row in smi],
         "gpu_details": smi,
         "driver": smi[0]["driver_version"] if smi else _driver_from_proc(),
         "cuda_runtime": torch.version.cuda,
         "torch": torch.__version__,
+        "triton": _version_of("triton"),
         "pcie_allreduce": pcie_allreduce.__version__,
         "python": platform.python_version(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),

@@ -684,3 +684,10 @@ def test_nccl_ll_is_the_tuned_nccl_row() -> None:
     assert backends.rank_env("nccl", 8, 8) == {}
     assert "refuses two ranks on one GPU" in backends.skip_reason("nccl_ll", 8, 1)
     assert _config(["--backends", "nccl_ll"], gpu_count=8).backends == ("nccl_ll",)
+
+
+def test_result_files_record_the_command_as_typed() -> None:
+    from bench.environment import command_line
+
+    assert command_line(["/any/checkout/bench/__main__.py", "--out", "a b"]) == "python -m bench --out 'a b'"
+    assert command_line(["/usr/local/bin/pcie-allreduce", "tune"]) == "pcie-allreduce tune"
