@@ -165,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"our algorithms ({' '.join(OUR_ALGOS)}; default all)")
     fused = parser.add_argument_group("--fused: all-reduce + residual add + RMSNorm on [tokens, hidden]")
     fused.add_argument("--fused", action="store_true",
-                       help="compare our fused all-reduce + residual add + RMSNorm with our all-reduce followed by "
+                       help="compare our fused all-reduce + residual add + RMSNorm with our all-reduce and then "
                             "torch add + RMSNorm, the other backends' all-reduce + the same torch ops, and our plain "
                             "all-reduce alone")
     fused.add_argument("--tokens", type=positive_int, nargs="+", metavar="T",

@@ -1,7 +1,7 @@
 """The ``python -m bench --fused`` report: the per-case table and the summary the fused kernel is judged by.
 
 The goals, per W and token count: our fused all-reduce + residual add + RMSNorm should cost
-at most 1.15x our plain all-reduce alone, and at most 0.75x our all-reduce followed by
+at most 1.15x our plain all-reduce alone, and at most 0.75x our all-reduce and then
 the separate torch add + RMSNorm. Pure.
 """
 

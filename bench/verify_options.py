@@ -2,7 +2,7 @@
 
 A verify forward runs L transformer layers on [T, H] activations (T = batch x draft tokens); with
 tensor parallelism each layer ends its attention and its MLP/MoE with an all-reduce, each
-followed by a residual add + RMSNorm. The benchmark captures those 2L collectives (optionally with
+then a residual add + RMSNorm. The benchmark captures those 2L collectives (optionally with
 the add + norm) in ONE CUDA graph per backend and reports the pass time, the projected verify
 time (pass + the model's compute) and the speed-up. Pure (no torch import).
 """

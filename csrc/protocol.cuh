@@ -5,7 +5,7 @@
 //  1. Push, don't pull. A rank only ever WRITES to peers' workspaces (data, then a flag) and only
 //     ever SPINS on its own workspace. Reads of peer memory never happen.
 //  2. Flag after data. A block writes its data to a peer, then `__syncthreads()`, then one thread
-//     stores the flag with st.release.sys. The receiver's ld.acquire.sys of that flag, followed by
+//     stores the flag with st.release.sys. The receiver's ld.acquire.sys of that flag, then
 //     `__syncthreads()`, makes the data visible to the whole receiving block. No peer atomics.
 //     Exact for every dtype and bit pattern and costs one extra small write per block and peer,
 //     but the system-scope release is a fence on the critical path. Small messages can instead

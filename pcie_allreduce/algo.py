@@ -144,7 +144,7 @@ def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
 
 
 def default_table() -> AlgoTable:
-    """Crossovers from bench/sweep_launch_shapes.py on one H200 under MPS (bench/RESULTS.md).
+    """Crossovers measured on one H200 under MPS (bench/PERF_NOTES.md; `pcie-allreduce tune` measures yours).
 
     One-shot moves (W-1) x the message per rank but needs one exchange; two-shot moves 2(W-1)/W
     but needs two. Small blocks-per-byte ratios win for small messages (more blocks in flight).

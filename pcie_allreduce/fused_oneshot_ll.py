@@ -55,7 +55,7 @@ MAX_WARPS = 32      # 1024 threads: one word per thread up to MAX_CHUNK columns
 # block cap (one program per SM). Several programs per SM (register-capped, at 2x or 4x the cap)
 # were tried and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold
 # part of an SM, so register arithmetic is no residency guarantee) and 4-warp ones at 4x were
-# slower at W=8 than the regular shape (16.6 vs 13.1 us, bench/notes/PERF_NOTES.md).
+# slower at W=8 than the regular shape (16.6 vs 13.1 us, bench/PERF_NOTES.md).
 MEDIUM_COLUMNS = 1024
 MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
 
@@ -123,7 +123,7 @@ def _load_pairs(ptr, word, mask, PAIRED: tl.constexpr):
 def _store_pairs(ptr, word, lo, hi, mask, PAIRED: tl.constexpr):
     """Store each word's two elements (already of ptr's dtype): as one 4-byte store when PAIRED.
     Two 2-byte stores half-fill the same sectors twice; at the end of the kernel, where nothing
-    overlaps them, that cost W=8 about a microsecond (bench/notes/PERF_NOTES.md)."""
+    overlaps them, that cost W=8 about a microsecond (bench/PERF_NOTES.md)."""
     if PAIRED:
         bits = (lo.to(tl.uint16, bitcast=True).to(tl.uint32)
                 | (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
@@ -301,7 +301,7 @@ def launch_shape(tokens: int, hidden: int, world: int, max_programs: int, interp
     W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
     the cap allows, 512 to 2048 columns each (W=8, cap 16: 1792-column programs, 13.1 us against
     16.6 for 56 small ones; bench/RESULTS.md). Always one word (two elements) per thread: at
-    4 x 7168, 16 warps instead of 8 at W=4 and 32 instead of 16 at W=8 were faster (session 5)."""
+    4 x 7168, 16 warps instead of 8 at W=4 and 32 instead of 16 at W=8 were faster (bench/PERF_NOTES.md)."""
     if hidden % 2 or tokens < 1:
         return None
     cap = max(1, min(MAX_PROGRAMS, max_programs))
@@ -354,8 +354,7 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
     ``chunks`` forces that many column chunks per row instead of :func:`launch_shape`'s choice
     (tests: under the interpreter the choice is 1, which never exercises the row statistics
     exchange between programs). ``backoff_ns`` > 0 sleeps that long between polls (an experiment
-    for ranks sharing a GPU, bench/notes/fused_shape_sweep.py; 0 compiles the same code as
-    before the knob existed)."""
+    for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without the knob)."""
     tokens, hidden = x.shape
     shape = (launch_shape(tokens, hidden, view.world, max_programs, interpret) if chunks is None
              else shape_with_chunks(tokens, hidden, chunks))

@@ -27,8 +27,8 @@ def prepare_environment(environ: "os._Environ[str] | dict[str, str]") -> setting
     from sglang_plugin.plugin import PLUGIN_NAME
 
     environ.setdefault(settings_mod.ENABLE, "1")
-    allowed = environ.get(PLUGINS_ENV, "")
-    names = [n.strip() for n in allowed.split(",") if n.strip()]
+    listed = environ.get(PLUGINS_ENV, "")
+    names = [n.strip() for n in listed.split(",") if n.strip()]
     if names and PLUGIN_NAME not in names:
         environ[PLUGINS_ENV] = ",".join([*names, PLUGIN_NAME])
     return settings_mod.from_env(environ)
