@@ -184,21 +184,8 @@ def unique(values: Sequence[Any]) -> tuple[Any, ...]:
 
 def sweep_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, ...]:
     """--sizes, or the doubling sweep --min-bytes .. --max-bytes, checked against the dtype."""
-    if args.sizes and (args.min_bytes is not None or args.max_bytes is not None):
-        parser.error("give either --sizes or --min-bytes/--max-bytes, not both")
-    if args.sizes:
-        size_list = unique(args.sizes)
-    else:
-        low = args.min_bytes if args.min_bytes is not None else sizes.parse_size(DEFAULT_MIN_BYTES)
-        high = args.max_bytes if args.max_bytes is not None else sizes.parse_size(DEFAULT_MAX_BYTES)
-        if high < low:
-            parser.error(f"--max-bytes ({high}) is smaller than --min-bytes ({low})")
-        size_list = tuple(sizes.doubling_sizes(low, high))
-    element = DTYPE_SIZES[args.dtype]
-    ragged = [s for s in size_list if s % element]
-    if ragged:
-        parser.error(f"sizes {ragged} are not a multiple of the {args.dtype} element size ({element} bytes)")
-    return tuple(sorted(size_list))
+    return sizes.requested_sizes(args.sizes, args.min_bytes, args.max_bytes, default_min=DEFAULT_MIN_BYTES,
+                                 default_max=DEFAULT_MAX_BYTES, dtype=args.dtype, error=parser.error)
 
 
 def common_fields(args: argparse.Namespace, gpu_count: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from types import MappingProxyType
+from typing import Callable, Sequence
 
 # Read-only: suffix (lower case) -> bytes. "KB" is accepted as binary too, like nccl-tests' "K".
 _UNITS = MappingProxyType({
@@ -56,3 +57,26 @@ def doubling_sizes(min_bytes: int, max_bytes: int) -> list[int]:
 
 # Element bytes of the dtypes the kernels take, by name (what the command lines and tables say).
 DTYPE_SIZES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
+
+
+def requested_sizes(explicit: Sequence[int] | None, min_bytes: int | None, max_bytes: int | None, *,
+                    default_min: str, default_max: str, dtype: str, error: Callable[[str], object]) -> tuple[int, ...]:
+    """The message sizes a command line asks for, sorted and unique: ``explicit`` (``--sizes``), else
+    the doubling sweep ``min_bytes .. max_bytes`` (each defaulting to the given text). ``error``
+    (``parser.error``) is called for both forms at once, an empty range, or a size that is not a
+    whole number of ``dtype`` elements."""
+    if explicit and (min_bytes is not None or max_bytes is not None):
+        error("give either --sizes or --min-bytes/--max-bytes, not both")
+    if explicit:
+        chosen = set(explicit)
+    else:
+        low = min_bytes if min_bytes is not None else parse_size(default_min)
+        high = max_bytes if max_bytes is not None else parse_size(default_max)
+        if high < low:
+            error(f"--max-bytes ({high}) is smaller than --min-bytes ({low})")
+        chosen = set(doubling_sizes(low, high))
+    element = DTYPE_SIZES[dtype]
+    ragged = sorted(s for s in chosen if s % element)
+    if ragged:
+        error(f"sizes {ragged} are not a multiple of the {dtype} element size ({element} bytes)")
+    return tuple(sorted(chosen))

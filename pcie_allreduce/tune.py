@@ -436,21 +436,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sweep_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, ...]:
     """--sizes, or the doubling sweep --min-bytes .. --max-bytes, checked against the dtype."""
-    if args.sizes and (args.min_bytes is not None or args.max_bytes is not None):
-        parser.error("give either --sizes or --min-bytes/--max-bytes, not both")
-    if args.sizes:
-        chosen = set(args.sizes)
-    else:
-        low = args.min_bytes if args.min_bytes is not None else sizes.parse_size(DEFAULT_MIN_BYTES)
-        high = args.max_bytes if args.max_bytes is not None else sizes.parse_size(DEFAULT_MAX_BYTES)
-        if high < low:
-            parser.error(f"--max-bytes ({high}) is smaller than --min-bytes ({low})")
-        chosen = set(sizes.doubling_sizes(low, high))
-    element = sizes.DTYPE_SIZES[args.dtype]
-    ragged = sorted(s for s in chosen if s % element)
-    if ragged:
-        parser.error(f"sizes {ragged} are not a multiple of the {args.dtype} element size ({element} bytes)")
-    return tuple(sorted(chosen))
+    return sizes.requested_sizes(args.sizes, args.min_bytes, args.max_bytes, default_min=DEFAULT_MIN_BYTES,
+                                 default_max=DEFAULT_MAX_BYTES, dtype=args.dtype, error=parser.error)
 
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TuneJob:
