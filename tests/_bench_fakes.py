@@ -12,6 +12,7 @@ backends are fakes built on gloo all-reduce:
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -128,26 +129,28 @@ class FakeBackend(QuietBackendHooks):
         return {"block_cap": FAKE_BLOCK_CAP, "gpu_name": "Fake GPU", "fingerprint": "0123456789ab"}
 
 
-def cpu_bench_rank(ctx: ranks.RankContext, job: Any) -> dict:
-    """bench_rank with the CUDA calls stubbed and the fake backends, in a CPU rank."""
+def cpu_bench_rank(ctx: ranks.RankContext, job: Any, backend_class: Any = None) -> dict:
+    """bench_rank with the CUDA calls stubbed and ``backend_class`` (default :class:`FakeBackend`)
+    serving every backend, in a CPU rank."""
     from bench import environment, rank
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.Stream = lambda *a, **k: object()
     torch.cuda.Event = FakeEvent
     torch.cuda._sleep = lambda cycles: None
-    backends.open_backend = FakeBackend
+    backends.open_backend = backend_class or FakeBackend
     environment.rank_environment = lambda c: {"mps": False, "shared_gpu": True}
     return rank.bench_rank(ctx, job)
 
 
-def use_cpu_ranks(monkeypatch: Any) -> None:
-    """Make the runner spawn CPU ranks running :func:`cpu_bench_rank`, every backend available."""
+def use_cpu_ranks(monkeypatch: Any, backend_class: Any = None) -> None:
+    """Make the runner spawn CPU ranks running :func:`cpu_bench_rank` (with ``backend_class``),
+    every backend available."""
     real_run_ranks = ranks.run_ranks
 
     def cpu_run_ranks(fn: Any, world: int, *args: Any, **kw: Any) -> Any:
         kw["gpu"] = False
-        return real_run_ranks(cpu_bench_rank, world, *args, **kw)
+        return real_run_ranks(functools.partial(cpu_bench_rank, backend_class=backend_class), world, *args, **kw)
 
     monkeypatch.setattr(ranks, "run_ranks", cpu_run_ranks)
     monkeypatch.setattr(backends, "skip_reason", lambda b, w, g: None)

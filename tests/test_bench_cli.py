@@ -32,6 +32,7 @@ from bench.backends import Buffers
 from bench.plan import make_cases
 from bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
 
+from tests import _bench_fakes
 from tests._bench_fakes import FakeEvent, QuietBackendHooks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -515,28 +516,8 @@ class _GlooBackend(QuietBackendHooks):
 
 
 
-def _cpu_bench_rank(ctx: ranks.RankContext, job: object) -> dict:
-    """bench_rank with the CUDA calls of the eager path stubbed, in a CPU rank."""
-    from bench import rank
-
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.Stream = lambda *a, **k: object()
-    torch.cuda.Event = FakeEvent
-    torch.cuda._sleep = lambda cycles: None
-    backends.open_backend = _GlooBackend
-    environment.rank_environment = lambda c: {"mps": False, "shared_gpu": True}
-    return rank.bench_rank(ctx, job)
-
-
 def test_rank_loop_on_cpu_survives_wrong_raising_and_hanging_cases(monkeypatch) -> None:
-    real_run_ranks = ranks.run_ranks
-
-    def cpu_run_ranks(fn, world, *args, **kw):
-        kw["gpu"] = False
-        return real_run_ranks(_cpu_bench_rank, world, *args, **kw)
-
-    monkeypatch.setattr(ranks, "run_ranks", cpu_run_ranks)
-    monkeypatch.setattr(backends, "skip_reason", lambda b, w, g: None)
+    _bench_fakes.use_cpu_ranks(monkeypatch, _GlooBackend)
     monkeypatch.setattr(backends, "algos_for", lambda b, a: ("ok", "wrong", "raise", "hang", "ok2"))
     cfg = options.BenchConfig(worlds=(2,), sizes=(1024,), backends=("ours",), eager=True, iters=5, warmup=1,
                               calls_per_graph=2, case_timeout_s=3.0, setup_timeout_s=60.0, retries=2)
