@@ -48,6 +48,10 @@ void register_workspace(py::module_& m) {
              for (const auto& h : handles) raw.emplace_back(h);
              w.open_peers(raw);
            })
+      .def("write_probes", &Workspace::write_probes, py::arg("seed"),
+           "Store a pattern into this rank's data slot of every peer (the creation-time transfer test).")
+      .def("probe_failures", &Workspace::probe_failures, py::arg("seed"),
+           "After every rank wrote its probes: the ranks whose pattern did not arrive here.")
       .def("all_reduce", &Workspace::all_reduce, py::arg("algo"), py::arg("input"), py::arg("output"),
            py::arg("nbytes"), py::arg("dtype"), py::arg("blocks"), py::arg("stream"),
            "Enqueue one all-reduce; returns a non-zero error kind (and launches nothing) once a call failed.")
@@ -94,6 +98,8 @@ py::dict names_table(const pcie_ar::Named<Id> (&table)[N], bool by_id = false) {
 void register_constants(py::module_& m) {
   m.attr("MIN_RANKS") = pcie_ar::kMinRanks;
   m.attr("MAX_RANKS") = pcie_ar::kMaxRanks;
+  m.attr("MAX_MESSAGE_BYTES") = pcie_ar::kMaxMessageBytes;
+  m.attr("MAX_TIMEOUT_S") = pcie_ar::kMaxTimeoutSeconds;
   m.attr("MAX_LAUNCH_BLOCKS") = pcie_ar::kMaxLaunchBlocks;
   m.attr("MAX_FLAG_BLOCKS") = pcie_ar::kMaxFlagBlocks;
   m.attr("THREADS_PER_BLOCK") = pcie_ar::kThreadsPerBlock;

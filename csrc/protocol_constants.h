@@ -91,6 +91,15 @@ constexpr uint64_t kErrorRecordWords = sizeof(ErrorRecord) / sizeof(uint32_t);
 // kLinePayloadBytes of payload, for messages up to ll_capacity bytes (a fixed cap: the format
 // doubles the traffic, so it only pays for small messages).
 constexpr uint64_t kLowLatencyMaxBytes = 512 * 1024;
+// Largest max_bytes a workspace takes. Keeps every element offset the Triton kernels compute
+// (sender x slot elements, 2-byte dtypes, W = 8) below 2^31, and one stream's workspace (about
+// 2 x W x max_bytes) a few GiB; larger messages are NCCL's ground.
+constexpr uint64_t kMaxMessageBytes = 256ull << 20;
+// Longest wait a kernel may be given (one day): its nanosecond deadline stays far from overflow.
+constexpr uint64_t kMaxTimeoutSeconds = 24 * 3600;
+// Bytes each rank writes into every peer's workspace at creation to prove that its stores
+// arrive (drivers report peer access where the platform drops or misroutes P2P writes).
+constexpr uint64_t kProbeBytes = 16;
 // Local-only words the fused Triton one-shot uses to share per-chunk RMSNorm statistics among
 // the programs of one row (fused_rmsnorm.py); zero when not in flight, like the lines.
 constexpr uint64_t kRowStatsSlots = 1024;

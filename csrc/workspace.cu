@@ -41,8 +41,30 @@ class DeviceGuard {
 };
 
 uint64_t seconds_to_ns(double seconds) {
-  PCIE_AR_HOST_ASSERT(seconds > 0 && std::isfinite(seconds), "timeout must be a positive number of seconds");
+  PCIE_AR_HOST_ASSERT(seconds > 0 && std::isfinite(seconds) && seconds <= static_cast<double>(kMaxTimeoutSeconds),
+                      "timeout must be a positive number of seconds, at most " + std::to_string(kMaxTimeoutSeconds));
   return static_cast<uint64_t>(seconds * 1e9);
+}
+
+// The probe pattern rank `sender` writes for `seed`: no word is 0, so a slot never written (zeroed
+// at creation) never passes.
+__host__ __device__ inline uint32_t probe_word(uint32_t seed, int sender, int i) {
+  return (seed ^ (0x9E3779B9u * static_cast<uint32_t>(sender + 1) + 0x7F4A7C15u * static_cast<uint32_t>(i))) | 1u;
+}
+
+constexpr int kProbeWords = static_cast<int>(kProbeBytes / sizeof(uint32_t));
+
+struct ProbeTargets {
+  char* peers[kMaxRanks];
+};
+
+// One thread per (peer, word): the same kind of posted SM store the algorithms make.
+__global__ void write_probes_kernel(ProbeTargets targets, uint64_t offset, uint32_t seed, int rank, int world) {
+  const int peer = threadIdx.x / kProbeWords;
+  const int word = threadIdx.x % kProbeWords;
+  if (peer >= world || peer == rank) return;
+  reinterpret_cast<volatile uint32_t*>(targets.peers[peer] + offset)[word] = probe_word(seed, rank, word);
+  __threadfence_system();
 }
 
 // The last call's shape and its signature. Eager callers repeat one shape call after call (a
@@ -105,12 +127,23 @@ Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double
                                                                       ", " + std::to_string(kMaxRanks) + "], got " +
                                                                       std::to_string(world));
   PCIE_AR_HOST_ASSERT(rank >= 0 && rank < world, "rank out of range");
-  PCIE_AR_HOST_ASSERT(max_bytes > 0, "max_bytes must be positive");
+  PCIE_AR_HOST_ASSERT(max_bytes > 0 && max_bytes <= kMaxMessageBytes,
+                      "max_bytes must be in [1, " + std::to_string(kMaxMessageBytes) + "], got " +
+                          std::to_string(max_bytes));
   state_->timeout_ns = seconds_to_ns(timeout_s);
   state_->layout = Layout::make(max_bytes, world);
 
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device);
+  try {
+    allocate();
+  } catch (...) {
+    close();  // all or nothing: a failed construction keeps no device or pinned memory
+    throw;
+  }
+}
+
+void Workspace::allocate() {
   PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local, state_->layout.total_bytes));
   // Zeroed flags are "epoch 0", older than any call. Zero on a private stream and wait, so the
   // buffer is clean before its handle ever leaves this process.
@@ -124,7 +157,7 @@ Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double
                                    cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(state_->error_host, 0, sizeof(ErrorRecord));
   PCIE_AR_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_->error_device), state_->error_host, 0));
-  state_->peers[rank] = state_->local;
+  state_->peers[rank_] = state_->local;
 }
 
 Workspace::~Workspace() {
@@ -163,6 +196,64 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
   }
   state_->refresh_launch_template(rank_, world_);
   state_->peers_open = true;
+}
+
+// The probes use the parity-1 data slots: before the first call nothing reads them, and a call
+// reads a data slot only after the sender's flag for that call, so leftovers could never pass
+// for data; they are cleared anyway.
+static uint64_t probe_offset(const Layout& layout, int sender) {
+  return layout.parity_bytes + static_cast<uint64_t>(sender) * layout.slot_bytes;
+}
+
+void Workspace::write_probes(uint32_t seed) {
+  PCIE_AR_HOST_ASSERT(state_->peers_open, "write_probes before open_peers");
+  RelaxedCaptureMode relaxed;
+  DeviceGuard guard(device_);
+  ProbeTargets targets{};
+  for (int r = 0; r < world_; ++r) targets.peers[r] = state_->peers[r];
+  cudaStream_t stream;
+  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  write_probes_kernel<<<1, kMaxRanks * kProbeWords, 0, stream>>>(targets, probe_offset(state_->layout, rank_), seed,
+                                                                   rank_, world_);
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t done = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  PCIE_AR_CUDA_CHECK(launched);
+  PCIE_AR_CUDA_CHECK(done);
+}
+
+std::vector<int> Workspace::probe_failures(uint32_t seed) {
+  PCIE_AR_HOST_ASSERT(state_->peers_open, "probe_failures before open_peers");
+  RelaxedCaptureMode relaxed;
+  DeviceGuard guard(device_);
+  // A private non-blocking stream, as in the constructor: the legacy stream would synchronize
+  // with a stream the caller may be capturing.
+  cudaStream_t stream;
+  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<uint32_t> got(static_cast<size_t>(world_) * kProbeWords, 0);
+  cudaError_t err = cudaSuccess;
+  for (int sender = 0; sender < world_ && err == cudaSuccess; ++sender) {
+    if (sender == rank_) continue;
+    char* slot = state_->local + probe_offset(state_->layout, sender);
+    err = cudaMemcpyAsync(&got[static_cast<size_t>(sender) * kProbeWords], slot, kProbeBytes, cudaMemcpyDeviceToHost,
+                          stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(slot, 0, kProbeBytes, stream);
+  }
+  const cudaError_t done = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  PCIE_AR_CUDA_CHECK(err);
+  PCIE_AR_CUDA_CHECK(done);
+  std::vector<int> failed;
+  for (int sender = 0; sender < world_; ++sender) {
+    if (sender == rank_) continue;
+    for (int i = 0; i < kProbeWords; ++i) {
+      if (got[static_cast<size_t>(sender) * kProbeWords + i] != probe_word(seed, sender, i)) {
+        failed.push_back(sender);
+        break;
+      }
+    }
+  }
+  return failed;
 }
 
 uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64_t nbytes, int dtype, int blocks,

@@ -33,6 +33,13 @@ class Workspace {
   std::string ipc_handle() const;
   // Map every peer's buffer; handles[rank] is ignored.
   void open_peers(const std::vector<std::string>& handles);
+  // The creation-time transfer test, in two collective halves: write_probes stores a pattern
+  // (kProbeBytes, from `seed` and this rank) into this rank's data slot of every peer with SM
+  // stores, as the kernels do, and waits for them; after every rank has written,
+  // probe_failures reads the local slots and returns the ranks whose pattern did not arrive
+  // (then clears the slots). Host-synchronous; never called while kernels run.
+  void write_probes(uint32_t seed);
+  std::vector<int> probe_failures(uint32_t seed);
 
   // Enqueue one all-reduce on `stream`. Returns the recorded error kind (non-zero: nothing was
   // launched, the communicator is broken) so the caller can raise without another call.
@@ -72,6 +79,8 @@ class Workspace {
   uint64_t max_bytes() const { return max_bytes_; }
 
  private:
+  void allocate();  // the device, IPC and pinned memory of a new workspace
+
   struct State;
   std::unique_ptr<State> state_;
   int device_, rank_, world_;

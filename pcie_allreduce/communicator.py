@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,17 +26,36 @@ DEFAULT_MAX_BYTES = 8 << 20
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
 
 
+DEFAULT_TIMEOUT_S = 10.0
+# Seed of the creation-time transfer test; the workspace index is added, so a test pattern left
+# by one stream's creation never passes for another's.
+PROBE_SEED = 0x5EED0000
+
+# Communicators alive in this process, for the fork handler; and workspaces that must never be
+# freed here (a forked child's copies, or those of a communicator dropped without close()).
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_NEVER_FREED: list[Any] = []
+
+
 def _default_timeout() -> float:
     raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return 10.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {value}")
-    return value
+    return DEFAULT_TIMEOUT_S if raw is None else validation.validate_timeout(raw, source=TIMEOUT_ENV)
+
+
+def _disown_after_fork() -> None:
+    """In a child forked after a communicator was created: its CUDA state does not survive the
+    fork, so every communicator becomes unusable with an error that says why, and its workspaces
+    are never freed from here (the parent and the peers still use that memory)."""
+    for comm in list(_LIVE):
+        _NEVER_FREED.extend(comm._workspaces.values())
+        comm._workspaces = {}
+        comm._closed = True
+        comm._closed_reason = (f"this Communicator was created in process {comm._pid}; this process is a child "
+                               "forked after that and cannot use it: create a new Communicator in the child")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 class Communicator:
@@ -56,54 +76,49 @@ class Communicator:
             default ``$PCIE_AR_ALGO_TABLE`` or the built-in table.
     """
 
+    #: What a call on a closed communicator raises (a forked child's copies say why instead).
+    _closed_reason: str = "Communicator is closed"
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
                  algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None = None) -> None:
-        self._ext: ModuleType = _ext.require()
         self._group = group
         self._workspaces: dict[int, Any] = {}
-        self._closed = False
+        self._closed = True  # until created: close() and __del__ have nothing to do
+        self._pid = os.getpid()
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         if not MIN_RANKS <= self.world_size <= MAX_RANKS:
             raise ValueError(f"pcie_allreduce supports {MIN_RANKS} to {MAX_RANKS} ranks, "
                              f"the group has {self.world_size}")
-        self.device: torch.device = _cuda_device(device)
-        if not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        self.max_bytes: int = max_bytes
-        #: Largest message ``oneshot_ll`` takes (its line slots cost twice the payload).
-        self.ll_capacity: int = Layout.make(max_bytes, self.world_size).ll_capacity
-        self.timeout_s: float = _default_timeout() if timeout_s is None else float(timeout_s)
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        explicit_table = algo_table is not None or bool(os.environ.get(algo_mod.TABLE_ENV))
-        self.table: algo_mod.AlgoTable = algo_mod.load_table(algo_table)
-        self.table_source: str = ("algo_table argument" if algo_table is not None
-                                  else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
         self._fused_choices: dict[tuple[int, int, torch.dtype], str] = {}
         self._views: dict[int, WorkspaceView] = {}
 
-        status = self._ext.runtime_status()
-        if status:
-            raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
-        placement = topology.local_placement(self._ext, self.rank, self.device.index)
-        agreed = self._gather({"max_bytes": self.max_bytes, "table": self.table.to_json(), "placement": placement})
-        self._check_agreement(agreed, "max_bytes")
-        self._check_agreement(agreed, "table")
+        # Creation is all or nothing: each step that can fail on one rank runs on every rank and
+        # ends in a gather of every rank's outcome (see _collective_step), so a failure anywhere
+        # makes every rank raise at once instead of leaving peers in a later rendezvous.
+        explicit_table = algo_table is not None or bool(os.environ.get(algo_mod.TABLE_ENV))
+        agreed = self._collective_step("argument checks and GPU set-up",
+                                       lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table))
+        for key in ("version", "max_bytes", "timeout_s", "table"):
+            self._check_agreement(agreed, key)
+        self.table_source: str = ("algo_table argument" if algo_table is not None
+                                  else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
         if not explicit_table:
             self._adopt_tuned_table()
-        # Every rank learns every rank's verdict, so all raise together instead of some waiting forever.
-        problem = topology.peer_access_problem(self._ext, placement, self.device.index, self.placements)
-        problems = [p["problem"] for p in self._gather({"problem": problem}) if p["problem"]]
+        problems = [p for p in self._collective_step(
+            "the peer-access check",
+            lambda: topology.peer_access_problem(self._ext, self.placements[self.rank], self.device.index,
+                                                 self.placements)) if p]
         if problems:
             raise UnavailableError(problems[0] if len(problems) == 1 else "; ".join(dict.fromkeys(problems)))
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
-        self.block_cap: int = dispatch.block_cap(topology.ranks_per_gpu(self.placements),
-                                                 torch.cuda.get_device_properties(self.device).multi_processor_count)
+        self.block_cap: int = dispatch.block_cap(topology.ranks_per_gpu(self.placements), self._sms)
+        self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
+        _LIVE.add(self)
         with torch.cuda.device(self.device):
             self._workspace_for(current_stream_handle(self.device))
 
@@ -116,7 +131,7 @@ class Communicator:
         host. Results are bitwise identical on every rank and for every algorithm.
         """
         if self._closed:
-            raise RuntimeError("Communicator is closed")
+            raise RuntimeError(self._closed_reason)
         nbytes = common_call_nbytes(x, out, self.device, self.max_bytes)
         if nbytes < 0:  # anything else: the full checks raise the precise error, or accept the call
             self._validate_tensors(x, out)
@@ -154,7 +169,7 @@ class Communicator:
         from pcie_allreduce import fused_rmsnorm
 
         if self._closed:
-            raise RuntimeError("Communicator is closed")
+            raise RuntimeError(self._closed_reason)
         validation.validate_rmsnorm_args(x, residual, weight, eps, device=self.device, max_bytes=self.max_bytes)
         validation.validate_out(x, out, name="out")
         validation.validate_out(residual, residual_out, name="residual_out")
@@ -286,26 +301,104 @@ class Communicator:
         except ValueError as exc:
             warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
 
+    def _set_up_locally(self, device: torch.device | int | str, max_bytes: object, timeout_s: object,
+                        algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None) -> dict[str, Any]:
+        """This rank's part of creation before any memory is allocated: arguments, extension, GPU.
+        Returns what every rank must agree on (and its placement)."""
+        import pcie_allreduce
+
+        self._ext: ModuleType = _ext.require()
+        self.device: torch.device = _cuda_device(device)
+        self.max_bytes: int = validation.validate_max_bytes(max_bytes)
+        #: Largest message ``oneshot_ll`` takes (its line slots cost twice the payload).
+        self.ll_capacity: int = Layout.make(self.max_bytes, self.world_size).ll_capacity
+        self.timeout_s: float = _default_timeout() if timeout_s is None else validation.validate_timeout(timeout_s)
+        self.table: algo_mod.AlgoTable = algo_mod.load_table(algo_table)
+        status = self._ext.runtime_status()
+        if status:
+            raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
+        self._sms: int = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return {"version": pcie_allreduce.__version__, "max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
+                "table": self.table.to_json(),
+                "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
+
     def _workspace_for(self, stream: int) -> Any:
-        """Create (collectively) the workspace for a stream this rank has not used before."""
+        """Create (collectively) the workspace for a stream this rank has not used before.
+
+        Three collective steps, each ending in a gather of every rank's outcome: allocate and
+        export (with the layout, checked to be the same everywhere); map the peers' memory and
+        write a probe into each; read the probes the peers wrote here. A pair whose probe did not
+        arrive means the driver reports peer access the platform does not deliver: a clean
+        UnavailableError now instead of timeouts on the first calls."""
         if self._closed:
-            raise RuntimeError("Communicator is closed")
-        workspace = self._ext.Workspace(self.device.index, self.rank, self.world_size, self.max_bytes, self.timeout_s)
+            raise RuntimeError(self._closed_reason)
         index = len(self._workspaces)
+        created: list[Any] = []
+
+        def allocate() -> dict[str, Any]:
+            workspace = self._ext.Workspace(self.device.index, self.rank, self.world_size, self.max_bytes,
+                                            self.timeout_s)
+            created.append(workspace)
+            return {"index": index, "handle": workspace.ipc_handle(),
+                    "layout": (workspace.total_bytes, workspace.max_bytes, workspace.world, workspace.rank)}
+
         try:
-            exchanged = self._gather({"index": index, "handle": workspace.ipc_handle()})
+            exchanged = self._collective_step("workspace allocation", allocate)
+            workspace = created[0]
             indices = [e["index"] for e in exchanged]
             if len(set(indices)) != 1:
                 raise CollectiveMismatch(
                     f"ranks disagree on which stream this is (workspace indices {indices}): every rank must use "
                     "its streams in the same order", rank=self.rank)
-            workspace.open_peers([e["handle"] for e in exchanged])
-            dist.barrier(group=self._group)
+            layouts = [e["layout"] for e in exchanged]
+            if any(lay[:3] != layouts[0][:3] or lay[3] != r for r, lay in enumerate(layouts)):
+                raise UnavailableError(f"the ranks' workspaces differ (total bytes, max_bytes, world, rank per rank: "
+                                       f"{layouts}): every rank must run the same pcie_allreduce build")
+            seed = PROBE_SEED + index
+
+            def map_and_probe() -> None:
+                workspace.open_peers([e["handle"] for e in exchanged])
+                workspace.write_probes(seed)
+
+            self._collective_step("mapping the peers' workspaces", map_and_probe)
+            missing = [(sender, receiver) for receiver, senders in
+                       enumerate(self._collective_step("the transfer test", lambda: workspace.probe_failures(seed)))
+                       for sender in senders]
+            if missing:
+                pairs = ", ".join(f"{s} -> {r}" for s, r in missing)
+                raise UnavailableError(
+                    f"P2P writes between the ranks' GPUs do not arrive (rank -> rank: {pairs}) although the driver "
+                    "reports peer access: the platform drops or misroutes peer-to-peer writes (IOMMU / ACS settings, "
+                    "a cross-socket path). Use NCCL for this group, or fix the platform's P2P.")
         except BaseException:
-            workspace.close()
+            for made in created:
+                made.close()
             raise
         self._workspaces[stream] = workspace
         return workspace
+
+    def _collective_step(self, step: str, local: Callable[[], Any]) -> list[Any]:
+        """Run ``local`` on this rank and gather every rank's result.
+
+        A rank whose ``local`` raises still joins the gather, with its error; then every rank
+        raises: that rank its own exception, the others UnavailableError naming it and why. So no
+        rank is left waiting in a later rendezvous for one that gave up (gloo would hold it for the
+        process group's timeout, 30 minutes by default)."""
+        error: Exception | None = None
+        try:
+            payload: dict[str, Any] = {"ok": local()}
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
+            error = exc
+            payload = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
+        gathered = self._gather(payload)
+        failed = {r: g["error"] for r, g in enumerate(gathered) if "error" in g}
+        if failed:
+            if error is not None:
+                raise error
+            reasons = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
+            raise UnavailableError(f"rank {self.rank}: creating the communicator failed on another rank in {step} "
+                                   f"({reasons})")
+        return [g["ok"] for g in gathered]
 
     def _gather(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
         gathered: list[Any] = [None] * self.world_size
@@ -339,12 +432,17 @@ class Communicator:
                 f"max_bytes={self.max_bytes}, streams={len(self._workspaces)})")
 
     def __del__(self) -> None:
-        # No collectives here (peers may be gone); close() is the orderly path.
-        for workspace in getattr(self, "_workspaces", {}).values():
-            try:
-                workspace.close()
-            except Exception:
-                pass
+        # Never free here: peers may still write into this memory, and a CUDA graph captured with
+        # it may still be replayed. Only close() (collective) frees; without it the memory stays
+        # allocated until the process exits.
+        workspaces = getattr(self, "_workspaces", None)
+        if workspaces and not getattr(self, "_closed", True):
+            _NEVER_FREED.extend(workspaces.values())
+            mib = sum(getattr(w, "total_bytes", 0) for w in workspaces.values()) / 2**20
+            warnings.warn(f"pcie_allreduce: a Communicator (rank {self.rank}) was dropped without close(); its "
+                          f"{mib:.0f} MiB of workspaces stay allocated until the process exits, since peers may "
+                          "still write into them. Call close() on every rank to free them.", ResourceWarning,
+                          stacklevel=2)
 
 
 def current_stream_handle(device: torch.device) -> int:

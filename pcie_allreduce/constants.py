@@ -19,6 +19,8 @@ from pcie_allreduce import _ext
 MIRROR: dict[str, Any] = {
     "MIN_RANKS": 2,
     "MAX_RANKS": 8,
+    "MAX_MESSAGE_BYTES": 256 << 20,  # largest max_bytes of a communicator
+    "MAX_TIMEOUT_S": 24 * 3600,      # longest kernel wait a communicator takes
     "MAX_LAUNCH_BLOCKS": 64,   # CUDA blocks (or Triton programs) of one call
     "MAX_FLAG_BLOCKS": 128,    # flag slots per (kind, sender)
     "THREADS_PER_BLOCK": 512,
@@ -63,6 +65,8 @@ _VALUES = _values()
 
 MIN_RANKS: int = _VALUES["MIN_RANKS"]
 MAX_RANKS: int = _VALUES["MAX_RANKS"]
+MAX_MESSAGE_BYTES: int = _VALUES["MAX_MESSAGE_BYTES"]
+MAX_TIMEOUT_S: int = _VALUES["MAX_TIMEOUT_S"]
 MAX_LAUNCH_BLOCKS: int = _VALUES["MAX_LAUNCH_BLOCKS"]
 MAX_FLAG_BLOCKS: int = _VALUES["MAX_FLAG_BLOCKS"]
 THREADS_PER_BLOCK: int = _VALUES["THREADS_PER_BLOCK"]

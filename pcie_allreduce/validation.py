@@ -76,6 +76,32 @@ def common_call_nbytes(x: object, out: object, device: torch.device, max_bytes: 
     return -1 if a != b and a < b + nbytes and b < a + nbytes else nbytes
 
 
+def validate_max_bytes(max_bytes: object) -> int:
+    """``max_bytes`` of a communicator: an int in [1, MAX_MESSAGE_BYTES]."""
+    from pcie_allreduce.constants import MAX_MESSAGE_BYTES
+
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1 <= max_bytes <= MAX_MESSAGE_BYTES:
+        raise ValueError(f"max_bytes must be an int in [1, {MAX_MESSAGE_BYTES}] ({MAX_MESSAGE_BYTES >> 20} MiB: "
+                         f"larger messages are NCCL's ground), got {max_bytes!r}")
+    return max_bytes
+
+
+def validate_timeout(timeout_s: object, *, source: str = "timeout_s") -> float:
+    """A kernel timeout in seconds: a finite number in (0, MAX_TIMEOUT_S]; ``source`` names where
+    it came from in the error (the argument or the environment variable)."""
+    import math
+
+    from pcie_allreduce.constants import MAX_TIMEOUT_S
+
+    try:
+        value = float(timeout_s)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}={timeout_s!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise ValueError(f"{source} must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
+    return value
+
+
 def validate_algo(algo: object) -> str:
     """``algo`` must be 'auto' or one of the algorithms."""
     if not isinstance(algo, str) or (algo != "auto" and algo not in ALGO_IDS):

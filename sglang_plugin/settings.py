@@ -12,6 +12,7 @@ import re
 from typing import Mapping
 
 from pcie_allreduce.algo import ALGORITHMS
+from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 PREFIX = "PCIE_AR_SGLANG_"
 ENABLE = PREFIX + "ENABLE"
@@ -93,8 +94,9 @@ def parse_size(name: str, raw: str) -> int:
     if match is None or unit not in _UNITS:
         raise SettingsError(f"{name}={raw!r}: expected a byte count such as 8388608, 8MiB or 512KiB")
     value = int(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise SettingsError(f"{name}={raw!r}: must be positive")
+    if not 0 < value <= MAX_MESSAGE_BYTES:
+        raise SettingsError(f"{name}={raw!r}: must be between 1 byte and {MAX_MESSAGE_BYTES >> 20}MiB "
+                            "(the communicator's largest max_bytes; larger all-reduces stay on NCCL anyway)")
     return value
 
 
@@ -110,8 +112,8 @@ def _timeout(name: str, raw: str) -> float:
         value = float(raw)
     except ValueError:
         raise SettingsError(f"{name}={raw!r}: expected a number of seconds") from None
-    if not value > 0:
-        raise SettingsError(f"{name}={raw!r}: must be a positive number of seconds")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise SettingsError(f"{name}={raw!r}: must be a number of seconds in (0, {MAX_TIMEOUT_S}]")
     return value
 
 

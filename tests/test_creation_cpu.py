@@ -1,0 +1,212 @@
+"""Creating a Communicator is all or nothing, on CPU ranks with a fake extension.
+
+A rank that fails while creating (a bad argument, no GPU, an allocation or mapping that fails,
+probes that do not arrive) makes every rank raise at once, naming that rank and why, and frees
+what it allocated; no rank waits in a later rendezvous. Also: argument bounds, agreement across
+ranks, and the lifetime rules (never freed by the garbage collector, unusable after fork).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import pcie_allreduce
+from pcie_allreduce import communicator, constants, ranks, validation
+
+WORLD = 2
+FAULTS = ("none", "bad_max_bytes", "no_gpu", "alloc", "open", "probe", "layout", "timeout_differs")
+
+
+class FakeWorkspace:
+    """The binding's Workspace as the creation protocol uses it; ``fault`` scripts one failure."""
+
+    instances: list["FakeWorkspace"] = []
+
+    def __init__(self, device: int, rank: int, world: int, max_bytes: int, timeout_s: float, fault: str) -> None:
+        if fault == "alloc":
+            raise RuntimeError("CUDA error: out of memory (cudaMalloc)")
+        self.rank, self.world, self.max_bytes, self.fault = rank, world, max_bytes, fault
+        self.total_bytes = 4096 + max_bytes * world * 2 + (256 if fault == "layout" else 0)
+        self.closed = False
+        FakeWorkspace.instances.append(self)
+
+    def ipc_handle(self) -> bytes:
+        return bytes(64)
+
+    def open_peers(self, handles: list[bytes]) -> None:
+        if self.fault == "open":
+            raise RuntimeError("rank 1 could not map the workspace of rank 0 (cudaIpcOpenMemHandle: invalid handle)")
+
+    def write_probes(self, seed: int) -> None:
+        pass
+
+    def probe_failures(self, seed: int) -> list[int]:
+        return [0] if self.fault == "probe" else []
+
+    def failed(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeExtension:
+    """What Communicator creation asks of pcie_allreduce._C."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+
+    def runtime_status(self) -> str:
+        return "no CUDA device is visible" if self.fault == "no_gpu" else ""
+
+    def pci_bus_id(self, device: int) -> str:
+        return "0000:00:06.0"
+
+    def device_by_pci_bus_id(self, bus_id: str) -> int:
+        return 0
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        return True
+
+    def Workspace(self, *args: Any) -> FakeWorkspace:  # noqa: N802 - the binding's class name
+        return FakeWorkspace(*args, fault=self.fault)
+
+
+class _Properties:
+    multi_processor_count = 132
+
+
+def _fake_cuda(fault: str) -> None:
+    """Inside a CPU rank: the extension and the few torch.cuda calls creation makes."""
+    from pcie_allreduce import _ext
+
+    _ext.require = lambda: FakeExtension(fault)
+    torch.cuda.get_device_properties = lambda device: _Properties()
+    torch.cuda.device = lambda device: contextlib.nullcontext()
+    communicator.current_stream_handle = lambda device: 7
+
+
+def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int) -> dict[str, Any]:
+    _fake_cuda(fault if ctx.rank == faulty_rank else "none")
+    max_bytes = constants.MAX_MESSAGE_BYTES + 1 if fault == "bad_max_bytes" and ctx.rank == faulty_rank else 1 << 20
+    timeout_s = 3.0 if fault == "timeout_differs" and ctx.rank == faulty_rank else 5.0
+    try:
+        comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=max_bytes, timeout_s=timeout_s,
+                                           algo_table=pcie_allreduce.default_table())
+    except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
+        return {"error": type(exc).__name__, "message": str(exc),
+                "all_closed": all(w.closed for w in FakeWorkspace.instances), "made": len(FakeWorkspace.instances)}
+    made = list(comm._workspaces.values())
+    comm._closed = True  # no CUDA here: skip close()'s synchronize
+    return {"error": None, "made": len(made), "open": not any(w.closed for w in made)}
+
+
+def test_healthy_creation_maps_one_workspace() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "none", 1, gpu=False, timeout_s=120):
+        assert result == {"error": None, "made": 1, "open": True}
+
+
+@pytest.mark.parametrize("fault, faulty_error, peer_error, needle", [
+    ("bad_max_bytes", "ValueError", "UnavailableError", "max_bytes must be an int in [1, 268435456]"),
+    ("no_gpu", "UnavailableError", "UnavailableError", "no usable CUDA GPU"),
+    ("alloc", "RuntimeError", "UnavailableError", "out of memory"),
+    ("open", "RuntimeError", "UnavailableError", "could not map the workspace"),
+])
+def test_one_rank_failing_makes_every_rank_raise(fault: str, faulty_error: str, peer_error: str, needle: str) -> None:
+    results = ranks.run_ranks(_create, WORLD, fault, 1, gpu=False, timeout_s=120)
+    faulty, peer = results[1], results[0]
+    assert faulty["error"] == faulty_error and needle in faulty["message"]
+    assert peer["error"] == peer_error
+    assert "rank 1" in peer["message"] and needle in peer["message"]
+    for result in results:
+        assert result["all_closed"], f"a failed creation kept its workspace: {result}"
+
+
+def test_probes_that_do_not_arrive_refuse_the_group() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "probe", 1, gpu=False, timeout_s=120):
+        assert result["error"] == "UnavailableError"
+        assert "P2P writes between the ranks' GPUs do not arrive (rank -> rank: 0 -> 1)" in result["message"]
+        assert result["all_closed"] and result["made"] == 1
+
+
+def test_differing_layouts_are_refused() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "layout", 1, gpu=False, timeout_s=120):
+        assert result["error"] == "UnavailableError" and "the same pcie_allreduce build" in result["message"]
+        assert result["all_closed"]
+
+
+def test_timeout_is_agreed() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "timeout_differs", 1, gpu=False, timeout_s=120):
+        assert result["error"] == "ValueError" and "ranks disagree on timeout_s" in result["message"]
+
+
+# ---- bounds ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -1, constants.MAX_MESSAGE_BYTES + 1, 2**64 - 1, 1.5, True, "8M"])
+def test_max_bytes_out_of_bounds(value: object) -> None:
+    with pytest.raises(ValueError, match=r"max_bytes must be an int in \[1, "):
+        validation.validate_max_bytes(value)
+
+
+def test_max_bytes_in_bounds() -> None:
+    assert validation.validate_max_bytes(1) == 1
+    assert validation.validate_max_bytes(constants.MAX_MESSAGE_BYTES) == constants.MAX_MESSAGE_BYTES
+
+
+@pytest.mark.parametrize("value", [0, -2, float("nan"), float("inf"), 1e30, constants.MAX_TIMEOUT_S + 1, "soon"])
+def test_timeout_out_of_bounds(value: object) -> None:
+    with pytest.raises(ValueError, match="PCIE_AR_TIMEOUT_S"):
+        validation.validate_timeout(value, source="PCIE_AR_TIMEOUT_S")
+
+
+def test_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(communicator.TIMEOUT_ENV, "2.5")
+    assert communicator._default_timeout() == 2.5
+    monkeypatch.setenv(communicator.TIMEOUT_ENV, "1e300")
+    with pytest.raises(ValueError, match=communicator.TIMEOUT_ENV):
+        communicator._default_timeout()
+
+
+# ---- lifetime ----------------------------------------------------------------------------
+
+
+def _bare_communicator() -> communicator.Communicator:
+    """A created communicator's state, without a process group or a GPU."""
+    comm = communicator.Communicator.__new__(communicator.Communicator)
+    comm._workspaces = {7: FakeWorkspace(0, 0, 2, 1 << 20, 5.0, fault="none")}
+    comm._closed, comm._closed_reason, comm._pid, comm.rank = False, "Communicator is closed", 12345, 0
+    comm.device, comm.max_bytes = torch.device("cpu"), 1 << 20
+    return comm
+
+
+def test_dropping_without_close_warns_and_never_frees() -> None:
+    comm = _bare_communicator()
+    workspace = comm._workspaces[7]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del comm
+        gc.collect()
+    assert any(issubclass(w.category, ResourceWarning) and "without close()" in str(w.message) for w in caught)
+    assert not workspace.closed and workspace in communicator._NEVER_FREED
+    communicator._NEVER_FREED.remove(workspace)
+
+
+def test_a_forked_child_cannot_use_the_communicator() -> None:
+    comm = _bare_communicator()
+    workspace = comm._workspaces[7]
+    communicator._LIVE.add(comm)
+    try:
+        communicator._disown_after_fork()  # what os.register_at_fork runs in the child
+        with pytest.raises(RuntimeError, match="created in process 12345; this process is a child forked"):
+            comm.all_reduce(torch.ones(4))
+        assert not workspace.closed and workspace in communicator._NEVER_FREED
+    finally:
+        communicator._LIVE.discard(comm)
+        communicator._NEVER_FREED.remove(workspace)
