@@ -23,6 +23,7 @@ template <typename T, typename Unit, bool kStaged>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
+  bool done = false;
   if (!aborted) {
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
@@ -47,8 +48,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_kernel(const __grid_
     if (wait_all_peers(a, 0, epoch, Stage::kOneShotGather)) {
       reduce_range<T, Unit, false>(a, epoch, in, static_cast<Unit*>(a.output), body);
       reduce_range<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+      done = true;
     }
   }
+  if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
 }
 

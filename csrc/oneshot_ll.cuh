@@ -112,6 +112,7 @@ template <typename T, bool kAligned>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
+  bool done = false;
   if (!aborted) {
     const uint32_t flag = line_flag(epoch, a.signature);
     const uint64_t units = (a.nbytes + kLinePayloadBytes - 1) / kLinePayloadBytes;
@@ -132,9 +133,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __gr
 
     uint4* lines0 = line_slot(a, a.rank, 0, epoch);
     const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
+    bool gathered = true;
     for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
       uint2 got[kMaxRanks];
-      if (!gather_lines(a, lines0, stride, i, flag, epoch, got)) break;
+      if (!gather_lines(a, lines0, stride, i, flag, epoch, got)) {
+        gathered = false;
+        break;
+      }
       const uint2 own = load_payload<T, kAligned>(a.input, i, a.nbytes);
       Pack<T, uint2> in[kMaxRanks];
 #pragma unroll
@@ -145,7 +150,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __gr
         if (r < a.world && r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
       }
     }
+    done = __syncthreads_and(gathered) != 0;  // a thread that gave up fails its whole block
   }
+  if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
 }
 

@@ -26,6 +26,8 @@
 //     (kind, rank, peer, stage, block, epoch) in host-mapped memory, raises the workspace's local
 //     abort flag, and leaves. Kernels that find the abort flag set skip all work, so a queue of
 //     captured calls drains in microseconds instead of hanging; the host raises at the next call.
+//     A block that gives up (or skips its work) fills the call's whole output with NaN, so a
+//     failed call, eager or replayed from a graph, never leaves data that could pass for a sum.
 //  6. Deterministic sums: every element is reduced in fp32 as ((x0 + x1) + x2) + ... in rank order
 //     0..W-1 and rounded once to the output dtype, in every algorithm and launch shape.
 #pragma once

@@ -82,4 +82,20 @@ __device__ __forceinline__ Unit reduce_unit(const Unit* own, const Unit* slot0, 
   return sum_in_rank_order<T, Unit>(in, world);
 }
 
+// A call that gives up (timeout, mismatch, abort) leaves NaN in its whole output: never the
+// previous contents or a partial sum that could pass for a result (protocol invariant 5).
+// Element stores, from every block that gave up: this is the failure path, not a fast one.
+template <typename T> __device__ __forceinline__ T quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ __half quiet_nan<__half>() { return __ushort_as_half(0x7e00); }
+template <> __device__ __forceinline__ __nv_bfloat16 quiet_nan<__nv_bfloat16>() { return __ushort_as_bfloat16(0x7fc0); }
+
+template <typename T>
+__device__ __noinline__ void fill_output_with_nan(const KernelArgs& a) {
+  T* out = static_cast<T*>(a.output);
+  const T nan = quiet_nan<T>();
+  const uint64_t n = a.nbytes / sizeof(T);
+  for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = nan;
+}
+
 }  // namespace pcie_ar

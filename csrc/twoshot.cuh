@@ -32,6 +32,7 @@ template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
+  bool done = false;
   if (!aborted) {
     const uint64_t granules = a.nbytes / kGranule;
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
@@ -58,9 +59,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_
           const int peer = (a.rank + s) % a.world;
           copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(granules, a.world, peer));
         }
+        done = true;
       }
     }
   }
+  if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
 }
 
