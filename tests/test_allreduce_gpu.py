@@ -161,6 +161,7 @@ def test_epoch_counter_wraps_around() -> None:
 def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=2.0)
     x = torch.randn(4 * 7168, device=ctx.device).to(torch.bfloat16)
+    out = torch.full_like(x, 7.0)
     torch.distributed.barrier(group=ctx.group)
     start = time.monotonic()
     raised = None
@@ -168,14 +169,16 @@ def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:
         for i in range(6):
             if ctx.rank == skipper and i == 3:
                 continue
-            comm.all_reduce(x)
+            comm.all_reduce(x, out=out)
         torch.cuda.synchronize()
         comm.check()
     except CollectiveTimeout as exc:
         raised = {"type": "timeout", "rank": exc.rank, "peer": exc.peer, "stage": exc.stage, "message": str(exc)}
     elapsed = time.monotonic() - start
+    torch.cuda.synchronize()
+    all_nan = bool(torch.isnan(out).all())
     comm.close()
-    return {"raised": raised, "elapsed": elapsed}
+    return {"raised": raised, "elapsed": elapsed, "all_nan": all_nan}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -189,6 +192,52 @@ def test_rank_that_skips_a_call_makes_the_others_raise(world: int) -> None:
         assert r["raised"]["rank"] == rank
         assert r["raised"]["peer"] == skipper, r["raised"]["message"]
         assert r["elapsed"] < 15, r
+        assert r["all_nan"], f"rank {rank}: the call that timed out left data in its output"
+
+
+def _replay_with_a_missing_rank(ctx: ranks.RankContext, algo: str, dtype: torch.dtype) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=2.0)
+    inputs = ref.all_inputs(11, ctx.world_size, 3 * 7168 + 5, dtype)
+    x = inputs[ctx.rank].to(ctx.device)
+    outs = [torch.full_like(x, 7.0) for _ in range(2)]
+    stream = torch.cuda.Stream(ctx.device)
+    with torch.cuda.stream(stream):
+        comm.all_reduce(x, out=outs[0], algo=algo)  # the capture stream's workspace, made eagerly
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for out in outs:
+                comm.all_reduce(x, out=out, algo=algo)
+    graph.replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        ref.check(out, inputs, f"{algo} replay")
+    for out in outs:
+        out.fill_(7.0)
+    torch.distributed.barrier(group=ctx.group)
+    late = ctx.rank == ctx.world_size - 1
+    if not late:
+        graph.replay()  # the last rank never replays: every call of this replay gives up
+    torch.cuda.synchronize()
+    try:
+        comm.check()
+        raised = None
+    except CollectiveTimeout as exc:
+        raised = exc.peer
+    result = {"late": late, "raised": raised, "all_nan": [bool(torch.isnan(out).all()) for out in outs]}
+    del graph
+    comm.close()
+    return result
+
+
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll"])
+def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str) -> None:
+    dtype = {"oneshot": torch.float32, "twoshot": torch.bfloat16, "oneshot_ll": torch.float16}[algo]
+    results = ranks.run_ranks(_replay_with_a_missing_rank, 2, algo, dtype, timeout_s=300)
+    for rank, r in enumerate(results):
+        if r["late"]:
+            continue
+        assert r["raised"] == 1, f"rank {rank}: check() after the failed replay did not raise: {r}"
+        assert r["all_nan"] == [True, True], f"rank {rank}: a call that gave up left data in its output: {r}"
 
 
 def _mismatched_sizes(ctx: ranks.RankContext) -> dict:
@@ -232,3 +281,45 @@ def _compiled(ctx: ranks.RankContext) -> dict:
 
 def test_torch_library_op_under_torch_compile() -> None:
     ranks.run_ranks(_compiled, 2, timeout_s=300)
+
+
+def _creation_fails_on_one_rank(ctx: ranks.RankContext) -> dict:
+    from pcie_allreduce import constants
+
+    max_bytes = constants.MAX_MESSAGE_BYTES + 1 if ctx.rank == ctx.world_size - 1 else MAX_BYTES
+    start = time.monotonic()
+    try:
+        pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=max_bytes, timeout_s=5.0)
+    except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
+        outcome = (type(exc).__name__, str(exc))
+    else:
+        outcome = (None, "")
+    # A communicator made afterwards works: the failed one left nothing behind (and its
+    # creation-time transfer test, a real P2P write from every rank to every other, passes).
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+    inputs = ref.all_inputs(5, ctx.world_size, 7168, torch.bfloat16)
+    ref.check(comm.all_reduce(inputs[ctx.rank].to(ctx.device)), inputs, "after a failed creation")
+    comm.close()
+    ext = pcie_allreduce._ext.require()
+    bounds = []
+    for args in ((constants.MAX_MESSAGE_BYTES + 1, 1.0), (MAX_BYTES, constants.MAX_TIMEOUT_S * 2.0)):
+        try:
+            ext.Workspace(ctx.device.index, ctx.rank, ctx.world_size, *args).close()
+            bounds.append("accepted")
+        except Exception as exc:  # noqa: BLE001
+            bounds.append(str(exc))
+    return {"outcome": outcome, "elapsed": time.monotonic() - start, "bounds": bounds}
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_creation_failing_on_one_rank_raises_on_every_rank(world: int) -> None:
+    results = ranks.run_ranks(_creation_fails_on_one_rank, world, timeout_s=300)
+    last = world - 1
+    for rank, r in enumerate(results):
+        kind, message = r["outcome"]
+        if rank == last:
+            assert kind == "ValueError" and "max_bytes must be an int" in message, r
+        else:
+            assert kind == "UnavailableError" and f"rank {last}: ValueError" in message, r
+        assert r["elapsed"] < 60, r
+        assert "max_bytes must be in [1, " in r["bounds"][0] and "timeout must be" in r["bounds"][1], r
