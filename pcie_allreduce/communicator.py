@@ -101,7 +101,7 @@ class Communicator:
         explicit_table = algo_table is not None or bool(os.environ.get(algo_mod.TABLE_ENV))
         agreed = self._collective_step("argument checks and GPU set-up",
                                        lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table))
-        for key in ("version", "max_bytes", "timeout_s", "table"):
+        for key in ("max_bytes", "timeout_s", "table"):
             self._check_agreement(agreed, key)
         self.table_source: str = ("algo_table argument" if algo_table is not None
                                   else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
@@ -305,8 +305,6 @@ class Communicator:
                         algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None) -> dict[str, Any]:
         """This rank's part of creation before any memory is allocated: arguments, extension, GPU.
         Returns what every rank must agree on (and its placement)."""
-        import pcie_allreduce
-
         self._ext: ModuleType = _ext.require()
         self.device: torch.device = _cuda_device(device)
         self.max_bytes: int = validation.validate_max_bytes(max_bytes)
@@ -318,7 +316,7 @@ class Communicator:
         if status:
             raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
         self._sms: int = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return {"version": pcie_allreduce.__version__, "max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
+        return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
                 "table": self.table.to_json(),
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 
