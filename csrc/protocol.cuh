@@ -11,17 +11,20 @@
 //     but the system-scope release is a fence on the critical path. Small messages can instead
 //     take the data-as-flag exchange of oneshot_ll.cuh (flag words inside every 16-byte line, no
 //     sentinel values, no fence), which keeps invariants 1 and 3-6; its own invariants are there.
-//  3. Flags carry (epoch << 32 | signature). The epoch is the 1-based call number of this
-//     workspace; every rank's n-th call uses the same epoch because every rank's counter advances
-//     once per call, inside the kernel (graph replays advance it too). A waiter accepts a flag whose
-//     epoch is >= its own (signed 32-bit difference, so counters wrap safely). A flag with the
-//     same epoch but a different signature (size/dtype/algorithm/launch shape) means the ranks
-//     issued different calls: that is recorded as a mismatch, never reduced.
+//  3. Flags carry (epoch << 32 | signature). The epoch is the call number of this workspace
+//     (next_epoch below: 1, 2, ..., 2^32-1, then 2, 3, ...: never 0, the value of a flag slot
+//     that was never written); every rank's n-th call uses the same epoch because every rank's
+//     counter advances once per call, inside the kernel (graph replays advance it too). A waiter
+//     accepts exactly its own epoch, or the next one (invariant 4): a slot that was not rewritten
+//     for many calls (slots only wide launches or the two-shot use) is never taken for a go, even
+//     after 2^31 or 2^32 calls. A flag with the same epoch but a different signature
+//     (size/dtype/algorithm/launch shape) means the ranks issued different calls: that is
+//     recorded as a mismatch, never reduced.
 //  4. Double buffering by epoch parity. Call e writes into parity e%2 of the peer's data region.
 //     A rank reaches call e only after it saw every peer's flags of call e-1, i.e. after every peer
 //     STARTED call e-1, i.e. after every peer FINISHED call e-2 (kernels on one stream run in
 //     order): so nobody is still reading the parity we overwrite. A sender is therefore at most one
-//     epoch ahead of any receiver, which is why ">= epoch" is safe.
+//     epoch ahead of any receiver, which is why "this epoch or the next" is all a waiter accepts.
 //  5. Bounded spins. Every wait checks the global timer; past the timeout it records
 //     (kind, rank, peer, stage, block, epoch) in host-mapped memory, raises the workspace's local
 //     abort flag, and leaves. Kernels that find the abort flag set skip all work, so a queue of
@@ -54,6 +57,10 @@ struct KernelArgs {
   int rank;
   int world;
 };
+
+// The epoch after `e` (invariant 3). Past 2^32-1 it goes to 2, not 0 (never-written flags) or 1
+// (which would repeat the odd parity of 2^32-1 and break the double buffering of invariant 4).
+__device__ __forceinline__ uint32_t next_epoch(uint32_t e) { return e == 0xFFFFFFFFu ? 2u : e + 1u; }
 
 __device__ __forceinline__ Control* control_of(const KernelArgs& a) {
   return reinterpret_cast<Control*>(a.bases[a.rank] + a.layout.control_offset);
@@ -119,14 +126,14 @@ static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
     const uint64_t word = load_acquire_sys(flag);
-    const int32_t ahead = static_cast<int32_t>(static_cast<uint32_t>(word >> 32) - epoch);
-    if (ahead >= 0) {
+    const uint32_t seen = static_cast<uint32_t>(word >> 32);
+    if (seen == epoch || seen == next_epoch(epoch)) {
       const uint32_t observed = static_cast<uint32_t>(word);
-      if (ahead == 0 && observed != a.signature) {
+      if (seen == epoch && observed != a.signature) {
         record_error(a, ErrorKind::kMismatch, peer, stage, epoch, observed);
         return false;
       }
-      return true;  // ahead > 0: the peer already moved on to the next call, so it finished this one
+      return true;  // the next epoch: the peer already moved on to the next call, so it finished this one
     }
     const SpinVerdict verdict = spin_verdict(a, spins, started);
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
@@ -147,7 +154,7 @@ __device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, ui
 __device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborted) {
   const Control* ctl = control_of(a);
   *aborted = __ldcg(&ctl->abort) != 0;
-  return __ldcg(&ctl->epochs[blockIdx.x]) + 1u;
+  return next_epoch(__ldcg(&ctl->epochs[blockIdx.x]));
 }
 
 // Publish the epoch for the next kernel on this stream (see Control). Kernel completion makes

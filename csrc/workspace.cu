@@ -326,16 +326,13 @@ uint64_t Workspace::stats_offset() const { return state_->layout.stats_offset; }
 uint64_t Workspace::total_bytes() const { return state_->layout.total_bytes; }
 
 void Workspace::debug_set_epoch(uint32_t completed) {
+  // The local counter only: flag slots keep what they hold (zeros, or older calls' flags), as they
+  // would after that many real calls, so a test across the wrap sees what production would.
   DeviceGuard guard(device_);
   Control ctl{};
   for (uint32_t& e : ctl.epochs) e = completed;
   PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
   PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->local + state_->layout.control_offset, &ctl, sizeof(ctl), cudaMemcpyHostToDevice));
-  // Every flag slot must look "older than the next call": stamp it with the completed epoch.
-  std::vector<uint64_t> flags(static_cast<size_t>(kFlagKinds) * kMaxRanks * kMaxFlagBlocks,
-                              static_cast<uint64_t>(completed) << 32);
-  PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->local + state_->layout.flags_offset, flags.data(),
-                                flags.size() * sizeof(uint64_t), cudaMemcpyHostToDevice));
   PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

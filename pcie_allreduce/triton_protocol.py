@@ -170,10 +170,12 @@ def flag_addr(base, flags_offset, kind: tl.constexpr, sender, pid):
 @triton.jit
 def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.constexpr, stage: tl.constexpr, pid,
                INTERPRET: tl.constexpr):
-    """Spin (bounded) until the peer's flag carries our epoch or a later one; 1 on success."""
+    """Spin (bounded) until the peer's flag carries our epoch or the next one (invariant 3 of
+    protocol.cuh); 1 on success."""
+    following = next_epoch(epoch)
     word = load_acquire(flag, INTERPRET)
-    diff = ((word >> 32) - epoch) & 0xFFFFFFFF      # peer epoch - ours, mod 2^32
-    waiting = diff >= 0x80000000                     # negative as int32: not there yet
+    seen = (word >> 32) & 0xFFFFFFFF
+    waiting = (seen != epoch) & (seen != following)
     ok = 1
     spins = 0
     start = now_ns(INTERPRET)
@@ -182,20 +184,32 @@ def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.const
         ok = keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, peer, stage, pid, epoch, sig, INTERPRET)
         if ok == 1:
             word = load_acquire(flag, INTERPRET)
-            diff = ((word >> 32) - epoch) & 0xFFFFFFFF
-            waiting = diff >= 0x80000000
+            seen = (word >> 32) & 0xFFFFFFFF
+            waiting = (seen != epoch) & (seen != following)
     if ok == 1:
         observed = word & 0xFFFFFFFF
-        if (diff == 0) & (observed != sig):
+        if (seen == epoch) & (observed != sig):
             record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed)
             ok = 0
     return ok
 
 
+def next_epoch_of(epoch: int) -> int:
+    """``next_epoch`` of protocol.cuh on the host (tests): 2^32-1 is followed by 2."""
+    return 2 if epoch == 0xFFFFFFFF else epoch + 1
+
+
+@triton.jit
+def next_epoch(epoch):
+    """The epoch after ``epoch`` (uint64 holding a uint32): ``next_epoch`` of protocol.cuh."""
+    following = (epoch + 1) & 0xFFFFFFFF
+    return tl.where(following == 0, 2, following).to(tl.uint64)
+
+
 @triton.jit
 def begin_call(ctrl, pid):
     """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh)."""
-    epoch = (tl.load(ctrl + pid, cache_modifier=".cg") + 1).to(tl.uint64) & 0xFFFFFFFF
+    epoch = next_epoch(tl.load(ctrl + pid, cache_modifier=".cg").to(tl.uint64) & 0xFFFFFFFF)
     aborted = tl.load(ctrl + _ABORT, cache_modifier=".cg")
     return epoch, aborted
 

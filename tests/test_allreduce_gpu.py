@@ -140,22 +140,43 @@ def test_10000_back_to_back_calls_of_alternating_sizes(world: int) -> None:
     ranks.run_ranks(_back_to_back, world, 10_000, timeout_s=600)
 
 
-def _wraparound(ctx: ranks.RankContext) -> dict:
+def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
+    """Every algorithm, plain and fused, across a boundary of the 32-bit epoch with one rank late
+    by about a second. debug_set_epoch sets the local counter only: flag slots keep what earlier
+    calls (or nobody) wrote, so never-written and long-unused slots are what they would be in
+    production, and each waiter must hold out for the real flag."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
-    comm.workspace().debug_set_epoch(0xFFFFFFF0)
+    comm.workspace().debug_set_epoch(completed)
     torch.distributed.barrier(group=ctx.group)
-    for i in range(40):
-        inputs = ref.all_inputs(300 + i, ctx.world_size, 7168 + i, torch.bfloat16)
-        out = comm.all_reduce(inputs[ctx.rank].to(ctx.device), algo=ALGOS[i % len(ALGOS)])
-        ref.check(out, inputs, f"call {i} across the 32-bit epoch wrap")
+    fused_algos = ("oneshot", "twoshot", "oneshot_ll")
+    for i in range(32):
+        if ctx.rank == ctx.world_size - 1 and i in (5, 21):
+            time.sleep(1.0)
+        hidden = 7168 + 2 * i
+        inputs = ref.all_inputs(300 + i, ctx.world_size, 4 * hidden, torch.bfloat16)
+        x = inputs[ctx.rank].to(ctx.device)
+        if i % 4 == 3:
+            residual = ref.rank_input(900 + i, 0, 4 * hidden, torch.bfloat16).view(4, hidden)
+            weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+            _, new_residual = comm.all_reduce_rmsnorm(x.view(4, hidden), residual.to(ctx.device), weight, 1e-6,
+                                                      algo=fused_algos[(i // 4) % 3])
+            want = residual + ref.exact(inputs).view(4, hidden)
+            assert torch.equal(new_residual.cpu(), want), f"fused call {i} across epoch {completed:#x}"
+        else:
+            out = comm.all_reduce(x, algo=ALGOS[i % len(ALGOS)])
+            ref.check(out, inputs, f"call {i} ({ALGOS[i % len(ALGOS)]}) across epoch {completed:#x}")
     epoch = comm.workspace().debug_epoch()
     comm.close()
     return {"epoch": epoch}
 
 
-def test_epoch_counter_wraps_around() -> None:
-    results = ranks.run_ranks(_wraparound, 2, timeout_s=300)
-    assert results[0]["epoch"] == (0xFFFFFFF0 + 40) % (1 << 32)
+@pytest.mark.parametrize("completed", [(1 << 31) - 16, (1 << 32) - 16])
+def test_every_algorithm_across_epoch_boundaries_with_a_late_rank(completed: int) -> None:
+    results = ranks.run_ranks(_across_epoch_boundaries, 2, completed, timeout_s=300)
+    epoch = completed
+    for _ in range(32):
+        epoch = 2 if epoch == 0xFFFFFFFF else epoch + 1
+    assert [r["epoch"] for r in results] == [epoch, epoch]
 
 
 def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:

@@ -26,18 +26,20 @@ COMPLETED = 41  # calls already done on the workspace; this call is epoch 42
 class FakeRanks:
     """W workspaces in CPU memory with the real layout, and a view for one rank."""
 
-    def __init__(self, world: int, rank: int) -> None:
-        self.world, self.rank = world, rank
+    def __init__(self, world: int, rank: int, completed: int = COMPLETED) -> None:
+        self.world, self.rank, self.completed = world, rank, completed
         self.layout = lay.Layout.make(MAX_BYTES, world)
         self.buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for _ in range(world)]
         self.error = torch.zeros(lay.ERROR_WORDS, dtype=torch.int32)
-        self.control(rank)[:lay.EPOCH_WORDS] = COMPLETED
+        self.control(rank)[:lay.EPOCH_WORDS] = completed - (1 << 32) if completed >= 1 << 31 else completed
         self.view = lay.WorkspaceView(rank, world, tuple(b.data_ptr() for b in self.buffers), self.layout,
                                       self.error.data_ptr(), 10**9)
 
     @property
     def epoch(self) -> int:
-        return COMPLETED + 1
+        from pcie_allreduce.triton_protocol import next_epoch_of
+
+        return next_epoch_of(self.completed)
 
     def control(self, owner: int) -> torch.Tensor:
         off = self.layout.control_offset
@@ -53,8 +55,8 @@ class FakeRanks:
         off = (self.epoch & 1) * self.layout.parity_bytes + sender * self.layout.slot_bytes
         return self.buffers[owner][off:off + self.layout.slot_bytes].view(dtype)
 
-    def post_flag(self, kind: int, sender: int, programs: int, signature: int) -> None:
-        word = (self.epoch << 32) | signature
+    def post_flag(self, kind: int, sender: int, programs: int, signature: int, epoch: int | None = None) -> None:
+        word = ((self.epoch if epoch is None else epoch) << 32) | signature
         self.flags(self.rank)[kind, sender, :programs] = word - (1 << 64) if word >= 1 << 63 else word
 
 
@@ -173,3 +175,37 @@ def test_mismatched_peer_call_records_mismatch() -> None:
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
     fused.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
+
+
+@pytest.mark.parametrize("completed", [0xFFFFFFFF, 0x7FFFFFFF])
+def test_oneshot_across_the_epoch_wrap(completed: int) -> None:
+    """After 2^32-1 calls the next epoch is 2 (never 0, never a repeated parity); after 2^31-1
+    calls nothing changes. Epoch copies advance to it and the call completes."""
+    fake = FakeRanks(2, 1, completed=completed)
+    assert fake.epoch == (2 if completed == 0xFFFFFFFF else completed + 1)
+    xs, residual, weight = _inputs(2, 3, 96, torch.bfloat16, seed=5)
+    programs, *_ = fused.launch_shape("oneshot", 3, 2, 96)
+    sig = fused.signature("oneshot", torch.bfloat16, 3, 96, programs)
+    fake.slot(1, 0, torch.bfloat16)[:3 * 96] = xs[0].reshape(-1)
+    fake.post_flag(0, 0, programs, sig)
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    assert int(fake.error[0]) == 0
+    assert torch.equal(res_out, _expected(xs, residual, weight, 1e-6)[0])
+    assert bool(((fake.control(1)[:lay.EPOCH_WORDS].to(torch.int64) & 0xFFFFFFFF) == fake.epoch).all())
+
+
+@pytest.mark.parametrize("stale", [0, 1, "half a cycle ahead", "two ahead"])
+def test_a_stale_flag_is_never_a_go(stale: object) -> None:
+    """Only this epoch or the next one counts: a never-written slot (0), epoch 1 after the wrap,
+    a flag 2^31 - 1 epochs "ahead" (which a signed comparison took for a go) or two ahead all
+    leave the wait to time out, with nothing reduced."""
+    fake = FakeRanks(2, 0, completed=0xFFFFFFFF)  # this call is epoch 2
+    epoch = {0: 0, 1: 1, "half a cycle ahead": (fake.epoch + (1 << 31) - 1) & 0xFFFFFFFF,
+             "two ahead": fake.epoch + 2}[stale]
+    xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=6)
+    programs, *_ = fused.launch_shape("oneshot", 1, 2, 64)
+    fake.post_flag(0, 1, programs, fused.signature("oneshot", torch.bfloat16, 1, 64, programs), epoch=epoch)
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    assert int(fake.error[0]) == 1, "a stale flag was taken for the peer's data"
