@@ -87,6 +87,9 @@ class PcieAllReduceAdapter:
         """
         if not self.should_custom_ar(input):
             return None
+        # A failure recorded by a graph replay on another stream's workspace (decode and verify
+        # run in graphs) surfaces here, at the server's next eager collective, not never.
+        self.comm.check()
         return self.comm.all_reduce(input, algo=self.algo)
 
     @contextlib.contextmanager
@@ -145,6 +148,7 @@ class PcieAllReduceAdapter:
         """
         if not self.can_fuse(input_, residual_inp_, weight_):
             return None
+        self.comm.check()
         return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps))
 
     # ---- internals -----------------------------------------------------------------------

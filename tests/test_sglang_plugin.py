@@ -363,7 +363,7 @@ class GlooStandIn:
         self.streams.add(stream)
 
     def check(self):
-        pass
+        self.calls.append(("check",))
 
     def close(self):
         self.closed = True
@@ -591,3 +591,34 @@ def test_adapter_limits_follow_the_library() -> None:
     assert set(adapter.DTYPES) == set(validation.SUPPORTED_DTYPES)
     assert set(adapter.FUSED_DTYPES) == set(validation.RMSNORM_DTYPES)
     assert adapter.MAX_FUSED_HIDDEN == validation.MAX_RMSNORM_HIDDEN
+
+
+def test_adapter_checks_every_workspace_before_each_eager_call() -> None:
+    """A failure a graph replay recorded on another stream's workspace reaches the next eager call."""
+    from pcie_allreduce.errors import CollectiveTimeout
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+
+    class FailedElsewhere:
+        device, rank, world_size, max_bytes = torch.device("cpu"), 0, 2, 1 << 20
+
+        def __init__(self, *args, **kwargs) -> None:
+            self.launched = 0
+
+        def check(self) -> None:
+            raise CollectiveTimeout("rank 0 waited more than 10 s for rank 1 in one-shot gather of call #7")
+
+        def all_reduce(self, x, out=None, algo="auto"):
+            self.launched += 1
+            return x
+
+        def all_reduce_rmsnorm(self, x, residual, weight, eps):
+            self.launched += 1
+            return x, residual
+
+    adapter = PcieAllReduceAdapter(None, "cpu", Settings(enabled=True), communicator_factory=FailedElsewhere)
+    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(CollectiveTimeout, match="call #7"):
+        adapter.custom_all_reduce(x)
+    with pytest.raises(CollectiveTimeout, match="call #7"):
+        adapter.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    assert adapter.comm.launched == 0
