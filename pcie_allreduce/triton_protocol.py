@@ -195,7 +195,7 @@ def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.const
 
 
 def next_epoch_of(epoch: int) -> int:
-    """``next_epoch`` of protocol.cuh on the host (tests): 2^32-1 is followed by 2."""
+    """``next_epoch`` of protocol.cuh on the host (tests): after 2^32-1 comes 2."""
     return 2 if epoch == 0xFFFFFFFF else epoch + 1
 
 
