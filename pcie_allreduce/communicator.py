@@ -392,7 +392,13 @@ class Communicator:
         failed = {r: g["error"] for r, g in enumerate(gathered) if "error" in g}
         if failed:
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    # Break the exception -> traceback -> this frame -> exception cycle, which would
+                    # keep this communicator (and its process group) alive until a cyclic
+                    # collection, possibly at interpreter exit, after the group was destroyed.
+                    error = None
             reasons = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
             raise UnavailableError(f"rank {self.rank}: creating the communicator failed on another rank in {step} "
                                    f"({reasons})")
