@@ -33,7 +33,7 @@ from bench.plan import make_cases
 from bench.results import FAILED, NOT_RUN, OK, SKIPPED, WRONG, Note, Report, Result, add_speedups
 
 from tests import _bench_fakes
-from tests._bench_fakes import FakeEvent, QuietBackendHooks
+from tests._bench_fakes import QuietBackendHooks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = ranks.skip_reason_no_gpu() is not None or not pcie_allreduce.is_available()
