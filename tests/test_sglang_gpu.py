@@ -27,7 +27,7 @@ import torch
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from sglang_plugin.testing import ensure_entry_point, sglang_skip_reason
+from tests._sglang import ensure_entry_point, sglang_skip_reason
 from tests import _reference as ref
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()

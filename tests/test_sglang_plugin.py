@@ -27,7 +27,7 @@ from pcie_allreduce import ranks
 from sglang_plugin import hooks, patching, settings as settings_mod, surface
 from sglang_plugin.eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
-from sglang_plugin.testing import ensure_entry_point, sglang_skip_reason
+from tests._sglang import ensure_entry_point, sglang_skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG_SKIP = sglang_skip_reason()
@@ -262,7 +262,7 @@ def _run_python(code: str, env: dict[str, str], cwd: str = REPO) -> subprocess.C
 LOAD_PLUGINS = """
     import logging, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-    from sglang_plugin.testing import ensure_entry_point
+    from tests._sglang import ensure_entry_point
     ensure_entry_point()
     from sglang.srt.plugins import load_plugins
     load_plugins()

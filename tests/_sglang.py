@@ -1,4 +1,4 @@
-"""Helpers for the plugin's tests (CPU conformance and the multi-rank GPU test)."""
+"""Helpers for the SGLang plugin's tests (CPU conformance and the multi-rank GPU test); not part of the plugin."""
 
 from __future__ import annotations
 
