@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 from pcie_allreduce import sizes
 from pcie_allreduce.algo import ALGORITHMS
-from pcie_allreduce.cli import typed_arg
+from pcie_allreduce.cli import non_negative_int, positive_float, positive_int, typed_arg
 from pcie_allreduce.sizes import DTYPE_SIZES
-from pcie_allreduce.tune import MAX_WORLD, MIN_WORLD, default_worlds
+from pcie_allreduce.tune import add_world_argument, default_worlds
 
 from bench.backends import BACKENDS
 from bench.results import ALLREDUCE, FUSED
@@ -92,11 +92,6 @@ class BenchConfig:
         return data
 
 
-size_arg = typed_arg(sizes.parse_size, lambda v: v > 0, "a positive size", explains=True)
-positive_int = typed_arg(int, lambda v: v >= 1, "an integer >= 1")
-non_negative_int = typed_arg(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = typed_arg(float, lambda v: v > 0, "a number > 0")
-world_arg = typed_arg(int, lambda v: MIN_WORLD <= v <= MAX_WORLD, f"an integer in [{MIN_WORLD}, {MAX_WORLD}]")
 hidden_arg = typed_arg(int, lambda v: 1 <= v <= MAX_HIDDEN, f"an integer in [1, {MAX_HIDDEN}]")
 
 
@@ -104,9 +99,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, backends: bool = True,
                       dtypes: Sequence[str] = tuple(DTYPE_SIZES)) -> argparse._ArgumentGroup:
     """--world, --dtype and (optionally) --backends; returns the group for more options."""
     what = parser.add_argument_group("what to measure")
-    what.add_argument("--world", type=world_arg, nargs="+", metavar="W",
-                      help="ranks per run (default: the number of GPUs if > 1, else 2 4 8 emulated on one GPU "
-                           "under MPS)")
+    add_world_argument(what)
     what.add_argument("--dtype", choices=tuple(dtypes), default="bfloat16")
     if backends:
         what.add_argument("--backends", choices=BACKENDS, nargs="+", metavar="BACKEND",
@@ -155,12 +148,7 @@ def add_output_arguments(parser: argparse.ArgumentParser, files: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of the default benchmark (the all-reduce sweep, or ``--fused``) on ``parser``."""
     what = add_run_arguments(parser)
-    what.add_argument("--sizes", type=size_arg, nargs="+", metavar="SIZE",
-                      help="explicit message sizes in bytes; K/M/G (= KiB/MiB/GiB) suffixes, e.g. 14K 56K 448K")
-    what.add_argument("--min-bytes", type=size_arg, metavar="SIZE",
-                      help=f"smallest size of a doubling sweep (default {DEFAULT_MIN_BYTES})")
-    what.add_argument("--max-bytes", type=size_arg, metavar="SIZE",
-                      help=f"largest size of a doubling sweep (default {DEFAULT_MAX_BYTES})")
+    sizes.add_size_arguments(what, default_min=DEFAULT_MIN_BYTES, default_max=DEFAULT_MAX_BYTES)
     what.add_argument("--algos", choices=OUR_ALGOS, nargs="+", metavar="ALGO",
                       help=f"our algorithms ({' '.join(OUR_ALGOS)}; default all)")
     fused = parser.add_argument_group("--fused: all-reduce + residual add + RMSNorm on [tokens, hidden]")

@@ -145,25 +145,23 @@ def format_probe(world: int, placement: str, data: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m bench topo``."""
     from pcie_allreduce import sizes
-
-    from bench import options
+    from pcie_allreduce.cli import positive_float, positive_int
+    from pcie_allreduce.tune import add_world_argument
 
     parser.add_argument("--out", metavar="DIR", help="also write topo.json, topo.txt, topo.csv and topo.png into DIR")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the matrices")
     probe = parser.add_argument_group("measurements between ranks")
     probe.add_argument("--no-probe", action="store_true", help="only the static facts; measure nothing")
-    probe.add_argument("--world", type=options.world_arg, nargs="+", metavar="W",
-                       help="ranks per measurement (default: the number of GPUs if > 1, else 2 4 8 emulated on one "
-                            "GPU under MPS)")
-    probe.add_argument("--bytes", type=options.size_arg, default=sizes.parse_size("16M"), metavar="SIZE",
+    add_world_argument(probe)
+    probe.add_argument("--bytes", type=sizes.size_arg, default=sizes.parse_size("16M"), metavar="SIZE",
                        help="bytes each rank writes per bandwidth measurement (default 16M)")
-    probe.add_argument("--iters", type=options.positive_int, default=2000, metavar="N",
+    probe.add_argument("--iters", type=positive_int, default=2000, metavar="N",
                        help="round trips per pair for the latency (default 2000)")
-    probe.add_argument("--reps", type=options.positive_int, default=10, metavar="N",
+    probe.add_argument("--reps", type=positive_int, default=10, metavar="N",
                        help="timed writes per bandwidth measurement (default 10)")
-    probe.add_argument("--blocks", type=options.positive_int, default=32, metavar="N",
+    probe.add_argument("--blocks", type=positive_int, default=32, metavar="N",
                        help="CTAs per writing rank (default 32)")
-    probe.add_argument("--timeout", type=options.positive_float, default=60.0, metavar="S",
+    probe.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
                        help="a rank stuck this long in one step is killed and that W reported failed (default 60)")
 
 

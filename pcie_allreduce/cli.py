@@ -72,6 +72,11 @@ def typed_arg(convert: Callable[[str], Any], check: Callable[[Any], bool], what:
     return parse
 
 
+positive_int = typed_arg(int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int = typed_arg(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = typed_arg(float, lambda v: v > 0, "a number > 0")
+
+
 def _named_command(argv: Sequence[str]) -> str | None:
     """The subcommand ``argv`` names (its first word that is one), if any."""
     names = {cmd.name for cmd in COMMANDS}

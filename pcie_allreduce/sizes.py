@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import re
 from types import MappingProxyType
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from pcie_allreduce.cli import typed_arg
+
+if TYPE_CHECKING:
+    import argparse
 
 # Read-only: suffix (lower case) -> bytes. "KB" is accepted as binary too, like nccl-tests' "K".
 _UNITS = MappingProxyType({
@@ -80,3 +85,19 @@ def requested_sizes(explicit: Sequence[int] | None, min_bytes: int | None, max_b
     if ragged:
         error(f"sizes {ragged} are not a multiple of the {dtype} element size ({element} bytes)")
     return tuple(sorted(chosen))
+
+
+def add_size_arguments(group: "argparse._ArgumentGroup", *, default_min: str, default_max: str) -> None:
+    """``--sizes`` or the doubling sweep ``--min-bytes .. --max-bytes`` (read back with
+    :func:`requested_sizes`), for the benchmark and ``pcie-allreduce tune``."""
+    group.add_argument("--sizes", type=size_arg, nargs="+", metavar="SIZE",
+                       help="message sizes in bytes, K/M/G suffixes (= KiB/MiB/GiB), e.g. 14K 56K 448K; "
+                            "default a doubling sweep")
+    group.add_argument("--min-bytes", type=size_arg, metavar="SIZE",
+                       help=f"smallest size of the doubling sweep (default {default_min})")
+    group.add_argument("--max-bytes", type=size_arg, metavar="SIZE",
+                       help=f"largest size of the doubling sweep (default {default_max})")
+
+
+#: argparse ``type=`` for a size option ("14K"); a bad value is a usage error naming the problem.
+size_arg = typed_arg(parse_size, lambda v: v > 0, "a positive size", explains=True)

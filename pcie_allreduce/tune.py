@@ -37,7 +37,7 @@ from typing import Any, Iterable, Sequence
 
 from pcie_allreduce import sizes, tune_cache
 from pcie_allreduce.algo import ALGORITHMS, MAX_LAUNCH_BLOCKS, AlgoTable, Rule, default_table
-from pcie_allreduce.cli import EXIT_FAILURES, one_line, typed_arg
+from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, one_line, positive_float, positive_int, typed_arg
 from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
 
 MIN_WORLD, MAX_WORLD = MIN_RANKS, MAX_RANKS
@@ -384,28 +384,25 @@ def format_rules(table_json: str) -> str:
 
 # ---- the command ----------------------------------------------------------------------------
 
-positive_int = typed_arg(int, lambda v: v >= 1, "an integer >= 1")
-non_negative_int = typed_arg(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = typed_arg(float, lambda v: v > 0, "a number > 0")
-size_arg = typed_arg(sizes.parse_size, lambda v: v > 0, "a positive size", explains=True)
 world_arg = typed_arg(int, lambda v: MIN_WORLD <= v <= MAX_WORLD, f"an integer in [{MIN_WORLD}, {MAX_WORLD}]")
 blocks_arg = typed_arg(int, lambda v: 1 <= v <= MAX_LAUNCH_BLOCKS, f"an integer in [1, {MAX_LAUNCH_BLOCKS}]")
 tolerance_arg = typed_arg(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
+def add_world_argument(group: argparse._ArgumentGroup) -> None:
+    """``--world W ...``, for ``pcie-allreduce tune`` and the benchmark (read back with
+    :func:`default_worlds` when not given)."""
+    group.add_argument("--world", type=world_arg, nargs="+", metavar="W",
+                       help="ranks per run (default: the number of GPUs if > 1, else 2 4 8 emulated on one GPU "
+                            "under MPS)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pcie-allreduce tune``."""
     what = parser.add_argument_group("what to measure")
-    what.add_argument("--world", type=world_arg, nargs="+", metavar="W",
-                      help="ranks per run (default: the number of GPUs if > 1, else 2 4 8 emulated on one GPU "
-                           "under MPS)")
+    add_world_argument(what)
     what.add_argument("--dtype", choices=tuple(sizes.DTYPE_SIZES), default="bfloat16")
-    what.add_argument("--sizes", type=size_arg, nargs="+", metavar="SIZE",
-                      help="the message sizes you serve (K/M/G suffixes, binary); default a doubling sweep")
-    what.add_argument("--min-bytes", type=size_arg, metavar="SIZE",
-                      help=f"smallest size of the doubling sweep (default {DEFAULT_MIN_BYTES})")
-    what.add_argument("--max-bytes", type=size_arg, metavar="SIZE",
-                      help=f"largest size of the doubling sweep (default {DEFAULT_MAX_BYTES})")
+    sizes.add_size_arguments(what, default_min=DEFAULT_MIN_BYTES, default_max=DEFAULT_MAX_BYTES)
     what.add_argument("--algos", choices=ALGORITHMS, nargs="+", metavar="ALGO",
                       help=f"algorithms to consider ({' '.join(ALGORITHMS)}; default all)")
     what.add_argument("--blocks", type=blocks_arg, nargs="+", metavar="N",
