@@ -11,36 +11,15 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import socket
-import subprocess
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
+from pcie_allreduce._ext import cuda_version_text
+from pcie_allreduce.environment import distribution_version, nvidia_smi_gpus
+
 if TYPE_CHECKING:
     from pcie_allreduce.ranks import RankContext
-
-_SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total")
-
-
-def _nvidia_smi() -> list[dict[str, str]]:
-    binary = shutil.which("nvidia-smi")
-    if binary is None:
-        return []
-    try:
-        proc = subprocess.run([binary, f"--query-gpu={','.join(_SMI_FIELDS)}", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if proc.returncode != 0:
-        return []
-    rows = []
-    for line in proc.stdout.strip().splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) == len(_SMI_FIELDS):
-            rows.append(dict(zip(_SMI_FIELDS, cells)))
-    return rows
-
 
 def visible_gpus(rows: list[dict[str, str]], cuda_visible_devices: str | None) -> list[dict[str, str]]:
     """The nvidia-smi rows of the GPUs CUDA_VISIBLE_DEVICES leaves to this run, in its order.
@@ -73,11 +52,6 @@ def _driver_from_proc() -> str | None:
     return match.group(1) if match else None
 
 
-def _cuda_version(encoded: int) -> str | None:
-    """13000 -> "13.0" (CUDA's major*1000 + minor*10 encoding); None for 0 (unknown)."""
-    return f"{encoded // 1000}.{encoded % 1000 // 10}" if encoded > 0 else None
-
-
 def _extension_versions() -> dict[str, Any]:
     """CUDA runtime our extension was built with (static cudart) and the driver's CUDA version.
 
@@ -89,8 +63,8 @@ def _extension_versions() -> dict[str, Any]:
     if ext is None:
         return {}
     try:
-        return {"extension_cuda_runtime": _cuda_version(int(ext.runtime_version())),
-                "cuda_driver_api": _cuda_version(int(ext.driver_version())),
+        return {"extension_cuda_runtime": cuda_version_text(int(ext.runtime_version())),
+                "cuda_driver_api": cuda_version_text(int(ext.driver_version())),
                 "extension_archs": list(ext.compiled_archs())}
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return {}
@@ -105,22 +79,13 @@ def command_line(argv: Sequence[str]) -> str:
     return shlex.join([os.path.basename(first), *argv[1:]])
 
 
-def _version_of(distribution: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
-
-
 def host_environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Machine and software facts, without creating a CUDA context in this process."""
     import torch
 
     import pcie_allreduce
 
-    smi = visible_gpus(_nvidia_smi(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    smi = visible_gpus(nvidia_smi_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(sys.argv if argv is None else argv),
@@ -130,7 +95,7 @@ def host_environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "driver": smi[0]["driver_version"] if smi else _driver_from_proc(),
         "cuda_runtime": torch.version.cuda,
         "torch": torch.__version__,
-        "triton": _version_of("triton"),
+        "triton": distribution_version("triton"),
         "pcie_allreduce": pcie_allreduce.__version__,
         "python": platform.python_version(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -148,7 +113,7 @@ def _cuda_driver_api_version() -> str | None:
             return None
     except (OSError, AttributeError):
         return None
-    return _cuda_version(version.value)
+    return cuda_version_text(version.value)
 
 
 def rank_environment(ctx: "RankContext") -> dict[str, Any]:

@@ -47,9 +47,9 @@ def require() -> ModuleType:
     return module
 
 
-def cuda_version_text(version: int) -> str:
-    """CUDA's integer version (12080) as text ("12.8")."""
-    return f"{version // 1000}.{version % 1000 // 10}"
+def cuda_version_text(version: int) -> str | None:
+    """CUDA's integer version (major * 1000 + minor * 10: 12080) as text ("12.8"); None for 0 (unknown)."""
+    return f"{version // 1000}.{version % 1000 // 10}" if version > 0 else None
 
 
 def _min_driver(runtime: int) -> str:

@@ -23,7 +23,8 @@ from typing import Any
 SETTINGS_PREFIXES = ("PCIE_AR_", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_", "TRITON_INTERPRET")
 
 
-def _version_of(distribution: str) -> str | None:
+def distribution_version(distribution: str) -> str | None:
+    """The installed version of a distribution (``"triton"``), None when it is not installed."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -39,18 +40,28 @@ def _numa_node(pci_bus_id: str) -> int | None:
         return None
 
 
-def _nvidia_smi_driver() -> str | None:
-    """The driver version as ``nvidia-smi`` prints it (e.g. "580.65.06"), if it runs."""
+SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total")
+
+
+def nvidia_smi_gpus() -> list[dict[str, str]]:
+    """Every GPU of the host as ``nvidia-smi`` lists it ({field of SMI_FIELDS: text}); [] when it
+    does not run. A subprocess: the caller's process creates no CUDA context."""
     binary = shutil.which("nvidia-smi")
     if binary is None:
-        return None
+        return []
     try:
-        proc = subprocess.run([binary, "--query-gpu=driver_version", "--format=csv,noheader"],
+        proc = subprocess.run([binary, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader"],
                               capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = proc.stdout.strip().splitlines()
-    return lines[0].strip() if proc.returncode == 0 and lines else None
+        return []
+    if proc.returncode != 0:
+        return []
+    rows = []
+    for line in proc.stdout.strip().splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == len(SMI_FIELDS):
+            rows.append(dict(zip(SMI_FIELDS, cells)))
+    return rows
 
 
 def _gpus(ext: Any) -> list[dict[str, Any]]:
@@ -93,10 +104,10 @@ def collect() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": {"version": torch.__version__, "cuda": torch.version.cuda},
-        "triton": _version_of("triton"),
-        "sglang": _version_of("sglang"),
+        "triton": distribution_version("triton"),
+        "sglang": distribution_version("sglang"),
         "build": {"extension": ext.__file__ if ext is not None else None},
-        "runtime": {"driver": _nvidia_smi_driver()},
+        "runtime": {"driver": next((row["driver_version"] for row in nvidia_smi_gpus()), None)},
         "gpus": [],
         "peer_access": [],
         "mps": _mps(),
@@ -107,8 +118,7 @@ def collect() -> dict[str, Any]:
         return report
     report["build"].update(compiled_archs=[f"sm_{a // 10}" for a in ext.compiled_archs()],
                            cuda_runtime=_ext.cuda_version_text(ext.runtime_version()))
-    driver_cuda = ext.driver_version()
-    report["runtime"]["driver_cuda"] = _ext.cuda_version_text(driver_cuda) if driver_cuda else None
+    report["runtime"]["driver_cuda"] = _ext.cuda_version_text(ext.driver_version())
     if ext.device_count() > 0 and not ext.runtime_status():
         gpus = report["gpus"] = _gpus(ext)
         report["peer_access"] = [[bool(ext.can_access_peer(a["index"], b["index"])) for b in gpus] for a in gpus]
