@@ -5,10 +5,12 @@ Pure functions over tensors' metadata (no CUDA calls), so they run, and are test
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pcie_allreduce.algo import ALGORITHMS
-from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS
+from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 #: The dtypes the kernels take (those with a kernel dtype id), in id order.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name)
@@ -78,8 +80,6 @@ def common_call_nbytes(x: object, out: object, device: torch.device, max_bytes: 
 
 def validate_max_bytes(max_bytes: object) -> int:
     """``max_bytes`` of a communicator: an int in [1, MAX_MESSAGE_BYTES]."""
-    from pcie_allreduce.constants import MAX_MESSAGE_BYTES
-
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1 <= max_bytes <= MAX_MESSAGE_BYTES:
         raise ValueError(f"max_bytes must be an int in [1, {MAX_MESSAGE_BYTES}] ({MAX_MESSAGE_BYTES >> 20} MiB: "
                          f"larger messages are NCCL's ground), got {max_bytes!r}")
@@ -89,10 +89,6 @@ def validate_max_bytes(max_bytes: object) -> int:
 def validate_timeout(timeout_s: object, *, source: str = "timeout_s") -> float:
     """A kernel timeout in seconds: a finite number in (0, MAX_TIMEOUT_S]; ``source`` names where
     it came from in the error (the argument or the environment variable)."""
-    import math
-
-    from pcie_allreduce.constants import MAX_TIMEOUT_S
-
     try:
         value = float(timeout_s)  # type: ignore[arg-type]
     except (TypeError, ValueError):
