@@ -213,6 +213,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     sig64 = sig.to(tl.uint64)
     flag = line_flag(epoch, sig64)
     parity_off = (epoch & 1).to(tl.int64) * W * ll_slot_bytes
+    done = 0
     if aborted == 0:
         # 1. push this program's chunk of x to every peer (the chunk it also reduces and finishes,
         #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it)
@@ -281,6 +282,14 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
                 _store_pairs(normed_ptr, word, round_to(v_lo * rstd * w_lo, DT, INTERPRET),
                              round_to(v_hi * rstd * w_hi, DT, INTERPRET), w_ok, PAIRED)
+                done = 1
+    if done == 0:
+        # Gave up (timeout, mismatch, abort): NaN in this program's words of both outputs, never
+        # data that could pass for a result (invariant 5 of csrc/protocol.cuh); only this
+        # program reads or writes these words, so in place stays safe.
+        nan = tl.full([BLOCK_W], float("nan"), tl.float32).to(DT)
+        _store_pairs(res_out_ptr, word, nan, nan, w_ok, PAIRED)
+        _store_pairs(normed_ptr, word, nan, nan, w_ok, PAIRED)
     end_call(ctrl, epoch, pid)
 
 

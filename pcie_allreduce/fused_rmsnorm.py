@@ -99,6 +99,21 @@ def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl
 
 
 @triton.jit
+def _fill_rows_with_nan(normed_ptr, res_out_ptr, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    """A call that gave up (timeout, mismatch, abort) leaves NaN in both outputs, never data that
+    could pass for a result (invariant 5 of csrc/protocol.cuh). Only the rows this program owns
+    (the ones :func:`_push_rows` reads for it): in place, no other program reads them."""
+    nan = tl.full(cols.shape, float("nan"), tl.float32).to(normed_ptr.dtype.element_ty)
+    for i in tl.static_range(ROWS):
+        row = first_row + pid * ROWS + i
+        mask = _row_mask(cols_ok, row, row_limit, INTERPRET)
+        off = row.to(tl.int64) * H + cols
+        tl.store(normed_ptr + off, nan, mask=mask)
+        tl.store(res_out_ptr + off, nan, mask=mask)
+
+
+@triton.jit
 def _shard(T, W: tl.constexpr, owner):
     per = (T + W - 1) // W
     begin = tl.minimum(per * owner, T)
@@ -115,7 +130,9 @@ def _call_state(x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes
     epoch, aborted = begin_call(ctrl, pid)
     cols = tl.arange(0, BLOCK_H)
     parity_off = (epoch & 1).to(tl.int64) * parity_bytes
-    return pid, ctrl, epoch, aborted, sig.to(tl.uint64), cols, cols < H, slot_bytes // ES, parity_off
+    # 64-bit element counts: sender x slot elements is the largest offset a kernel forms
+    slot_elems = slot_bytes.to(tl.int64) // ES
+    return pid, ctrl, epoch, aborted, sig.to(tl.uint64), cols, cols < H, slot_elems, parity_off
 
 
 @triton.jit
@@ -175,6 +192,7 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
+    done = 0
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
@@ -192,6 +210,9 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
+            done = 1
+    if done == 0:
+        _fill_rows_with_nan(normed_ptr, res_out_ptr, 0, T, pid, H, cols, cols_ok, ROWS, INTERPRET)
     end_call(ctrl, epoch, pid)
 
 
@@ -203,6 +224,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
+    done = 0
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
@@ -245,6 +267,11 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                             nr = tl.load(src + row_off + cols, mask=mask, other=0.0, cache_modifier=".cg")
                             _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols,
                                          res_out_ptr + row_off + cols, mask, DT, INTERPRET)
+                done = 1
+    if done == 0:  # this program's rows of every shard, its own shard's finished rows included
+        for p in tl.static_range(W):
+            begin, end = _shard(T, W, p)
+            _fill_rows_with_nan(normed_ptr, res_out_ptr, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
     end_call(ctrl, epoch, pid)
 
 

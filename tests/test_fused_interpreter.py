@@ -167,6 +167,43 @@ def test_missing_peer_records_timeout_instead_of_hanging(algo: str, gather_stage
     assert int(fake.control(0)[lay.ABORT_WORD]) == 1, "abort flag raised so queued calls drain"
 
 
+@pytest.mark.parametrize("algo, cause, in_place", [
+    ("oneshot", "timeout", False), ("twoshot", "timeout", True), ("oneshot_ll", "timeout", True),
+    ("oneshot", "mismatch", True), ("twoshot", "mismatch", False),
+    ("oneshot", "aborted", False), ("twoshot", "aborted", True), ("oneshot_ll", "aborted", False)])
+def test_a_call_that_gives_up_leaves_nan(algo: str, cause: str, in_place: bool) -> None:
+    """Timeout, mismatch, or a workspace already aborted by an earlier failure: both outputs hold
+    NaN in every element afterwards (in place too), never the old contents or a partial result.
+    The two-shot's peers did send the first exchange in the mismatch case, so its own shard's rows
+    were finished before the second wait gave up: those are overwritten too."""
+    world, rank, tokens, hidden = 3, 1, 5, 96
+    fake = FakeRanks(world, rank)
+    xs, residual, weight = _inputs(world, tokens, hidden, torch.bfloat16, seed=7)
+    if cause == "aborted":
+        fake.control(rank)[lay.ABORT_WORD] = 1
+    elif cause == "mismatch":
+        programs, *_ = fused.launch_shape(algo, tokens, world, hidden)
+        sig = fused.signature(algo, torch.bfloat16, tokens, hidden, programs)
+        for peer in range(world):
+            if peer != rank:
+                fake.slot(rank, peer, torch.bfloat16)[:tokens * hidden] = xs[peer].reshape(-1)
+                fake.post_flag(0, peer, programs, sig)
+                fake.post_flag(1, peer, programs, sig ^ 1 if algo == "twoshot" else sig)
+        if algo == "oneshot":
+            fake.post_flag(0, 0, programs, sig ^ 1)
+    x = xs[rank].clone()
+    if in_place:
+        normed, res_out = x, residual.clone()
+    else:
+        normed, res_out = torch.zeros_like(residual), residual.clone()  # old contents that are not NaN
+    fused.launch(fake.view, algo, x, res_out if in_place else residual, weight, 1e-6, normed, res_out,
+                 interpret=True)
+    assert int(fake.error[0]) == {"timeout": 1, "mismatch": 2, "aborted": 0}[cause]
+    assert bool(torch.isnan(normed).all()), f"normed holds {int((~torch.isnan(normed)).sum())} non-NaN elements"
+    assert bool(torch.isnan(res_out).all()), f"new residual holds {int((~torch.isnan(res_out)).sum())} non-NaN elements"
+    assert bool((fake.control(rank)[:lay.EPOCH_WORDS] == fake.epoch).all()), "the epoch advances all the same"
+
+
 def test_mismatched_peer_call_records_mismatch() -> None:
     fake = FakeRanks(2, 1)
     xs, residual, weight = _inputs(2, 2, 64, torch.bfloat16, seed=4)
