@@ -76,6 +76,12 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("max_bytes", &Workspace::max_bytes)
       .def("debug_set_epoch", &Workspace::debug_set_epoch)
       .def("debug_epoch", &Workspace::debug_epoch)
+      .def("note_capture", &Workspace::note_capture, py::arg("stream"),
+           "Whether `stream` is being captured into a CUDA graph (remembered: see `captured`).")
+      .def_property_readonly("captured", &Workspace::captured,
+                             "A CUDA graph capture recorded a call on this workspace: retire(), never close().")
+      .def("retire", &Workspace::retire,
+           "close() for a workspace a graph may replay: abort word raised, peers unmapped, own memory kept.")
       .def("close", &Workspace::close);
 }
 

@@ -2,8 +2,11 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <thread>
 
 #include "checks.cuh"
 #include "launch.cuh"
@@ -103,6 +106,8 @@ struct Workspace::State {
   Layout layout{};
   uint64_t timeout_ns = 0;
   bool peers_open = false;
+  bool captured = false;  // a graph capture recorded a call: retire(), never close()
+  bool retired = false;
   // Every field of a launch's arguments that is not the call's own (bases, layout, error record,
   // timeout, rank, world), kept current by open_peers and set_timeout: a call copies it and fills
   // in its pointers, size and signature instead of rebuilding the rest each time.
@@ -216,7 +221,19 @@ void Workspace::write_probes(uint32_t seed) {
   write_probes_kernel<<<1, kMaxRanks * kProbeWords, 0, stream>>>(targets, probe_offset(state_->layout, rank_), seed,
                                                                    rank_, world_);
   const cudaError_t launched = cudaGetLastError();
-  const cudaError_t done = cudaStreamSynchronize(stream);
+  // Bounded like every other wait: a platform that stalls peer writes makes this rank report it
+  // within the timeout (its peers learn it from the creation step's gather) instead of hanging.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(state_->timeout_ns);
+  cudaError_t done = cudaStreamQuery(stream);
+  while (done == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    done = cudaStreamQuery(stream);
+  }
+  if (done == cudaErrorNotReady) {
+    throw std::runtime_error("rank " + std::to_string(rank_) + ": the creation-time transfer test's writes into the "
+                             "peers' workspaces did not complete within " + std::to_string(timeout()) +
+                             " s: peer-to-peer writes stall on this platform");
+  }
   cudaStreamDestroy(stream);
   PCIE_AR_CUDA_CHECK(launched);
   PCIE_AR_CUDA_CHECK(done);
@@ -258,11 +275,13 @@ std::vector<int> Workspace::probe_failures(uint32_t seed) {
 
 uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64_t nbytes, int dtype, int blocks,
                                uint64_t stream) {
-  PCIE_AR_HOST_ASSERT(state_->local != nullptr, "workspace is closed");  // close() frees the error record
+  // close() frees the error record, retire() unmaps the peers
+  PCIE_AR_HOST_ASSERT(state_->local != nullptr && !state_->retired, "workspace is closed");
   // The host reads the record with no CUDA call: it is pinned, mapped memory the kernels write.
   const uint32_t failed = reinterpret_cast<volatile ErrorRecord*>(state_->error_host)->kind;
   if (failed != 0) return failed;
   PCIE_AR_HOST_ASSERT(state_->peers_open, "all_reduce before open_peers");
+  if (!state_->captured) note_capture(stream);
   PCIE_AR_HOST_ASSERT(nbytes <= max_bytes_, "message larger than the workspace's max_bytes");
   if (nbytes == 0) return 0;
   PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kOneShotLL || nbytes <= state_->layout.ll_capacity,
@@ -341,6 +360,41 @@ uint32_t Workspace::debug_epoch() const {
   Control ctl{};
   PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->local + state_->layout.control_offset, sizeof(ctl), cudaMemcpyDeviceToHost));
   return ctl.epochs[0];
+}
+
+bool Workspace::note_capture(uint64_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
+    cudaGetLastError();
+    // Unknown: count it as captured. The cost is only that close() keeps this memory.
+    status = cudaStreamCaptureStatusActive;
+  }
+  const bool capturing = status != cudaStreamCaptureStatusNone;
+  state_->captured = state_->captured || capturing;
+  return capturing;
+}
+
+bool Workspace::captured() const { return state_->captured; }
+
+void Workspace::retire() {
+  if (state_->local == nullptr || state_->retired) return;
+  RelaxedCaptureMode relaxed;
+  DeviceGuard guard(device_);
+  const uint32_t raised = 1;
+  cudaStream_t stream;  // private and non-blocking, as in allocate()
+  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  char* abort_word = state_->local + state_->layout.control_offset + offsetof(Control, abort);
+  const cudaError_t copied = cudaMemcpyAsync(abort_word, &raised, sizeof(raised), cudaMemcpyHostToDevice, stream);
+  const cudaError_t done = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  PCIE_AR_CUDA_CHECK(copied);
+  PCIE_AR_CUDA_CHECK(done);
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_ && state_->peers[r] != nullptr) cudaIpcCloseMemHandle(state_->peers[r]);
+    if (r != rank_) state_->peers[r] = nullptr;
+  }
+  state_->peers_open = false;
+  state_->retired = true;
 }
 
 void Workspace::close() {

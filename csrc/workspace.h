@@ -71,7 +71,17 @@ class Workspace {
   void debug_set_epoch(uint32_t completed);
   uint32_t debug_epoch() const;
 
+  // Whether `stream` is being captured into a CUDA graph; once one is seen, captured() stays
+  // true. all_reduce notes it itself; the Triton kernels' launcher calls this.
+  bool note_capture(uint64_t stream);
+  bool captured() const;
+
+  // Free everything. Only when no CUDA graph can replay a call on this workspace any more.
   void close();
+  // close() for a workspace a captured graph may still replay: raise the abort word (a replayed
+  // kernel then touches no peer memory and fills its output with NaN), unmap the peers, and keep
+  // this rank's own memory and error record allocated (the caller keeps the object alive).
+  void retire();
 
   int device() const { return device_; }
   int rank() const { return rank_; }

@@ -78,6 +78,8 @@ class Communicator:
 
     #: What a call on a closed communicator raises (a forked child's copies say why instead).
     _closed_reason: str = "Communicator is closed"
+    #: Device memory close() kept because a CUDA graph captured on it may still be replayed.
+    retained_bytes: int = 0
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
@@ -186,9 +188,12 @@ class Communicator:
                 algo = self.select_fused_algo(*key)
                 if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
                     self._fused_choices[key] = algo
-        workspace = self.workspace()
+        stream = current_stream_handle(self.device)
+        workspace = self._workspaces.get(stream) or self._workspace_for(stream)
         if workspace.failed():
             raise self._error_of(workspace)
+        if not workspace.captured:  # a graph capture: close() must keep this memory (all_reduce notes it in C++)
+            workspace.note_capture(stream)
         view = self._views.get(id(workspace))
         if view is None:
             view = self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
@@ -217,7 +222,12 @@ class Communicator:
                 raise self._error_of(workspace)
 
     def close(self) -> None:
-        """Free the workspaces. Collective: waits for this rank's streams, then for every rank."""
+        """Free the workspaces. Collective: waits for this rank's streams, then for every rank.
+
+        A workspace that served a CUDA graph capture is not freed: the graph may be replayed after
+        this. Its abort word is raised instead (a replayed call then touches no peer memory and
+        fills its output with NaN), the peers are unmapped, and its own memory stays allocated
+        until the process exits (:attr:`retained_bytes` says how much)."""
         if self._closed:
             return
         self._closed = True
@@ -229,7 +239,12 @@ class Communicator:
                 dist.barrier(group=self._group)  # nobody frees memory a peer may still write into
         finally:
             for workspace in self._workspaces.values():
-                workspace.close()
+                if workspace.captured:
+                    workspace.retire()
+                    _NEVER_FREED.append(workspace)
+                    self.retained_bytes += workspace.total_bytes
+                else:
+                    workspace.close()
             self._workspaces.clear()
 
     def __enter__(self) -> "Communicator":

@@ -170,13 +170,14 @@ def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
     return {"epoch": epoch}
 
 
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 @pytest.mark.parametrize("completed", [(1 << 31) - 16, (1 << 32) - 16])
-def test_every_algorithm_across_epoch_boundaries_with_a_late_rank(completed: int) -> None:
-    results = ranks.run_ranks(_across_epoch_boundaries, 2, completed, timeout_s=300)
+def test_every_algorithm_across_epoch_boundaries_with_a_late_rank(completed: int, world: int) -> None:
+    results = ranks.run_ranks(_across_epoch_boundaries, world, completed, timeout_s=300)
     epoch = completed
     for _ in range(32):
         epoch = 2 if epoch == 0xFFFFFFFF else epoch + 1
-    assert [r["epoch"] for r in results] == [epoch, epoch]
+    assert [r["epoch"] for r in results] == [epoch] * world
 
 
 def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:
@@ -344,3 +345,52 @@ def test_creation_failing_on_one_rank_raises_on_every_rank(world: int) -> None:
             assert kind == "UnavailableError" and f"rank {last}: ValueError" in message, r
         assert r["elapsed"] < 60, r
         assert "max_bytes must be in [1, " in r["bounds"][0] and "timeout must be" in r["bounds"][1], r
+
+
+def _replay_after_close(ctx: ranks.RankContext) -> dict:
+    """A graph of plain and fused calls, replayed once while the communicator is open and once
+    after close(): the second replay must touch no freed memory (the workspace is retired, not
+    freed) and leave NaN in every output."""
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
+    hidden = 7168
+    inputs = ref.all_inputs(21, ctx.world_size, 4 * hidden, torch.bfloat16)
+    x = inputs[ctx.rank].to(ctx.device)
+    residual = ref.rank_input(22, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+    plain_algos = ("oneshot", "twoshot", "oneshot_ll", "staged")
+    outs = [torch.full_like(x, 7.0) for _ in plain_algos]
+    normed, new_residual = torch.full_like(residual, 7.0), torch.full_like(residual, 7.0)
+    stream = torch.cuda.Stream(ctx.device)
+    with torch.cuda.stream(stream):
+        comm.all_reduce(x, out=outs[0])  # the capture stream's workspace, made eagerly
+        comm.all_reduce_rmsnorm(x.view(4, hidden), residual, weight, 1e-6, out=normed, residual_out=new_residual)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for out, algo in zip(outs, plain_algos):
+                comm.all_reduce(x, out=out, algo=algo)
+            comm.all_reduce_rmsnorm(x.view(4, hidden), residual, weight, 1e-6, out=normed, residual_out=new_residual)
+    eager = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
+    ref.check(eager.all_reduce(x), inputs, "eager communicator")
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, algo in zip(outs, plain_algos):
+        ref.check(out, inputs, f"{algo} in the graph")
+    assert torch.equal(new_residual.cpu(), residual.cpu() + ref.exact(inputs).view(4, hidden))
+    comm.close()
+    eager.close()
+    for t in (*outs, normed, new_residual):
+        t.fill_(7.0)
+    graph.replay()  # after close(): aborted calls, NaN outputs, no peer memory touched
+    torch.cuda.synchronize()
+    result = {"retained": comm.retained_bytes, "eager_retained": eager.retained_bytes,
+              "all_nan": [bool(torch.isnan(t).all()) for t in (*outs, normed, new_residual)]}
+    del graph
+    return result
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_a_graph_replayed_after_close_leaves_nan_and_touches_no_freed_memory(world: int) -> None:
+    for rank, r in enumerate(ranks.run_ranks(_replay_after_close, world, timeout_s=300)):
+        assert r["retained"] > 0, f"rank {rank}: close() freed a workspace a graph captured"
+        assert r["eager_retained"] == 0, f"rank {rank}: close() kept a workspace no graph captured"
+        assert all(r["all_nan"]), f"rank {rank}: a replay after close() left data in an output: {r}"

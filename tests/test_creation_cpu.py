@@ -33,7 +33,7 @@ class FakeWorkspace:
             raise RuntimeError("CUDA error: out of memory (cudaMalloc)")
         self.rank, self.world, self.max_bytes, self.fault = rank, world, max_bytes, fault
         self.total_bytes = 4096 + max_bytes * world * 2 + (256 if fault == "layout" else 0)
-        self.closed = False
+        self.closed = self.retired = self.captured = False
         FakeWorkspace.instances.append(self)
 
     def ipc_handle(self) -> bytes:
@@ -54,6 +54,9 @@ class FakeWorkspace:
 
     def close(self) -> None:
         self.closed = True
+
+    def retire(self) -> None:
+        self.retired = True
 
 
 class FakeExtension:
@@ -210,3 +213,24 @@ def test_a_forked_child_cannot_use_the_communicator() -> None:
     finally:
         communicator._LIVE.discard(comm)
         communicator._NEVER_FREED.remove(workspace)
+
+
+def test_close_keeps_the_memory_a_captured_graph_may_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() frees a workspace no graph captured; one a capture recorded is retired instead
+    (abort raised, peers unmapped, own memory kept alive here) and counted in retained_bytes."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    comm = _bare_communicator()
+    captured = FakeWorkspace(0, 0, 2, 1 << 20, 5.0, fault="none")
+    captured.captured = True
+    eager = comm._workspaces[7]
+    comm._workspaces[8] = captured
+    try:
+        comm.close()
+        assert eager.closed and not eager.retired
+        assert captured.retired and not captured.closed and captured in communicator._NEVER_FREED
+        assert comm.retained_bytes == captured.total_bytes
+        with pytest.raises(RuntimeError, match="closed"):
+            comm.all_reduce(torch.ones(4))
+    finally:
+        if captured in communicator._NEVER_FREED:
+            communicator._NEVER_FREED.remove(captured)
