@@ -13,6 +13,11 @@ an SGLang upgrade that changes one fails loudly instead of silently serving noth
 - ``flashinfer_allreduce_residual_rmsnorm``: the fused op behind
   ``RMSNorm.forward_with_allreduce_fusion``; SGLang's FlashInfer kernel when configured, else
   ``Communicator.all_reduce_rmsnorm``; ``(None, None)`` makes SGLang run its unfused fallback.
+- ``model_runner_forward``: every forward step first raises a failure an earlier step recorded
+  (a collective in a replayed CUDA graph that timed out left NaN and an error record; without
+  this a server whose every collective runs in graphs would go on decoding from NaN). A host
+  read of pinned memory per workspace, no CUDA call. Attached lazily: its module loads SGLang's
+  model code, which the plugin never imports itself.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ logger = logging.getLogger("sglang_plugin")
 DISPATCH = "sglang.srt.distributed.device_communicators.custom_all_reduce.dispatch_custom_allreduce"
 FUSION_GATE = "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies"
 FUSED_OP = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
+FORWARD_STEP = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 MAX_FUSED_BATCH = 2048  # add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE in 0.5.23 (checked by the tests)
 
 
@@ -108,6 +114,33 @@ def flashinfer_allreduce_residual_rmsnorm(
     return (None, None) if fused is None else fused
 
 
+def model_runner_forward(
+    original: Callable[..., Any],
+    self: Any,
+    forward_batch: Any,
+    skip_attn_backend_init: bool | None = None,
+    pp_proxy_tensors: Any = None,
+    reinit_attn_backend: bool = False,
+    split_forward_count: int = 1,
+) -> Any:
+    """AROUND ``ModelRunner.forward``: raise what an earlier step's collectives recorded, then run
+    the step. The failure surfaces as CollectiveTimeout / CollectiveMismatch in the scheduler,
+    which ends the server's model process instead of serving tokens sampled from NaN."""
+    check_serving_adapters()
+    return original(self, forward_batch, skip_attn_backend_init, pp_proxy_tensors, reinit_attn_backend,
+                    split_forward_count)
+
+
+def check_serving_adapters() -> None:
+    """``Communicator.check()`` on every adapter serving in this process (no CUDA call)."""
+    state = REGISTRY.state
+    if state is None:
+        return
+    for adapter in list(state.adapters):
+        if not adapter.disabled:
+            adapter.comm.check()
+
+
 @dataclasses.dataclass(frozen=True)
 class HookTarget:
     """One SGLang function the plugin wraps.
@@ -116,17 +149,31 @@ class HookTarget:
         target: dotted path (HookRegistry's format).
         hook: the AROUND hook.
         fused: belongs to the fused path (skipped when ``PCIE_AR_SGLANG_FUSED=0``).
+        lazy: attached by the plugin itself once its module has been imported (now, if it
+            already is; else by the import hook's finder), never by importing it: its module
+            loads SGLang's model code. Optional: where it does not fit, a warning says what is
+            lost and serving goes on.
+        owner_depth: how many trailing components of ``target`` are attributes rather than the
+            module (1 for a module function, 2 for a class's method).
     """
 
     target: str
     hook: Callable[..., Any]
     fused: bool
+    lazy: bool = False
+    owner_depth: int = 1
+
+    @property
+    def module(self) -> str:
+        """The dotted name of the module that defines the target."""
+        return self.target.rsplit(".", self.owner_depth)[0]
 
 
 TARGETS: tuple[HookTarget, ...] = (
     HookTarget(DISPATCH, dispatch_custom_allreduce, fused=False),
     HookTarget(FUSION_GATE, flashinfer_ar_fusion_applies, fused=True),
     HookTarget(FUSED_OP, flashinfer_allreduce_residual_rmsnorm, fused=True),
+    HookTarget(FORWARD_STEP, model_runner_forward, fused=False, lazy=True, owner_depth=2),
 )
 
 

@@ -54,7 +54,7 @@ def watched_modules() -> dict[str, list[Any]]:
 
     modules: dict[str, list[Any]] = {}
     for target in TARGETS:
-        modules.setdefault(target.target.rpartition(".")[0], []).append(target)
+        modules.setdefault(target.module, []).append(target)
     return modules
 
 
@@ -105,12 +105,11 @@ def on_module_loaded(name: str) -> None:
                 settings.attach == "auto" and plugin_framework_present()):
             return
         state = plugin.install(settings, attach="import")
-    if state.attach != "import":
-        return
     for target in watched_modules().get(name, []):
         if target.fused and not state.settings.fused:
             continue
-        plugin.attach_target(state, target)
+        if state.attach == "import" or target.lazy:  # SGLang's HookRegistry attaches the others
+            plugin.attach_target(state, target)
 
 
 def plugin_framework_present() -> bool:
@@ -129,6 +128,7 @@ _WATCHED_NAMES: frozenset[str] = frozenset({
     "sglang.srt.distributed.device_communicators.custom_all_reduce",
     "sglang.srt.layers.layer_boundary.residual.add_norm",
     "sglang.srt.layers.flashinfer_comm_fusion",
+    "sglang.srt.model_executor.model_runner",
 })  # the modules of hooks.TARGETS (a test keeps the two in step); a constant, never mutated
 
 

@@ -64,15 +64,15 @@ def install(settings: Settings, *, attach: str, apply: bool = False,
         for target in TARGETS:
             if target.fused and not settings.fused:
                 continue
-            if attach == "plugin":
+            if attach == "plugin" and not target.lazy:
                 _register_with_hook_registry(state, target)
-            elif target.target.rpartition(".")[0] in sys.modules:
+            elif target.module in sys.modules:
                 attach_target(state, target)
-        if attach == "import":
+        if attach == "import" or any(t.lazy and t.target not in state.targets for t in TARGETS):
             from sglang_plugin import import_hook
 
-            import_hook.watch()
-        elif apply:
+            import_hook.watch()  # attaches the rest as their modules are imported
+        if attach == "plugin" and apply:
             from sglang.srt.plugins.hook_registry import HookRegistry
 
             HookRegistry.apply_hooks()
@@ -106,18 +106,17 @@ def unregister() -> bool:
     ours = {t.hook for t in TARGETS}
     reapply = False
     for target, patch in state.targets.items():
-        if state.attach == "plugin":
-            reapply |= _forget_in_hook_registry(target, patch, ours)
-        elif patch is not None:
+        if patch is not None and patch.wrapped is not None:  # attached by us (import hook, lazy targets)
             patching.detach(patch)
+        elif state.attach == "plugin":
+            reapply |= _forget_in_hook_registry(target, patch, ours)
     if reapply:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         HookRegistry.apply_hooks()  # other plugins' hooks on the same targets, on the originals
-    if state.attach == "import":
-        from sglang_plugin import import_hook
+    from sglang_plugin import import_hook
 
-        import_hook.unwatch()
+    import_hook.unwatch()
     return True
 
 
@@ -155,6 +154,11 @@ def _forget_in_hook_registry(target: str, patch: patching.Patch | None, ours: se
 
 
 def _report_problem(target: HookTarget, problem: str) -> None:
+    if target.lazy:
+        logger.warning("pcie_allreduce[sglang]: %s is not hooked (%s): a failed collective inside a CUDA graph "
+                       "surfaces at the next eager collective instead of at the next forward step", target.target,
+                       problem)
+        return
     if not target.fused:
         raise RuntimeError(f"pcie_allreduce[sglang]: this SGLang does not fit the plugin: {problem}. "
                            f"Supported SGLang versions: {', '.join(surface.SUPPORTED_SGLANG_VERSIONS)}")

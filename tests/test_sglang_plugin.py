@@ -622,3 +622,77 @@ def test_adapter_checks_every_workspace_before_each_eager_call() -> None:
     with pytest.raises(CollectiveTimeout, match="call #7"):
         adapter.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(64, dtype=torch.bfloat16), 1e-6)
     assert adapter.comm.launched == 0
+
+
+# ---------------------------------------------------------------------------- every forward step
+
+
+class _Failed:
+    """An adapter whose communicator recorded a failure (a collective in a replayed graph timed out)."""
+
+    disabled = False
+
+    class comm:  # noqa: N801 - the adapter's attribute
+        @staticmethod
+        def check() -> None:
+            from pcie_allreduce.errors import CollectiveTimeout
+
+            raise CollectiveTimeout("rank 1 waited more than 10 s for rank 0 in one-shot gather of call #99")
+
+
+def _fake_model_runner_module() -> object:
+    import importlib.machinery
+    import types
+
+    name = hooks.FORWARD_STEP.rsplit(".", 2)[0]
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+    class ModelRunner:  # SGLang 0.5.23's signature (test_hook_targets_have_the_expected_signature)
+        def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None,
+                    reinit_attn_backend=False, split_forward_count=1):
+            return ("ran", forward_batch, split_forward_count)
+
+    module.ModelRunner = ModelRunner
+    return module
+
+
+@needs_sglang
+@pytest.mark.parametrize("attach", ["plugin", "import"])
+@pytest.mark.parametrize("loaded_first", [True, False])
+def test_every_forward_step_raises_a_recorded_failure_first(monkeypatch: pytest.MonkeyPatch, attach: str,
+                                                            loaded_first: bool) -> None:
+    """ModelRunner.forward is hooked whether its module was imported before the plugin installed
+    or after (the finder attaches it then, in both attach modes, and the plugin never imports it);
+    a step runs untouched while every adapter is healthy and raises the recorded failure before
+    running once one is not; unregister puts the original back."""
+    from pcie_allreduce.errors import CollectiveTimeout
+    from sglang_plugin import import_hook, plugin
+    from sglang_plugin.registry import REGISTRY
+
+    module = _fake_model_runner_module()
+    name = module.__name__
+    original = module.ModelRunner.forward
+    if loaded_first:
+        monkeypatch.setitem(sys.modules, name, module)
+    else:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    plugin.unregister()
+    try:
+        state = plugin.install(Settings(enabled=True, fused=False), attach=attach)
+        if not loaded_first:
+            assert module.ModelRunner.forward is original, "hooked before its module was imported"
+            assert any(isinstance(f, import_hook._Finder) for f in sys.meta_path), "nothing watches for it"
+            monkeypatch.setitem(sys.modules, name, module)
+            import_hook.on_module_loaded(name)  # what the finder's loader does after the module ran
+        assert hooks.FORWARD_STEP in state.targets
+        runner = module.ModelRunner()
+        assert runner.forward("batch", split_forward_count=2) == ("ran", "batch", 2)
+        state.adapters.add(failed := _Failed())
+        with pytest.raises(CollectiveTimeout, match="call #99"):
+            runner.forward("batch")
+        state.adapters.discard(failed)
+    finally:
+        plugin.unregister()
+    assert module.ModelRunner.forward is original and REGISTRY.state is None
+    assert not any(isinstance(f, import_hook._Finder) for f in sys.meta_path)
