@@ -133,3 +133,42 @@ def _fused_graph(ctx: ranks.RankContext) -> dict:
 def test_fused_inside_cuda_graph(world: int) -> None:
     results = ranks.run_ranks(_fused_graph, world, timeout_s=900)
     assert all(r == results[0] for r in results)
+
+
+def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
+    """The last rank never issues one fused call: every other rank's call gives up after timeout_s,
+    raises through check(), and leaves NaN in both outputs (normed and new residual)."""
+    from pcie_allreduce.errors import CollectiveTimeout
+
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=2.0)
+    xs, residual, weight, want_res, want_norm = _case(ctx, 4, 7168, torch.bfloat16, 77)
+    x, res, w = xs[ctx.rank].to(ctx.device), residual.to(ctx.device), weight.to(ctx.device)
+    normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)  # also compiles the kernel
+    torch.cuda.synchronize()
+    _check(normed, new_res, want_res, want_norm, f"{algo} before the failure")
+    normed.fill_(7.0)
+    new_res.fill_(7.0)
+    torch.distributed.barrier(group=ctx.group)
+    late = ctx.rank == ctx.world_size - 1
+    if not late:
+        comm.all_reduce_rmsnorm(x, res, w, EPS, out=normed, residual_out=new_res, algo=algo)
+    torch.cuda.synchronize()
+    try:
+        comm.check()
+        raised = None
+    except CollectiveTimeout as exc:
+        raised = exc.peer
+    result = {"late": late, "raised": raised,
+              "all_nan": [bool(torch.isnan(normed).all()), bool(torch.isnan(new_res).all())]}
+    comm.close()
+    return result
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll"])
+def test_a_fused_call_that_gives_up_leaves_nan_in_both_outputs(algo: str, world: int) -> None:
+    for rank, r in enumerate(ranks.run_ranks(_fused_call_gives_up, world, algo, timeout_s=300)):
+        if r["late"]:
+            continue
+        assert r["raised"] == world - 1, f"rank {rank}: check() did not name the late rank: {r}"
+        assert r["all_nan"] == [True, True], f"rank {rank}: the fused call that gave up left data: {r}"
