@@ -1,7 +1,7 @@
 """The benchmark harness of pcie_allreduce, run from a checkout's root: ``python -m bench --help``.
 
 Side-by-side all-reduce timings of several backends in one run (also ``--fused`` and ``verify``),
-the machine's topology (``topo``) and plots of saved runs (``plot``). It imports the library;
+the machine's topology (``topo``), a correctness soak (``soak``) and plots of saved runs (``plot``). It imports the library;
 the library never imports it, and it is not part of the wheel.
 
 Modules, one idea each (parent side first, then what runs inside the ranks):
@@ -22,5 +22,7 @@ Modules, one idea each (parent side first, then what runs inside the ranks):
 - ``topo``         peer-access matrix, PCI bus ids, NUMA nodes, and ``topo_probe`` /
   ``probe_kernels``: latency and bandwidth measured between ranks
 - ``rank``, ``checks``, ``norm_ops``, ``timing``, ``pattern``, ``watchdog``, ``backend_*``: rank side
+- ``soak``         ``soak``: random collectives for a number of calls and minutes, every result
+  checked (command, rank loop, report); ``soak_schedule``: its calls from a seed (pure)
 - ``wheels``       trimmed copies of third-party wheels for an offline GPU machine
 """

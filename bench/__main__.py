@@ -4,6 +4,7 @@
     python -m bench --fused [options]   all-reduce + residual add + RMSNorm on [tokens, hidden]
     python -m bench verify [options]    the collectives of one speculative-decoding verify pass
     python -m bench topo [options]      peer access, PCI bus ids, NUMA nodes; latency and bandwidth
+    python -m bench soak [options]      a long run of random collectives, every result checked exactly
     python -m bench plot JSON           redraw the PNG of a saved run
 
 Exit status as ``pcie-allreduce`` (:mod:`pcie_allreduce.cli`): 0 success; 1 some of our cases
@@ -29,6 +30,9 @@ MODES: tuple[Command, ...] = (
     Command("topo", "show which GPUs have CUDA peer access to which (PCI bus ids, NUMA nodes), and measure flag "
                     "round-trip latency and write bandwidth between the ranks",
             "bench.topo:add_arguments", "bench.topo:run"),
+    Command("soak", "run random collectives (plain and fused, every size class, dtype and algorithm, CUDA graphs, "
+                    "stragglers) for a number of calls and minutes, checking every result exactly",
+            "bench.soak:add_arguments", "bench.soak:run"),
     Command("plot", "draw the PNG of a saved bench / fused / verify / topo JSON (needs matplotlib)",
             "bench.plot:add_arguments", "bench.plot:run"),
 )

@@ -1,0 +1,622 @@
+"""``python -m bench soak``: a long run of random collectives on W ranks, every result checked.
+
+Each rank draws the same calls from a seeded :class:`~bench.soak_schedule.Schedule` (plain
+all-reduces of every size class, dtype and algorithm, fused all-reduce + residual add + RMSNorm,
+tensors at misaligned offsets, in-place calls, stragglers on the host and on the stream, CUDA
+graphs captured on a side stream and replayed with new data) and checks every output on the GPU
+against an exact sum, without a host sync per call: each check adds its count of wrong elements
+to a slot of a device tensor that is read at check-points (every ``check_every`` calls). At each
+check-point every rank also calls ``comm.check()``, and one gloo all-reduce carries rank 0's
+decision to stop, the ranks' failures and their wrong counts, so every rank stops after the same
+call. A rank whose communicator failed (CollectiveTimeout / CollectiveMismatch) or that raised
+goes straight to that all-reduce, which ends the run on every rank with a report.
+
+Inputs are :mod:`bench.pattern`'s small integers, so sums are exact in every dtype and order;
+each rank computes every rank's inputs from the formula, hence the exact totals, once per dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Sequence
+
+from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, positive_float, positive_int
+from pcie_allreduce.errors import CollectiveError, UnavailableError
+from pcie_allreduce.sizes import size_arg
+
+if TYPE_CHECKING:
+    import torch
+
+    from pcie_allreduce.ranks import RankContext
+
+    from bench.soak_schedule import Call, GraphEpisode, Replay, Straggler
+
+DEFAULT_CALLS = 1_000_000
+DEFAULT_MINUTES = 10.0
+DEFAULT_MAX_BYTES = "2M"
+DEFAULT_SEED = 0
+CHECK_EVERY = 1000      # calls between check-points (a host sync, comm.check() and one gloo all-reduce)
+PROGRESS_S = 30.0       # seconds between progress lines
+GRAPH_EVERY = 5000      # calls between CUDA graph episodes (about)
+# torch.cuda._sleep counts clock cycles: about this many per second (H100/H200 boost ~2 GHz).
+# Only the order of magnitude of a straggler's delay matters.
+GPU_CYCLES_PER_S = 2e9
+SETUP_S = 600.0         # spawn, communicator creation and teardown, on top of the run's own limit
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak")
+JSON_NAME, TEXT_NAME = "soak.json", "soak.txt"
+HUNG, ERROR = "hung", "error"
+MAX_LISTED = 20         # wrong calls named in a report
+
+
+@dataclasses.dataclass(frozen=True)
+class SoakConfig:
+    """A soak run: stop once ``calls`` calls are done and ``minutes`` have passed (both), or at
+    ``limit_minutes`` with the targets missed."""
+
+    world: int
+    calls: int = DEFAULT_CALLS
+    minutes: float = DEFAULT_MINUTES
+    seed: int = DEFAULT_SEED
+    max_bytes: int = 2 << 20
+    timeout_s: float = 10.0
+    limit_minutes: float = 0.0  # 0: 3 x minutes + 10
+    check_every: int = CHECK_EVERY
+    graph_every: int = GRAPH_EVERY
+    progress_s: float = PROGRESS_S
+    out: str = DEFAULT_OUT
+
+    @property
+    def limit_s(self) -> float:
+        """Seconds after which rank 0 stops the run even if the targets are not met."""
+        return 60 * (self.limit_minutes or 3 * self.minutes + 10)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m bench soak``."""
+    from pcie_allreduce.tune import world_arg
+
+    parser.add_argument("--world", type=world_arg, metavar="W",
+                        help="ranks (default: the number of GPUs if > 1, else 8 emulated on one GPU under MPS)")
+    parser.add_argument("--calls", type=positive_int, default=DEFAULT_CALLS, metavar="N",
+                        help=f"run at least this many collective calls (default {DEFAULT_CALLS})")
+    parser.add_argument("--minutes", type=positive_float, default=DEFAULT_MINUTES, metavar="M",
+                        help=f"and at least this many minutes (default {DEFAULT_MINUTES:g})")
+    parser.add_argument("--seed", type=non_negative_int, default=DEFAULT_SEED, metavar="S",
+                        help="seed of the schedule and of the input patterns (default 0)")
+    parser.add_argument("--max-bytes", type=size_arg, default=size_arg(DEFAULT_MAX_BYTES), metavar="SIZE",
+                        help=f"largest message, also the communicator's max_bytes (default {DEFAULT_MAX_BYTES})")
+    parser.add_argument("--timeout-s", type=positive_float, metavar="S",
+                        help="the communicator's kernel timeout (default: the library's default)")
+    parser.add_argument("--limit-minutes", type=positive_float, metavar="M",
+                        help="stop here even if --calls is not reached, and fail (default 3 x --minutes + 10)")
+    parser.add_argument("--check-every", type=positive_int, default=CHECK_EVERY, metavar="N",
+                        help=f"calls between check-points (default {CHECK_EVERY})")
+    parser.add_argument("--graph-every", type=non_negative_int, default=GRAPH_EVERY, metavar="N",
+                        help=f"calls between CUDA graph episodes, about; 0: none (default {GRAPH_EVERY})")
+    parser.add_argument("--progress", type=positive_float, default=PROGRESS_S, metavar="S",
+                        help=f"seconds between progress lines (default {PROGRESS_S:g})")
+    parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                        help=f"write {JSON_NAME} and {TEXT_NAME} here (default bench/results/soak)")
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, gpu_count: int) -> SoakConfig:
+    """The validated configuration; usage errors go through ``parser.error`` (exit 2)."""
+    from pcie_allreduce.communicator import DEFAULT_TIMEOUT_S
+    from pcie_allreduce.constants import MAX_MESSAGE_BYTES
+    from pcie_allreduce.tune import default_worlds
+
+    from bench.soak_schedule import FUSED_HIDDENS, LATE_S
+
+    smallest = max(FUSED_HIDDENS) * 2  # one token of the widest fused call, in 2-byte dtypes
+    if not smallest <= args.max_bytes <= MAX_MESSAGE_BYTES:
+        parser.error(f"--max-bytes must be in [{smallest}, {MAX_MESSAGE_BYTES}], got {args.max_bytes}")
+    world = args.world if args.world is not None else max(default_worlds(gpu_count))
+    cfg = SoakConfig(world=world, calls=args.calls, minutes=args.minutes, seed=args.seed, max_bytes=args.max_bytes,
+                     timeout_s=DEFAULT_TIMEOUT_S if args.timeout_s is None else args.timeout_s,
+                     limit_minutes=args.limit_minutes or 0.0, check_every=args.check_every,
+                     graph_every=args.graph_every, progress_s=args.progress, out=args.out)
+    if cfg.timeout_s < 2 * max(LATE_S):
+        parser.error(f"--timeout-s must be at least {2 * max(LATE_S):g} s: the soak makes a rank "
+                     f"{max(LATE_S):g} s late now and then")
+    if cfg.limit_s < 60 * cfg.minutes:
+        parser.error(f"--limit-minutes ({cfg.limit_s / 60:g}) is shorter than --minutes ({cfg.minutes:g})")
+    return cfg
+
+
+def unavailable_reason() -> str | None:
+    """Why the soak cannot run here: no GPU, or our kernels are not usable."""
+    import pcie_allreduce
+    from pcie_allreduce import ranks
+
+    return ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Handler of ``python -m bench soak``: spawn the ranks, print and write the report, the exit status."""
+    from pcie_allreduce import ranks
+
+    from bench.environment import host_environment
+
+    gpu_count = ranks.gpu_count()
+    cfg = config_from_args(args, parser, gpu_count)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise UnavailableError(reason)
+    env = host_environment()
+    say(f"soak: W={cfg.world} ({ranks.placement_label(cfg.world, gpu_count, None)}), seed {cfg.seed}, "
+        f"until >= {cfg.calls} calls and >= {cfg.minutes:g} min (limit {cfg.limit_s / 60:g} min)")
+    failure = None
+    try:
+        results = ranks.run_ranks(soak_rank, cfg.world, cfg, timeout_s=cfg.limit_s + SETUP_S)
+    except ranks.RankFailed as exc:  # a rank died or the run overran: still a report
+        results, failure = [], str(exc)
+    summary = summarize(cfg, results, failure)
+    # As the other modes record it: rank 0's view (placement, devices) per W, and the placement label.
+    rank0 = results[0] if results else {}
+    env["ranks"] = {str(cfg.world): {**rank0.get("environment", {}), **rank0.get("communicator", {})}}
+    env["placements"] = {str(cfg.world): ranks.placement_label(cfg.world, gpu_count, summary.get("mps"))}
+    text = format_summary(summary)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    for path in write_outputs(cfg.out, {"environment": env, "config": cfg.to_dict(), "summary": summary,
+                                        "ranks": results}, text):
+        say(f"wrote {path}")
+    return exit_status(summary)
+
+
+def say(line: str) -> None:
+    """Progress goes to stderr, the report to stdout."""
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---- the parent's report (pure) -----------------------------------------------------------------
+
+
+def summarize(cfg: SoakConfig, results: Sequence[dict[str, Any]], failure: str | None = None) -> dict[str, Any]:
+    """One summary from the ranks' results (every rank counts the same calls; wrong elements and
+    failures add up over ranks). ``failure``: why there are no results (a rank died)."""
+    errors = [f"rank {r['rank']}: {r['error']}" for r in results if r.get("error")]
+    if failure:
+        errors.append(failure)
+    first = results[0] if results else {}
+    calls = [r.get("calls", 0) for r in results]
+    if len(set(calls)) > 1 and not errors:  # a rank that failed stops early: that is its error
+        errors.append(f"ranks disagree on the number of calls done: {calls}")
+    counts: Counter[str] = Counter()
+    for key, value in first.get("counts", {}).items():
+        counts[key] += value
+    summary = {
+        "world": cfg.world,
+        "calls": first.get("calls", 0),
+        "plain": first.get("plain", 0),
+        "fused": first.get("fused", 0),
+        "in_graphs": first.get("in_graphs", 0),
+        "graphs": first.get("graphs", 0),
+        "stragglers": first.get("stragglers", 0),
+        "elapsed_s": first.get("elapsed_s", 0.0),
+        "wrong": sum(r.get("wrong", 0) for r in results),
+        "hung": sum(1 for r in results if r.get("failure") == HUNG),
+        "errors": errors,
+        "wrong_calls": [w for r in results for w in r.get("wrong_calls", [])][:MAX_LISTED],
+        "counts": dict(sorted(counts.items())),
+        "mps": first.get("environment", {}).get("mps"),
+        "communicator": first.get("communicator", {}),
+    }
+    summary["calls_per_s"] = summary["calls"] / summary["elapsed_s"] if summary["elapsed_s"] else 0.0
+    summary["targets_met"] = summary["calls"] >= cfg.calls and summary["elapsed_s"] >= 60 * cfg.minutes
+    return summary
+
+
+def exit_status(summary: dict[str, Any]) -> int:
+    """0 when nothing was wrong, nothing hung or failed and both targets were met; else 1."""
+    ok = summary["wrong"] == 0 and summary["hung"] == 0 and not summary["errors"] and summary["targets_met"]
+    return 0 if ok else EXIT_FAILURES
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The report: the summary line, the counts per kind/dtype/algorithm, what went wrong."""
+    s = summary
+    lines = [f"soak: W={s['world']} calls={s['calls']} (plain {s['plain']}, fused {s['fused']}, in graphs "
+             f"{s['in_graphs']}) calls/s={s['calls_per_s']:.0f} wrong={s['wrong']} hung={s['hung']} "
+             f"elapsed={s['elapsed_s']:.0f} s"]
+    if not s["targets_met"]:
+        lines.append("soak: the targets (--calls and --minutes) were not met")
+    lines.append(f"# {s['graphs']} CUDA graphs captured; {s['stragglers']} stragglers injected")
+    lines.append("# calls per kind, dtype and algorithm (auto: what it picked)")
+    lines += [f"  {key:<40} {value:>10}" for key, value in s["counts"].items()]
+    for wrong in s["wrong_calls"]:
+        lines.append(f"# wrong: {wrong}")
+    for error in s["errors"]:
+        lines.append(f"# error: {error}")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: str, document: dict[str, Any], text: str) -> list[str]:
+    """soak.json (the document) and soak.txt (the printed report) into ``out``; the paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, JSON_NAME), os.path.join(out, TEXT_NAME)]
+    with open(paths[0], "w", encoding="utf-8") as fh:
+        json.dump(document, fh, indent=2, default=str)
+        fh.write("\n")
+    with open(paths[1], "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return paths
+
+
+# ---- rank side ------------------------------------------------------------------------------------
+
+
+def make_communicator(ctx: "RankContext", cfg: SoakConfig) -> Any:
+    """This rank's communicator (a module function so the CPU tests can put a fake in its place)."""
+    import pcie_allreduce
+
+    return pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=cfg.max_bytes, timeout_s=cfg.timeout_s)
+
+
+def soak_rank(ctx: "RankContext", cfg: SoakConfig) -> dict[str, Any]:
+    """The rank function: create the communicator and its side stream's workspace, run the loop,
+    close. Always returns this rank's result (a failure is in it, not raised)."""
+    import torch
+
+    from bench.environment import rank_environment
+
+    comm = make_communicator(ctx, cfg)
+    result: dict[str, Any] = {"rank": ctx.rank}
+    try:
+        # The capture stream, created in the same order on every rank; its workspace is created
+        # collectively here, outside any capture.
+        side = torch.cuda.Stream(ctx.device)
+        with torch.cuda.stream(side):
+            comm.workspace()
+        result.update(_Soak(ctx, cfg, comm, side).run())
+        if ctx.rank == 0:
+            result["environment"] = rank_environment(ctx)
+            result["communicator"] = {"block_cap": comm.block_cap, "ll_capacity": comm.ll_capacity,
+                                      "max_bytes": comm.max_bytes, "timeout_s": comm.timeout_s,
+                                      "table_source": getattr(comm, "table_source", ""),
+                                      "shares_gpu": getattr(comm, "shares_gpu", None)}
+    finally:
+        try:
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - the result says so; the run still reports
+            result.setdefault("error", f"close() failed: {type(exc).__name__}: {exc}")
+    return result
+
+
+@dataclasses.dataclass
+class _Data:
+    """One dtype's device buffers: this rank's inputs, the exact sums over ranks, the replicated
+    residual (fused dtypes), and the pools outputs are sliced from."""
+
+    inp: "torch.Tensor"
+    total: "torch.Tensor"
+    residual: "torch.Tensor | None"
+    out: "torch.Tensor"
+    res_out: "torch.Tensor"
+    scratch: "torch.Tensor"
+
+
+def exact_inputs(count: int, world: int, seed: int) -> tuple[list["torch.Tensor"], "torch.Tensor"]:
+    """Every rank's inputs (int64, from :mod:`bench.pattern`'s formula) and their exact sum (int64)."""
+    from bench import pattern
+
+    per_rank = [pattern.rank_values(count, rank, seed) for rank in range(world)]
+    total = per_rank[0].clone()
+    for values in per_rank[1:]:
+        total += values
+    return per_rank, total
+
+
+def dtype_seed(seed: int, dtype: str) -> int:
+    """The pattern seed of one dtype's buffers: different data per dtype, the same on every rank."""
+    from bench.soak_schedule import PLAIN_DTYPES
+
+    return seed * len(PLAIN_DTYPES) + PLAIN_DTYPES.index(dtype)
+
+
+class _Soak:
+    """One rank's run: buffers, the step loop, checks and check-points."""
+
+    def __init__(self, ctx: "RankContext", cfg: SoakConfig, comm: Any, side: Any) -> None:
+        import torch
+
+        from bench import pattern
+        from bench.options import DEFAULT_EPS
+        from bench.soak_schedule import (
+            FUSED_DTYPES, PLAIN_DTYPES, WEIGHT_FP32, ScheduleParams, buffer_elements, weight_elements,
+        )
+
+        self.ctx, self.cfg, self.comm, self.side = ctx, cfg, comm, side
+        self.eps = DEFAULT_EPS
+        dev = ctx.device
+        self.params = ScheduleParams(world=ctx.world_size, max_bytes=cfg.max_bytes, ll_capacity=comm.ll_capacity,
+                                     block_cap=comm.block_cap, graph_every=cfg.graph_every)
+        self.data: dict[str, _Data] = {}
+        for name in PLAIN_DTYPES:
+            dtype = getattr(torch, name)
+            n = buffer_elements(cfg.max_bytes, name)
+            per_rank, total = exact_inputs(n, ctx.world_size, dtype_seed(cfg.seed, name))
+            residual = (pattern.residual_input(n, dtype_seed(cfg.seed, name), dtype, dev)
+                        if name in FUSED_DTYPES else None)
+            self.data[name] = _Data(inp=per_rank[ctx.rank].to(dev, dtype), total=total.to(dev, dtype),
+                                    residual=residual, out=torch.empty(n, dtype=dtype, device=dev),
+                                    res_out=torch.empty(n, dtype=dtype, device=dev),
+                                    scratch=torch.empty(n, dtype=dtype, device=dev))
+        self.weights = {name: pattern.weight_values(weight_elements(), getattr(torch, name), dev)
+                        for name in (*FUSED_DTYPES, WEIGHT_FP32)}
+        # Wrong elements per check, one slot each, read at check-points: no host sync per call.
+        # A check-point comes after at most check_every calls plus one graph episode, two slots per call.
+        p = self.params
+        most_in_episode = p.graph_calls[1] * (p.graph_replays[1] + 1)
+        self.slots = torch.zeros(2 * (cfg.check_every + most_in_episode), dtype=torch.int64, device=dev)
+        self.labels: list[str] = []
+        self.counts: Counter[str] = Counter()
+        self.totals = Counter(calls=0, plain=0, fused=0, in_graphs=0, graphs=0, stragglers=0)
+        self.wrong = 0              # this rank's wrong elements
+        self.wrong_everywhere = 0   # every rank's, as the check-points' all-reduces said
+        self.wrong_calls: list[str] = []
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Steps until the check-point where rank 0 says stop (or any rank failed)."""
+        import torch.distributed as dist
+
+        from bench.soak_schedule import Schedule
+
+        schedule = Schedule(self.cfg.seed, self.params)
+        dist.barrier(group=self.ctx.group)
+        self.start = time.monotonic()
+        self.last_progress = self.start
+        failure: tuple[str, str] | None = None
+        while True:
+            since = self.totals["calls"]
+            try:
+                while self.totals["calls"] - since < self.cfg.check_every:
+                    self._step(schedule.next_step(self.totals["calls"]))
+            except CollectiveError as exc:  # the communicator is unusable from here
+                failure = (HUNG, f"{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - reported; the other ranks stop at the check-point
+                failure = (ERROR, traceback.format_exc().rstrip())
+            failure, stop = self._checkpoint(failure)
+            if stop:
+                break
+        elapsed = time.monotonic() - self.start
+        result = {"calls": self.totals["calls"], "elapsed_s": elapsed, "wrong": self.wrong,
+                  "wrong_calls": self.wrong_calls, "counts": dict(self.counts), **self.totals}
+        if failure is not None:
+            result["failure"], result["error"] = failure
+        return result
+
+    def _checkpoint(self, failure: tuple[str, str] | None) -> tuple[tuple[str, str] | None, bool]:
+        """Read this rank's wrong counts and comm.check(); then one gloo all-reduce of (rank 0's
+        stop, failed ranks, wrong elements): every rank stops after the same call."""
+        import torch
+        import torch.distributed as dist
+
+        wrong = 0
+        if failure is None:
+            try:
+                counts = self._read_slots()  # syncs: a kernel that gave up has recorded it by now
+                self.comm.check()
+                wrong = self._count_wrong(counts)
+            except CollectiveError as exc:
+                # Calls that gave up leave NaN by design: counted as this failure, not as wrong sums.
+                failure = (HUNG, f"{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001
+                failure = (ERROR, traceback.format_exc().rstrip())
+            self.labels.clear()
+        elapsed = time.monotonic() - self.start
+        stop = 0
+        if self.ctx.rank == 0:
+            done = self.totals["calls"] >= self.cfg.calls and elapsed >= 60 * self.cfg.minutes
+            stop = int(done or elapsed >= self.cfg.limit_s)
+        flags = torch.tensor([stop, int(failure is not None), wrong], dtype=torch.int64)
+        dist.all_reduce(flags, group=self.ctx.group)
+        stop_all, failed, wrong_all = (int(v) for v in flags)
+        self.wrong_everywhere += wrong_all
+        now = time.monotonic()
+        if self.ctx.rank == 0 and (now - self.last_progress >= self.cfg.progress_s or stop_all or failed):
+            self.last_progress = now
+            calls = self.totals["calls"]
+            print(f"soak: {calls} calls, {calls / max(elapsed, 1e-9):.0f} calls/s, wrong={self.wrong_everywhere}, "
+                  f"failed ranks={failed}, elapsed {elapsed:.0f} s", file=sys.stderr, flush=True)
+        return failure, bool(stop_all or failed)
+
+    def _read_slots(self) -> list[int]:
+        """The wrong-element counts of the checks since the last check-point (a host sync), reset."""
+        used = len(self.labels)
+        if not used:
+            return []
+        counts = self.slots[:used].cpu().tolist()
+        self.slots[:used].zero_()
+        return counts
+
+    def _count_wrong(self, counts: list[int]) -> int:
+        """Add up ``counts`` (one per label) and name the first wrong calls."""
+        wrong = 0
+        for label, count in zip(self.labels, counts):
+            if count:
+                wrong += count
+                if len(self.wrong_calls) < MAX_LISTED:
+                    self.wrong_calls.append(f"rank {self.ctx.rank}: {count} wrong elements in {label}")
+        self.wrong += wrong
+        return wrong
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    def _step(self, step: "Call | GraphEpisode") -> None:
+        from bench.soak_schedule import Call
+
+        if isinstance(step, Call):
+            self._straggle(step.straggler)
+            self._eager(step)
+        else:
+            self._episode(step)
+
+    def _straggle(self, straggler: "Straggler | None") -> None:
+        """Make this rank late before a call, if the schedule picked it."""
+        if straggler is None:
+            return
+        self.totals["stragglers"] += 1
+        if straggler.rank != self.ctx.rank:
+            return
+        if straggler.host_s:
+            time.sleep(straggler.host_s)
+        if straggler.stream_s:
+            import torch
+
+            torch.cuda._sleep(int(straggler.stream_s * GPU_CYCLES_PER_S))
+
+    def _count(self, call: "Call", graph: bool = False) -> None:
+        import torch
+
+        self.totals["calls"] += 1
+        self.totals[call.kind] += 1
+        if graph:
+            self.totals["in_graphs"] += 1
+        algo = call.algo
+        if algo == "auto":
+            dtype = getattr(torch, call.dtype)
+            picked = (self.comm.select_algo(call.nbytes, dtype) if call.kind == "plain"
+                      else self.comm.select_fused_algo(call.tokens, call.hidden, dtype))
+            algo = f"auto({picked})"
+        self.counts[f"{call.kind} {call.dtype} {algo}"] += 1
+
+    def _eager(self, call: "Call") -> None:
+        """One eager call on the current stream, poisoned outputs, checked."""
+        tensors = self._tensors(call, call.in_offset, call.res_offset)
+        self._launch(call, tensors)
+        self._check(call, tensors, call.in_offset, call.res_offset, "eager")
+        self._count(call)
+
+    def _tensors(self, call: "Call", in_offset: int, res_offset: int) -> dict[str, "torch.Tensor"]:
+        """Views into this dtype's buffers at the call's offsets, outputs poisoned with NaN."""
+        d = self.data[call.dtype]
+        n = call.count
+        x = d.inp[in_offset:in_offset + n]
+        if call.kind == "plain":
+            if call.inplace:
+                out = d.scratch[call.out_offset:call.out_offset + n]
+                out.copy_(x)
+                return {"x": out, "out": out}
+            out = d.out[call.out_offset:call.out_offset + n].fill_(math.nan)
+            return {"x": x, "out": out}
+        assert d.residual is not None
+        shape = (call.tokens, call.hidden)
+        return {"x": x.view(shape), "residual": d.residual[res_offset:res_offset + n].view(shape),
+                "weight": self.weights[call.weight_dtype][call.w_offset:call.w_offset + call.hidden],
+                "out": d.out[call.out_offset:call.out_offset + n].fill_(math.nan).view(shape),
+                "res_out": d.res_out[call.res_out_offset:call.res_out_offset + n].fill_(math.nan).view(shape)}
+
+    def _launch(self, call: "Call", t: dict[str, "torch.Tensor"]) -> None:
+        if call.kind == "plain":
+            self.comm.all_reduce(t["x"], out=t["out"], algo=call.algo)
+        else:
+            self.comm.all_reduce_rmsnorm(t["x"], t["residual"], t["weight"], self.eps, out=t["out"],
+                                         residual_out=t["res_out"], algo=call.algo)
+
+    def _slot(self, label: str) -> "torch.Tensor":
+        self.labels.append(label)
+        return self.slots[len(self.labels) - 1]
+
+    def _check(self, call: "Call", t: dict[str, "torch.Tensor"], in_offset: int, res_offset: int, where: str) -> None:
+        """Enqueue the comparison with the exact result; counts go to slots (NaN counts as wrong)."""
+        import torch
+
+        from bench.norm_ops import NORMED_ATOL, NORMED_RTOL
+        from bench.pattern import expected_norm
+
+        d = self.data[call.dtype]
+        expected = d.total[in_offset:in_offset + call.count]
+        label = f"{call.label()} ({where}, input @{in_offset})"
+        if call.kind == "plain":
+            self._slot(label).add_((t["out"] != expected).sum())
+            return
+        assert d.residual is not None
+        residual = d.residual[res_offset:res_offset + call.count].view(call.tokens, call.hidden)
+        want_residual = expected.view(call.tokens, call.hidden) + residual  # small integers: exact
+        self._slot(f"new residual of {label}").add_((t["res_out"] != want_residual).sum())
+        want_normed = expected_norm(want_residual, t["weight"], self.eps).float()
+        close = torch.isclose(t["out"].float(), want_normed, rtol=NORMED_RTOL, atol=NORMED_ATOL)
+        self._slot(f"normed of {label}").add_((~close).sum())
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+
+    def _episode(self, episode: "GraphEpisode") -> None:
+        """Capture the episode's calls on the side stream (each run eagerly first, so Triton
+        compiles outside the capture), then replay with new inputs each time, checked."""
+        import torch
+
+        from bench.soak_schedule import MAX_MISALIGN
+
+        statics = [self._static(call, call.out_offset % MAX_MISALIGN) for call in episode.calls]
+        for call, t in zip(episode.calls, statics):
+            self._load(call, t, call.in_offset, call.res_offset)
+            self._launch(call, t)
+            self._check(call, t, call.in_offset, call.res_offset, "before capture")
+            self._count(call)
+        graph = torch.cuda.CUDAGraph()
+        self.side.wait_stream(torch.cuda.current_stream(self.ctx.device))
+        with torch.cuda.graph(graph, stream=self.side):
+            for call, t in zip(episode.calls, statics):
+                self._launch(call, t)
+        self.totals["graphs"] += 1
+        for number, replay in enumerate(episode.replays):
+            self._replay(graph, episode, statics, replay, number)
+        # The graph and its static tensors go when this returns; what the checks enqueued is ordered
+        # after the replays on this stream, and the caching allocator keeps freed blocks stream-ordered.
+        del graph
+
+    def _static(self, call: "Call", misalign: int) -> dict[str, "torch.Tensor"]:
+        """A captured call's own tensors, starting ``misalign`` elements into their allocation."""
+        import torch
+
+        dev, dtype, n = self.ctx.device, getattr(torch, call.dtype), call.count
+
+        def fresh() -> "torch.Tensor":
+            return torch.empty(n + misalign, dtype=dtype, device=dev)[misalign:]
+
+        if call.kind == "plain":
+            x = fresh()
+            return {"x": x, "out": x if call.inplace else fresh()}
+        shape = (call.tokens, call.hidden)
+        weight = self.weights[call.weight_dtype][call.w_offset:call.w_offset + call.hidden]
+        return {"x": fresh().view(shape), "residual": fresh().view(shape), "weight": weight,
+                "out": fresh().view(shape), "res_out": fresh().view(shape)}
+
+    def _load(self, call: "Call", t: dict[str, "torch.Tensor"], in_offset: int, res_offset: int) -> None:
+        """New inputs into a captured call's static tensors; its outputs poisoned."""
+        d = self.data[call.dtype]
+        n = call.count
+        t["x"].view(-1).copy_(d.inp[in_offset:in_offset + n])
+        if call.kind == "fused":
+            assert d.residual is not None
+            t["residual"].view(-1).copy_(d.residual[res_offset:res_offset + n])
+            t["res_out"].fill_(math.nan)
+        if t["out"] is not t["x"]:
+            t["out"].fill_(math.nan)
+
+    def _replay(self, graph: Any, episode: "GraphEpisode", statics: list[dict[str, "torch.Tensor"]],
+                replay: "Replay", number: int) -> None:
+        for call, t, in_offset, res_offset in zip(episode.calls, statics, replay.in_offsets, replay.res_offsets):
+            self._load(call, t, in_offset, res_offset)
+        self._straggle(replay.straggler)
+        graph.replay()
+        for call, t, in_offset, res_offset in zip(episode.calls, statics, replay.in_offsets, replay.res_offsets):
+            self._check(call, t, in_offset, res_offset, f"graph {self.totals['graphs']} replay {number}")
+            self._count(call, graph=True)
