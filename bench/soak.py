@@ -207,6 +207,7 @@ def summarize(cfg: SoakConfig, results: Sequence[dict[str, Any]], failure: str |
         "in_graphs": first.get("in_graphs", 0),
         "graphs": first.get("graphs", 0),
         "stragglers": first.get("stragglers", 0),
+        "warmup": first.get("warmup", {}),
         "elapsed_s": first.get("elapsed_s", 0.0),
         "wrong": sum(r.get("wrong", 0) for r in results),
         "hung": sum(1 for r in results if r.get("failure") == HUNG),
@@ -235,6 +236,10 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"elapsed={s['elapsed_s']:.0f} s"]
     if not s["targets_met"]:
         lines.append("soak: the targets (--calls and --minutes) were not met")
+    warmup = s.get("warmup") or {}
+    if warmup:
+        lines.append(f"# before the clock: {warmup.get('calls', 0)} fused calls, one per kernel variant (Triton "
+                     f"compiles), {warmup.get('seconds', 0.0):.0f} s, checked like the rest")
     lines.append(f"# {s['graphs']} CUDA graphs captured; {s['stragglers']} stragglers injected")
     lines.append("# calls per kind, dtype and algorithm (auto: what it picked)")
     lines += [f"  {key:<40} {value:>10}" for key, value in s["counts"].items()]
@@ -379,6 +384,15 @@ class _Soak:
         from bench.soak_schedule import Schedule
 
         schedule = Schedule(self.cfg.seed, self.params)
+        warmup = schedule.warmup_calls()
+        started = time.monotonic()
+        for call in warmup:  # Triton compiles here, off the clock; checked like every call
+            self._eager(call)
+            self._count_wrong(self._read_slots())
+        self.comm.check()
+        self.warmup = {"calls": len(warmup), "seconds": time.monotonic() - started, "wrong": self.wrong}
+        self.totals = Counter({key: 0 for key in self.totals})  # the soak's figures start now
+        self.counts.clear()
         dist.barrier(group=self.ctx.group)
         self.start = time.monotonic()
         self.last_progress = self.start
@@ -396,7 +410,7 @@ class _Soak:
             if stop:
                 break
         elapsed = time.monotonic() - self.start
-        result = {"calls": self.totals["calls"], "elapsed_s": elapsed, "wrong": self.wrong,
+        result = {"calls": self.totals["calls"], "elapsed_s": elapsed, "wrong": self.wrong, "warmup": self.warmup,
                   "wrong_calls": self.wrong_calls, "counts": dict(self.counts), **self.totals}
         if failure is not None:
             result["failure"], result["error"] = failure

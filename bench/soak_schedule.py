@@ -37,9 +37,10 @@ MAX_TOKENS = 64
 # pointers; a compile stalls every rank (their kernels wait for it), and fully random fused calls
 # would need thousands. So each schedule draws this many fused shapes (tokens, hidden, dtype,
 # weight dtype) from its seed, and a fused call's tensors are either all 16-byte aligned or all
-# one element past that: a few hundred variants at most per run, fewer once Triton's cache has
-# them. Plain calls (CUDA kernels, nothing to compile) take any shape and any offset.
-FUSED_SHAPES = 32
+# one element past that: a few dozen variants per run, each compiled once in the warm-up before
+# the clock starts (:meth:`Schedule.warmup_calls`). Plain calls (CUDA kernels, nothing to
+# compile) take any shape and any offset.
+FUSED_SHAPES = 6
 DECODE_SHAPE = (4, 7168, "bfloat16", "bfloat16")  # always among them: the decode shape that matters most
 FUSED_ALIGN = 8  # elements: 16 bytes of the 2-byte dtypes, 32 of the fp32 weight
 # Extra elements in every buffer beyond the largest message, the range of a largest call's offset.
@@ -164,11 +165,35 @@ class Schedule:
 
     def __init__(self, seed: int, params: ScheduleParams) -> None:
         self.params = params
+        self._seed = seed
         self._rng = random.Random(seed)
         self._next_graph = self._graph_gap()
         self._fused_ll_ok: dict[tuple[int, int], bool] = {}
         self.fused_shapes: tuple[tuple[int, int, str, str], ...] = (DECODE_SHAPE, *(
             self._fused_shape() for _ in range(FUSED_SHAPES - 1)))
+
+    def warmup_calls(self) -> list[Call]:
+        """Every fused kernel variant the schedule can issue, once: each shape with each algorithm
+        it may take, aligned and misaligned. Run before the clock starts, so Triton compiles
+        (seconds each, on every rank) do not count as soak time. Drawn from their own RNG: the
+        schedule itself is the same with or without them."""
+        rng = random.Random(f"warm-up {self._seed}")  # str seeds are hashed the same in every process
+        p = self.params
+        calls = []
+        for tokens, hidden, dtype, weight_dtype in self.fused_shapes:
+            tokens = min(tokens, p.max_bytes // (hidden * DTYPE_SIZES[dtype]))
+            count = tokens * hidden
+            n = buffer_elements(p.max_bytes, dtype)
+            for algo in self._fused_algos(tokens, hidden, dtype):
+                for misaligned in (False, True):
+                    offsets = [rng.randint(0, (n - count - 1) // FUSED_ALIGN) * FUSED_ALIGN + int(misaligned)
+                               for _ in range(4)]
+                    w_offset = (rng.randint(0, (weight_elements() - hidden - 1) // FUSED_ALIGN) * FUSED_ALIGN
+                                + int(misaligned))
+                    calls.append(Call("fused", dtype, algo, count, offsets[0], offsets[1], tokens=tokens,
+                                      hidden=hidden, weight_dtype=weight_dtype, res_offset=offsets[2],
+                                      res_out_offset=offsets[3], w_offset=w_offset))
+        return calls
 
     def next_step(self, calls_done: int) -> Step:
         """The next step; a graph episode once ``calls_done`` passed the next graph point."""
@@ -250,10 +275,7 @@ class Schedule:
         tokens, hidden, dtype, weight_dtype = rng.choice(self.fused_shapes)
         tokens = min(tokens, p.max_bytes // (hidden * DTYPE_SIZES[dtype]))  # DECODE_SHAPE at a small max_bytes
         count = tokens * hidden
-        algos = ["auto", "oneshot", "twoshot"]
-        if self._ll_fused_fits(tokens, hidden) and count * DTYPE_SIZES[dtype] <= p.ll_capacity:
-            algos.append("oneshot_ll")
-        algo = rng.choice(algos)
+        algo = rng.choice(["auto", *self._fused_algos(tokens, hidden, dtype)])
         misaligned = rng.random() < 0.25
         n = buffer_elements(p.max_bytes, dtype)
         in_offset, out_offset, res_offset, res_out_offset = (
@@ -261,6 +283,13 @@ class Schedule:
         return Call("fused", dtype, algo, count, in_offset, out_offset, tokens=tokens, hidden=hidden,
                     weight_dtype=weight_dtype, res_offset=res_offset, res_out_offset=res_out_offset,
                     w_offset=self._fused_offset(weight_elements(), hidden, misaligned))
+
+    def _fused_algos(self, tokens: int, hidden: int, dtype: str) -> list[str]:
+        """The fused kernels that can take ``[tokens, hidden]`` of ``dtype``."""
+        algos = ["oneshot", "twoshot"]
+        if self._ll_fused_fits(tokens, hidden) and tokens * hidden * DTYPE_SIZES[dtype] <= self.params.ll_capacity:
+            algos.append("oneshot_ll")
+        return algos
 
     def _ll_fused_fits(self, tokens: int, hidden: int) -> bool:
         """Whether the fused low-latency kernel has a launch shape for the call (its module's rule)."""

@@ -150,6 +150,24 @@ def test_schedule_draws_legal_and_varied_calls() -> None:
         assert all(c.straggler is None for c in e.calls)
 
 
+def test_warmup_issues_every_fused_kernel_variant_once() -> None:
+    """Before the clock: each fused shape with each kernel it may take, aligned and one element
+    off, the same list on every rank, and without changing the schedule that follows."""
+    from bench.soak_schedule import FUSED_ALIGN, Schedule, steps
+
+    first, second = Schedule(11, PARAMS), Schedule(11, PARAMS)
+    warmup = first.warmup_calls()
+    assert warmup == second.warmup_calls()
+    variants = {(c.tokens, c.hidden, c.dtype, c.weight_dtype, c.algo, c.in_offset % FUSED_ALIGN) for c in warmup}
+    assert len(variants) == len(warmup), "a variant twice"
+    shapes = {(c.tokens, c.hidden, c.dtype, c.weight_dtype) for c in warmup}
+    assert shapes == set(first.fused_shapes)
+    assert {c.algo for c in warmup} >= {"oneshot", "twoshot"} and "auto" not in {c.algo for c in warmup}
+    assert {c.in_offset % FUSED_ALIGN for c in warmup} == {0, 1}
+    drawn = [first.next_step(i) for i in range(50)]
+    assert drawn == steps(11, PARAMS, 50)[:50], "the warm-up changed the schedule"
+
+
 def test_schedule_late_rank_rate() -> None:
     params = dataclasses.replace(PARAMS, late_rate=1 / 1000, graph_every=0)
     late = [s for s in steps(5, params, 20000) if s.straggler and s.straggler.host_s >= min(LATE_S)]
