@@ -91,9 +91,9 @@ constexpr uint64_t kErrorRecordWords = sizeof(ErrorRecord) / sizeof(uint32_t);
 // kLinePayloadBytes of payload, for messages up to ll_capacity bytes (a fixed cap: the format
 // doubles the traffic, so it only pays for small messages).
 constexpr uint64_t kLowLatencyMaxBytes = 512 * 1024;
-// Largest max_bytes a workspace takes. Keeps every element offset the Triton kernels compute
-// (sender x slot elements, 2-byte dtypes, W = 8) below 2^31, and one stream's workspace (about
-// 2 x W x max_bytes) a few GiB; larger messages are NCCL's ground.
+// Largest max_bytes a workspace takes: one stream's workspace (about 2 x W x max_bytes) stays a
+// few GiB, and the layout arithmetic far from overflow (the Triton kernels' offsets are 64-bit
+// anyway); larger messages are NCCL's ground.
 constexpr uint64_t kMaxMessageBytes = 256ull << 20;
 // Longest wait a kernel may be given (one day): its nanosecond deadline stays far from overflow.
 constexpr uint64_t kMaxTimeoutSeconds = 24 * 3600;
