@@ -38,8 +38,8 @@ void register_errors(py::module_& m) {
 
 void register_workspace(py::module_& m) {
   py::class_<Workspace>(m, "Workspace")
-      .def(py::init<int, int, int, uint64_t, double>(), py::arg("device"), py::arg("rank"), py::arg("world"),
-           py::arg("max_bytes"), py::arg("timeout_s"))
+      .def(py::init<int, int, int, uint64_t, double, int>(), py::arg("device"), py::arg("rank"), py::arg("world"),
+           py::arg("max_bytes"), py::arg("timeout_s"), py::arg("transport") = 0)
       .def("ipc_handle", [](const Workspace& w) { return py::bytes(w.ipc_handle()); })
       .def("open_peers",
            [](Workspace& w, const std::vector<py::bytes>& handles) {
@@ -48,6 +48,9 @@ void register_workspace(py::module_& m) {
              for (const auto& h : handles) raw.emplace_back(h);
              w.open_peers(raw);
            })
+      .def("release_name", &Workspace::release_name,
+           "Host transport: unlink the /dev/shm name once every rank mapped it (no-op for p2p).")
+      .def_property_readonly("transport", &Workspace::transport)
       .def("write_probes", &Workspace::write_probes, py::arg("seed"),
            "Store a pattern into this rank's data slot of every peer (the creation-time transfer test).")
       .def("probe_failures", &Workspace::probe_failures, py::arg("seed"),
@@ -124,6 +127,7 @@ void register_constants(py::module_& m) {
   m.attr("ALGO_IDS") = names_table(pcie_ar::kAlgoNames);
   m.attr("DTYPE_IDS") = names_table(pcie_ar::kDTypeNames);
   m.attr("ERROR_KINDS") = names_table(pcie_ar::kErrorKindNames);
+  m.attr("TRANSPORT_IDS") = names_table(pcie_ar::kTransportNames);
   m.attr("STAGE_NAMES") = names_table(pcie_ar::kStageNames, /*by_id=*/true);
   m.def(
       "layout",

@@ -35,6 +35,11 @@ enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2,
                               kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
                               kFusedRowStats = 8 };
 enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
+// Where a workspace lives. kP2P: device memory, peers map it through CUDA IPC and their stores
+// cross the GPU-to-GPU path. kHost: pinned host memory shared by the ranks of one host (boxes
+// without usable peer-to-peer): every load and store a kernel makes on it crosses that GPU's
+// own PCIe link. The protocol and the kernels are the same on both.
+enum class Transport : int { kP2P = 0, kHost = 1 };
 
 // The names Python knows each id by (algorithm table, dtype names, error messages, error kinds).
 template <typename Id>
@@ -54,6 +59,7 @@ constexpr Named<Stage> kStageNames[] = {
     {Stage::kFusedReduceScatter, "fused reduce-scatter"}, {Stage::kFusedAllGather, "fused all-gather"},
     {Stage::kLowLatencyGather, "low-latency gather"}, {Stage::kFusedRowStats, "fused row statistics"}};
 constexpr Named<ErrorKind> kErrorKindNames[] = {{ErrorKind::kTimeout, "timeout"}, {ErrorKind::kMismatch, "mismatch"}};
+constexpr Named<Transport> kTransportNames[] = {{Transport::kP2P, "p2p"}, {Transport::kHost, "host"}};
 
 // Lives in pinned, host-mapped memory: the host reads it with no CUDA call.
 struct ErrorRecord {

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "checks.cuh"
+#include "host_segment.h"
 #include "launch.cuh"
 #include "protocol.cuh"
 
@@ -99,7 +100,11 @@ class SignatureMemo {
 }  // namespace
 
 struct Workspace::State {
+  Transport transport = Transport::kP2P;
   char* local = nullptr;
+  // Host transport: this rank's segment and the peers' (local is own.device_pointer()).
+  HostSegment own;
+  HostSegment peer_segments[kMaxRanks];
   ErrorRecord* error_host = nullptr;
   ErrorRecord* error_device = nullptr;
   char* peers[kMaxRanks] = {};
@@ -126,8 +131,11 @@ struct Workspace::State {
   }
 };
 
-Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s)
+Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s, int transport)
     : state_(std::make_unique<State>()), device_(device), rank_(rank), world_(world), max_bytes_(max_bytes) {
+  PCIE_AR_HOST_ASSERT(transport == static_cast<int>(Transport::kP2P) || transport == static_cast<int>(Transport::kHost),
+                      "unknown transport id " + std::to_string(transport));
+  state_->transport = static_cast<Transport>(transport);
   PCIE_AR_HOST_ASSERT(world >= kMinRanks && world <= kMaxRanks, "world size must be in [" + std::to_string(kMinRanks) +
                                                                       ", " + std::to_string(kMaxRanks) + "], got " +
                                                                       std::to_string(world));
@@ -148,7 +156,25 @@ Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double
   }
 }
 
+// Name prefix of the host transport's segments in /dev/shm (pcie_allreduce/transport.py removes
+// those a killed process left, by the pid that follows it).
+constexpr const char* kSegmentPrefix = "pcie_ar";
+
 void Workspace::allocate() {
+  if (state_->transport == Transport::kHost) {
+    state_->own.create(kSegmentPrefix, state_->layout.total_bytes);  // zero-filled: flags at epoch 0
+    state_->local = state_->own.device_pointer();
+  } else {
+    allocate_device_memory();
+  }
+  PCIE_AR_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&state_->error_host), sizeof(ErrorRecord),
+                                   cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(state_->error_host, 0, sizeof(ErrorRecord));
+  PCIE_AR_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_->error_device), state_->error_host, 0));
+  state_->peers[rank_] = state_->local;
+}
+
+void Workspace::allocate_device_memory() {
   PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local, state_->layout.total_bytes));
   // Zeroed flags are "epoch 0", older than any call. Zero on a private stream and wait, so the
   // buffer is clean before its handle ever leaves this process.
@@ -157,12 +183,6 @@ void Workspace::allocate() {
   PCIE_AR_CUDA_CHECK(cudaMemsetAsync(state_->local, 0, state_->layout.total_bytes, init_stream));
   PCIE_AR_CUDA_CHECK(cudaStreamSynchronize(init_stream));
   PCIE_AR_CUDA_CHECK(cudaStreamDestroy(init_stream));
-
-  PCIE_AR_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&state_->error_host), sizeof(ErrorRecord),
-                                   cudaHostAllocMapped | cudaHostAllocPortable));
-  std::memset(state_->error_host, 0, sizeof(ErrorRecord));
-  PCIE_AR_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_->error_device), state_->error_host, 0));
-  state_->peers[rank_] = state_->local;
 }
 
 Workspace::~Workspace() {
@@ -175,6 +195,7 @@ Workspace::~Workspace() {
 
 std::string Workspace::ipc_handle() const {
   PCIE_AR_HOST_ASSERT(state_->local != nullptr, "workspace is closed");
+  if (state_->transport == Transport::kHost) return state_->own.name();
   cudaIpcMemHandle_t handle;
   PCIE_AR_CUDA_CHECK(cudaIpcGetMemHandle(&handle, state_->local));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
@@ -185,6 +206,21 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
   PCIE_AR_HOST_ASSERT(!state_->peers_open, "peers already opened");
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device_);
+  if (state_->transport == Transport::kHost) {
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      try {
+        state_->peer_segments[r].open(handles[r], state_->layout.total_bytes);
+      } catch (const std::exception& e) {
+        throw std::runtime_error("rank " + std::to_string(rank_) + " could not map the host workspace of rank " +
+                                 std::to_string(r) + ": " + e.what());
+      }
+      state_->peers[r] = state_->peer_segments[r].device_pointer();
+    }
+    state_->refresh_launch_template(rank_, world_);
+    state_->peers_open = true;
+    return;
+  }
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     PCIE_AR_HOST_ASSERT(handles[r].size() == sizeof(cudaIpcMemHandle_t), "IPC handle of rank " + std::to_string(r) + " has the wrong size");
@@ -362,6 +398,24 @@ uint32_t Workspace::debug_epoch() const {
   return ctl.epochs[0];
 }
 
+void Workspace::release_name() { state_->own.release_name(); }
+
+int Workspace::transport() const { return static_cast<int>(state_->transport); }
+
+// Unmap every peer's memory (IPC mapping or host segment); this rank's own stays.
+void Workspace::unmap_peers() {
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    if (state_->transport == Transport::kHost) {
+      state_->peer_segments[r].close();
+    } else if (state_->peers[r] != nullptr) {
+      cudaIpcCloseMemHandle(state_->peers[r]);
+    }
+    state_->peers[r] = nullptr;
+  }
+  state_->peers_open = false;
+}
+
 bool Workspace::note_capture(uint64_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
@@ -389,24 +443,26 @@ void Workspace::retire() {
   cudaStreamDestroy(stream);
   PCIE_AR_CUDA_CHECK(copied);
   PCIE_AR_CUDA_CHECK(done);
-  for (int r = 0; r < world_; ++r) {
-    if (r != rank_ && state_->peers[r] != nullptr) cudaIpcCloseMemHandle(state_->peers[r]);
-    if (r != rank_) state_->peers[r] = nullptr;
-  }
-  state_->peers_open = false;
+  unmap_peers();
+  state_->own.release_name();  // the memory stays mapped for the graph; the name goes
   state_->retired = true;
 }
 
 void Workspace::close() {
-  if (state_->local == nullptr) return;
+  if (state_->local == nullptr) {
+    state_->own.close();  // a construction that failed between the segment and the rest
+    return;
+  }
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device_);
-  for (int r = 0; r < world_; ++r) {
-    if (r != rank_ && state_->peers[r] != nullptr) cudaIpcCloseMemHandle(state_->peers[r]);
-    state_->peers[r] = nullptr;
+  unmap_peers();
+  if (state_->transport == Transport::kHost) {
+    state_->own.close();
+  } else {
+    cudaFree(state_->local);
   }
-  cudaFree(state_->local);
   state_->local = nullptr;
+  state_->peers[rank_] = nullptr;
   if (state_->error_host != nullptr) cudaFreeHost(state_->error_host);
   state_->error_host = nullptr;
   state_->error_device = nullptr;

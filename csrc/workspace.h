@@ -24,15 +24,22 @@ struct CallError {
 
 class Workspace {
  public:
-  Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s);
+  // transport: a Transport id (protocol_constants.h): device memory shared through CUDA IPC, or
+  // pinned host memory shared through /dev/shm (host_segment.h).
+  Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s, int transport = 0);
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 
-  // 64-byte cudaIpcMemHandle_t of the local buffer, to be all-gathered.
+  // What peers need to map the local buffer, to be all-gathered: the 64-byte cudaIpcMemHandle_t
+  // (p2p) or the shared-memory segment's name (host).
   std::string ipc_handle() const;
   // Map every peer's buffer; handles[rank] is ignored.
   void open_peers(const std::vector<std::string>& handles);
+  // Host transport: remove the segment's name from /dev/shm once every rank has mapped it (the
+  // memory stays), so a rank killed later leaves nothing there. No-op for p2p.
+  void release_name();
+  int transport() const;
   // The creation-time transfer test, in two collective halves: write_probes stores a pattern
   // (kProbeBytes, from `seed` and this rank) into this rank's data slot of every peer with SM
   // stores, as the kernels do, and waits for them; after every rank has written,
@@ -89,7 +96,9 @@ class Workspace {
   uint64_t max_bytes() const { return max_bytes_; }
 
  private:
-  void allocate();  // the device, IPC and pinned memory of a new workspace
+  void allocate();  // the workspace memory (device or shared host) and the error record
+  void allocate_device_memory();
+  void unmap_peers();
 
   struct State;
   std::unique_ptr<State> state_;

@@ -6,6 +6,7 @@ their results per call shape."""
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 import weakref
@@ -15,8 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, algo as algo_mod, dispatch, ops, topology, validation
-from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES
+from pcie_allreduce import _ext, algo as algo_mod, dispatch, ops, topology, transport as transport_mod, validation
+from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
 from pcie_allreduce.dispatch import DTYPE_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
 from pcie_allreduce.layout import Layout, WorkspaceView
@@ -24,6 +25,7 @@ from pcie_allreduce.validation import common_call_nbytes
 
 DEFAULT_MAX_BYTES = 8 << 20
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
+logger = logging.getLogger("pcie_allreduce")
 
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -74,6 +76,12 @@ class Communicator:
             :class:`CollectiveTimeout` (default 10 s, or ``$PCIE_AR_TIMEOUT_S``).
         algo_table: an :class:`~pcie_allreduce.algo.AlgoTable`, a JSON path or inline JSON;
             default ``$PCIE_AR_ALGO_TABLE`` or the built-in table.
+        transport: where the workspaces live: ``"p2p"`` (device memory over CUDA peer access),
+            ``"host"`` (pinned host memory shared through /dev/shm, for boxes without usable
+            peer-to-peer) or ``"auto"`` (p2p where every pair has peer access and a transfer
+            test at creation passes, else host); default ``$PCIE_AR_TRANSPORT`` or ``"auto"``.
+            Every rank must ask for the same; :attr:`transport` and :attr:`transport_reason` say
+            what was chosen and why (also in ``repr`` and one INFO log line on rank 0).
     """
 
     #: What a call on a closed communicator raises (a forked child's copies say why instead).
@@ -83,7 +91,8 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
-                 algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None = None) -> None:
+                 algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None = None,
+                 transport: str | None = None) -> None:
         self._group = group
         self._workspaces: dict[int, Any] = {}
         self._closed = True  # until created: close() and __del__ have nothing to do
@@ -102,27 +111,53 @@ class Communicator:
         # makes every rank raise at once instead of leaving peers in a later rendezvous.
         explicit_table = algo_table is not None or bool(os.environ.get(algo_mod.TABLE_ENV))
         agreed = self._collective_step("argument checks and GPU set-up",
-                                       lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table))
-        for key in ("max_bytes", "timeout_s", "table"):
+                                       lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table,
+                                                                    transport))
+        for key in ("max_bytes", "timeout_s", "table", "transport"):
             self._check_agreement(agreed, key)
         self.table_source: str = ("algo_table argument" if algo_table is not None
                                   else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
         if not explicit_table:
             self._adopt_tuned_table()
+        requested = agreed[0]["transport"]
+        hosts = sorted({p.host for p in self.placements})
+        if len(hosts) > 1:  # neither transport reaches another host
+            raise UnavailableError(f"pcie_allreduce needs every rank on one host; this group spans {hosts}")
         problems = [p for p in self._collective_step(
             "the peer-access check",
             lambda: topology.peer_access_problem(self._ext, self.placements[self.rank], self.device.index,
                                                  self.placements)) if p]
-        if problems:
-            raise UnavailableError(problems[0] if len(problems) == 1 else "; ".join(dict.fromkeys(problems)))
+        no_peer_access = problems[0] if len(problems) == 1 else "; ".join(dict.fromkeys(problems))
+        if problems and requested == "p2p":
+            raise UnavailableError(no_peer_access)
+        #: "p2p" or "host": where this communicator's workspaces live.
+        self.transport: str = "host" if requested == "host" or problems else "p2p"
+        #: Why :attr:`transport` was chosen.
+        self.transport_reason: str = ("asked for" if requested == self.transport
+                                      else f"no peer-to-peer: {no_peer_access}")
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
         self.block_cap: int = dispatch.block_cap(topology.ranks_per_gpu(self.placements), self._sms)
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
         with torch.cuda.device(self.device):
-            self._workspace_for(current_stream_handle(self.device))
+            stream = current_stream_handle(self.device)
+            try:
+                self._workspace_for(stream)
+            except Exception as exc:  # noqa: BLE001 - every rank raised here together (collective steps)
+                if requested != "auto" or self.transport != "p2p":
+                    raise
+                # The driver reports peer access, but mapping or the transfer test failed on some
+                # pair: the platform does not deliver P2P. Every rank saw the same failure.
+                self.transport = "host"
+                self.transport_reason = f"peer-to-peer failed at creation: {' '.join(str(exc).split())}"
+                self._workspace_for(stream)
+        if requested == "auto" and self.transport == "p2p":
+            self.transport_reason = "every pair has peer access and the creation transfer test passed"
+        if self.rank == 0:
+            logger.info("pcie_allreduce: %d ranks, transport %s (%s)", self.world_size, self.transport,
+                        self.transport_reason)
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -317,7 +352,8 @@ class Communicator:
             warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
 
     def _set_up_locally(self, device: torch.device | int | str, max_bytes: object, timeout_s: object,
-                        algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None) -> dict[str, Any]:
+                        algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None,
+                        transport: str | None) -> dict[str, Any]:
         """This rank's part of creation before any memory is allocated: arguments, extension, GPU.
         Returns what every rank must agree on (and its placement)."""
         self._ext: ModuleType = _ext.require()
@@ -327,12 +363,13 @@ class Communicator:
         self.ll_capacity: int = Layout.make(self.max_bytes, self.world_size).ll_capacity
         self.timeout_s: float = _default_timeout() if timeout_s is None else validation.validate_timeout(timeout_s)
         self.table: algo_mod.AlgoTable = algo_mod.load_table(algo_table)
+        requested = transport_mod.requested(transport)
         status = self._ext.runtime_status()
         if status:
             raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
         self._sms: int = torch.cuda.get_device_properties(self.device).multi_processor_count
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
-                "table": self.table.to_json(),
+                "table": self.table.to_json(), "transport": requested,
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 
     def _workspace_for(self, stream: int) -> Any:
@@ -347,10 +384,12 @@ class Communicator:
             raise RuntimeError(self._closed_reason)
         index = len(self._workspaces)
         created: list[Any] = []
+        if self.transport == "host":
+            transport_mod.remove_stale_segments()
 
         def allocate() -> dict[str, Any]:
             workspace = self._ext.Workspace(self.device.index, self.rank, self.world_size, self.max_bytes,
-                                            self.timeout_s)
+                                            self.timeout_s, TRANSPORT_IDS[self.transport])
             created.append(workspace)
             return {"index": index, "handle": workspace.ipc_handle(),
                     "layout": (workspace.total_bytes, workspace.max_bytes, workspace.world, workspace.rank)}
@@ -374,15 +413,21 @@ class Communicator:
                 workspace.write_probes(seed)
 
             self._collective_step("mapping the peers' workspaces", map_and_probe)
+            workspace.release_name()  # every rank has mapped it: a later crash leaves nothing in /dev/shm
             missing = [(sender, receiver) for receiver, senders in
                        enumerate(self._collective_step("the transfer test", lambda: workspace.probe_failures(seed)))
                        for sender in senders]
             if missing:
                 pairs = ", ".join(f"{s} -> {r}" for s, r in missing)
+                if self.transport == "host":
+                    raise UnavailableError(
+                        f"writes into the shared pinned host memory do not arrive (rank -> rank: {pairs}): the GPUs "
+                        "cannot reach each other's registered /dev/shm segments. Use NCCL for this group.")
                 raise UnavailableError(
                     f"P2P writes between the ranks' GPUs do not arrive (rank -> rank: {pairs}) although the driver "
                     "reports peer access: the platform drops or misroutes peer-to-peer writes (IOMMU / ACS settings, "
-                    "a cross-socket path). Use NCCL for this group, or fix the platform's P2P.")
+                    "a cross-socket path). Use transport='host' (what 'auto' falls back to), NCCL, or fix the "
+                    "platform's P2P.")
         except BaseException:
             for made in created:
                 made.close()
@@ -448,7 +493,8 @@ class Communicator:
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
-                f"max_bytes={self.max_bytes}, streams={len(self._workspaces)})")
+                f"max_bytes={self.max_bytes}, transport={getattr(self, 'transport', None)!r}, "
+                f"streams={len(self._workspaces)})")
 
     def __del__(self) -> None:
         # Never free here: peers may still write into this memory, and a CUDA graph captured with

@@ -40,6 +40,7 @@ MIRROR: dict[str, Any] = {
     "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
+    "TRANSPORT_IDS": {"p2p": 0, "host": 1},
     "STAGE_NAMES": {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
                     5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
                     8: "fused row statistics"},
@@ -88,6 +89,8 @@ ALGO_IDS: dict[str, int] = _VALUES["ALGO_IDS"]
 DTYPE_IDS: dict[str, int] = _VALUES["DTYPE_IDS"]
 #: Error kind name -> the kind a failed wait records (0: none).
 ERROR_KINDS: dict[str, int] = _VALUES["ERROR_KINDS"]
+#: Transport name -> the workspace's transport id (where its memory lives).
+TRANSPORT_IDS: dict[str, int] = _VALUES["TRANSPORT_IDS"]
 #: Stage id a failed wait records -> the name error messages use.
 STAGE_NAMES: dict[int, str] = _VALUES["STAGE_NAMES"]
 

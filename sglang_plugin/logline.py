@@ -42,8 +42,10 @@ def serving(adapter: Any, name: str, decision: Decision, settings: Settings) -> 
              else f"auto: {algorithm_ranges(adapter.comm, adapter.max_size)} for bf16")
     fused = ("fused all-reduce+residual+RMSNorm -> pcie_allreduce where SGLang's FlashInfer fusion is off "
              "(it runs only on SM90/SM100)" if settings.fused else "fused path off (PCIE_AR_SGLANG_FUSED=0)")
+    transport = getattr(adapter.comm, "transport", None)
+    over = f" over {transport} ({adapter.comm.transport_reason})" if transport else ""
     return (f"{_where(adapter.group, adapter.device, name)}: all-reduce of contiguous bf16/fp16/fp32 tensors "
-            f"of 1B..{format_bytes(adapter.max_size)} -> pcie_allreduce ({algos}); larger or other -> "
+            f"of 1B..{format_bytes(adapter.max_size)} -> pcie_allreduce{over} ({algos}); larger or other -> "
             f"SGLang's other backends; {fused}; why: {decision.reason}")
 
 

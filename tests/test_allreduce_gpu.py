@@ -23,6 +23,9 @@ SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split(",")]
+# Both transports run the same kernels over different memory (device memory through CUDA IPC, or
+# pinned host memory in /dev/shm): the matrix and graph tests run on each.
+TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 2 << 20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALGOS = pcie_allreduce.ALGORITHMS
@@ -36,8 +39,9 @@ def _sizes(dtype: torch.dtype, seed: int) -> list[int]:
     return fixed + odd
 
 
-def _matrix(ctx: ranks.RankContext) -> dict:
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
+    assert comm.transport == transport
     checks = 0
     for dtype in DTYPES:
         for seed, numel in enumerate(_sizes(dtype, 17)):
@@ -73,14 +77,15 @@ def _matrix(ctx: ranks.RankContext) -> dict:
     return {"checks": checks}
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_matrix_every_algorithm_dtype_and_size(world: int) -> None:
-    results = ranks.run_ranks(_matrix, world, timeout_s=600)
+def test_matrix_every_algorithm_dtype_and_size(world: int, transport: str) -> None:
+    results = ranks.run_ranks(_matrix, world, transport, timeout_s=600)
     assert all(r["checks"] == results[0]["checks"] > 0 for r in results)
 
 
-def _graph(ctx: ranks.RankContext, captured: int, replays: int) -> dict:
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+def _graph(ctx: ranks.RankContext, captured: int, replays: int, transport: str) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
     rng = random.Random(5)
     algos = ALGOS + ("auto",)
     shapes = [(rng.choice([1, 7, 4 * 7168, 7168 * 3 + 5, 100_000]), rng.choice(DTYPES), algos[i % len(algos)])
@@ -110,9 +115,10 @@ def _graph(ctx: ranks.RankContext, captured: int, replays: int) -> dict:
     return {"checked": checked}
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_cuda_graph_128_calls_replayed_100_times(world: int) -> None:
-    results = ranks.run_ranks(_graph, world, 128, 100, timeout_s=600)
+def test_cuda_graph_128_calls_replayed_100_times(world: int, transport: str) -> None:
+    results = ranks.run_ranks(_graph, world, 128, 100, transport, timeout_s=600)
     assert all(r["checked"] > 0 for r in results)
 
 
@@ -394,3 +400,46 @@ def test_a_graph_replayed_after_close_leaves_nan_and_touches_no_freed_memory(wor
         assert r["retained"] > 0, f"rank {rank}: close() freed a workspace a graph captured"
         assert r["eager_retained"] == 0, f"rank {rank}: close() kept a workspace no graph captured"
         assert all(r["all_nan"]), f"rank {rank}: a replay after close() left data in an output: {r}"
+
+
+def _transports_agree(ctx: ranks.RankContext) -> dict:
+    """The same inputs through both transports, plain (every algorithm) and fused: bitwise equal
+    outputs, and the host transport's segments gone from /dev/shm once created."""
+    from pcie_allreduce import transport
+
+    comms = {name: pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30,
+                                               transport=name) for name in ("p2p", "host")}
+    leftovers = [p for p in os.listdir(transport.SHM_DIR) if p.startswith(f"pcie_ar-{os.getpid()}-")]
+    differ = []
+    for dtype in DTYPES:
+        for numel in (5, 7168 * 4 + 3, 300_001):
+            inputs = ref.all_inputs(numel, ctx.world_size, numel, dtype)
+            x = inputs[ctx.rank].to(ctx.device)
+            for algo in ALGOS:
+                if algo == "oneshot_ll" and numel * x.element_size() > comms["p2p"].ll_capacity:
+                    continue
+                outs = {name: comm.all_reduce(x, algo=algo) for name, comm in comms.items()}
+                if not torch.equal(outs["p2p"], outs["host"]):
+                    differ.append(f"{dtype} numel={numel} {algo}")
+                ref.check(outs["host"], inputs, f"host transport {dtype} numel={numel} {algo}")
+    hidden = 7168
+    inputs = ref.all_inputs(31, ctx.world_size, 4 * hidden, torch.bfloat16)
+    x = inputs[ctx.rank].to(ctx.device).view(4, hidden)
+    residual = ref.rank_input(32, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+    for algo in ("oneshot", "twoshot", "oneshot_ll"):
+        fused = {name: comm.all_reduce_rmsnorm(x, residual, weight, 1e-6, algo=algo) for name, comm in comms.items()}
+        if not all(torch.equal(a, b) for a, b in zip(fused["p2p"], fused["host"])):
+            differ.append(f"fused {algo}")
+    torch.cuda.synchronize()
+    for comm in comms.values():
+        comm.check()
+        comm.close()
+    return {"differ": differ, "leftovers": leftovers}
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_p2p_and_host_transports_give_bitwise_equal_results(world: int) -> None:
+    for rank, r in enumerate(ranks.run_ranks(_transports_agree, world, timeout_s=600)):
+        assert r["differ"] == [], f"rank {rank}: the transports disagree on {r['differ']}"
+        assert r["leftovers"] == [], f"rank {rank}: segments left in /dev/shm after creation: {r['leftovers']}"

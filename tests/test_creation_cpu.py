@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import warnings
 from typing import Any
 
@@ -28,10 +29,15 @@ class FakeWorkspace:
 
     instances: list["FakeWorkspace"] = []
 
-    def __init__(self, device: int, rank: int, world: int, max_bytes: int, timeout_s: float, fault: str) -> None:
+    def __init__(self, device: int, rank: int, world: int, max_bytes: int, timeout_s: float, transport: int = 0, *,
+                 fault: str) -> None:
         if fault == "alloc":
             raise RuntimeError("CUDA error: out of memory (cudaMalloc)")
-        self.rank, self.world, self.max_bytes, self.fault = rank, world, max_bytes, fault
+        # "open" and "probe" model a platform without usable P2P: the host transport is unaffected.
+        if transport != constants.TRANSPORT_IDS["p2p"] and fault in ("open", "probe"):
+            fault = "none"
+        self.rank, self.world, self.max_bytes, self.fault, self.transport = rank, world, max_bytes, fault, transport
+        self.name_released = False
         self.total_bytes = 4096 + max_bytes * world * 2 + (256 if fault == "layout" else 0)
         self.closed = self.retired = self.captured = False
         FakeWorkspace.instances.append(self)
@@ -52,6 +58,9 @@ class FakeWorkspace:
     def failed(self) -> int:
         return 0
 
+    def release_name(self) -> None:
+        self.name_released = True
+
     def close(self) -> None:
         self.closed = True
 
@@ -62,20 +71,20 @@ class FakeWorkspace:
 class FakeExtension:
     """What Communicator creation asks of pcie_allreduce._C."""
 
-    def __init__(self, fault: str) -> None:
-        self.fault = fault
+    def __init__(self, fault: str, rank: int = 0, distinct_gpus: bool = False) -> None:
+        self.fault, self.rank, self.distinct_gpus = fault, rank, distinct_gpus
 
     def runtime_status(self) -> str:
         return "no CUDA device is visible" if self.fault == "no_gpu" else ""
 
     def pci_bus_id(self, device: int) -> str:
-        return "0000:00:06.0"
+        return f"0000:00:{6 + self.rank:02x}.0" if self.distinct_gpus else "0000:00:06.0"
 
     def device_by_pci_bus_id(self, bus_id: str) -> int:
-        return 0
+        return 0 if not self.distinct_gpus or bus_id == self.pci_bus_id(0) else 1
 
     def can_access_peer(self, device: int, peer: int) -> bool:
-        return True
+        return self.fault != "no_peer_access"
 
     def Workspace(self, *args: Any) -> FakeWorkspace:  # noqa: N802 - the binding's class name
         return FakeWorkspace(*args, fault=self.fault)
@@ -85,34 +94,79 @@ class _Properties:
     multi_processor_count = 132
 
 
-def _fake_cuda(fault: str) -> None:
-    """Inside a CPU rank: the extension and the few torch.cuda calls creation makes."""
+def _fake_cuda(fault: str, rank: int = 0, distinct_gpus: bool = False) -> None:
+    """Inside a CPU rank: the extension and the few torch.cuda calls creation makes (every rank on
+    one GPU, or each on its own with ``distinct_gpus``)."""
     from pcie_allreduce import _ext
 
-    _ext.require = lambda: FakeExtension(fault)
+    _ext.require = lambda: FakeExtension(fault, rank, distinct_gpus)
     torch.cuda.get_device_properties = lambda device: _Properties()
     torch.cuda.device = lambda device: contextlib.nullcontext()
     communicator.current_stream_handle = lambda device: 7
 
 
-def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int) -> dict[str, Any]:
-    _fake_cuda(fault if ctx.rank == faulty_rank else "none")
+def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int, transport: str = "p2p") -> dict[str, Any]:
+    _fake_cuda(fault if ctx.rank == faulty_rank else "none", ctx.rank, distinct_gpus=fault == "no_peer_access")
     max_bytes = constants.MAX_MESSAGE_BYTES + 1 if fault == "bad_max_bytes" and ctx.rank == faulty_rank else 1 << 20
     timeout_s = 3.0 if fault == "timeout_differs" and ctx.rank == faulty_rank else 5.0
+    if fault == "transport_differs" and ctx.rank == faulty_rank:
+        transport = "host"
     try:
         comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=max_bytes, timeout_s=timeout_s,
-                                           algo_table=pcie_allreduce.default_table())
+                                           algo_table=pcie_allreduce.default_table(), transport=transport)
     except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
         return {"error": type(exc).__name__, "message": str(exc),
                 "all_closed": all(w.closed for w in FakeWorkspace.instances), "made": len(FakeWorkspace.instances)}
     made = list(comm._workspaces.values())
     comm._closed = True  # no CUDA here: skip close()'s synchronize
-    return {"error": None, "made": len(made), "open": not any(w.closed for w in made)}
+    return {"error": None, "made": len(made), "open": not any(w.closed for w in made),
+            "transport": comm.transport, "reason": comm.transport_reason, "repr": repr(comm),
+            "workspace_transports": [w.transport for w in made], "names_released": all(w.name_released for w in made),
+            "discarded": [(w.transport, w.closed) for w in FakeWorkspace.instances if w not in made]}
 
 
 def test_healthy_creation_maps_one_workspace() -> None:
     for result in ranks.run_ranks(_create, WORLD, "none", 1, gpu=False, timeout_s=120):
-        assert result == {"error": None, "made": 1, "open": True}
+        assert {k: result[k] for k in ("error", "made", "open", "transport")} == {
+            "error": None, "made": 1, "open": True, "transport": "p2p"}
+        assert result["names_released"], "a workspace's name stayed in /dev/shm after every rank mapped it"
+
+
+@pytest.mark.parametrize("fault, tried_p2p, reason", [
+    ("none", True, "every pair has peer access and the creation transfer test passed"),
+    ("no_peer_access", False, "no peer-to-peer: "),
+    ("open", True, "peer-to-peer failed at creation: "),
+    ("probe", True, "peer-to-peer failed at creation: "),
+])
+def test_auto_takes_p2p_where_it_works_and_host_where_it_does_not(fault: str, tried_p2p: bool, reason: str) -> None:
+    """Every rank ends on the same transport, says why, and frees what a failed P2P try made."""
+    results = ranks.run_ranks(_create, WORLD, fault, 1, "auto", gpu=False, timeout_s=120)
+    want = "p2p" if fault == "none" else "host"
+    for result in results:
+        assert result["error"] is None, result
+        assert result["transport"] == want and result["reason"].startswith(reason), result
+        assert result["workspace_transports"] == [constants.TRANSPORT_IDS[want]]
+        assert f"transport={want!r}" in result["repr"]
+        if want == "host" and tried_p2p:
+            assert result["discarded"] and all(closed for _, closed in result["discarded"]), result
+        else:
+            assert result["discarded"] == [], result
+
+
+def test_p2p_asked_for_without_peer_access_is_refused() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "no_peer_access", 1, "p2p", gpu=False, timeout_s=120):
+        assert result["error"] == "UnavailableError", result
+
+
+def test_host_asked_for_is_used_where_p2p_works() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "none", 1, "host", gpu=False, timeout_s=120):
+        assert result["transport"] == "host" and result["reason"] == "asked for"
+        assert result["workspace_transports"] == [constants.TRANSPORT_IDS["host"]] and result["names_released"]
+
+
+def test_transport_is_agreed() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "transport_differs", 1, "auto", gpu=False, timeout_s=120):
+        assert result["error"] == "ValueError" and "ranks disagree on transport" in result["message"]
 
 
 @pytest.mark.parametrize("fault, faulty_error, peer_error, needle", [
@@ -234,3 +288,38 @@ def test_close_keeps_the_memory_a_captured_graph_may_replay(monkeypatch: pytest.
     finally:
         if captured in communicator._NEVER_FREED:
             communicator._NEVER_FREED.remove(captured)
+
+
+# ---- the host transport's /dev/shm housekeeping -------------------------------------------
+
+
+def test_stale_segments_are_those_of_dead_processes(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from pcie_allreduce import transport
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    names = [f"pcie_ar-{dead}-0-1f2e3d", f"pcie_ar-{os.getpid()}-3-abc", "pcie_ar-notapid-0-1", "other-1-2-3"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert transport.stale_segments(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert transport.remove_stale_segments(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    assert transport.stale_segments(str(tmp_path / "missing")) == []
+
+
+@pytest.mark.parametrize("value", ["nvlink", "", None, 1, "P2P"])
+def test_transport_values(value: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pcie_allreduce import transport
+
+    with pytest.raises(ValueError, match="expected one of"):
+        transport.validate_transport(value)
+    monkeypatch.setenv(transport.ENV, "Host")
+    assert transport.requested(None) == "host" and transport.requested("p2p") == "p2p"
+    monkeypatch.setenv(transport.ENV, "shm")
+    with pytest.raises(ValueError, match=transport.ENV):
+        transport.requested(None)
+    monkeypatch.delenv(transport.ENV)
+    assert transport.requested(None) == "auto"
