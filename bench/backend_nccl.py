@@ -72,3 +72,13 @@ class NcclLowLatencyBackend(NcclBackend):
     """NCCL with its low-latency protocol for every size: the tuned-NCCL row."""
 
     env = MappingProxyType({"NCCL_PROTO": "LL"})
+
+
+class NcclSharedMemoryBackend(NcclBackend):
+    """NCCL with peer-to-peer disabled: the path it takes on boxes without usable P2P (through
+    host shared memory), the row the host transport is judged against."""
+
+    env = MappingProxyType({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0"})
+
+    def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
+        return ",".join(["p2p off", *filter(None, [super().resolved_algo(size_bytes, dtype, "")])])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -20,9 +20,10 @@ SYNC_COUNT = 8  # elements of the tiny all-reduce that lines the GPUs up before 
 
 
 class OursBackend(Backend):
-    """One Communicator sized for the largest message of the run."""
+    """One Communicator sized for the largest message of the run (transport: the default, "auto")."""
 
     algorithms = OUR_ALGOS  # --algos picks among them
+    transport: ClassVar[str | None] = None
 
     @classmethod
     def runtime_problem(cls, world: int, gpu_count: int) -> str | None:
@@ -38,7 +39,8 @@ class OursBackend(Backend):
         # CollectiveTimeout: keep that well inside the bench watchdog, so a stuck peer is
         # reported by our own error (with rank/peer/stage) rather than as a killed process.
         timeout_s = max(1.0, min(10.0, job.case_timeout_s / 3))
-        self._comm = Communicator(ctx.group, ctx.device, max_bytes=max(job.max_bytes, 4096), timeout_s=timeout_s)
+        self._comm = Communicator(ctx.group, ctx.device, max_bytes=max(job.max_bytes, 4096), timeout_s=timeout_s,
+                                  transport=self.transport)
         self._sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=ctx.device)
 
     @property
@@ -52,7 +54,8 @@ class OursBackend(Backend):
         from pcie_allreduce import _ext
 
         facts: dict[str, Any] = {"block_cap": self._comm.block_cap,
-                                 "gpu_name": torch.cuda.get_device_name(self._comm.device)}
+                                 "gpu_name": torch.cuda.get_device_name(self._comm.device),
+                                 "transport": self._comm.transport, "transport_reason": self._comm.transport_reason}
         ext = _ext.load()
         placements = getattr(self._comm, "placements", None)
         if ext is not None and placements:
@@ -88,6 +91,13 @@ class OursBackend(Backend):
 
     def close(self) -> None:
         self._comm.close()
+
+
+class OursHostBackend(OursBackend):
+    """Ours on the host transport: every byte through pinned host memory over each GPU's own PCIe
+    link, as on a box without usable P2P (compare with ``nccl_shm``)."""
+
+    transport = "host"
 
 
 def capacity_problem(comm: "Communicator", algo: str, size_bytes: int) -> str | None:

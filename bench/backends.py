@@ -30,17 +30,25 @@ if TYPE_CHECKING:  # torch only inside ranks and availability probes
     from bench.plan import RankJob
 
 OURS = "ours"  # our Communicator: --algos picks its variants, and it alone has the fused kernel
+OURS_HOST = "ours_host"  # the same on the host transport (pinned host memory), whatever P2P the box has
+OUR_BACKENDS: tuple[str, ...] = (OURS, OURS_HOST)
 # name -> "module:Class", in the order backends run and appear in tables. One line per backend.
 REGISTRY: Mapping[str, str] = MappingProxyType({
     OURS: "bench.backend_ours:OursBackend",
+    OURS_HOST: "bench.backend_ours:OursHostBackend",
     "torch_symm": "bench.backend_torch_symm:TorchSymmBackend",
     "nccl": "bench.backend_nccl:NcclBackend",
     "nccl_ll": "bench.backend_nccl:NcclLowLatencyBackend",
+    "nccl_shm": "bench.backend_nccl:NcclSharedMemoryBackend",
     "flashinfer": "bench.backend_flashinfer:FlashInferPcieIpcBackend",
     "vllm": "bench.backend_custom_ar:VllmCustomAllreduceBackend",
     "sgl_kernel": "bench.backend_custom_ar:SglKernelCustomAllreduceBackend",
 })
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
+# Rows of the comparison for boxes without usable P2P, run when named (on such a box the default
+# rows already are: "ours" takes the host transport there, and NCCL its shared-memory path).
+OPT_IN: tuple[str, ...] = (OURS_HOST, "nccl_shm")
+DEFAULT_BACKENDS: tuple[str, ...] = tuple(b for b in BACKENDS if b not in OPT_IN)
 
 
 @dataclasses.dataclass
@@ -136,7 +144,7 @@ def algos_for(backend: str, our_algos: Sequence[str], workload: str = ALLREDUCE,
     others their algorithms + norm. verify: the plain algorithms (ours: "auto"), and with ``norm``
     the same + norm (ours: the fused kernel and "auto+norm").
     """
-    ours = backend == OURS
+    ours = backend in OUR_BACKENDS
     if workload == ALLREDUCE:
         return tuple(our_algos) if ours else backend_class(backend).algorithms
     plain = ("auto",) if ours else backend_class(backend).algorithms

@@ -15,7 +15,7 @@ from pcie_allreduce.cli import non_negative_int, positive_float, positive_int, t
 from pcie_allreduce.sizes import DTYPE_SIZES
 from pcie_allreduce.tune import add_world_argument, default_worlds
 
-from bench.backends import BACKENDS
+from bench.backends import BACKENDS, DEFAULT_BACKENDS, OPT_IN
 from bench.results import ALLREDUCE, FUSED
 
 OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
@@ -56,7 +56,7 @@ class BenchConfig:
     sizes: tuple[int, ...]
     dtype: str = "bfloat16"
     algos: tuple[str, ...] = OUR_ALGOS
-    backends: tuple[str, ...] = BACKENDS
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
     backends_explicit: bool = False  # False: "all available", so a missing backend is skipped quietly
     iters: int = 100
     warmup: int = 10
@@ -103,7 +103,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, backends: bool = True,
     what.add_argument("--dtype", choices=tuple(dtypes), default="bfloat16")
     if backends:
         what.add_argument("--backends", choices=BACKENDS, nargs="+", metavar="BACKEND",
-                          help=f"backends ({' '.join(BACKENDS)}; default all that are available)")
+                          help=f"backends ({' '.join(BACKENDS)}; default all that are available except "
+                               f"{' and '.join(OPT_IN)}, the rows for boxes without usable P2P)")
     return what
 
 
@@ -210,7 +211,7 @@ def _fused_config(args: argparse.Namespace, parser: argparse.ArgumentParser, gpu
     shapes = tuple(Shape(t, hidden) for t in sorted(unique(args.tokens or DEFAULT_TOKENS)))
     return BenchConfig(
         sizes=tuple(s.nbytes(args.dtype) for s in shapes),
-        backends=unique(args.backends) if args.backends else BACKENDS,
+        backends=unique(args.backends) if args.backends else DEFAULT_BACKENDS,
         backends_explicit=bool(args.backends),
         calls_per_graph=args.calls_per_graph,
         workload=FUSED, shapes=shapes, eps=args.eps,
@@ -227,7 +228,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     return BenchConfig(
         sizes=sweep_sizes(args, parser),
         algos=unique(args.algos) if args.algos else OUR_ALGOS,
-        backends=unique(args.backends) if args.backends else BACKENDS,
+        backends=unique(args.backends) if args.backends else DEFAULT_BACKENDS,
         backends_explicit=bool(args.backends),
         calls_per_graph=args.calls_per_graph,
         **common_fields(args, gpu_count),

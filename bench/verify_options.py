@@ -16,7 +16,7 @@ from typing import Sequence
 from pcie_allreduce.cli import typed_arg
 
 from bench import options
-from bench.backends import BACKENDS
+from bench.backends import DEFAULT_BACKENDS
 from bench.options import BenchConfig, Shape
 from bench.results import VERIFY
 
@@ -90,7 +90,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     return BenchConfig(
         sizes=tuple(sorted({s.nbytes(args.dtype) for s in shapes})),
         algos=("auto",),
-        backends=options.unique(args.backends) if args.backends else BACKENDS,
+        backends=options.unique(args.backends) if args.backends else DEFAULT_BACKENDS,
         backends_explicit=bool(args.backends),
         calls_per_graph=2 * max(s.layers for s in shapes),
         workload=VERIFY, shapes=shapes, eps=args.eps, compute_ms=args.compute_ms, norm=args.fused,

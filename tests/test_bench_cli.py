@@ -672,3 +672,19 @@ def test_result_files_record_the_command_as_typed() -> None:
 
     assert command_line(["/any/checkout/bench/__main__.py", "--out", "a b"]) == "python -m bench --out 'a b'"
     assert command_line(["/usr/local/bin/pcie-allreduce", "tune"]) == "pcie-allreduce tune"
+
+
+def test_rows_for_boxes_without_p2p_run_when_named() -> None:
+    """ours_host (our kernels over pinned host memory) and nccl_shm (NCCL with P2P disabled) are
+    the comparison for boxes without usable P2P: registered, off by default, and set up so."""
+    from bench import backends, options
+    from bench.backend_nccl import NcclSharedMemoryBackend
+    from bench.backend_ours import OursBackend, OursHostBackend
+
+    assert set(backends.OPT_IN) == {"ours_host", "nccl_shm"} <= set(backends.BACKENDS)
+    assert not set(backends.OPT_IN) & set(backends.DEFAULT_BACKENDS)
+    assert options.BenchConfig(worlds=(2,), sizes=(1024,)).backends == backends.DEFAULT_BACKENDS
+    assert backends.backend_class("ours_host") is OursHostBackend and OursHostBackend.transport == "host"
+    assert OursBackend.transport is None  # the Communicator's default: auto
+    assert backends.rank_env("nccl_shm", 2, 2)["NCCL_P2P_DISABLE"] == "1"
+    assert backends.algos_for("ours_host", ["oneshot", "auto"]) == ("oneshot", "auto")
