@@ -18,6 +18,7 @@ import importlib.util
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 
+from pcie_allreduce.algo import HOST_ONLY_ALGORITHMS
 from pcie_allreduce.cli import resolve
 
 from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIX, VERIFY
@@ -146,6 +147,8 @@ def algos_for(backend: str, our_algos: Sequence[str], workload: str = ALLREDUCE,
     """
     ours = backend in OUR_BACKENDS
     if workload == ALLREDUCE:
+        if backend == OURS_HOST:  # the host transport's own algorithms, whatever --algos said
+            return tuple(dict.fromkeys((*our_algos, *HOST_ONLY_ALGORITHMS)))
         return tuple(our_algos) if ours else backend_class(backend).algorithms
     plain = ("auto",) if ours else backend_class(backend).algorithms
     normed = tuple(a + NORM_SUFFIX for a in plain)

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from pcie_allreduce import sizes
-from pcie_allreduce.algo import ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS
 from pcie_allreduce.cli import non_negative_int, positive_float, positive_int, typed_arg
 from pcie_allreduce.sizes import DTYPE_SIZES
 from pcie_allreduce.tune import add_world_argument, default_worlds
@@ -19,6 +19,8 @@ from bench.backends import BACKENDS, DEFAULT_BACKENDS, OPT_IN
 from bench.results import ALLREDUCE, FUSED
 
 OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
+# Without --algos: those that run on every transport (ours_host adds the host transport's own).
+DEFAULT_OUR_ALGOS: tuple[str, ...] = tuple(a for a in OUR_ALGOS if a not in HOST_ONLY_ALGORITHMS)
 DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES = "1K", "64M"
 # Seconds of timed replays per case: the default sweep (17 sizes x every backend's variants x
 # W = 2, 4, 8) then takes a few minutes; small sizes stop at --iters long before it runs out.
@@ -55,7 +57,7 @@ class BenchConfig:
     worlds: tuple[int, ...]
     sizes: tuple[int, ...]
     dtype: str = "bfloat16"
-    algos: tuple[str, ...] = OUR_ALGOS
+    algos: tuple[str, ...] = DEFAULT_OUR_ALGOS
     backends: tuple[str, ...] = DEFAULT_BACKENDS
     backends_explicit: bool = False  # False: "all available", so a missing backend is skipped quietly
     iters: int = 100
@@ -151,7 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = add_run_arguments(parser)
     sizes.add_size_arguments(what, default_min=DEFAULT_MIN_BYTES, default_max=DEFAULT_MAX_BYTES)
     what.add_argument("--algos", choices=OUR_ALGOS, nargs="+", metavar="ALGO",
-                      help=f"our algorithms ({' '.join(OUR_ALGOS)}; default all)")
+                      help=f"our algorithms ({' '.join(OUR_ALGOS)}; default all but "
+                           f"{' '.join(HOST_ONLY_ALGORITHMS)}, which ours_host adds)")
     fused = parser.add_argument_group("--fused: all-reduce + residual add + RMSNorm on [tokens, hidden]")
     fused.add_argument("--fused", action="store_true",
                        help="compare our fused all-reduce + residual add + RMSNorm with our all-reduce and then "
@@ -227,7 +230,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         parser.error("--tokens and --hidden only apply with --fused (or to `python -m bench verify`)")
     return BenchConfig(
         sizes=sweep_sizes(args, parser),
-        algos=unique(args.algos) if args.algos else OUR_ALGOS,
+        algos=unique(args.algos) if args.algos else DEFAULT_OUR_ALGOS,
         backends=unique(args.backends) if args.backends else DEFAULT_BACKENDS,
         backends_explicit=bool(args.backends),
         calls_per_graph=args.calls_per_graph,

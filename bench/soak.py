@@ -349,7 +349,8 @@ class _Soak:
         self.eps = DEFAULT_EPS
         dev = ctx.device
         self.params = ScheduleParams(world=ctx.world_size, max_bytes=cfg.max_bytes, ll_capacity=comm.ll_capacity,
-                                     block_cap=comm.block_cap, graph_every=cfg.graph_every)
+                                     block_cap=comm.block_cap, graph_every=cfg.graph_every,
+                                     transport=getattr(comm, "transport", "p2p"))
         self.data: dict[str, _Data] = {}
         for name in PLAIN_DTYPES:
             dtype = getattr(torch, name)

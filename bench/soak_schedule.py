@@ -19,7 +19,7 @@ import math
 import random
 from typing import Union
 
-from pcie_allreduce.algo import ALGORITHMS, fits_capacity
+from pcie_allreduce.algo import ALGORITHMS, fits_capacity, runs_on
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench.options import NORM_DTYPES
@@ -65,6 +65,7 @@ class ScheduleParams:
     ll_capacity: int
     block_cap: int
     graph_every: int = 5000
+    transport: str = "p2p"  # the communicator's: which algorithms it runs
     host_rate: float = 1 / 400
     stream_rate: float = 1 / 400
     late_rate: float = 1 / 100_000
@@ -252,7 +253,8 @@ class Schedule:
         dtype = rng.choice(PLAIN_DTYPES)
         count = self._plain_count(dtype)
         nbytes = count * DTYPE_SIZES[dtype]
-        algos = [a for a in PLAIN_ALGOS if a == "auto" or fits_capacity(a, nbytes, p.ll_capacity)]
+        algos = [a for a in PLAIN_ALGOS
+                 if a == "auto" or (fits_capacity(a, nbytes, p.ll_capacity) and runs_on(a, p.transport))]
         algo = rng.choice(algos)
         inplace = rng.random() < p.inplace_fraction
         return Call("plain", dtype, algo, count, self._offset(dtype, count), self._offset(dtype, count),

@@ -72,6 +72,8 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("flags_offset", &Workspace::flags_offset)
       .def_property_readonly("control_offset", &Workspace::control_offset)
       .def_property_readonly("stats_offset", &Workspace::stats_offset)
+      .def_property_readonly("shared_offset", &Workspace::shared_offset)
+      .def_property_readonly("shared_bytes", &Workspace::shared_bytes)
       .def_property_readonly("total_bytes", &Workspace::total_bytes)
       .def_property_readonly("device", &Workspace::device)
       .def_property_readonly("rank", &Workspace::rank)
@@ -122,6 +124,10 @@ void register_constants(py::module_& m) {
   m.attr("EPOCH_WORDS") = pcie_ar::kEpochWords;
   m.attr("ABORT_WORD") = pcie_ar::kAbortWord;
   m.attr("CLAIM_WORD") = pcie_ar::kClaimWord;
+  m.attr("SHARED_STATE_WORDS") = pcie_ar::kSharedStateWords;
+  m.attr("SHARED_BUFFERS") = pcie_ar::kSharedBuffers;
+  m.attr("SHARED_HEADER_BYTES") = pcie_ar::kSharedHeaderBytes;
+  m.attr("POISON_WORD") = pcie_ar::kPoisonWord;
   m.attr("CONTROL_WORDS") = pcie_ar::kControlWords;
   m.attr("ERROR_WORDS") = pcie_ar::kErrorRecordWords;
   m.attr("ALGO_IDS") = names_table(pcie_ar::kAlgoNames);
@@ -131,16 +137,17 @@ void register_constants(py::module_& m) {
   m.attr("STAGE_NAMES") = names_table(pcie_ar::kStageNames, /*by_id=*/true);
   m.def(
       "layout",
-      [](uint64_t max_bytes, int world) {
-        const auto l = pcie_ar::Layout::make(max_bytes, world);
+      [](uint64_t max_bytes, int world, int transport) {
+        const auto l = pcie_ar::Layout::make(max_bytes, world, static_cast<pcie_ar::Transport>(transport));
         return py::dict(py::arg("slot_bytes") = l.slot_bytes, py::arg("parity_bytes") = l.parity_bytes,
                         py::arg("ll_capacity") = l.ll_capacity, py::arg("ll_slot_bytes") = l.ll_slot_bytes,
                         py::arg("ll_offset") = l.ll_offset, py::arg("flags_offset") = l.flags_offset,
                         py::arg("control_offset") = l.control_offset, py::arg("stats_offset") = l.stats_offset,
+                        py::arg("shared_offset") = l.shared_offset, py::arg("shared_bytes") = l.shared_bytes,
                         py::arg("total_bytes") = l.total_bytes);
       },
-      py::arg("max_bytes"), py::arg("world"),
-      "Byte offsets of Layout::make(max_bytes, world): the workspace layout every kernel uses.");
+      py::arg("max_bytes"), py::arg("world"), py::arg("transport") = 0,
+      "Byte offsets of Layout::make(max_bytes, world, transport): the workspace layout every kernel uses.");
 }
 
 }  // namespace

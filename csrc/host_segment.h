@@ -34,6 +34,7 @@ class HostSegment {
   void close();
 
   char* device_pointer() const { return device_; }
+  char* host_pointer() const { return host_; }
   const std::string& name() const { return name_; }
   uint64_t bytes() const { return bytes_; }
   bool is_open() const { return host_ != nullptr; }

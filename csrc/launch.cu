@@ -7,6 +7,7 @@
 #include <string>
 
 #include "checks.cuh"
+#include "host_oneshot.cuh"
 #include "oneshot.cuh"
 #include "oneshot_ll.cuh"
 #include "twoshot.cuh"
@@ -38,6 +39,7 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
     case Algo::kOneShot: oneshot_kernel<T, Unit, false><<<grid, block, 0, stream>>>(args); break;
     case Algo::kStaged: oneshot_kernel<T, Unit, true><<<grid, block, 0, stream>>>(args); break;
     case Algo::kTwoShot: twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kHostOneShot: host_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }

@@ -29,11 +29,11 @@ constexpr uint64_t kLinePayloadBytes = 8;
 constexpr uint64_t kLineBytes = 16;
 constexpr uint32_t kLineFlagMix = 0x9E3779B9u;
 
-enum class Algo : int { kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3 };
+enum class Algo : int { kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4 };
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
                               kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
-                              kFusedRowStats = 8 };
+                              kFusedRowStats = 8, kHostGather = 9 };
 enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
 // Where a workspace lives. kP2P: device memory, peers map it through CUDA IPC and their stores
 // cross the GPU-to-GPU path. kHost: pinned host memory shared by the ranks of one host (boxes
@@ -50,14 +50,16 @@ struct Named {
 constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
                                       {Algo::kStaged, "staged"},
                                       {Algo::kTwoShot, "twoshot"},
-                                      {Algo::kOneShotLL, "oneshot_ll"}};
+                                      {Algo::kOneShotLL, "oneshot_ll"},
+                                      {Algo::kHostOneShot, "host_oneshot"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
     {Stage::kOneShotGather, "one-shot gather"},     {Stage::kReduceScatter, "reduce-scatter"},
     {Stage::kAllGather, "all-gather"},              {Stage::kFusedGather, "fused gather"},
     {Stage::kFusedReduceScatter, "fused reduce-scatter"}, {Stage::kFusedAllGather, "fused all-gather"},
-    {Stage::kLowLatencyGather, "low-latency gather"}, {Stage::kFusedRowStats, "fused row statistics"}};
+    {Stage::kLowLatencyGather, "low-latency gather"}, {Stage::kFusedRowStats, "fused row statistics"},
+    {Stage::kHostGather, "host one-shot gather"}};
 constexpr Named<ErrorKind> kErrorKindNames[] = {{ErrorKind::kTimeout, "timeout"}, {ErrorKind::kMismatch, "mismatch"}};
 constexpr Named<Transport> kTransportNames[] = {{Transport::kP2P, "p2p"}, {Transport::kHost, "host"}};
 
@@ -82,17 +84,21 @@ struct Control {
   uint32_t epochs[kMaxFlagBlocks];
   uint32_t abort;        // set once any wait failed; every later call skips its work
   uint32_t error_claim;  // first failing thread wins the right to fill the ErrorRecord
+  // The host one-shot's state, one copy per block slot like the epochs, advanced by its calls
+  // only (host_oneshot.cuh): (bytes its previous call wrote << 2) | buffer of its next call.
+  uint32_t shared_state[kMaxFlagBlocks];
 };
 
 // The same records as arrays of 32-bit words (how the Triton kernels address them).
 constexpr uint64_t kEpochWords = kMaxFlagBlocks;
 constexpr uint64_t kAbortWord = offsetof(Control, abort) / sizeof(uint32_t);
 constexpr uint64_t kClaimWord = offsetof(Control, error_claim) / sizeof(uint32_t);
+constexpr uint64_t kSharedStateWords = offsetof(Control, shared_state) / sizeof(uint32_t);
 constexpr uint64_t kControlWords = sizeof(Control) / sizeof(uint32_t);
 constexpr uint64_t kErrorRecordWords = sizeof(ErrorRecord) / sizeof(uint32_t);
 
 // Byte offsets inside one rank's workspace allocation. Identical on every rank (checked at rendezvous).
-//   [2 parities x W data slots][2 parities x W low-latency line slots][flags][control][row stats]
+//   [2 parities x W data slots][2 parities x W low-latency line slots][flags][control][row stats][host: shared buffers]
 // The line slots hold the data-as-flag exchange of oneshot_ll.cuh: kLineBytes of line per
 // kLinePayloadBytes of payload, for messages up to ll_capacity bytes (a fixed cap: the format
 // doubles the traffic, so it only pays for small messages).
@@ -109,6 +115,16 @@ constexpr uint64_t kProbeBytes = 16;
 // Local-only words the fused Triton one-shot uses to share per-chunk RMSNorm statistics among
 // the programs of one row (fused_rmsnorm.py); zero when not in flight, like the lines.
 constexpr uint64_t kRowStatsSlots = 1024;
+// The host one-shot (host transport only) rotates through this many buffers of its own, each
+// max_bytes: a rank writes its message once into buffer b of its own segment and re-poisons the
+// buffer of its previous call, so a buffer is written again three calls after its last use.
+constexpr uint64_t kSharedBuffers = 3;
+// What an unwritten word of those buffers holds: -0.0 in both 16-bit lanes (the bf16 / fp16
+// sentinel) and, read as one 32-bit word, the fp32 sentinel. A kernel sends -0.0 (2-byte types)
+// as +0.0 and the fp32 word 0x80008000 (a negative subnormal) as -0.0, so data never looks unwritten.
+constexpr uint32_t kPoisonWord = 0x80008000u;
+// Before those buffers: one header word (epoch << 32 | signature) per (buffer, block).
+constexpr uint64_t kSharedHeaderBytes = (kSharedBuffers * kMaxFlagBlocks * sizeof(uint64_t) + kAlign - 1) / kAlign * kAlign;
 
 struct Layout {
   uint64_t slot_bytes;     // one sender's data slot: max_bytes rounded up
@@ -119,11 +135,13 @@ struct Layout {
   uint64_t flags_offset;   // after 2 parities of lines
   uint64_t control_offset;
   uint64_t stats_offset;
+  uint64_t shared_offset;  // host transport: headers, then kSharedBuffers buffers of slot_bytes (this rank's writes only)
+  uint64_t shared_bytes;   // 0 for p2p
   uint64_t total_bytes;
 
   PCIE_AR_HOST_DEVICE static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-  static Layout make(uint64_t max_bytes, int world) {
+  static Layout make(uint64_t max_bytes, int world, Transport transport = Transport::kP2P) {
     Layout l{};
     l.slot_bytes = round_up(max_bytes > 0 ? max_bytes : 1, kAlign);
     l.parity_bytes = l.slot_bytes * static_cast<uint64_t>(world);
@@ -133,7 +151,9 @@ struct Layout {
     l.flags_offset = l.ll_offset + 2 * l.ll_slot_bytes * static_cast<uint64_t>(world);
     l.control_offset = l.flags_offset + round_up(sizeof(uint64_t) * kFlagKinds * kMaxRanks * kMaxFlagBlocks, kAlign);
     l.stats_offset = l.control_offset + round_up(sizeof(Control), kAlign);
-    l.total_bytes = l.stats_offset + round_up(sizeof(uint64_t) * kRowStatsSlots, kAlign);
+    l.shared_offset = l.stats_offset + round_up(sizeof(uint64_t) * kRowStatsSlots, kAlign);
+    l.shared_bytes = transport == Transport::kHost ? kSharedHeaderBytes + kSharedBuffers * l.slot_bytes : 0;
+    l.total_bytes = l.shared_offset + l.shared_bytes;
     return l;
   }
 };

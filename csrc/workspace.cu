@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -144,7 +145,7 @@ Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double
                       "max_bytes must be in [1, " + std::to_string(kMaxMessageBytes) + "], got " +
                           std::to_string(max_bytes));
   state_->timeout_ns = seconds_to_ns(timeout_s);
-  state_->layout = Layout::make(max_bytes, world);
+  state_->layout = Layout::make(max_bytes, world, state_->transport);
 
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device);
@@ -164,6 +165,10 @@ void Workspace::allocate() {
   if (state_->transport == Transport::kHost) {
     state_->own.create(kSegmentPrefix, state_->layout.total_bytes);  // zero-filled: flags at epoch 0
     state_->local = state_->own.device_pointer();
+    // The host one-shot's buffers start unwritten: poison everywhere (host_oneshot.cuh, H1).
+    uint32_t* shared = reinterpret_cast<uint32_t*>(state_->own.host_pointer() + state_->layout.shared_offset +
+                                                   kSharedHeaderBytes);
+    std::fill(shared, shared + kSharedBuffers * state_->layout.slot_bytes / sizeof(uint32_t), kPoisonWord);
   } else {
     allocate_device_memory();
   }
@@ -320,6 +325,8 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   if (!state_->captured) note_capture(stream);
   PCIE_AR_HOST_ASSERT(nbytes <= max_bytes_, "message larger than the workspace's max_bytes");
   if (nbytes == 0) return 0;
+  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kHostOneShot || state_->transport == Transport::kHost,
+                      "host_oneshot runs on the host transport only");
   PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kOneShotLL || nbytes <= state_->layout.ll_capacity,
                       "message larger than the low-latency capacity (" + std::to_string(state_->layout.ll_capacity) +
                           " bytes); use another algorithm");
@@ -378,6 +385,8 @@ uint64_t Workspace::ll_offset() const { return state_->layout.ll_offset; }
 uint64_t Workspace::flags_offset() const { return state_->layout.flags_offset; }
 uint64_t Workspace::control_offset() const { return state_->layout.control_offset; }
 uint64_t Workspace::stats_offset() const { return state_->layout.stats_offset; }
+uint64_t Workspace::shared_offset() const { return state_->layout.shared_offset; }
+uint64_t Workspace::shared_bytes() const { return state_->layout.shared_bytes; }
 uint64_t Workspace::total_bytes() const { return state_->layout.total_bytes; }
 
 void Workspace::debug_set_epoch(uint32_t completed) {

@@ -29,6 +29,13 @@ from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # Algorithms whose messages must fit the workspace's low-latency line slots (Layout.ll_capacity).
 CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll",)
+# Algorithms that need the host transport (their buffers exist only in shared host memory).
+HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot",)
+
+
+def runs_on(algo: str, transport: str) -> bool:
+    """Whether ``algo`` can run on a communicator of ``transport`` ("p2p" or "host")."""
+    return transport == "host" or algo not in HOST_ONLY_ALGORITHMS
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
 
 
@@ -98,6 +105,14 @@ class AlgoTable:
             candidates = [r for r in self.rules if r.algo == algo] or [Rule(algo)]
         return candidates[0].blocks_for(nbytes)
 
+    def transport_problem(self, transport: str) -> str | None:
+        """Why this table cannot serve a communicator of ``transport``, or None."""
+        wrong = sorted({r.algo for r in self.rules if not runs_on(r.algo, transport)})
+        if wrong:
+            return (f"the algorithm table names {wrong}, which run on the host transport only, but this "
+                    f"communicator's transport is {transport!r}")
+        return None
+
     def to_json(self) -> str:
         rows = []
         for rule in self.rules:
@@ -143,13 +158,23 @@ def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
         raise ValueError(f"{source}: rule {index}: {exc}") from None
 
 
-def default_table() -> AlgoTable:
-    """Crossovers measured on one H200 under MPS (bench/PERF_NOTES.md; `pcie-allreduce tune` measures yours).
+def default_table(transport: str = "p2p") -> AlgoTable:
+    """The built-in table of ``transport``. P2P: crossovers measured on one H200 under MPS
+    (bench/PERF_NOTES.md; `pcie-allreduce tune` measures yours).
 
     One-shot moves (W-1) x the message per rank but needs one exchange; two-shot moves 2(W-1)/W
     but needs two. Small blocks-per-byte ratios win for small messages (more blocks in flight).
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
+
+    Host transport: the write-once one-shot (each rank writes its message once over its PCIe link
+    and reads the W-1 others) up to 1 MiB, the two-shot beyond; a first estimate from the
+    per-link figures, to be replaced by measured crossovers.
     """
+    if transport == "host":
+        return AlgoTable((
+            Rule("host_oneshot", max_bytes=1 << 20, world=None, bytes_per_block=8 << 10, max_blocks=32),
+            Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
+        ))
     small = (2, 3, 4)
     large = (5, 6, 7, 8)
     return AlgoTable((

@@ -88,6 +88,10 @@ class Communicator:
     _closed_reason: str = "Communicator is closed"
     #: Device memory close() kept because a CUDA graph captured on it may still be replayed.
     retained_bytes: int = 0
+    #: "p2p" or "host": where the workspaces live (decided collectively at creation).
+    transport: str = "p2p"
+    #: Why :attr:`transport` was chosen.
+    transport_reason: str = ""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
@@ -131,10 +135,8 @@ class Communicator:
         no_peer_access = problems[0] if len(problems) == 1 else "; ".join(dict.fromkeys(problems))
         if problems and requested == "p2p":
             raise UnavailableError(no_peer_access)
-        #: "p2p" or "host": where this communicator's workspaces live.
-        self.transport: str = "host" if requested == "host" or problems else "p2p"
-        #: Why :attr:`transport` was chosen.
-        self.transport_reason: str = ("asked for" if requested == self.transport
+        self.transport = "host" if requested == "host" or problems else "p2p"
+        self.transport_reason = ("asked for" if requested == self.transport
                                       else f"no peer-to-peer: {no_peer_access}")
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
         self.block_cap: int = dispatch.block_cap(topology.ranks_per_gpu(self.placements), self._sms)
@@ -155,6 +157,12 @@ class Communicator:
                 self._workspace_for(stream)
         if requested == "auto" and self.transport == "p2p":
             self.transport_reason = "every pair has peer access and the creation transfer test passed"
+        if self.transport == "host" and self.table_source == "built-in default":
+            self.table = algo_mod.default_table("host")
+        problem = self.table.transport_problem(self.transport)
+        if problem is not None:  # the same table and transport on every rank: all raise here
+            self.close()
+            raise ValueError(problem)
         if self.rank == 0:
             logger.info("pcie_allreduce: %d ranks, transport %s (%s)", self.world_size, self.transport,
                         self.transport_reason)
@@ -318,6 +326,9 @@ class Communicator:
         key = (nbytes, dtype, algo)
         hit = self._choices.get(key)
         if hit is None:
+            if not algo_mod.runs_on(algo, self.transport):
+                raise ValueError(f"algo={algo!r} runs on the host transport only; this communicator's transport is "
+                                 f"{self.transport!r} (Communicator(..., transport='host'))")
             hit = dispatch.plain_launch(nbytes, self.world_size, dtype, self.table, ll_capacity=self.ll_capacity,
                                         block_cap=self.block_cap, algo=algo)
             if len(self._choices) < 4096:  # bounded: shapes in serving are few

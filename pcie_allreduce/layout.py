@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pcie_allreduce.constants import (ALIGN, CONTROL_WORDS, FLAG_KINDS, LINE_BYTES, LINE_PAYLOAD_BYTES,
-                                      LOW_LATENCY_MAX_BYTES, MAX_FLAG_BLOCKS, MAX_RANKS, ROW_STATS_SLOTS)
+                                      LOW_LATENCY_MAX_BYTES, MAX_FLAG_BLOCKS, MAX_RANKS, ROW_STATS_SLOTS,
+                                      SHARED_BUFFERS, SHARED_HEADER_BYTES)
 # The word indices of the control and error records, next to the offsets they index from (the
 # interpreter tests' fake workspace reads them here); defined in pcie_allreduce.constants.
 from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, ERROR_WORDS  # noqa: F401
@@ -27,7 +28,8 @@ def _round_up(x: int, a: int) -> int:
 @dataclass(frozen=True)
 class Layout:
     """Byte offsets inside one rank's workspace allocation:
-    [2 parities x W data slots][2 parities x W line slots][flags][control][row stats]."""
+    [2 parities x W data slots][2 parities x W line slots][flags][control][row stats], then on the
+    host transport the host one-shot's headers and buffers."""
 
     slot_bytes: int
     parity_bytes: int
@@ -37,10 +39,12 @@ class Layout:
     flags_offset: int
     control_offset: int
     stats_offset: int
+    shared_offset: int
+    shared_bytes: int
     total_bytes: int
 
     @classmethod
-    def make(cls, max_bytes: int, world: int) -> "Layout":
+    def make(cls, max_bytes: int, world: int, transport: str = "p2p") -> "Layout":
         slot = _round_up(max(max_bytes, 1), ALIGN)
         parity = slot * world
         ll_capacity = min(slot, LOW_LATENCY_MAX_BYTES)
@@ -49,8 +53,10 @@ class Layout:
         flags = ll_offset + 2 * ll_slot * world
         control = flags + _round_up(_U64 * FLAG_KINDS * MAX_RANKS * MAX_FLAG_BLOCKS, ALIGN)
         stats = control + _round_up(_U32 * CONTROL_WORDS, ALIGN)
-        return cls(slot, parity, ll_capacity, ll_slot, ll_offset, flags, control, stats,
-                   stats + _round_up(_U64 * ROW_STATS_SLOTS, ALIGN))
+        shared = stats + _round_up(_U64 * ROW_STATS_SLOTS, ALIGN)
+        shared_bytes = SHARED_HEADER_BYTES + SHARED_BUFFERS * slot if transport == "host" else 0
+        return cls(slot, parity, ll_capacity, ll_slot, ll_offset, flags, control, stats, shared, shared_bytes,
+                   shared + shared_bytes)
 
     @classmethod
     def of_workspace(cls, workspace: Any) -> "Layout":

@@ -35,7 +35,7 @@ import os
 import sys
 from typing import Any, Iterable, Sequence
 
-from pcie_allreduce import sizes, tune_cache
+from pcie_allreduce import algo as algo_mod, sizes, tune_cache
 from pcie_allreduce.algo import ALGORITHMS, MAX_LAUNCH_BLOCKS, AlgoTable, Rule, default_table
 from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, one_line, positive_float, positive_int, typed_arg
 from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
@@ -214,7 +214,7 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
             inp = _rank_input(count, ctx.rank, dtype, ctx.device)
             expected = sum(_rank_input(count, r, torch.int64, ctx.device) for r in range(ctx.world_size)).to(dtype)
             out = torch.empty_like(inp)
-            for algo in job.algos:
+            for algo in (a for a in job.algos if algo_mod.runs_on(a, comm.transport)):
                 for blocks in job.blocks:
                     rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
         facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps}

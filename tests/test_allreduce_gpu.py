@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce import algo as algo_mod, ranks
 from pcie_allreduce.errors import CollectiveMismatch, CollectiveTimeout
 from tests import _reference as ref
 
@@ -28,7 +28,13 @@ WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split
 TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 2 << 20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ALGOS = pcie_allreduce.ALGORITHMS
+# The algorithms of every transport; the host transport adds its own (HOST_ALGOS).
+ALGOS = tuple(a for a in pcie_allreduce.ALGORITHMS if a not in algo_mod.HOST_ONLY_ALGORITHMS)
+HOST_ALGOS = ALGOS + algo_mod.HOST_ONLY_ALGORITHMS
+
+
+def _algos_of(comm: pcie_allreduce.Communicator) -> tuple[str, ...]:
+    return HOST_ALGOS if comm.transport == "host" else ALGOS
 
 
 def _sizes(dtype: torch.dtype, seed: int) -> list[int]:
@@ -48,7 +54,8 @@ def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
             inputs = ref.all_inputs(seed, ctx.world_size, numel, dtype)
             x = inputs[ctx.rank].to(ctx.device)
             results = {}
-            algos = tuple(a for a in ALGOS if a != "oneshot_ll" or numel * x.element_size() <= comm.ll_capacity)
+            algos = tuple(a for a in _algos_of(comm)
+                          if a != "oneshot_ll" or numel * x.element_size() <= comm.ll_capacity)
             for algo in algos + ("auto",):
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(x, out=out, algo=algo)
@@ -64,7 +71,7 @@ def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(unaligned, out=out, algo=algo)
                 results[f"unaligned-{algo}"] = out
-            if len(algos) < len(ALGOS):
+            if "oneshot_ll" not in algos:
                 with pytest.raises(ValueError, match="oneshot_ll"):
                     comm.all_reduce(x, algo="oneshot_ll")
             torch.cuda.synchronize()
@@ -87,7 +94,7 @@ def test_matrix_every_algorithm_dtype_and_size(world: int, transport: str) -> No
 def _graph(ctx: ranks.RankContext, captured: int, replays: int, transport: str) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
     rng = random.Random(5)
-    algos = ALGOS + ("auto",)
+    algos = _algos_of(comm) + ("auto",)
     shapes = [(rng.choice([1, 7, 4 * 7168, 7168 * 3 + 5, 100_000]), rng.choice(DTYPES), algos[i % len(algos)])
               for i in range(8)]
     static_in = [torch.empty(n, dtype=d, device=ctx.device) for n, d, _ in shapes]
@@ -415,13 +422,16 @@ def _transports_agree(ctx: ranks.RankContext) -> dict:
         for numel in (5, 7168 * 4 + 3, 300_001):
             inputs = ref.all_inputs(numel, ctx.world_size, numel, dtype)
             x = inputs[ctx.rank].to(ctx.device)
-            for algo in ALGOS:
+            for algo in ALGOS:  # host_oneshot has no P2P counterpart: compared with the others below
                 if algo == "oneshot_ll" and numel * x.element_size() > comms["p2p"].ll_capacity:
                     continue
                 outs = {name: comm.all_reduce(x, algo=algo) for name, comm in comms.items()}
                 if not torch.equal(outs["p2p"], outs["host"]):
                     differ.append(f"{dtype} numel={numel} {algo}")
                 ref.check(outs["host"], inputs, f"host transport {dtype} numel={numel} {algo}")
+            host_oneshot = comms["host"].all_reduce(x, algo="host_oneshot")
+            if not torch.equal(host_oneshot, outs["p2p"]):
+                differ.append(f"{dtype} numel={numel} host_oneshot vs p2p {algo}")
     hidden = 7168
     inputs = ref.all_inputs(31, ctx.world_size, 4 * hidden, torch.bfloat16)
     x = inputs[ctx.rank].to(ctx.device).view(4, hidden)
@@ -443,3 +453,36 @@ def test_p2p_and_host_transports_give_bitwise_equal_results(world: int) -> None:
     for rank, r in enumerate(ranks.run_ranks(_transports_agree, world, timeout_s=600)):
         assert r["differ"] == [], f"rank {rank}: the transports disagree on {r['differ']}"
         assert r["leftovers"] == [], f"rank {rank}: segments left in /dev/shm after creation: {r['leftovers']}"
+
+
+def _wire_edge_values(ctx: ranks.RankContext) -> dict:
+    """host_oneshot sends data as its own flag: -0.0, NaN, +-Inf and the fp32 word of the poison
+    pattern must all arrive, never be waited for forever or taken for the poison, and sum as the
+    other algorithms sum them (up to the sign of a zero)."""
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=10, transport="host")
+    mismatches = []
+    for dtype in DTYPES:
+        special = [-0.0, 0.0, float("nan"), float("inf"), float("-inf"), 1.5, -2.25]
+        base = torch.tensor(special * 40, dtype=torch.float32)
+        if dtype == torch.float32:  # the poison word as data: a negative subnormal
+            base[:8] = torch.tensor([0x80008000] * 8, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        x = base.roll(ctx.rank * 3).to(dtype).to(ctx.device)
+        for algo in ("host_oneshot", "oneshot"):
+            out = comm.all_reduce(x, algo=algo)
+            torch.cuda.synchronize()
+            got, want = out.cpu().float(), torch.stack([base.roll(r * 3).to(dtype).float()
+                                                        for r in range(ctx.world_size)]).sum(0)
+            same = (got == want) | (torch.isnan(got) & torch.isnan(want)) | ((got == 0) & (want == 0))
+            # The poison word travels as -0.0: a subnormal of 1e-38 may vanish from a sum.
+            same |= (dtype == torch.float32) & ((got - want).abs() <= 2e-38)
+            if not bool(same.all()):
+                mismatches.append(f"{dtype} {algo}: {int((~same).sum())} elements")
+    comm.check()
+    comm.close()
+    return {"mismatches": mismatches}
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_host_oneshot_carries_zeros_nan_inf_and_the_poison_word(world: int) -> None:
+    for rank, r in enumerate(ranks.run_ranks(_wire_edge_values, world, timeout_s=300)):
+        assert r["mismatches"] == [], f"rank {rank}: {r['mismatches']}"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from pcie_allreduce.algo import ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS
 from pcie_allreduce.errors import CollectiveTimeout
 from pcie_allreduce.layout import Layout
 from pcie_allreduce.sizes import DTYPE_SIZES
@@ -128,7 +128,11 @@ def test_schedule_draws_legal_and_varied_calls() -> None:
         _check_legal(call, PARAMS)
     plain = [c for c in eager if c.kind == "plain"]
     fused = [c for c in eager if c.kind == "fused"]
-    assert {(c.dtype, c.algo) for c in plain} == {(d, a) for d in DTYPE_SIZES for a in ("auto", *ALGORITHMS)}
+    p2p_algos = [a for a in ALGORITHMS if a not in HOST_ONLY_ALGORITHMS]  # PARAMS: a P2P communicator
+    assert {(c.dtype, c.algo) for c in plain} == {(d, a) for d in DTYPE_SIZES for a in ("auto", *p2p_algos)}
+    host = [c for c in steps(3, dataclasses.replace(PARAMS, transport="host"), 5000)
+            if isinstance(c, Call) and c.kind == "plain"]
+    assert "host_oneshot" in {c.algo for c in host}
     assert {c.algo for c in fused} == {"auto", "oneshot", "twoshot", "oneshot_ll"}
     assert any(c.count % 2 for c in plain) and any(c.hidden % 2 for c in fused) and any(c.inplace for c in plain)
     assert any(c.in_offset % 2 for c in eager) and any(c.in_offset % 8 == 4 for c in eager)  # misaligned views

@@ -49,11 +49,14 @@ def test_module_uses_the_extension_values(extension: ModuleType) -> None:
     assert constants.STAGE_NAMES == dict(extension.STAGE_NAMES)
 
 
+@pytest.mark.parametrize("transport", ["p2p", "host"])
 @pytest.mark.parametrize("max_bytes, world", [(1, 2), (255, 2), (12345, 3), (2 << 20, 4), (8 << 20, 8),
                                               (512 << 10, 5), ((512 << 10) + 1, 7)])
-def test_layout_mirror_matches_layout_make(extension: ModuleType, max_bytes: int, world: int) -> None:
+def test_layout_mirror_matches_layout_make(extension: ModuleType, max_bytes: int, world: int, transport: str) -> None:
     """pcie_allreduce.layout (what the Triton kernels use) is Layout::make of csrc/protocol_constants.h."""
-    assert layout.Layout.make(max_bytes, world) == layout.Layout(**extension.layout(max_bytes, world))
+    transport_id = constants.TRANSPORT_IDS[transport]
+    assert layout.Layout.make(max_bytes, world, transport) == layout.Layout(
+        **extension.layout(max_bytes, world, transport_id))
 
 
 def test_named_ids_follow_the_tables() -> None:
@@ -82,7 +85,7 @@ def test_import_without_the_extension_uses_the_mirror() -> None:
         "from pcie_allreduce import _ext, algo, constants, layout\n"
         "assert _ext.load() is None\n"
         "assert {n: getattr(constants, n) for n in constants.MIRROR} == constants.MIRROR\n"
-        "assert algo.ALGORITHMS == ('oneshot', 'staged', 'twoshot', 'oneshot_ll')\n"
+        "assert algo.ALGORITHMS == ('oneshot', 'staged', 'twoshot', 'oneshot_ll', 'host_oneshot')\n"
         "assert layout.Layout.make(1, 2).slot_bytes == constants.ALIGN\n"
         "print('ok')\n"
     )
