@@ -72,6 +72,7 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("flags_offset", &Workspace::flags_offset)
       .def_property_readonly("control_offset", &Workspace::control_offset)
       .def_property_readonly("stats_offset", &Workspace::stats_offset)
+      .def_property_readonly("local_base", &Workspace::local_base)
       .def_property_readonly("shared_offset", &Workspace::shared_offset)
       .def_property_readonly("shared_bytes", &Workspace::shared_bytes)
       .def_property_readonly("total_bytes", &Workspace::total_bytes)

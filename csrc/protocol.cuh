@@ -50,6 +50,11 @@ struct KernelArgs {
   void* output;
   uint64_t nbytes;
   char* bases[kMaxRanks];  // every rank's workspace base as mapped in THIS process (own included)
+  // Base of this rank's local-only words (control at layout.control_offset, row statistics at
+  // layout.stats_offset): bases[rank] on p2p; on the host transport a device allocation placed
+  // so the same offsets apply, since those words must not live in host memory (latency, and
+  // their device atomics would become PCIe atomics).
+  char* local;
   Layout layout;
   ErrorRecord* error;      // device alias of the host-mapped record
   uint64_t timeout_ns;
@@ -63,7 +68,7 @@ struct KernelArgs {
 __device__ __forceinline__ uint32_t next_epoch(uint32_t e) { return e == 0xFFFFFFFFu ? 2u : e + 1u; }
 
 __device__ __forceinline__ Control* control_of(const KernelArgs& a) {
-  return reinterpret_cast<Control*>(a.bases[a.rank] + a.layout.control_offset);
+  return reinterpret_cast<Control*>(a.local + a.layout.control_offset);
 }
 
 __device__ __forceinline__ uint64_t* flag_slot(const KernelArgs& a, int owner, int kind, int sender, int block) {

@@ -106,6 +106,12 @@ struct Workspace::State {
   // Host transport: this rank's segment and the peers' (local is own.device_pointer()).
   HostSegment own;
   HostSegment peer_segments[kMaxRanks];
+  // Host transport: device memory for the local-only words (control, row statistics).
+  char* local_only = nullptr;
+
+  // The base the local-only offsets of the layout apply to (KernelArgs::local).
+  char* local_base() const { return local_only != nullptr ? local_only - layout.control_offset : local; }
+  Control* control() const { return reinterpret_cast<Control*>(local_base() + layout.control_offset); }
   ErrorRecord* error_host = nullptr;
   ErrorRecord* error_device = nullptr;
   char* peers[kMaxRanks] = {};
@@ -124,6 +130,7 @@ struct Workspace::State {
     KernelArgs& t = launch_template;
     t = KernelArgs{};
     for (int r = 0; r < world; ++r) t.bases[r] = peers[r];
+    t.local = local_base();
     t.layout = layout;
     t.error = error_device;
     t.timeout_ns = timeout_ns;
@@ -169,6 +176,9 @@ void Workspace::allocate() {
     uint32_t* shared = reinterpret_cast<uint32_t*>(state_->own.host_pointer() + state_->layout.shared_offset +
                                                    kSharedHeaderBytes);
     std::fill(shared, shared + kSharedBuffers * state_->layout.slot_bytes / sizeof(uint32_t), kPoisonWord);
+    const uint64_t local_bytes = state_->layout.shared_offset - state_->layout.control_offset;
+    PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local_only, local_bytes));
+    PCIE_AR_CUDA_CHECK(cudaMemset(state_->local_only, 0, local_bytes));
   } else {
     allocate_device_memory();
   }
@@ -384,6 +394,7 @@ uint64_t Workspace::ll_slot_bytes() const { return state_->layout.ll_slot_bytes;
 uint64_t Workspace::ll_offset() const { return state_->layout.ll_offset; }
 uint64_t Workspace::flags_offset() const { return state_->layout.flags_offset; }
 uint64_t Workspace::control_offset() const { return state_->layout.control_offset; }
+uint64_t Workspace::local_base() const { return reinterpret_cast<uint64_t>(state_->local_base()); }
 uint64_t Workspace::stats_offset() const { return state_->layout.stats_offset; }
 uint64_t Workspace::shared_offset() const { return state_->layout.shared_offset; }
 uint64_t Workspace::shared_bytes() const { return state_->layout.shared_bytes; }
@@ -394,16 +405,17 @@ void Workspace::debug_set_epoch(uint32_t completed) {
   // would after that many real calls, so a test across the wrap sees what production would.
   DeviceGuard guard(device_);
   Control ctl{};
-  for (uint32_t& e : ctl.epochs) e = completed;
   PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
-  PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->local + state_->layout.control_offset, &ctl, sizeof(ctl), cudaMemcpyHostToDevice));
+  PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->control(), sizeof(ctl), cudaMemcpyDeviceToHost));
+  for (uint32_t& e : ctl.epochs) e = completed;  // abort, error claim and the host one-shot's state stay
+  PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->control(), &ctl, sizeof(ctl), cudaMemcpyHostToDevice));
   PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 uint32_t Workspace::debug_epoch() const {
   DeviceGuard guard(device_);
   Control ctl{};
-  PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->local + state_->layout.control_offset, sizeof(ctl), cudaMemcpyDeviceToHost));
+  PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->control(), sizeof(ctl), cudaMemcpyDeviceToHost));
   return ctl.epochs[0];
 }
 
@@ -446,7 +458,7 @@ void Workspace::retire() {
   const uint32_t raised = 1;
   cudaStream_t stream;  // private and non-blocking, as in allocate()
   PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  char* abort_word = state_->local + state_->layout.control_offset + offsetof(Control, abort);
+  char* abort_word = reinterpret_cast<char*>(&state_->control()->abort);
   const cudaError_t copied = cudaMemcpyAsync(abort_word, &raised, sizeof(raised), cudaMemcpyHostToDevice, stream);
   const cudaError_t done = cudaStreamSynchronize(stream);
   cudaStreamDestroy(stream);
@@ -470,6 +482,8 @@ void Workspace::close() {
   } else {
     cudaFree(state_->local);
   }
+  if (state_->local_only != nullptr) cudaFree(state_->local_only);
+  state_->local_only = nullptr;
   state_->local = nullptr;
   state_->peers[rank_] = nullptr;
   if (state_->error_host != nullptr) cudaFreeHost(state_->error_host);

@@ -70,6 +70,9 @@ class Workspace {
   uint64_t ll_offset() const;
   uint64_t flags_offset() const;
   uint64_t control_offset() const;
+  // Address the control and statistics offsets apply to (the workspace base, except on the host
+  // transport, whose local-only words live in device memory).
+  uint64_t local_base() const;
   uint64_t stats_offset() const;
   uint64_t shared_offset() const;  // the host one-shot's headers and buffers (host transport)
   uint64_t shared_bytes() const;

@@ -379,7 +379,8 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
     _fused_oneshot_ll_kernel[(programs,)](
         x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
         view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
-        view.layout.ll_slot_bytes, view.layout.ll_offset, view.layout.control_offset, view.layout.stats_offset,
+        view.layout.ll_slot_bytes, view.layout.ll_offset, view.local_offset(view.layout.control_offset),
+        view.local_offset(view.layout.stats_offset),
         C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
         PUSH=min(PUSH_WORDS, block_w), PAIRED=paired, INTERPRET=interpret, num_warps=num_warps,
         **({"BACKOFF": backoff_ns} if backoff_ns else {}))

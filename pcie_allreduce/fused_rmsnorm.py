@@ -317,5 +317,6 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     kernel[(programs,)](
         x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
         view.rank, tokens, hidden, float(eps), signature(algo, x.dtype, tokens, hidden, programs), view.timeout_ns,
-        view.layout.slot_bytes, view.layout.parity_bytes, view.layout.flags_offset, view.layout.control_offset,
+        view.layout.slot_bytes, view.layout.parity_bytes, view.layout.flags_offset,
+        view.local_offset(view.layout.control_offset),
         ROWS=rows, W=view.world, BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps)

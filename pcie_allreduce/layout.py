@@ -74,12 +74,21 @@ class WorkspaceView:
     layout: Layout
     error_ptr: int          # device address of the int32[8] error record (host-mapped)
     timeout_ns: int
+    # Address the control and statistics offsets apply to; None: this rank's base (p2p). The
+    # host transport keeps those local-only words in device memory, away from its host segment.
+    local_base: int | None = None
 
     @classmethod
     def of(cls, workspace: Any) -> "WorkspaceView":
         """View of a ``pcie_allreduce._C.Workspace``."""
         return cls(workspace.rank, workspace.world, tuple(workspace.bases()), Layout.of_workspace(workspace),
-                   workspace.error_record_ptr, int(workspace.timeout * 1e9))
+                   workspace.error_record_ptr, int(workspace.timeout * 1e9), workspace.local_base)
+
+    def local_offset(self, offset: int) -> int:
+        """``offset`` of a local-only word (control, statistics) as an offset from this rank's base,
+        the form the Triton kernels take (negative when the local words lie below it)."""
+        base = self.bases[self.rank]
+        return (base if self.local_base is None else self.local_base) + offset - base
 
     def padded_bases(self) -> tuple[int, ...]:
         """The bases padded to MAX_RANKS (unused entries 0), as the kernels take them."""
