@@ -302,9 +302,18 @@ std::vector<int> Workspace::probe_failures(uint32_t seed) {
   cudaError_t err = cudaSuccess;
   for (int sender = 0; sender < world_ && err == cudaSuccess; ++sender) {
     if (sender == rank_) continue;
+    uint32_t* into = &got[static_cast<size_t>(sender) * kProbeWords];
+    if (state_->transport == Transport::kHost) {  // host memory: read and clear it from here
+      volatile uint32_t* slot = reinterpret_cast<volatile uint32_t*>(state_->own.host_pointer() +
+                                                                     probe_offset(state_->layout, sender));
+      for (int i = 0; i < kProbeWords; ++i) {
+        into[i] = slot[i];
+        slot[i] = 0;
+      }
+      continue;
+    }
     char* slot = state_->local + probe_offset(state_->layout, sender);
-    err = cudaMemcpyAsync(&got[static_cast<size_t>(sender) * kProbeWords], slot, kProbeBytes, cudaMemcpyDeviceToHost,
-                          stream);
+    err = cudaMemcpyAsync(into, slot, kProbeBytes, cudaMemcpyDeviceToHost, stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(slot, 0, kProbeBytes, stream);
   }
   const cudaError_t done = cudaStreamSynchronize(stream);
