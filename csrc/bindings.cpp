@@ -127,6 +127,7 @@ void register_constants(py::module_& m) {
   m.attr("CLAIM_WORD") = pcie_ar::kClaimWord;
   m.attr("SHARED_STATE_WORDS") = pcie_ar::kSharedStateWords;
   m.attr("SHARED_BUFFERS") = pcie_ar::kSharedBuffers;
+  m.attr("SHARED_AREAS") = pcie_ar::kSharedAreas;
   m.attr("SHARED_HEADER_BYTES") = pcie_ar::kSharedHeaderBytes;
   m.attr("POISON_WORD") = pcie_ar::kPoisonWord;
   m.attr("CONTROL_WORDS") = pcie_ar::kControlWords;

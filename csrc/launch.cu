@@ -8,6 +8,7 @@
 
 #include "checks.cuh"
 #include "host_oneshot.cuh"
+#include "host_twoshot.cuh"
 #include "oneshot.cuh"
 #include "oneshot_ll.cuh"
 #include "twoshot.cuh"
@@ -40,6 +41,7 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
     case Algo::kStaged: oneshot_kernel<T, Unit, true><<<grid, block, 0, stream>>>(args); break;
     case Algo::kTwoShot: twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostOneShot: host_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kHostTwoShot: host_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }

@@ -29,7 +29,7 @@ constexpr uint64_t kLinePayloadBytes = 8;
 constexpr uint64_t kLineBytes = 16;
 constexpr uint32_t kLineFlagMix = 0x9E3779B9u;
 
-enum class Algo : int { kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4 };
+enum class Algo : int { kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5 };
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
                               kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
@@ -51,7 +51,8 @@ constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
                                       {Algo::kStaged, "staged"},
                                       {Algo::kTwoShot, "twoshot"},
                                       {Algo::kOneShotLL, "oneshot_ll"},
-                                      {Algo::kHostOneShot, "host_oneshot"}};
+                                      {Algo::kHostOneShot, "host_oneshot"},
+                                      {Algo::kHostTwoShot, "host_twoshot"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
@@ -59,7 +60,7 @@ constexpr Named<Stage> kStageNames[] = {
     {Stage::kAllGather, "all-gather"},              {Stage::kFusedGather, "fused gather"},
     {Stage::kFusedReduceScatter, "fused reduce-scatter"}, {Stage::kFusedAllGather, "fused all-gather"},
     {Stage::kLowLatencyGather, "low-latency gather"}, {Stage::kFusedRowStats, "fused row statistics"},
-    {Stage::kHostGather, "host one-shot gather"}};
+    {Stage::kHostGather, "host transport gather"}};
 constexpr Named<ErrorKind> kErrorKindNames[] = {{ErrorKind::kTimeout, "timeout"}, {ErrorKind::kMismatch, "mismatch"}};
 constexpr Named<Transport> kTransportNames[] = {{Transport::kP2P, "p2p"}, {Transport::kHost, "host"}};
 
@@ -84,8 +85,8 @@ struct Control {
   uint32_t epochs[kMaxFlagBlocks];
   uint32_t abort;        // set once any wait failed; every later call skips its work
   uint32_t error_claim;  // first failing thread wins the right to fill the ErrorRecord
-  // The host one-shot's state, one copy per block slot like the epochs, advanced by its calls
-  // only (host_oneshot.cuh): (bytes its previous call wrote << 2) | buffer of its next call.
+  // The write-once host algorithms' state, one copy per block slot like the epochs, advanced by
+  // their calls only (host_wire.cuh): what the previous call wrote, and the next call's buffer.
   uint32_t shared_state[kMaxFlagBlocks];
 };
 
@@ -115,10 +116,12 @@ constexpr uint64_t kProbeBytes = 16;
 // Local-only words the fused Triton one-shot uses to share per-chunk RMSNorm statistics among
 // the programs of one row (fused_rmsnorm.py); zero when not in flight, like the lines.
 constexpr uint64_t kRowStatsSlots = 1024;
-// The host one-shot (host transport only) rotates through this many buffers of its own, each
-// max_bytes: a rank writes its message once into buffer b of its own segment and re-poisons the
-// buffer of its previous call, so a buffer is written again three calls after its last use.
+// The host transport's write-once algorithms (host_wire.cuh) rotate through this many buffers of
+// their own, each of kSharedAreas areas of max_bytes (what a rank sends; its reduced shard): a
+// rank writes into buffer b of its own segment and re-poisons the buffer of its previous call, so
+// a buffer is written again three calls after its last use.
 constexpr uint64_t kSharedBuffers = 3;
+constexpr uint64_t kSharedAreas = 2;
 // What an unwritten word of those buffers holds: -0.0 in both 16-bit lanes (the bf16 / fp16
 // sentinel) and, read as one 32-bit word, the fp32 sentinel. A kernel sends -0.0 (2-byte types)
 // as +0.0 and the fp32 word 0x80008000 (a negative subnormal) as -0.0, so data never looks unwritten.
@@ -135,7 +138,7 @@ struct Layout {
   uint64_t flags_offset;   // after 2 parities of lines
   uint64_t control_offset;
   uint64_t stats_offset;
-  uint64_t shared_offset;  // host transport: headers, then kSharedBuffers buffers of slot_bytes (this rank's writes only)
+  uint64_t shared_offset;  // host transport: headers, then kSharedBuffers x kSharedAreas areas of slot_bytes
   uint64_t shared_bytes;   // 0 for p2p
   uint64_t total_bytes;
 
@@ -152,7 +155,7 @@ struct Layout {
     l.control_offset = l.flags_offset + round_up(sizeof(uint64_t) * kFlagKinds * kMaxRanks * kMaxFlagBlocks, kAlign);
     l.stats_offset = l.control_offset + round_up(sizeof(Control), kAlign);
     l.shared_offset = l.stats_offset + round_up(sizeof(uint64_t) * kRowStatsSlots, kAlign);
-    l.shared_bytes = transport == Transport::kHost ? kSharedHeaderBytes + kSharedBuffers * l.slot_bytes : 0;
+    l.shared_bytes = transport == Transport::kHost ? kSharedHeaderBytes + kSharedBuffers * kSharedAreas * l.slot_bytes : 0;
     l.total_bytes = l.shared_offset + l.shared_bytes;
     return l;
   }

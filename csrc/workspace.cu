@@ -175,7 +175,7 @@ void Workspace::allocate() {
     // The host one-shot's buffers start unwritten: poison everywhere (host_oneshot.cuh, H1).
     uint32_t* shared = reinterpret_cast<uint32_t*>(state_->own.host_pointer() + state_->layout.shared_offset +
                                                    kSharedHeaderBytes);
-    std::fill(shared, shared + kSharedBuffers * state_->layout.slot_bytes / sizeof(uint32_t), kPoisonWord);
+    std::fill(shared, shared + kSharedBuffers * kSharedAreas * state_->layout.slot_bytes / sizeof(uint32_t), kPoisonWord);
     const uint64_t local_bytes = state_->layout.shared_offset - state_->layout.control_offset;
     PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local_only, local_bytes));
     PCIE_AR_CUDA_CHECK(cudaMemset(state_->local_only, 0, local_bytes));
@@ -344,8 +344,9 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   if (!state_->captured) note_capture(stream);
   PCIE_AR_HOST_ASSERT(nbytes <= max_bytes_, "message larger than the workspace's max_bytes");
   if (nbytes == 0) return 0;
-  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kHostOneShot || state_->transport == Transport::kHost,
-                      "host_oneshot runs on the host transport only");
+  PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kHostOneShot && static_cast<Algo>(algo) != Algo::kHostTwoShot) ||
+                          state_->transport == Transport::kHost,
+                      "host_oneshot and host_twoshot run on the host transport only");
   PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kOneShotLL || nbytes <= state_->layout.ll_capacity,
                       "message larger than the low-latency capacity (" + std::to_string(state_->layout.ll_capacity) +
                           " bytes); use another algorithm");

@@ -30,7 +30,7 @@ ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # Algorithms whose messages must fit the workspace's low-latency line slots (Layout.ll_capacity).
 CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll",)
 # Algorithms that need the host transport (their buffers exist only in shared host memory).
-HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot",)
+HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot", "host_twoshot")
 
 
 def runs_on(algo: str, transport: str) -> bool:
@@ -166,14 +166,16 @@ def default_table(transport: str = "p2p") -> AlgoTable:
     but needs two. Small blocks-per-byte ratios win for small messages (more blocks in flight).
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
-    Host transport: the write-once one-shot (each rank writes its message once over its PCIe link
-    and reads the W-1 others) up to 1 MiB, the two-shot beyond; a first estimate from the
-    per-link figures, to be replaced by measured crossovers.
+    Host transport: the write-once algorithms. Per rank over its own PCIe link the one-shot reads
+    W-1 messages, the two-shot 2(W-1)/W (and writes one shard more, with one more exchange): the
+    one-shot at W = 2 for every size, the two-shot above 256 KiB from W = 3. A first estimate
+    from the link's byte counts, to be replaced by measured crossovers.
     """
     if transport == "host":
         return AlgoTable((
-            Rule("host_oneshot", max_bytes=1 << 20, world=None, bytes_per_block=8 << 10, max_blocks=32),
-            Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=None, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=256 << 10, world=None, bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_twoshot", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
         ))
     small = (2, 3, 4)
     large = (5, 6, 7, 8)

@@ -37,17 +37,18 @@ MIRROR: dict[str, Any] = {
     "CLAIM_WORD": 129,
     "SHARED_STATE_WORDS": 130,  # then one host one-shot state per flag block
     "CONTROL_WORDS": 258,
-    "SHARED_BUFFERS": 3,        # the host one-shot's buffers (host transport) ...
+    "SHARED_BUFFERS": 3,        # the host transport's write-once buffers, each of ...
+    "SHARED_AREAS": 2,          # ... two areas (what a rank sends, its reduced shard), ...
     "SHARED_HEADER_BYTES": 3072,  # ... after one header word per (buffer, block)
     "POISON_WORD": 0x80008000,  # an unwritten word of those buffers
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
-    "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4},
+    "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
     "TRANSPORT_IDS": {"p2p": 0, "host": 1},
     "STAGE_NAMES": {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
                     5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
-                    8: "fused row statistics", 9: "host one-shot gather"},
+                    8: "fused row statistics", 9: "host transport gather"},
 }
 
 
@@ -88,6 +89,7 @@ CLAIM_WORD: int = _VALUES["CLAIM_WORD"]
 CONTROL_WORDS: int = _VALUES["CONTROL_WORDS"]
 SHARED_STATE_WORDS: int = _VALUES["SHARED_STATE_WORDS"]
 SHARED_BUFFERS: int = _VALUES["SHARED_BUFFERS"]
+SHARED_AREAS: int = _VALUES["SHARED_AREAS"]
 SHARED_HEADER_BYTES: int = _VALUES["SHARED_HEADER_BYTES"]
 POISON_WORD: int = _VALUES["POISON_WORD"]
 ERROR_WORDS: int = _VALUES["ERROR_WORDS"]
@@ -113,4 +115,4 @@ STAGE_FUSED_REDUCE_SCATTER: int = _STAGE_IDS["fused reduce-scatter"]
 STAGE_FUSED_ALL_GATHER: int = _STAGE_IDS["fused all-gather"]
 STAGE_LOW_LATENCY_GATHER: int = _STAGE_IDS["low-latency gather"]
 STAGE_FUSED_ROW_STATS: int = _STAGE_IDS["fused row statistics"]
-STAGE_HOST_GATHER: int = _STAGE_IDS["host one-shot gather"]
+STAGE_HOST_GATHER: int = _STAGE_IDS["host transport gather"]

@@ -429,9 +429,9 @@ def _transports_agree(ctx: ranks.RankContext) -> dict:
                 if not torch.equal(outs["p2p"], outs["host"]):
                     differ.append(f"{dtype} numel={numel} {algo}")
                 ref.check(outs["host"], inputs, f"host transport {dtype} numel={numel} {algo}")
-            host_oneshot = comms["host"].all_reduce(x, algo="host_oneshot")
-            if not torch.equal(host_oneshot, outs["p2p"]):
-                differ.append(f"{dtype} numel={numel} host_oneshot vs p2p {algo}")
+            for host_algo in algo_mod.HOST_ONLY_ALGORITHMS:
+                if not torch.equal(comms["host"].all_reduce(x, algo=host_algo), outs["p2p"]):
+                    differ.append(f"{dtype} numel={numel} {host_algo} vs p2p {algo}")
     hidden = 7168
     inputs = ref.all_inputs(31, ctx.world_size, 4 * hidden, torch.bfloat16)
     x = inputs[ctx.rank].to(ctx.device).view(4, hidden)
@@ -456,7 +456,7 @@ def test_p2p_and_host_transports_give_bitwise_equal_results(world: int) -> None:
 
 
 def _wire_edge_values(ctx: ranks.RankContext) -> dict:
-    """host_oneshot sends data as its own flag: -0.0, NaN, +-Inf and the fp32 word of the poison
+    """The write-once algorithms send data as its own flag: -0.0, NaN, +-Inf and the fp32 word of the poison
     pattern must all arrive, never be waited for forever or taken for the poison, and sum as the
     other algorithms sum them (up to the sign of a zero)."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=10, transport="host")
@@ -467,7 +467,7 @@ def _wire_edge_values(ctx: ranks.RankContext) -> dict:
         if dtype == torch.float32:  # the poison word as data: a negative subnormal
             base[:8] = torch.tensor([0x80008000] * 8, dtype=torch.int64).to(torch.int32).view(torch.float32)
         x = base.roll(ctx.rank * 3).to(dtype).to(ctx.device)
-        for algo in ("host_oneshot", "oneshot"):
+        for algo in (*algo_mod.HOST_ONLY_ALGORITHMS, "oneshot"):
             out = comm.all_reduce(x, algo=algo)
             torch.cuda.synchronize()
             got, want = out.cpu().float(), torch.stack([base.roll(r * 3).to(dtype).float()
@@ -483,6 +483,6 @@ def _wire_edge_values(ctx: ranks.RankContext) -> dict:
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
-def test_host_oneshot_carries_zeros_nan_inf_and_the_poison_word(world: int) -> None:
+def test_host_algorithms_carry_zeros_nan_inf_and_the_poison_word(world: int) -> None:
     for rank, r in enumerate(ranks.run_ranks(_wire_edge_values, world, timeout_s=300)):
         assert r["mismatches"] == [], f"rank {rank}: {r['mismatches']}"

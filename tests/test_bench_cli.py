@@ -687,4 +687,4 @@ def test_rows_for_boxes_without_p2p_run_when_named() -> None:
     assert backends.backend_class("ours_host") is OursHostBackend and OursHostBackend.transport == "host"
     assert OursBackend.transport is None  # the Communicator's default: auto
     assert backends.rank_env("nccl_shm", 2, 2)["NCCL_P2P_DISABLE"] == "1"
-    assert backends.algos_for("ours_host", ["oneshot", "auto"]) == ("oneshot", "auto", "host_oneshot")
+    assert backends.algos_for("ours_host", ["oneshot", "auto"]) == ("oneshot", "auto", "host_oneshot", "host_twoshot")

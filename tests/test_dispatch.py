@@ -101,3 +101,19 @@ def test_dtype_maps_cover_the_kernels_dtypes() -> None:
 
     assert {dispatch.DTYPE_NAMES[d]: i for d, i in dispatch.DTYPE_IDS.items()} == constants.DTYPE_IDS
     assert set(validation.SUPPORTED_DTYPES) == set(dispatch.DTYPE_IDS)
+
+
+def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
+    """host_oneshot / host_twoshot exist only in host segments: the host table uses them, a P2P
+    communicator refuses a table that names them, and every other algorithm runs on both."""
+    from pcie_allreduce import algo
+
+    host = algo.default_table("host")
+    assert host.select(56 << 10, 2, "bfloat16").algo == "host_oneshot"
+    assert host.select(4 << 20, 2, "bfloat16").algo == "host_oneshot"  # W=2: the two-shot reads as much
+    assert host.select(4 << 20, 8, "bfloat16").algo == "host_twoshot"
+    assert host.transport_problem("host") is None and algo.default_table().transport_problem("host") is None
+    problem = host.transport_problem("p2p")
+    assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
+    assert all(algo.runs_on(a, "host") for a in algo.ALGORITHMS)
+    assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "p2p")] == list(algo.HOST_ONLY_ALGORITHMS)

@@ -1,0 +1,115 @@
+// The host transport's write-once two-shot ("host_twoshot"), for large messages: each rank
+// writes its message once into its input area (host_wire.cuh); rank o reduces shard o from
+// every rank's input area and writes the reduced shard once into its result area; every rank
+// then reads the other shards there. Per rank and call, over its own PCIe link: out the message
+// and one shard, in 2(W-1)/W messages (the one-shot reads W-1).
+//
+// Every rank uses a shard as it travels on the wire (H1), the owner too, so outputs are
+// identical on every rank; the shard is the same rank-order fp32 sum as every other algorithm's.
+#pragma once
+
+#include <cstdint>
+
+#include "host_wire.cuh"
+
+namespace pcie_ar {
+
+// Write our units [r) of the message once into our input area.
+template <typename T, typename Unit>
+__device__ __forceinline__ void publish_input(const KernelArgs& a, uint32_t buffer, const Unit* in, Range r) {
+  Unit* mine = shared_area<Unit>(a, a.rank, buffer, SharedArea::kInput);
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) mine[i] = to_wire<T, Unit>(load_unit(in + i));
+}
+
+// Our shard [r): every rank's units from their input areas, summed in rank order, as it will
+// travel; into our output and, once, into our result area. False (this thread) on timeout or abort.
+template <typename T, typename Unit>
+__device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffer, uint32_t epoch, const Unit* in,
+                                             Unit* out, Range r) {
+  Unit* result = shared_area<Unit>(a, a.rank, buffer, SharedArea::kResult);
+  const Unit* inputs[kMaxRanks];
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p) {
+    inputs[p] = p < a.world ? shared_area<Unit>(a, p, buffer, SharedArea::kInput) : nullptr;
+  }
+  uint64_t started = 0;
+  uint32_t spins = 0;
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    Pack<T, Unit> got[kMaxRanks];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(inputs[p] + i);
+    }
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, inputs[p] + i, got[p].unit, p, epoch, spins, started)) {
+        return false;
+      }
+    }
+    const Unit sum = to_wire<T, Unit>(sum_in_rank_order<T, Unit>(got, a.world));
+    result[i] = sum;
+    out[i] = sum;
+  }
+  return true;
+}
+
+// `owner`'s reduced shard [r) from its result area into our output.
+template <typename T, typename Unit>
+__device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffer, uint32_t epoch, int owner, Unit* out,
+                                             Range r) {
+  const Unit* result = shared_area<Unit>(a, owner, buffer, SharedArea::kResult);
+  uint64_t started = 0;
+  uint32_t spins = 0;
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    Unit v = load_wire(result + i);
+    if (!await_unit<T, Unit>(a, result + i, v, owner, epoch, spins, started)) return false;
+    out[i] = v;
+  }
+  return true;
+}
+
+// This block's part of shard `owner`, in units: the shard's granules split among the blocks.
+template <typename Unit>
+__device__ __forceinline__ Range block_part_of_shard(uint64_t nbytes, int world, int owner) {
+  const Range shard = shard_granules(nbytes, world, owner);
+  const Range part = split(shard.end - shard.begin, gridDim.x, blockIdx.x);
+  return to_units<Unit>(Range{shard.begin + part.begin, shard.begin + part.end});
+}
+
+template <typename T, typename Unit>
+__global__ void __launch_bounds__(kThreadsPerBlock) host_twoshot_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const uint32_t epoch = begin_call(a, &aborted);
+  Control* ctl = control_of(a);
+  const uint32_t state = __ldcg(&ctl->shared_state[blockIdx.x]);
+  const uint32_t buffer = state & 3u;
+  bool done = false;
+  if (!aborted) {
+    const Unit* in = static_cast<const Unit*>(a.input);
+    Unit* out = static_cast<Unit*>(a.output);
+    const T* in_t = static_cast<const T*>(a.input);
+    T* out_t = static_cast<T*>(a.output);
+    // The tail elements belong to the last rank's shard and to the last block.
+    const bool tail_is_ours = a.rank == a.world - 1 && owns_tail();
+    const Range tail = tail_elements<T>(a.nbytes);
+
+    publish_header(a, buffer, epoch);
+    publish_input<T, Unit>(a, buffer, in, to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x)));
+    if (owns_tail()) publish_input<T, T>(a, buffer, in_t, tail);
+    bool ok = wait_headers(a, buffer, epoch);
+    ok = ok && reduce_shard<T, Unit>(a, buffer, epoch, in, out, block_part_of_shard<Unit>(a.nbytes, a.world, a.rank));
+    if (tail_is_ours) ok = ok && reduce_shard<T, T>(a, buffer, epoch, in_t, out_t, tail);
+    for (int s = 1; s < a.world && ok; ++s) {
+      const int owner = (a.rank + s) % a.world;  // start with the next rank: spread the reads over owners
+      ok = gather_shard<T, Unit>(a, buffer, epoch, owner, out, block_part_of_shard<Unit>(a.nbytes, a.world, owner));
+      if (ok && owner == a.world - 1 && owns_tail()) ok = gather_shard<T, T>(a, buffer, epoch, owner, out_t, tail);
+    }
+    done = __syncthreads_and(ok) != 0;
+    if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
+  }
+  if (!done) fill_output_with_nan<T>(a);
+  advance_shared_state(ctl, shared_state_word(a.nbytes, (buffer + 1) % kSharedBuffers, true));
+  end_call(a, epoch);
+}
+
+}  // namespace pcie_ar

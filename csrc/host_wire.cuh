@@ -1,0 +1,200 @@
+// The write-once exchange of the host transport, shared by host_oneshot.cuh and host_twoshot.cuh:
+// every rank writes what it sends ONCE into its own shared host segment, and every peer reads it
+// there, each access over its own GPU's PCIe link. No flag round trip: the data is its own flag.
+// (The push kernels also run on the host transport, but they write every message W-1 times over
+// the same link and spin on flags in host memory.)
+//
+// Invariants (the shared protocol's 3-6 of protocol.cuh hold as well: epochs, bounded waits,
+// NaN on failure, rank-order fp32 sums):
+//  H1. Data as flag. A rank's shared buffers hold kPoisonWord wherever no data of the current
+//      use landed. On the wire -0.0 of bf16/fp16 travels as +0.0 and the fp32 word kPoisonWord
+//      (a negative subnormal) as -0.0, so a written word is never poison, and a reader that
+//      sees no poison lane in a unit has that unit of this call (lanes are written atomically).
+//      Every rank uses the values as they travel (its own too), so results stay identical.
+//  H2. Rotation. Call s of these algorithms uses buffer s % 3 (Control::shared_state, advanced
+//      by these calls only) and, once it knows every peer started call s, re-poisons what its
+//      previous call wrote in buffer (s - 1) % 3, then fences at system scope. A peer that
+//      reached call s finished call s - 1, so nobody reads that buffer any more; it is written
+//      again at call s + 2.
+//  H3. Nothing stale passes. In call s - 1 every reader waited for every peer's header of call
+//      s - 1 (H4), written by a kernel that started after the peer's call s - 2 (which
+//      re-poisoned buffer s % 3 and fenced) had completed; so in call s the reader finds poison
+//      or call s's data there, never call s - 3's.
+//  H4. Headers catch mismatches. With its data, block k of each rank writes a header word
+//      (epoch << 32 | signature) for (buffer, block) in its own segment; threads 0..W-1 of the
+//      reader's block k wait for each peer's header of this epoch, in parallel with the data.
+//      The same epoch with another signature (size, dtype, algorithm, blocks) is a mismatch,
+//      recorded and never reduced.
+//  H5. Blocks agree on what they cover: messages are cut in 16-byte granules (partition.cuh),
+//      whatever unit a rank moves, so block k of every rank covers the same bytes.
+#pragma once
+
+#include <cstdint>
+
+#include "partition.cuh"
+#include "protocol.cuh"
+#include "reduce.cuh"
+
+namespace pcie_ar {
+
+// ---- the wire format (H1) ----------------------------------------------------------------------
+
+template <typename T, typename Unit>
+__device__ __forceinline__ Unit to_wire(Unit v) {
+  if constexpr (sizeof(T) == 2) {
+    uint16_t* lanes = reinterpret_cast<uint16_t*>(&v);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(Unit) / 2); ++k) {
+      if (lanes[k] == 0x8000u) lanes[k] = 0;
+    }
+  } else {
+    uint32_t* words = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(Unit) / 4); ++k) {
+      if (words[k] == kPoisonWord) words[k] = 0x80000000u;
+    }
+  }
+  return v;
+}
+
+template <typename T, typename Unit>
+__device__ __forceinline__ bool has_arrived(Unit v) {
+  bool arrived = true;
+  if constexpr (sizeof(T) == 2) {
+    const uint16_t* lanes = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(Unit) / 2); ++k) arrived &= lanes[k] != 0x8000u;
+  } else {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(Unit) / 4); ++k) arrived &= words[k] != kPoisonWord;
+  }
+  return arrived;
+}
+
+// A load that goes to memory every time (a poll of another GPU's writes into host memory).
+template <typename Unit>
+__device__ __forceinline__ Unit load_wire(const Unit* p) {
+  Unit v;
+  if constexpr (sizeof(Unit) == 16) {
+    uint4 x;
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "l"(p) : "memory");
+    v = *reinterpret_cast<Unit*>(&x);
+  } else if constexpr (sizeof(Unit) == 4) {
+    uint32_t x;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
+    v = *reinterpret_cast<Unit*>(&x);
+  } else {
+    uint16_t x;
+    asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(x) : "l"(p) : "memory");
+    v = *reinterpret_cast<Unit*>(&x);
+  }
+  return v;
+}
+
+// Poll one unit until it arrived (bounded); false on timeout (recorded against `peer`) or abort.
+template <typename T, typename Unit>
+__device__ __forceinline__ bool await_unit(const KernelArgs& a, const Unit* p, Unit& v, int peer, uint32_t epoch,
+                                           uint32_t& spins, uint64_t& started) {
+  while (!has_arrived<T, Unit>(v)) {
+    const SpinVerdict verdict = spin_verdict(a, ++spins, started);
+    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, Stage::kHostGather, epoch, 0);
+    if (verdict != SpinVerdict::kSpin) return false;
+    v = load_wire(p);
+  }
+  return true;
+}
+
+// ---- where things are --------------------------------------------------------------------------
+
+enum class SharedArea : uint32_t { kInput = 0, kResult = 1 };  // what a rank sends / its reduced shard
+
+__device__ __forceinline__ uint64_t* shared_header(const KernelArgs& a, int owner, uint32_t buffer, int block) {
+  return reinterpret_cast<uint64_t*>(a.bases[owner] + a.layout.shared_offset) + buffer * kMaxFlagBlocks + block;
+}
+
+template <typename Unit>
+__device__ __forceinline__ Unit* shared_area(const KernelArgs& a, int owner, uint32_t buffer, SharedArea area) {
+  return reinterpret_cast<Unit*>(a.bases[owner] + a.layout.shared_offset + kSharedHeaderBytes +
+                                 (buffer * kSharedAreas + static_cast<uint32_t>(area)) * a.layout.slot_bytes);
+}
+
+// Control::shared_state: bit 31 set when the previous call wrote a result shard (two-shot),
+// bits 2..30 the bytes of the previous call, bits 0..1 the buffer of the next call.
+constexpr uint32_t kStateWroteResult = 1u << 31;
+
+__device__ __forceinline__ uint32_t shared_state_word(uint64_t nbytes, uint32_t next_buffer, bool wrote_result) {
+  return (wrote_result ? kStateWroteResult : 0u) | static_cast<uint32_t>(nbytes << 2) | next_buffer;
+}
+
+// Rank `owner`'s shard of a two-shot message, in 16-byte granules (the tail bytes belong to the
+// last rank's shard and move as single elements).
+__device__ __forceinline__ Range shard_granules(uint64_t nbytes, int world, int owner) {
+  return split(nbytes / kGranule, world, owner);
+}
+
+// ---- the steps -------------------------------------------------------------------------------
+
+// This block's header of this call (H4): thread 0, before its data.
+__device__ __forceinline__ void publish_header(const KernelArgs& a, uint32_t buffer, uint32_t epoch) {
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile uint64_t*>(shared_header(a, a.rank, buffer, blockIdx.x)) = flag_word(epoch, a.signature);
+  }
+}
+
+// Bounded wait (one thread) for `peer`'s header of this call; false on mismatch, timeout or abort.
+static __device__ __noinline__ bool wait_header(const KernelArgs& a, int peer, uint32_t buffer, uint32_t epoch) {
+  const uint64_t* header = shared_header(a, peer, buffer, blockIdx.x);
+  uint64_t started = 0;
+  for (uint32_t spins = 0;; ++spins) {
+    const uint64_t word = load_acquire_sys(header);
+    if (static_cast<uint32_t>(word >> 32) == epoch) {
+      const uint32_t observed = static_cast<uint32_t>(word);
+      if (observed == a.signature) return true;
+      record_error(a, ErrorKind::kMismatch, peer, Stage::kHostGather, epoch, observed);
+      return false;
+    }
+    const SpinVerdict verdict = spin_verdict(a, spins, started);
+    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, Stage::kHostGather, epoch, 0);
+    if (verdict != SpinVerdict::kSpin) return false;
+  }
+}
+
+// Threads 0..W-1 each wait for one peer's header; the others go on (callers join with
+// __syncthreads_and before anything depends on every header).
+__device__ __forceinline__ bool wait_headers(const KernelArgs& a, uint32_t buffer, uint32_t epoch) {
+  const int peer = static_cast<int>(threadIdx.x);
+  return peer >= a.world || peer == a.rank || wait_header(a, peer, buffer, epoch);
+}
+
+__device__ __forceinline__ void poison_granules(uint4* area, Range granules) {
+  const Range r = split(granules.end - granules.begin, gridDim.x, blockIdx.x);
+  const uint4 poison = make_uint4(kPoisonWord, kPoisonWord, kPoisonWord, kPoisonWord);
+  for (uint64_t i = granules.begin + r.begin + threadIdx.x; i < granules.begin + r.end; i += blockDim.x) area[i] = poison;
+}
+
+// Re-poison this block's share of what the previous call wrote in `buffer` (H2): its input
+// extent, and its own result shard if it was a two-shot; then make the poison visible at system
+// scope before this kernel ends. Only once every peer's header of this call arrived.
+__device__ __forceinline__ void repoison_previous(const KernelArgs& a, uint32_t buffer, uint32_t state) {
+  const uint64_t nbytes = (state & ~kStateWroteResult) >> 2;
+  poison_granules(shared_area<uint4>(a, a.rank, buffer, SharedArea::kInput), {0, (nbytes + kGranule - 1) / kGranule});
+  if (state & kStateWroteResult) {
+    Range shard = shard_granules(nbytes, a.world, a.rank);
+    if (a.rank == a.world - 1) shard.end = (nbytes + kGranule - 1) / kGranule;  // and the tail
+    poison_granules(shared_area<uint4>(a, a.rank, buffer, SharedArea::kResult), shard);
+  }
+  __threadfence_system();
+}
+
+// Read this block's copy of the state, then (after the call) advance every copy i with
+// i % gridDim.x == blockIdx.x, as end_call does with the epochs.
+__device__ __forceinline__ void advance_shared_state(Control* ctl, uint32_t next) {
+  __syncthreads();  // every thread has read shared_state[blockIdx.x]
+  for (uint32_t i = blockIdx.x + threadIdx.x * gridDim.x; i < kMaxFlagBlocks; i += blockDim.x * gridDim.x) {
+    ctl->shared_state[i] = next;
+  }
+}
+
+}  // namespace pcie_ar
