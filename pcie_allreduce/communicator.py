@@ -122,8 +122,6 @@ class Communicator:
         self.table_source: str = ("algo_table argument" if algo_table is not None
                                   else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
-        if not explicit_table:
-            self._adopt_tuned_table()
         requested = agreed[0]["transport"]
         hosts = sorted({p.host for p in self.placements})
         if len(hosts) > 1:  # neither transport reaches another host
@@ -136,6 +134,8 @@ class Communicator:
         if problems and requested == "p2p":
             raise UnavailableError(no_peer_access)
         self.transport = "host" if requested == "host" or problems else "p2p"
+        if not explicit_table:
+            self._adopt_tuned_table()
         self.transport_reason = ("asked for" if requested == self.transport
                                       else f"no peer-to-peer: {no_peer_access}")
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
@@ -154,11 +154,11 @@ class Communicator:
                 # pair: the platform does not deliver P2P. Every rank saw the same failure.
                 self.transport = "host"
                 self.transport_reason = f"peer-to-peer failed at creation: {' '.join(str(exc).split())}"
+                if not explicit_table:
+                    self._adopt_tuned_table()
                 self._workspace_for(stream)
         if requested == "auto" and self.transport == "p2p":
             self.transport_reason = "every pair has peer access and the creation transfer test passed"
-        if self.transport == "host" and self.table_source == "built-in default":
-            self.table = algo_mod.default_table("host")
         problem = self.table.transport_problem(self.transport)
         if problem is not None:  # the same table and transport on every rank: all raise here
             self.close()
@@ -336,17 +336,21 @@ class Communicator:
         return hit
 
     def _adopt_tuned_table(self) -> None:
-        """Use the table `pcie-allreduce tune` cached for this GPU model, W and topology, if any.
+        """Use the table `pcie-allreduce tune` cached for this GPU model, W, topology and transport,
+        if any, else the transport's built-in one.
 
         Rank 0 reads it and every rank adopts rank 0's copy, so the table is agreed once, here.
         A missing file means the default; an unreadable one warns and means the default too.
         """
+        self.table = algo_mod.default_table(self.transport)
+        self.table_source = "built-in default"
         from pcie_allreduce import tune_cache
 
         found: tuple[str, str] | None = None
         if self.rank == 0:
             fp = tune_cache.fingerprint_of(self._ext, [p.pci_bus_id for p in self.placements])
-            path = tune_cache.table_path(torch.cuda.get_device_name(self.device), self.world_size, fp)
+            path = tune_cache.table_path(torch.cuda.get_device_name(self.device), self.world_size, fp,
+                                         transport=self.transport)
             if os.path.isfile(path):
                 try:
                     with open(path, encoding="utf-8") as fh:

@@ -35,7 +35,7 @@ import os
 import sys
 from typing import Any, Iterable, Sequence
 
-from pcie_allreduce import algo as algo_mod, sizes, tune_cache
+from pcie_allreduce import algo as algo_mod, sizes, transport as transport_mod, tune_cache
 from pcie_allreduce.algo import ALGORITHMS, MAX_LAUNCH_BLOCKS, AlgoTable, Rule, default_table
 from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, one_line, positive_float, positive_int, typed_arg
 from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
@@ -75,6 +75,7 @@ class TuneJob:
     calls_per_graph: int = 16
     time_budget_s: float = 0.2
     kernel_timeout_s: float = 10.0
+    transport: str = "auto"  # the communicator's (its algorithms are measured, its table written)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +205,8 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
     from pcie_allreduce.communicator import Communicator
 
     dtype = getattr(torch, job.dtype)
-    comm = Communicator(ctx.group, ctx.device, max_bytes=max(max(job.sizes), 4096), timeout_s=job.kernel_timeout_s)
+    comm = Communicator(ctx.group, ctx.device, max_bytes=max(max(job.sizes), 4096), timeout_s=job.kernel_timeout_s,
+                        transport=job.transport)
     try:
         stream = torch.cuda.Stream(ctx.device)
         comm.workspace(stream.cuda_stream)  # collective (IPC handle exchange): once, before any capture
@@ -217,7 +219,8 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
             for algo in (a for a in job.algos if algo_mod.runs_on(a, comm.transport)):
                 for blocks in job.blocks:
                     rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
-        facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps}
+        facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps,
+                 "transport": comm.transport}
         ext = _ext.load()
         if ext is not None:
             facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in comm.placements])
@@ -405,6 +408,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizes.add_size_arguments(what, default_min=DEFAULT_MIN_BYTES, default_max=DEFAULT_MAX_BYTES)
     what.add_argument("--algos", choices=ALGORITHMS, nargs="+", metavar="ALGO",
                       help=f"algorithms to consider ({' '.join(ALGORITHMS)}; default all)")
+    what.add_argument("--transport", choices=transport_mod.CHOICES, default="auto",
+                      help="the communicator's transport (default auto: P2P where it works, else host memory); "
+                           "a host-transport table is cached apart from the P2P one")
     what.add_argument("--blocks", type=blocks_arg, nargs="+", metavar="N",
                       help=f"block counts to try (default {' '.join(map(str, DEFAULT_BLOCKS))}; counts above the "
                            "block cap of ranks sharing a GPU are skipped)")
@@ -441,7 +447,8 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """The validated job; bad combinations call ``parser.error`` (exit 2)."""
     return TuneJob(sizes=sweep_sizes(args, parser), algos=tuple(dict.fromkeys(args.algos or ALGORITHMS)),
                    blocks=tuple(sorted(set(args.blocks or DEFAULT_BLOCKS))), dtype=args.dtype, iters=args.iters,
-                   warmup=args.warmup, calls_per_graph=args.calls_per_graph, time_budget_s=args.time_budget)
+                   warmup=args.warmup, calls_per_graph=args.calls_per_graph, time_budget_s=args.time_budget,
+                   transport=args.transport)
 
 
 def write_tables(rows: Sequence[Measurement], facts: dict[int, dict[str, Any]], placements: dict[int, str],
@@ -454,7 +461,8 @@ def write_tables(rows: Sequence[Measurement], facts: dict[int, dict[str, Any]], 
         if not mine:
             sections.append(f"# W={world}: nothing measured, no table")
             continue
-        table = derive_table(mine)
+        transport = facts[world].get("transport", "p2p")
+        table = derive_table(mine, fallback=default_table(transport))
         text = [f"# W={world}: tuned vs default table ({placements.get(world, '')})",
                 format_picks(mine, rows, world, job.dtype, facts[world].get("block_cap")),
                 "# rules (first match wins; the default table's follow for other world sizes):",
@@ -464,9 +472,9 @@ def write_tables(rows: Sequence[Measurement], facts: dict[int, dict[str, Any]], 
         if gpu is None or fp is None:
             text.append("# no table written: the ranks did not report the GPU model and topology fingerprint")
         elif dry_run:
-            text.append(f"# --dry-run: would write {tune_cache.table_path(gpu, world, fp, cache_dir)}")
+            text.append(f"# --dry-run: would write {tune_cache.table_path(gpu, world, fp, cache_dir, transport)}")
         else:
-            path = tune_cache.table_path(gpu, world, fp, cache_dir)
+            path = tune_cache.table_path(gpu, world, fp, cache_dir, transport)
             meta = {"gpu": gpu, "world": world, "fingerprint": fp, "dtype": job.dtype,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "placement": placements.get(world, ""), "sizes": list(job.sizes),

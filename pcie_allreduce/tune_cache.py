@@ -57,13 +57,14 @@ def fingerprint_of(ext: Any, bus_ids_by_rank: Sequence[str]) -> str:
     return fingerprint(bus_ids_by_rank, can_access)
 
 
-def table_name(gpu_name: str, world: int, fp: str) -> str:
-    return f"{gpu_slug(gpu_name)}-w{world}-{fp}.json"
+def table_name(gpu_name: str, world: int, fp: str, transport: str = "p2p") -> str:
+    return f"{gpu_slug(gpu_name)}-w{world}-{fp}{'-host' if transport == 'host' else ''}.json"
 
 
-def table_path(gpu_name: str, world: int, fp: str, directory: str | None = None) -> str:
-    """The cache file of a (GPU model, W, fingerprint)."""
-    return os.path.join(directory or cache_dir(), table_name(gpu_name, world, fp))
+def table_path(gpu_name: str, world: int, fp: str, directory: str | None = None, transport: str = "p2p") -> str:
+    """The cache file of a (GPU model, W, fingerprint, transport): the host transport's tables
+    are kept apart, since its algorithms and crossovers differ."""
+    return os.path.join(directory or cache_dir(), table_name(gpu_name, world, fp, transport))
 
 
 def write_table(path: str, table_json: str, meta: dict[str, Any]) -> None:

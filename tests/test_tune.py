@@ -300,3 +300,19 @@ def test_tune_without_gpu_exits_with_one_line(capsys) -> None:
     captured = capsys.readouterr()
     assert captured.err.startswith("pcie-allreduce tune: cannot run here: ") and captured.err.count("\n") == 1
     assert captured.out == ""
+
+
+def test_the_host_transport_is_tuned_and_cached_apart() -> None:
+    """--transport reaches the communicator; a host table's file name says so, and its fallback
+    rules are the host transport's built-in ones."""
+    from pcie_allreduce import tune_cache
+
+    assert _parse([])[1].transport == "auto"
+    assert _parse(["--transport", "host"])[1].transport == "host"
+    with pytest.raises(SystemExit):
+        _parse(["--transport", "nvlink"])
+    assert tune_cache.table_name("NVIDIA H200", 2, "abc").endswith("-w2-abc.json")
+    assert tune_cache.table_name("NVIDIA H200", 2, "abc", "host").endswith("-w2-abc-host.json")
+    picks = [tune.Pick(2, 1 << 20, "host_oneshot", 8, 1.0, 1.0)]
+    table = tune.derive_table(picks, fallback=algo_mod.default_table("host"))
+    assert table.rules[-1].algo == "host_twoshot" and table.transport_problem("host") is None
