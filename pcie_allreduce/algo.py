@@ -38,6 +38,42 @@ def fits_capacity(algo: str, nbytes: int, ll_capacity: int | None) -> bool:
 
 
 @dataclass(frozen=True)
+class WireBytes:
+    """Bytes one rank's link carries in one call: ``out``, what this rank sends across it (its
+    posted writes into peers' memory); ``into``, what crosses it toward this rank (peers' writes
+    into its memory). Payload only: the flags (8 bytes per block, peer and exchange) are left out."""
+
+    out: int
+    into: int
+
+    @property
+    def busiest(self) -> int:
+        """The direction that limits a call on a full-duplex link."""
+        return max(self.out, self.into)
+
+
+def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
+    """Bytes on this rank's link for one all-reduce of ``nbytes`` by ``algo`` on ``world`` ranks, a
+    pure function of the call (the dtype does not enter: every format here moves the message's
+    own bytes, the lines twice as many).
+
+    - ``oneshot``, ``staged``: the message to each of the W-1 peers, and theirs to us: (W-1)N each way.
+    - ``twoshot``: a reduce-scatter and an all-gather, each (W-1)/W of the message each way.
+    - ``oneshot_ll``: as ``oneshot`` in 16-byte lines of 8 payload bytes: twice the bytes.
+    """
+    others = world - 1
+    if algo in ("oneshot", "staged"):
+        moved = others * nbytes
+    elif algo == "twoshot":
+        moved = 2 * others * nbytes // world
+    elif algo == "oneshot_ll":
+        moved = 2 * others * nbytes
+    else:
+        raise ValueError(f"no wire accounting for algo {algo!r}; expected one of {ALGORITHMS}")
+    return WireBytes(out=moved, into=moved)
+
+
+@dataclass(frozen=True)
 class Choice:
     """What one call launches."""
 

@@ -101,3 +101,19 @@ def test_dtype_maps_cover_the_kernels_dtypes() -> None:
 
     assert {dispatch.DTYPE_NAMES[d]: i for d, i in dispatch.DTYPE_IDS.items()} == constants.DTYPE_IDS
     assert set(validation.SUPPORTED_DTYPES) == set(dispatch.DTYPE_IDS)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_wire_bytes_per_algorithm(world: int) -> None:
+    """Bytes on one rank's link per call, a pure function of (algorithm, bytes, W)."""
+    from pcie_allreduce.algo import WireBytes, wire_bytes
+
+    n = 4 * 7168 * 2  # the verify pass's message: 4 tokens x 7168 bf16
+    assert wire_bytes("oneshot", n, world) == WireBytes((world - 1) * n, (world - 1) * n)
+    assert wire_bytes("staged", n, world) == wire_bytes("oneshot", n, world)
+    assert wire_bytes("oneshot_ll", n, world).busiest == 2 * (world - 1) * n  # 16-byte lines of 8 payload bytes
+    assert wire_bytes("twoshot", n, world).busiest == 2 * (world - 1) * n // world
+    if world == 8:  # the motivating case: 392 KiB per GPU at full payload, twice that in lines
+        assert wire_bytes("oneshot", n, world).out == 392 * 1024
+    with pytest.raises(ValueError, match="no wire accounting"):
+        wire_bytes("ring", n, world)
