@@ -22,7 +22,8 @@ from bench.table import Column, line, num, speedup
 
 CSV_COLUMNS: tuple[str, ...] = (
     "world", "size_bytes", "count", "dtype", "backend", "algo", "resolved_algo", "mode", "calls_per_graph",
-    "replays", "p50_us", "p99_us", "rank0_p50_us", "algbw_gbps", "busbw_gbps", "speedup", "reference",
+    "replays", "p50_us", "p99_us", "rank0_p50_us", "algbw_gbps", "busbw_gbps", "wire_out_bytes", "wire_in_bytes",
+    "wire_gbps", "speedup", "reference",
     "status", "error", "workload", "tokens", "hidden", "model", "pass_ms",
 )
 # The all-reduce table, right-aligned like nccl-tests.
@@ -36,6 +37,9 @@ TABLE_COLUMNS: tuple[Column, ...] = (
     Column("p99(us)", 10, lambda r: num(r.p99_us)),
     Column("algbw(GB/s)", 12, lambda r: num(r.algbw_gbps)),
     Column("busbw(GB/s)", 12, lambda r: num(r.busbw_gbps)),
+    # Ours: bytes on one rank's link per call (out/in) and the link rate that implies.
+    Column("wire(B)", 21, lambda r: "-" if r.wire is None else f"{r.wire.out}/{r.wire.into}"),
+    Column("wire(GB/s)", 11, lambda r: num(r.wire_gbps)),
     Column("speedup", 8, lambda r: speedup(r.speedup)),
     Column("status", 8, lambda r: "" if r.ok else r.status),
 )

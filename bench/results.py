@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+from pcie_allreduce.algo import WireBytes, wire_bytes
+
 OK = "ok"
 WRONG = "wrong"      # the all-reduce returned a wrong sum: not timed
 FAILED = "failed"    # raised, or hung and was killed by the watchdog
@@ -103,6 +105,24 @@ class Result:
         return busbw_gbps(self.algbw_gbps, self.world)
 
     @property
+    def wire(self) -> WireBytes | None:
+        """Bytes on one rank's link per call, for our plain all-reduce rows (None for other
+        backends, whose formats are theirs, and for fused or verify rows)."""
+        if not self.backend.startswith("ours") or self.workload != ALLREDUCE or is_norm_algo(self.algo):
+            return None
+        algo = self.resolved_algo or self.algo
+        try:
+            return wire_bytes(algo, self.size_bytes, self.world)
+        except ValueError:  # not one of ours (an "auto" that did not resolve)
+            return None
+
+    @property
+    def wire_gbps(self) -> float | None:
+        """The busier direction of :attr:`wire` over the p50 time: the link rate the call implies."""
+        wire = self.wire
+        return None if wire is None else algbw_gbps(wire.busiest, self.p50_us)
+
+    @property
     def label(self) -> str:
         """The algo column: "auto(oneshot)" when auto resolved to something, "auto(oneshot)+norm"."""
         base, suffix = (self.algo[:-len(NORM_SUFFIX)], NORM_SUFFIX) if self.algo.endswith(NORM_SUFFIX) \
@@ -116,6 +136,10 @@ class Result:
         data = dataclasses.asdict(self)
         data["algbw_gbps"] = self.algbw_gbps
         data["busbw_gbps"] = self.busbw_gbps
+        wire = self.wire
+        data["wire_out_bytes"] = None if wire is None else wire.out
+        data["wire_in_bytes"] = None if wire is None else wire.into
+        data["wire_gbps"] = self.wire_gbps
         return data
 
     @classmethod

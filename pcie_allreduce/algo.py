@@ -45,6 +45,56 @@ def fits_capacity(algo: str, nbytes: int, ll_capacity: int | None) -> bool:
 
 
 @dataclass(frozen=True)
+class WireBytes:
+    """Bytes one rank's link carries in one call: ``out``, what this rank sends across it (its
+    posted writes into peers' memory); ``into``, what crosses it toward this rank (peers' writes
+    into its memory). Payload only: the flags (8 bytes per block, peer and exchange) are left out."""
+
+    out: int
+    into: int
+
+    @property
+    def busiest(self) -> int:
+        """The direction that limits a call on a full-duplex link."""
+        return max(self.out, self.into)
+
+
+def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
+    """Bytes on this rank's link for one all-reduce of ``nbytes`` by ``algo`` on ``world`` ranks, a
+    pure function of the call (the dtype does not enter: every format here moves the message's
+    own bytes, the lines twice as many).
+
+    - ``oneshot``, ``staged``: the message to each of the W-1 peers, and theirs to us: (W-1)N each way.
+    - ``twoshot``: a reduce-scatter and an all-gather, each (W-1)/W of the message each way.
+    - ``oneshot_ll``: as ``oneshot`` in 16-byte lines of 8 payload bytes: twice the bytes.
+
+    On the host transport every byte crosses the link of the GPU that writes or reads it, and
+    host memory is nobody's: ``out`` counts this rank's writes, ``into`` its reads.
+
+    - ``host_oneshot``: the message written once, and the previous call's re-poisoned (2N out),
+      the W-1 others read ((W-1)N in).
+    - ``host_twoshot``: the message and the reduced shard written once, and both re-poisoned
+      (2(N + N/W) out); W-1 shards of the others' messages, then W-1 reduced shards, read
+      (2(W-1)N/W in).
+
+    (The push algorithms on the host transport: the same counts as on P2P, the writes into the
+    peers' host memory out and the reads of our own in.)
+    """
+    others = world - 1
+    if algo in ("oneshot", "staged"):
+        return WireBytes(others * nbytes, others * nbytes)
+    if algo == "twoshot":
+        return WireBytes(2 * others * nbytes // world, 2 * others * nbytes // world)
+    if algo == "oneshot_ll":
+        return WireBytes(2 * others * nbytes, 2 * others * nbytes)
+    if algo == "host_oneshot":
+        return WireBytes(2 * nbytes, others * nbytes)
+    if algo == "host_twoshot":
+        return WireBytes(2 * (nbytes + nbytes // world), 2 * others * nbytes // world)
+    raise ValueError(f"no wire accounting for algo {algo!r}; expected one of {ALGORITHMS}")
+
+
+@dataclass(frozen=True)
 class Choice:
     """What one call launches."""
 

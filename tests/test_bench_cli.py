@@ -201,7 +201,7 @@ def test_table_columns_and_rows() -> None:
     header = next(line for line in text.splitlines() if "size(B)" in line and "count" in line)
     names = header.lstrip("#").split()
     assert names == ["size(B)", "count", "dtype", "backend", "algo", "p50(us)", "p99(us)", "algbw(GB/s)",
-                     "busbw(GB/s)", "speedup", "status"]
+                     "busbw(GB/s)", "wire(B)", "wire(GB/s)", "speedup", "status"]
     assert "# W=4 | emulation: 4 ranks on one GPU under MPS | bfloat16" in text
     assert "# W=2 | 2 ranks on 2 GPUs" in text
     assert "CUDA-graph replay, 16 calls per graph" in text
@@ -210,10 +210,13 @@ def test_table_columns_and_rows() -> None:
     assert len(rows) == 8
     ok = next(line.split() for line in rows if "auto(oneshot)" in line)
     assert ok[:5] == ["14336", "7168", "bfloat16", "ours", "auto(oneshot)"]
-    assert ok[5] == "4.20" and ok[6] == "6.30" and ok[9] == "1.43x"
+    assert ok[5] == "4.20" and ok[6] == "6.30" and ok[11] == "1.43x"
     assert float(ok[7]) == pytest.approx(14336 / 4.2e3, abs=0.01)
+    # one-shot at W=4: the message to each of 3 peers, theirs to us; the rate of the busier direction
+    assert ok[9] == "43008/43008" and float(ok[10]) == pytest.approx(43008 / 4.2e3, abs=0.01)
     failed = next(line.split() for line in rows if "twoshot" in line)
-    assert failed[5:10] == ["-", "-", "-", "-", "-"] and failed[10] == "failed"
+    assert failed[5:7] == ["-", "-"] and failed[7:9] == ["-", "-"] and failed[10] == "-" and failed[12] == "failed"
+    assert failed[9] == str(2 * 3 * 14336 // 4) + "/" + str(2 * 3 * 14336 // 4)  # bytes are known without a time
     assert "# skipped: nccl: NCCL refuses two ranks on one GPU" in world4
     # W=8: torch_symm never got past set-up: no not-run rows, the note says why.
     world8 = report.format_world(rep, 8)

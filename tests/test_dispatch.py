@@ -117,3 +117,22 @@ def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
     assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
     assert all(algo.runs_on(a, "host") for a in algo.ALGORITHMS)
     assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "p2p")] == list(algo.HOST_ONLY_ALGORITHMS)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_wire_bytes_per_algorithm(world: int) -> None:
+    """Bytes on one rank's link per call, a pure function of (algorithm, bytes, W)."""
+    from pcie_allreduce.algo import WireBytes, wire_bytes
+
+    n = 4 * 7168 * 2  # the verify pass's message: 4 tokens x 7168 bf16
+    assert wire_bytes("oneshot", n, world) == WireBytes((world - 1) * n, (world - 1) * n)
+    assert wire_bytes("staged", n, world) == wire_bytes("oneshot", n, world)
+    assert wire_bytes("oneshot_ll", n, world).busiest == 2 * (world - 1) * n  # 16-byte lines of 8 payload bytes
+    assert wire_bytes("twoshot", n, world).busiest == 2 * (world - 1) * n // world
+    if world == 8:  # the motivating case: 392 KiB per GPU at full payload, twice that in lines
+        assert wire_bytes("oneshot", n, world).out == 392 * 1024
+    # host memory: each message written once (plus the re-poison), the others read
+    assert wire_bytes("host_oneshot", n, world) == WireBytes(2 * n, (world - 1) * n)
+    assert wire_bytes("host_twoshot", n, world).into == 2 * (world - 1) * n // world
+    with pytest.raises(ValueError, match="no wire accounting"):
+        wire_bytes("ring", n, world)
