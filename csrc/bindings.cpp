@@ -75,6 +75,8 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("local_base", &Workspace::local_base)
       .def_property_readonly("shared_offset", &Workspace::shared_offset)
       .def_property_readonly("shared_bytes", &Workspace::shared_bytes)
+      .def_property_readonly("full_offset", &Workspace::full_offset)
+      .def_property_readonly("full_bytes", &Workspace::full_bytes)
       .def_property_readonly("total_bytes", &Workspace::total_bytes)
       .def_property_readonly("device", &Workspace::device)
       .def_property_readonly("rank", &Workspace::rank)
@@ -129,6 +131,7 @@ void register_constants(py::module_& m) {
   m.attr("SHARED_BUFFERS") = pcie_ar::kSharedBuffers;
   m.attr("SHARED_AREAS") = pcie_ar::kSharedAreas;
   m.attr("SHARED_HEADER_BYTES") = pcie_ar::kSharedHeaderBytes;
+  m.attr("FULL_HEADER_BYTES") = pcie_ar::kFullHeaderBytes;
   m.attr("POISON_WORD") = pcie_ar::kPoisonWord;
   m.attr("CONTROL_WORDS") = pcie_ar::kControlWords;
   m.attr("ERROR_WORDS") = pcie_ar::kErrorRecordWords;
@@ -146,6 +149,7 @@ void register_constants(py::module_& m) {
                         py::arg("ll_offset") = l.ll_offset, py::arg("flags_offset") = l.flags_offset,
                         py::arg("control_offset") = l.control_offset, py::arg("stats_offset") = l.stats_offset,
                         py::arg("shared_offset") = l.shared_offset, py::arg("shared_bytes") = l.shared_bytes,
+                        py::arg("full_offset") = l.full_offset, py::arg("full_bytes") = l.full_bytes,
                         py::arg("total_bytes") = l.total_bytes);
       },
       py::arg("max_bytes"), py::arg("world"), py::arg("transport") = 0,

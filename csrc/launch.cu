@@ -10,6 +10,7 @@
 #include "host_oneshot.cuh"
 #include "host_twoshot.cuh"
 #include "oneshot.cuh"
+#include "oneshot_full.cuh"
 #include "oneshot_ll.cuh"
 #include "twoshot.cuh"
 
@@ -42,6 +43,7 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
     case Algo::kTwoShot: twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostOneShot: host_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostTwoShot: host_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kOneShotFull: oneshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }

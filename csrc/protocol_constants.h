@@ -29,11 +29,13 @@ constexpr uint64_t kLinePayloadBytes = 8;
 constexpr uint64_t kLineBytes = 16;
 constexpr uint32_t kLineFlagMix = 0x9E3779B9u;
 
-enum class Algo : int { kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5 };
+enum class Algo : int {
+  kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5, kOneShotFull = 6
+};
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
                               kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
-                              kFusedRowStats = 8, kHostGather = 9 };
+                              kFusedRowStats = 8, kHostGather = 9, kFullGather = 10 };
 enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
 // Where a workspace lives. kP2P: device memory, peers map it through CUDA IPC and their stores
 // cross the GPU-to-GPU path. kHost: pinned host memory shared by the ranks of one host (boxes
@@ -52,7 +54,8 @@ constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
                                       {Algo::kTwoShot, "twoshot"},
                                       {Algo::kOneShotLL, "oneshot_ll"},
                                       {Algo::kHostOneShot, "host_oneshot"},
-                                      {Algo::kHostTwoShot, "host_twoshot"}};
+                                      {Algo::kHostTwoShot, "host_twoshot"},
+                                      {Algo::kOneShotFull, "oneshot_full"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
@@ -60,7 +63,7 @@ constexpr Named<Stage> kStageNames[] = {
     {Stage::kAllGather, "all-gather"},              {Stage::kFusedGather, "fused gather"},
     {Stage::kFusedReduceScatter, "fused reduce-scatter"}, {Stage::kFusedAllGather, "fused all-gather"},
     {Stage::kLowLatencyGather, "low-latency gather"}, {Stage::kFusedRowStats, "fused row statistics"},
-    {Stage::kHostGather, "host transport gather"}};
+    {Stage::kHostGather, "host transport gather"}, {Stage::kFullGather, "full-payload gather"}};
 constexpr Named<ErrorKind> kErrorKindNames[] = {{ErrorKind::kTimeout, "timeout"}, {ErrorKind::kMismatch, "mismatch"}};
 constexpr Named<Transport> kTransportNames[] = {{Transport::kP2P, "p2p"}, {Transport::kHost, "host"}};
 
@@ -99,7 +102,8 @@ constexpr uint64_t kControlWords = sizeof(Control) / sizeof(uint32_t);
 constexpr uint64_t kErrorRecordWords = sizeof(ErrorRecord) / sizeof(uint32_t);
 
 // Byte offsets inside one rank's workspace allocation. Identical on every rank (checked at rendezvous).
-//   [2 parities x W data slots][2 parities x W low-latency line slots][flags][control][row stats][host: shared buffers]
+//   [2 parities x W data slots][2 parities x W low-latency line slots][flags][control][row stats]
+//   [host: shared buffers][full-payload headers and slots]
 // The line slots hold the data-as-flag exchange of oneshot_ll.cuh: kLineBytes of line per
 // kLinePayloadBytes of payload, for messages up to ll_capacity bytes (a fixed cap: the format
 // doubles the traffic, so it only pays for small messages).
@@ -126,7 +130,10 @@ constexpr uint64_t kSharedAreas = 2;
 // sentinel) and, read as one 32-bit word, the fp32 sentinel. A kernel sends -0.0 (2-byte types)
 // as +0.0 and the fp32 word 0x80008000 (a negative subnormal) as -0.0, so data never looks unwritten.
 constexpr uint32_t kPoisonWord = 0x80008000u;
-// Before those buffers: one header word (epoch << 32 | signature) per (buffer, block).
+// The full-payload one-shot (oneshot_full.cuh) has slots of its own, like the lines: 2 parities
+// x W senders x ll_capacity bytes (the same cap), after one header word per (parity, sender, block).
+constexpr uint64_t kFullHeaderBytes = (2 * kMaxRanks * kMaxFlagBlocks * sizeof(uint64_t) + kAlign - 1) / kAlign * kAlign;
+// Before the host transport's buffers: one header word (epoch << 32 | signature) per (buffer, block).
 constexpr uint64_t kSharedHeaderBytes = (kSharedBuffers * kMaxFlagBlocks * sizeof(uint64_t) + kAlign - 1) / kAlign * kAlign;
 
 struct Layout {
@@ -140,6 +147,8 @@ struct Layout {
   uint64_t stats_offset;
   uint64_t shared_offset;  // host transport: headers, then kSharedBuffers x kSharedAreas areas of slot_bytes
   uint64_t shared_bytes;   // 0 for p2p
+  uint64_t full_offset;    // the full-payload one-shot's headers, then 2 parities x W slots of ll_capacity
+  uint64_t full_bytes;
   uint64_t total_bytes;
 
   PCIE_AR_HOST_DEVICE static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -156,7 +165,9 @@ struct Layout {
     l.stats_offset = l.control_offset + round_up(sizeof(Control), kAlign);
     l.shared_offset = l.stats_offset + round_up(sizeof(uint64_t) * kRowStatsSlots, kAlign);
     l.shared_bytes = transport == Transport::kHost ? kSharedHeaderBytes + kSharedBuffers * kSharedAreas * l.slot_bytes : 0;
-    l.total_bytes = l.shared_offset + l.shared_bytes;
+    l.full_offset = l.shared_offset + l.shared_bytes;
+    l.full_bytes = kFullHeaderBytes + 2 * static_cast<uint64_t>(world) * l.ll_capacity;
+    l.total_bytes = l.full_offset + l.full_bytes;
     return l;
   }
 };

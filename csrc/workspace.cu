@@ -51,6 +51,17 @@ uint64_t seconds_to_ns(double seconds) {
   return static_cast<uint64_t>(seconds * 1e9);
 }
 
+// The full-payload one-shot's slots (after its headers), which start as poison.
+uint64_t full_slots_offset(const Layout& l) { return l.full_offset + kFullHeaderBytes; }
+uint64_t full_slots_bytes(const Layout& l, int world) { return 2 * static_cast<uint64_t>(world) * l.ll_capacity; }
+
+__global__ void fill_words_kernel(uint32_t* words, uint64_t n, uint32_t value) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    words[i] = value;
+  }
+}
+
 // The probe pattern rank `sender` writes for `seed`: no word is 0, so a slot never written (zeroed
 // at creation) never passes.
 __host__ __device__ inline uint32_t probe_word(uint32_t seed, int sender, int i) {
@@ -176,6 +187,8 @@ void Workspace::allocate() {
     uint32_t* shared = reinterpret_cast<uint32_t*>(state_->own.host_pointer() + state_->layout.shared_offset +
                                                    kSharedHeaderBytes);
     std::fill(shared, shared + kSharedBuffers * kSharedAreas * state_->layout.slot_bytes / sizeof(uint32_t), kPoisonWord);
+    uint32_t* full = reinterpret_cast<uint32_t*>(state_->own.host_pointer() + full_slots_offset(state_->layout));
+    std::fill(full, full + full_slots_bytes(state_->layout, world_) / sizeof(uint32_t), kPoisonWord);
     const uint64_t local_bytes = state_->layout.shared_offset - state_->layout.control_offset;
     PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local_only, local_bytes));
     PCIE_AR_CUDA_CHECK(cudaMemset(state_->local_only, 0, local_bytes));
@@ -196,6 +209,11 @@ void Workspace::allocate_device_memory() {
   cudaStream_t init_stream;
   PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&init_stream, cudaStreamNonBlocking));
   PCIE_AR_CUDA_CHECK(cudaMemsetAsync(state_->local, 0, state_->layout.total_bytes, init_stream));
+  // The full-payload one-shot's slots start unwritten: poison (oneshot_full.cuh, F1).
+  fill_words_kernel<<<64, 256, 0, init_stream>>>(
+      reinterpret_cast<uint32_t*>(state_->local + full_slots_offset(state_->layout)),
+      full_slots_bytes(state_->layout, world_) / sizeof(uint32_t), kPoisonWord);
+  PCIE_AR_CUDA_CHECK(cudaGetLastError());
   PCIE_AR_CUDA_CHECK(cudaStreamSynchronize(init_stream));
   PCIE_AR_CUDA_CHECK(cudaStreamDestroy(init_stream));
 }
@@ -347,7 +365,8 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kHostOneShot && static_cast<Algo>(algo) != Algo::kHostTwoShot) ||
                           state_->transport == Transport::kHost,
                       "host_oneshot and host_twoshot run on the host transport only");
-  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kOneShotLL || nbytes <= state_->layout.ll_capacity,
+  PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kOneShotLL && static_cast<Algo>(algo) != Algo::kOneShotFull) ||
+                          nbytes <= state_->layout.ll_capacity,
                       "message larger than the low-latency capacity (" + std::to_string(state_->layout.ll_capacity) +
                           " bytes); use another algorithm");
   KernelArgs args = state_->launch_template;
@@ -408,6 +427,8 @@ uint64_t Workspace::local_base() const { return reinterpret_cast<uint64_t>(state
 uint64_t Workspace::stats_offset() const { return state_->layout.stats_offset; }
 uint64_t Workspace::shared_offset() const { return state_->layout.shared_offset; }
 uint64_t Workspace::shared_bytes() const { return state_->layout.shared_bytes; }
+uint64_t Workspace::full_offset() const { return state_->layout.full_offset; }
+uint64_t Workspace::full_bytes() const { return state_->layout.full_bytes; }
 uint64_t Workspace::total_bytes() const { return state_->layout.total_bytes; }
 
 void Workspace::debug_set_epoch(uint32_t completed) {

@@ -76,6 +76,8 @@ class Workspace {
   uint64_t stats_offset() const;
   uint64_t shared_offset() const;  // the host one-shot's headers and buffers (host transport)
   uint64_t shared_bytes() const;
+  uint64_t full_offset() const;  // the full-payload one-shot's headers and slots
+  uint64_t full_bytes() const;
   uint64_t total_bytes() const;
 
   // Test hook: make this workspace believe `completed` calls already happened (wrap-around tests).

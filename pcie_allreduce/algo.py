@@ -28,7 +28,7 @@ from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # Algorithms whose messages must fit the workspace's low-latency line slots (Layout.ll_capacity).
-CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll",)
+CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll", "oneshot_full")
 # Algorithms that need the host transport (their buffers exist only in shared host memory).
 HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot", "host_twoshot")
 
@@ -67,6 +67,7 @@ def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
     - ``oneshot``, ``staged``: the message to each of the W-1 peers, and theirs to us: (W-1)N each way.
     - ``twoshot``: a reduce-scatter and an all-gather, each (W-1)/W of the message each way.
     - ``oneshot_ll``: as ``oneshot`` in 16-byte lines of 8 payload bytes: twice the bytes.
+    - ``oneshot_full``: as ``oneshot``, the data its own flag (no flag round trip, no line overhead).
 
     On the host transport every byte crosses the link of the GPU that writes or reads it, and
     host memory is nobody's: ``out`` counts this rank's writes, ``into`` its reads.
@@ -81,7 +82,7 @@ def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
     peers' host memory out and the reads of our own in.)
     """
     others = world - 1
-    if algo in ("oneshot", "staged"):
+    if algo in ("oneshot", "staged", "oneshot_full"):
         return WireBytes(others * nbytes, others * nbytes)
     if algo == "twoshot":
         return WireBytes(2 * others * nbytes // world, 2 * others * nbytes // world)

@@ -40,15 +40,18 @@ MIRROR: dict[str, Any] = {
     "SHARED_BUFFERS": 3,        # the host transport's write-once buffers, each of ...
     "SHARED_AREAS": 2,          # ... two areas (what a rank sends, its reduced shard), ...
     "SHARED_HEADER_BYTES": 3072,  # ... after one header word per (buffer, block)
-    "POISON_WORD": 0x80008000,  # an unwritten word of those buffers
+    "POISON_WORD": 0x80008000,  # an unwritten word of those buffers (and of the full-payload slots)
+    "FULL_HEADER_BYTES": 16384,  # the full-payload one-shot's header words, before its slots
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
-    "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5},
+    "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5,
+                 "oneshot_full": 6},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
     "TRANSPORT_IDS": {"p2p": 0, "host": 1},
     "STAGE_NAMES": {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
                     5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
-                    8: "fused row statistics", 9: "host transport gather"},
+                    8: "fused row statistics", 9: "host transport gather",
+                    10: "full-payload gather"},
 }
 
 
@@ -92,6 +95,7 @@ SHARED_BUFFERS: int = _VALUES["SHARED_BUFFERS"]
 SHARED_AREAS: int = _VALUES["SHARED_AREAS"]
 SHARED_HEADER_BYTES: int = _VALUES["SHARED_HEADER_BYTES"]
 POISON_WORD: int = _VALUES["POISON_WORD"]
+FULL_HEADER_BYTES: int = _VALUES["FULL_HEADER_BYTES"]
 ERROR_WORDS: int = _VALUES["ERROR_WORDS"]
 #: Algorithm name -> the kernels' algorithm id.
 ALGO_IDS: dict[str, int] = _VALUES["ALGO_IDS"]
@@ -116,3 +120,4 @@ STAGE_FUSED_ALL_GATHER: int = _STAGE_IDS["fused all-gather"]
 STAGE_LOW_LATENCY_GATHER: int = _STAGE_IDS["low-latency gather"]
 STAGE_FUSED_ROW_STATS: int = _STAGE_IDS["fused row statistics"]
 STAGE_HOST_GATHER: int = _STAGE_IDS["host transport gather"]
+STAGE_FULL_GATHER: int = _STAGE_IDS["full-payload gather"]

@@ -13,7 +13,7 @@ from typing import Any
 
 from pcie_allreduce.constants import (ALIGN, CONTROL_WORDS, FLAG_KINDS, LINE_BYTES, LINE_PAYLOAD_BYTES,
                                       LOW_LATENCY_MAX_BYTES, MAX_FLAG_BLOCKS, MAX_RANKS, ROW_STATS_SLOTS,
-                                      SHARED_AREAS, SHARED_BUFFERS, SHARED_HEADER_BYTES)
+                                      FULL_HEADER_BYTES, SHARED_AREAS, SHARED_BUFFERS, SHARED_HEADER_BYTES)
 # The word indices of the control and error records, next to the offsets they index from (the
 # interpreter tests' fake workspace reads them here); defined in pcie_allreduce.constants.
 from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, ERROR_WORDS  # noqa: F401
@@ -41,6 +41,8 @@ class Layout:
     stats_offset: int
     shared_offset: int
     shared_bytes: int
+    full_offset: int
+    full_bytes: int
     total_bytes: int
 
     @classmethod
@@ -55,8 +57,10 @@ class Layout:
         stats = control + _round_up(_U32 * CONTROL_WORDS, ALIGN)
         shared = stats + _round_up(_U64 * ROW_STATS_SLOTS, ALIGN)
         shared_bytes = SHARED_HEADER_BYTES + SHARED_BUFFERS * SHARED_AREAS * slot if transport == "host" else 0
+        full = shared + shared_bytes
+        full_bytes = FULL_HEADER_BYTES + 2 * world * ll_capacity
         return cls(slot, parity, ll_capacity, ll_slot, ll_offset, flags, control, stats, shared, shared_bytes,
-                   shared + shared_bytes)
+                   full, full_bytes, full + full_bytes)
 
     @classmethod
     def of_workspace(cls, workspace: Any) -> "Layout":

@@ -55,7 +55,7 @@ def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
             x = inputs[ctx.rank].to(ctx.device)
             results = {}
             algos = tuple(a for a in _algos_of(comm)
-                          if a != "oneshot_ll" or numel * x.element_size() <= comm.ll_capacity)
+                          if algo_mod.fits_capacity(a, numel * x.element_size(), comm.ll_capacity))
             for algo in algos + ("auto",):
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(x, out=out, algo=algo)
@@ -71,9 +71,10 @@ def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(unaligned, out=out, algo=algo)
                 results[f"unaligned-{algo}"] = out
-            if "oneshot_ll" not in algos:
-                with pytest.raises(ValueError, match="oneshot_ll"):
-                    comm.all_reduce(x, algo="oneshot_ll")
+            for capped in algo_mod.CAPPED_ALGORITHMS:
+                if capped not in algos:
+                    with pytest.raises(ValueError, match=capped):
+                        comm.all_reduce(x, algo=capped)
             torch.cuda.synchronize()
             assert torch.equal(x.cpu(), inputs[ctx.rank]), "out-of-place call modified its input"
             for name, out in results.items():
@@ -264,9 +265,10 @@ def _replay_with_a_missing_rank(ctx: ranks.RankContext, algo: str, dtype: torch.
     return result
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll"])
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll", "oneshot_full"])
 def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str) -> None:
-    dtype = {"oneshot": torch.float32, "twoshot": torch.bfloat16, "oneshot_ll": torch.float16}[algo]
+    dtype = {"oneshot": torch.float32, "twoshot": torch.bfloat16, "oneshot_ll": torch.float16,
+             "oneshot_full": torch.bfloat16}[algo]
     results = ranks.run_ranks(_replay_with_a_missing_rank, 2, algo, dtype, timeout_s=300)
     for rank, r in enumerate(results):
         if r["late"]:
@@ -370,7 +372,7 @@ def _replay_after_close(ctx: ranks.RankContext) -> dict:
     x = inputs[ctx.rank].to(ctx.device)
     residual = ref.rank_input(22, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
     weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
-    plain_algos = ("oneshot", "twoshot", "oneshot_ll", "staged")
+    plain_algos = ("oneshot", "twoshot", "oneshot_ll", "staged", "oneshot_full")
     outs = [torch.full_like(x, 7.0) for _ in plain_algos]
     normed, new_residual = torch.full_like(residual, 7.0), torch.full_like(residual, 7.0)
     stream = torch.cuda.Stream(ctx.device)
@@ -423,7 +425,7 @@ def _transports_agree(ctx: ranks.RankContext) -> dict:
             inputs = ref.all_inputs(numel, ctx.world_size, numel, dtype)
             x = inputs[ctx.rank].to(ctx.device)
             for algo in ALGOS:  # host_oneshot has no P2P counterpart: compared with the others below
-                if algo == "oneshot_ll" and numel * x.element_size() > comms["p2p"].ll_capacity:
+                if not algo_mod.fits_capacity(algo, numel * x.element_size(), comms["p2p"].ll_capacity):
                     continue
                 outs = {name: comm.all_reduce(x, algo=algo) for name, comm in comms.items()}
                 if not torch.equal(outs["p2p"], outs["host"]):
@@ -456,7 +458,8 @@ def test_p2p_and_host_transports_give_bitwise_equal_results(world: int) -> None:
 
 
 def _wire_edge_values(ctx: ranks.RankContext) -> dict:
-    """The write-once algorithms send data as its own flag: -0.0, NaN, +-Inf and the fp32 word of the poison
+    """The data-as-flag algorithms (write-once on the host transport, and the full-payload
+    one-shot, run here over host memory) send data as its own flag: -0.0, NaN, +-Inf and the fp32 word of the poison
     pattern must all arrive, never be waited for forever or taken for the poison, and sum as the
     other algorithms sum them (up to the sign of a zero)."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=10, transport="host")
@@ -467,7 +470,7 @@ def _wire_edge_values(ctx: ranks.RankContext) -> dict:
         if dtype == torch.float32:  # the poison word as data: a negative subnormal
             base[:8] = torch.tensor([0x80008000] * 8, dtype=torch.int64).to(torch.int32).view(torch.float32)
         x = base.roll(ctx.rank * 3).to(dtype).to(ctx.device)
-        for algo in (*algo_mod.HOST_ONLY_ALGORITHMS, "oneshot"):
+        for algo in (*algo_mod.HOST_ONLY_ALGORITHMS, "oneshot_full", "oneshot"):
             out = comm.all_reduce(x, algo=algo)
             torch.cuda.synchronize()
             got, want = out.cpu().float(), torch.stack([base.roll(r * 3).to(dtype).float()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS, fits_capacity
 from pcie_allreduce.errors import CollectiveTimeout
 from pcie_allreduce.layout import Layout
 from pcie_allreduce.sizes import DTYPE_SIZES
@@ -109,7 +109,7 @@ def _check_legal(call: Call, params: ScheduleParams) -> None:
         assert 0 <= offset <= n - call.count
     if call.kind == "plain":
         assert call.algo in ("auto", *ALGORITHMS)
-        assert call.algo != "oneshot_ll" or call.nbytes <= params.ll_capacity
+        assert fits_capacity(call.algo, call.nbytes, params.ll_capacity)
         return
     assert call.count == call.tokens * call.hidden and 1 <= call.tokens <= MAX_TOKENS
     assert call.hidden in FUSED_HIDDENS and call.dtype in ("bfloat16", "float16")

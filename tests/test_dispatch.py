@@ -136,3 +136,11 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
     assert wire_bytes("host_twoshot", n, world).into == 2 * (world - 1) * n // world
     with pytest.raises(ValueError, match="no wire accounting"):
         wire_bytes("ring", n, world)
+
+
+def test_the_full_payload_one_shot_is_capped_like_the_lines() -> None:
+    from pcie_allreduce.algo import fits_capacity, wire_bytes
+
+    assert not fits_capacity("oneshot_full", 600 << 10, 512 << 10) and fits_capacity("oneshot_full", 56 << 10, 512 << 10)
+    assert wire_bytes("oneshot_full", 56 << 10, 8) == wire_bytes("oneshot", 56 << 10, 8)
+    assert wire_bytes("oneshot_full", 56 << 10, 8).busiest * 2 == wire_bytes("oneshot_ll", 56 << 10, 8).busiest

@@ -1,0 +1,137 @@
+// One-shot all-reduce with the data as its own flag, at full payload ("oneshot_full").
+//
+// Each rank pushes its message, in the wire format of host_wire.cuh (H1: no word is ever the
+// poison pattern), into its slot of every peer's workspace, and polls its own slots, in local
+// memory, until no poison is left in a unit. oneshot_ll.cuh needs no flag round trip either,
+// but sends 16 bytes of line per 8 of payload; this sends the message's own bytes: half the
+// bytes on the wire, which is what a PCIe link is paid in. Small messages (the lines' cap).
+//
+// Invariants (in addition to protocol.cuh 1 and 3-6; 2 is replaced by F1-F3):
+//  F1. A receiver's slots hold kPoisonWord wherever no data of the call in flight landed: they
+//      start so, and the thread that reduces a unit re-poisons that unit of every peer's slot
+//      in the same kernel, in its own memory. A peer writes this parity again only in call
+//      e + 2, after it saw our data of call e + 1, which we send after this kernel finished, so
+//      a re-poison never erases newer data and nothing stale is taken for data.
+//  F2. Headers catch mismatches: block k of each sender also stores (epoch << 32 | signature)
+//      into its header slot (parity, sender, k) in every peer's workspace; threads 0..W-1 of the
+//      receiver's block k wait for each peer's, in parallel with the data. The same epoch with
+//      another signature is recorded as a mismatch, never reduced; a peer whose data never
+//      arrives is a timeout.
+//  F3. Every unit is reduced by the thread that pushed it, from the input it loaded before
+//      writing that unit's output: in place (output == input) is safe. Blocks cover 16-byte
+//      granules (partition.cuh), so ranks that move vectors and ranks that move elements
+//      (unaligned buffers) interoperate.
+#pragma once
+
+#include <cstdint>
+
+#include "host_wire.cuh"
+
+namespace pcie_ar {
+
+__device__ __forceinline__ uint64_t* full_header(const KernelArgs& a, int owner, uint32_t parity, int sender, int block) {
+  return reinterpret_cast<uint64_t*>(a.bases[owner] + a.layout.full_offset) +
+         (static_cast<uint64_t>(parity) * kMaxRanks + sender) * kMaxFlagBlocks + block;
+}
+
+// `sender`'s slot in `owner`'s workspace for this call's parity.
+template <typename Unit>
+__device__ __forceinline__ Unit* full_slot(const KernelArgs& a, int owner, uint32_t parity, int sender) {
+  const uint64_t slot = (static_cast<uint64_t>(parity) * a.world + sender) * a.layout.ll_capacity;
+  return reinterpret_cast<Unit*>(a.bases[owner] + a.layout.full_offset + kFullHeaderBytes + slot);
+}
+
+// Thread 0: our header of this call into every peer's workspace (F2).
+__device__ __forceinline__ void publish_full_headers(const KernelArgs& a, uint32_t parity, uint32_t epoch) {
+  if (threadIdx.x != 0) return;
+  const uint64_t word = flag_word(epoch, a.signature);
+  for (int p = 0; p < a.world; ++p) {
+    if (p != a.rank) *reinterpret_cast<volatile uint64_t*>(full_header(a, p, parity, a.rank, blockIdx.x)) = word;
+  }
+}
+
+// One thread's bounded wait for `peer`'s header in our workspace; false on mismatch, timeout, abort.
+static __device__ __noinline__ bool wait_full_header(const KernelArgs& a, int peer, uint32_t parity, uint32_t epoch) {
+  const uint64_t* header = full_header(a, a.rank, parity, peer, blockIdx.x);
+  uint64_t started = 0;
+  for (uint32_t spins = 0;; ++spins) {
+    const uint64_t word = load_acquire_sys(header);
+    if (static_cast<uint32_t>(word >> 32) == epoch) {
+      const uint32_t observed = static_cast<uint32_t>(word);
+      if (observed == a.signature) return true;
+      record_error(a, ErrorKind::kMismatch, peer, Stage::kFullGather, epoch, observed);
+      return false;
+    }
+    const SpinVerdict verdict = spin_verdict(a, spins, started);
+    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, Stage::kFullGather, epoch, 0);
+    if (verdict != SpinVerdict::kSpin) return false;
+  }
+}
+
+// Push our units [r) to every peer; reduce each from every peer's slot in our memory as soon as
+// it arrived; re-poison what we consumed (F1). False (this thread) on timeout or abort.
+template <typename T, typename Unit>
+__device__ __forceinline__ bool push_poll_reduce(const KernelArgs& a, uint32_t parity, uint32_t epoch, const Unit* in,
+                                                 Unit* out, Range r) {
+  Unit* to_peer[kMaxRanks];
+  Unit* from_peer[kMaxRanks];
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p) {
+    to_peer[p] = p < a.world ? full_slot<Unit>(a, p, parity, a.rank) : nullptr;
+    from_peer[p] = p < a.world ? full_slot<Unit>(a, a.rank, parity, p) : nullptr;
+  }
+  Unit poison;  // every 16-bit lane -0.0: as 32-bit words, kPoisonWord
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(Unit) / 2); ++k) reinterpret_cast<uint16_t*>(&poison)[k] = 0x8000u;
+  uint64_t started = 0;
+  uint32_t spins = 0;
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    const Unit v = to_wire<T, Unit>(load_unit(in + i));
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < a.world && p != a.rank) to_peer[p][i] = v;
+    }
+    Pack<T, Unit> got[kMaxRanks];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < a.world) got[p].unit = p == a.rank ? v : load_wire(from_peer[p] + i);
+    }
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < a.world && p != a.rank &&
+          !await_unit<T, Unit>(a, from_peer[p] + i, got[p].unit, p, epoch, spins, started)) {
+        return false;
+      }
+    }
+    out[i] = sum_in_rank_order<T, Unit>(got, a.world);
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < a.world && p != a.rank) from_peer[p][i] = poison;
+    }
+  }
+  return true;
+}
+
+template <typename T, typename Unit>
+__global__ void __launch_bounds__(kThreadsPerBlock) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const uint32_t epoch = begin_call(a, &aborted);
+  bool done = false;
+  if (!aborted) {
+    const uint32_t parity = epoch & 1u;
+    publish_full_headers(a, parity, epoch);
+    const int peer = static_cast<int>(threadIdx.x);
+    bool ok = peer >= a.world || peer == a.rank || wait_full_header(a, peer, parity, epoch);
+    const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
+    const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+    ok = ok && push_poll_reduce<T, Unit>(a, parity, epoch, static_cast<const Unit*>(a.input),
+                                         static_cast<Unit*>(a.output), body);
+    ok = ok && push_poll_reduce<T, T>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output),
+                                      tail);
+    done = __syncthreads_and(ok) != 0;
+  }
+  if (!done) fill_output_with_nan<T>(a);
+  end_call(a, epoch);
+}
+
+}  // namespace pcie_ar
