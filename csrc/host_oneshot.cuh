@@ -32,7 +32,7 @@ __device__ __forceinline__ bool exchange_and_reduce(const KernelArgs& a, uint32_
     }
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, theirs[p] + i, got[p].unit, p, epoch, spins, started)) {
+      if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, theirs[p] + i, got[p].unit, p, epoch, Stage::kHostGather, spins, started)) {
         return false;
       }
     }

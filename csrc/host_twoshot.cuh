@@ -42,7 +42,7 @@ __device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffe
     }
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, inputs[p] + i, got[p].unit, p, epoch, spins, started)) {
+      if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, inputs[p] + i, got[p].unit, p, epoch, Stage::kHostGather, spins, started)) {
         return false;
       }
     }
@@ -62,7 +62,7 @@ __device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffe
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Unit v = load_wire(result + i);
-    if (!await_unit<T, Unit>(a, result + i, v, owner, epoch, spins, started)) return false;
+    if (!await_unit<T, Unit>(a, result + i, v, owner, epoch, Stage::kHostGather, spins, started)) return false;
     out[i] = v;
   }
   return true;

@@ -93,13 +93,14 @@ __device__ __forceinline__ Unit load_wire(const Unit* p) {
   return v;
 }
 
-// Poll one unit until it arrived (bounded); false on timeout (recorded against `peer`) or abort.
+// Poll one unit until it arrived (bounded); false on timeout (recorded against `peer` in
+// `stage`) or abort.
 template <typename T, typename Unit>
 __device__ __forceinline__ bool await_unit(const KernelArgs& a, const Unit* p, Unit& v, int peer, uint32_t epoch,
-                                           uint32_t& spins, uint64_t& started) {
+                                           Stage stage, uint32_t& spins, uint64_t& started) {
   while (!has_arrived<T, Unit>(v)) {
     const SpinVerdict verdict = spin_verdict(a, ++spins, started);
-    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, Stage::kHostGather, epoch, 0);
+    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
     v = load_wire(p);
   }

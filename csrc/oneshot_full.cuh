@@ -99,7 +99,7 @@ __device__ __forceinline__ bool push_poll_reduce(const KernelArgs& a, uint32_t p
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p < a.world && p != a.rank &&
-          !await_unit<T, Unit>(a, from_peer[p] + i, got[p].unit, p, epoch, spins, started)) {
+          !await_unit<T, Unit>(a, from_peer[p] + i, got[p].unit, p, epoch, Stage::kFullGather, spins, started)) {
         return false;
       }
     }
