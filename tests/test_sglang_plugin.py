@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import ranks
+from pcie_allreduce.layout import Layout
 from sglang_plugin import hooks, patching, settings as settings_mod, surface
 from sglang_plugin.eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
@@ -501,6 +502,8 @@ def test_group_coordinator_uses_the_adapter(world: int) -> None:
         line = r["lines"][0]
         assert f"rank {rank}/{world} group tp" in line and "-> pcie_allreduce" in line and "why: mode=always" in line
         assert "oneshot<=256KiB, twoshot<=8MiB" in line and "fused all-reduce+residual+RMSNorm" in line
+        per_stream = Layout.make(8 << 20, world).total_bytes
+        assert f"workspaces {per_stream / 2**20:.0f} MiB of GPU memory per stream" in line
         assert r["method_small"] == "ca"
         assert r["method_large"] is None and r["method_strided"] is None
         assert r["method_int"] is None and r["method_empty"] is None
