@@ -1,4 +1,6 @@
-"""torch.library registration, so torch.compile graphs can contain our all-reduce.
+"""torch.library registration, so torch.compile graphs can contain our all-reduce and the fused
+all-reduce + residual add + RMSNorm as opaque ops (traced through their fake implementations;
+the Triton launch and the extension call stay out of the graph).
 
 A compiled graph cannot hold a Python object, so it refers to a communicator by an integer
 handle. The handle table is the one piece of process-wide state in the package: it holds weak
@@ -59,3 +61,17 @@ def all_reduce_inplace_op(x: torch.Tensor, handle: int, algo: str = "auto") -> N
 @all_reduce_inplace_op.register_fake
 def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, algo: str = "auto") -> None:
     return None
+
+
+@torch.library.custom_op("pcie_allreduce::all_reduce_rmsnorm", mutates_args=())
+def all_reduce_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int,
+                          algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(residual + all_reduce(x)) * weight, residual + all_reduce(x))``, new tensors,
+    through the communicator registered under ``handle`` (``Communicator.all_reduce_rmsnorm``)."""
+    return HANDLES.get(handle).all_reduce_rmsnorm(x, residual, weight, eps, algo=algo)
+
+
+@all_reduce_rmsnorm_op.register_fake
+def _all_reduce_rmsnorm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int,
+                             algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(residual)

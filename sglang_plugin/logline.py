@@ -46,7 +46,25 @@ def serving(adapter: Any, name: str, decision: Decision, settings: Settings) -> 
     over = f" over {transport} ({adapter.comm.transport_reason})" if transport else ""
     return (f"{_where(adapter.group, adapter.device, name)}: all-reduce of contiguous bf16/fp16/fp32 tensors "
             f"of 1B..{format_bytes(adapter.max_size)} -> pcie_allreduce{over} ({algos}); larger or other -> "
-            f"SGLang's other backends; {fused}; why: {decision.reason}")
+            f"SGLang's other backends; {fused}; {workspace_memory(adapter.max_size, adapter.world_size, transport)}; "
+            f"why: {decision.reason}")
+
+
+# Streams a serving rank typically gives a workspace: the default stream, the graph-capture
+# stream, and the forward stream of eager steps.
+TYPICAL_STREAMS = 3
+
+
+def workspace_memory(max_bytes: int, world: int, transport: str | None = "p2p") -> str:
+    """What the communicator allocates outside SGLang's memory accounting, per stream and in all
+    (GPU memory on p2p; pinned host memory in /dev/shm on the host transport)."""
+    from pcie_allreduce.layout import Layout
+
+    per_stream = Layout.make(max_bytes, world, transport or "p2p").total_bytes
+    where = "pinned host memory" if transport == "host" else "GPU memory"
+    return (f"workspaces {per_stream / 2**20:.0f} MiB of {where} per stream, about "
+            f"{TYPICAL_STREAMS * per_stream / 2**20:.0f} MiB for the {TYPICAL_STREAMS} streams a server uses "
+            f"(outside SGLang's accounting; PCIE_AR_SGLANG_MAX_BYTES scales it)")
 
 
 def declined(group: Any, device: Any, name: str, decision: Decision) -> str:

@@ -312,6 +312,19 @@ def _compiled(ctx: ranks.RankContext) -> dict:
     y = inputs[ctx.rank].to(ctx.device)
     torch.ops.pcie_allreduce.all_reduce_(y, comm.handle, "twoshot")
     ref.check(y, inputs, "in-place custom op")
+    # The fused all-reduce + residual + RMSNorm as one opaque op of a compiled graph.
+    hidden = 7168
+    fused_inputs = ref.all_inputs(10, ctx.world_size, 4 * hidden, torch.bfloat16)
+    x = fused_inputs[ctx.rank].to(ctx.device).view(4, hidden)
+    residual = ref.rank_input(11, 0, 4 * hidden, torch.bfloat16).to(ctx.device).view(4, hidden)
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+
+    def fused_step(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        normed, new_residual = torch.ops.pcie_allreduce.all_reduce_rmsnorm(x, residual, weight, 1e-6, comm.handle)
+        return new_residual
+
+    got = torch.compile(fused_step, backend="aot_eager", fullgraph=True)(x, residual, weight)
+    assert torch.equal(got.cpu(), residual.cpu() + ref.exact(fused_inputs).view(4, hidden))
     comm.close()
     return {}
 

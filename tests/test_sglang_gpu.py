@@ -213,7 +213,9 @@ def _graph(ctx: ranks.RankContext, tp) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_sglang_group_coordinator_with_plugin(world: int) -> None:
-    env = {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES),
+    # mode=always: on NVLinked GPUs the default mode leaves the group to SGLang (tested below);
+    # this test is about serving, wherever it runs.
+    env = {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES), "PCIE_AR_SGLANG_MODE": "always",
            "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     results = ranks.run_ranks(_rank, world, timeout_s=900, env=env)
@@ -221,3 +223,26 @@ def test_sglang_group_coordinator_with_plugin(world: int) -> None:
     assert results[0]["graph"] == {"replays": 3, "collectives_per_replay": 3 * 2 * len(DECODE_TOKENS)}
     gate = results[0]["fusion_gate"]
     assert gate is True or str(gate).startswith("not importable"), gate
+
+
+def _default_mode_decision(ctx: ranks.RankContext) -> dict:
+    from sglang_plugin import eligibility
+    from sglang_plugin.settings import Settings
+
+    decision = eligibility.decide(ctx.group, ctx.device, Settings(enabled=True))
+    physical = [eligibility.physical_gpu_index(ctx.device)]
+    gathered: list = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, physical[0], group=ctx.group)
+    return {"serve": decision.serve, "reason": decision.reason,
+            "full_nvlink": eligibility.sglang_full_nvlink(gathered)}
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w == 2])
+def test_default_mode_serves_pcie_and_leaves_nvlink_to_sglang(world: int) -> None:
+    """mode=pcie (the default): a group whose GPUs are all NVLinked is SGLang's, with the reason;
+    anything else (ranks sharing a GPU here, PCIe GPUs on a real box) is served."""
+    for r in ranks.run_ranks(_default_mode_decision, world, timeout_s=300):
+        if r["full_nvlink"]:
+            assert not r["serve"] and "NVLinked" in r["reason"], r
+        else:
+            assert r["serve"], r

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import ranks
+from pcie_allreduce.layout import Layout
 from sglang_plugin import hooks, patching, settings as settings_mod, surface
 from sglang_plugin.eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
@@ -501,6 +502,8 @@ def test_group_coordinator_uses_the_adapter(world: int) -> None:
         line = r["lines"][0]
         assert f"rank {rank}/{world} group tp" in line and "-> pcie_allreduce" in line and "why: mode=always" in line
         assert "oneshot<=256KiB, twoshot<=8MiB" in line and "fused all-reduce+residual+RMSNorm" in line
+        per_stream = Layout.make(8 << 20, world).total_bytes
+        assert f"workspaces {per_stream / 2**20:.0f} MiB of GPU memory per stream" in line
         assert r["method_small"] == "ca"
         assert r["method_large"] is None and r["method_strided"] is None
         assert r["method_int"] is None and r["method_empty"] is None
@@ -696,3 +699,42 @@ def test_every_forward_step_raises_a_recorded_failure_first(monkeypatch: pytest.
         plugin.unregister()
     assert module.ModelRunner.forward is original and REGISTRY.state is None
     assert not any(isinstance(f, import_hook._Finder) for f in sys.meta_path)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+def _compiled_fused_step(ctx) -> dict:
+    """The adapter's fused call inside torch.compile(fullgraph=True): one opaque registered op in
+    the graph (its fake implementation for tracing), the same result as eager."""
+    from pcie_allreduce import ops
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+
+    class Registered(GlooStandIn):  # as the real communicator, reachable by its handle
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.handle = ops.HANDLES.register(self)
+
+        def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto"):
+            return super().all_reduce_rmsnorm(x, residual, weight, eps)
+
+    adapter = PcieAllReduceAdapter(ctx.group, "cpu", Settings(enabled=True), communicator_factory=Registered)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randint(-4, 5, (4, 64), generator=gen).to(torch.bfloat16)
+    residual = torch.randint(-4, 5, (4, 64), generator=torch.Generator().manual_seed(99)).to(torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+
+    def step(x, residual, weight):
+        normed, new_residual = adapter.fused_allreduce_rmsnorm(x, residual, weight, 1e-6)
+        return normed * 2, new_residual + 1
+
+    want = step(x, residual, weight)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, residual, weight)
+    return {"equal": [bool(torch.equal(a, b)) for a, b in zip(got, want)],
+            "fused_calls": sum(1 for c in adapter.comm.calls if c[0] == "all_reduce_rmsnorm")}
+
+
+def test_the_fused_call_is_one_opaque_op_under_torch_compile() -> None:
+    for rank, r in enumerate(ranks.run_ranks(_compiled_fused_step, 2, gpu=False, timeout_s=300)):
+        assert r["equal"] == [True, True], f"rank {rank}: compiled and eager differ: {r}"
+        assert r["fused_calls"] >= 2, f"rank {rank}: the compiled graph did not run the fused op: {r}"
