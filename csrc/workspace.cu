@@ -191,7 +191,15 @@ void Workspace::allocate() {
     std::fill(full, full + full_slots_bytes(state_->layout, world_) / sizeof(uint32_t), kPoisonWord);
     const uint64_t local_bytes = state_->layout.shared_offset - state_->layout.control_offset;
     PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local_only, local_bytes));
-    PCIE_AR_CUDA_CHECK(cudaMemset(state_->local_only, 0, local_bytes));
+    // A private non-blocking stream, as below: the legacy stream would synchronize with a
+    // stream the caller may be capturing.
+    cudaStream_t init_stream;
+    PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&init_stream, cudaStreamNonBlocking));
+    const cudaError_t zeroed = cudaMemsetAsync(state_->local_only, 0, local_bytes, init_stream);
+    const cudaError_t done = cudaStreamSynchronize(init_stream);
+    cudaStreamDestroy(init_stream);
+    PCIE_AR_CUDA_CHECK(zeroed);
+    PCIE_AR_CUDA_CHECK(done);
   } else {
     allocate_device_memory();
   }
