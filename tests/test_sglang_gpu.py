@@ -246,3 +246,77 @@ def test_default_mode_serves_pcie_and_leaves_nvlink_to_sglang(world: int) -> Non
             assert not r["serve"] and "NVLinked" in r["reason"], r
         else:
             assert r["serve"], r
+
+
+# Graphs SGLang 0.5.23 captures on its one capture stream: decode, target-verify and (breakable)
+# prefill graphs; tokens per graph here (64 x 7168 bf16 stays within MAX_BYTES).
+GRAPH_TOKENS = {"decode": 1, "verify": 4, "prefill": 64}
+INTERLEAVED_STEPS = 300
+
+
+def _interleaved_graphs(ctx: ranks.RankContext) -> dict:
+    """Several graphs captured on SGLang's capture stream, replayed in an order every rank draws
+    from the same seed, with eager collectives between replays; results checked against the
+    unfused path (the new residual bitwise, the norm against the fp64 reference)."""
+    import random
+
+    ensure_entry_point()
+    from sglang.srt.layers import flashinfer_comm_fusion
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import get_parallel
+
+    load_plugins()
+    tp = _coordinator(ctx)
+    graphs = {}
+    checked = 0
+    with get_parallel().override(attn_tp_group=tp, attn_tp_size=ctx.world_size, attn_tp_rank=ctx.rank), \
+            torch.inference_mode():
+        with tp.graph_capture() as capture_ctx:
+            stream = capture_ctx.stream
+            for i, (name, tokens) in enumerate(GRAPH_TOKENS.items()):
+                plain = _inputs(ctx, 700 + i, tokens, HIDDEN, torch.bfloat16)[1]
+                x, residual, weight = _fused_case(ctx, 800 + i, tokens)[:3]
+
+                def step(plain=plain, x=x, residual=residual, weight=weight) -> tuple:
+                    reduced = tp.all_reduce(plain)
+                    normed, new_residual = flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm(
+                        input_tensor=x, residual=residual, weight=weight, eps=EPS, use_attn_tp_group=True)
+                    return reduced, normed, new_residual
+
+                for _ in range(2):  # warm-up inside the capture context, as SGLang's runner does
+                    step()
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    outs = step()
+                graphs[name] = (graph, plain, x, residual, weight, outs)
+        torch.cuda.synchronize()
+        rng = random.Random(7)  # the same order on every rank
+        order = [rng.choice(list(GRAPH_TOKENS)) for _ in range(INTERLEAVED_STEPS)]
+        for s, name in enumerate(order):
+            graph, plain, x, residual, weight, outs = graphs[name]
+            tokens = GRAPH_TOKENS[name]
+            plain_xs, fresh = _inputs(ctx, 1000 + s, tokens, HIDDEN, torch.bfloat16)
+            plain.copy_(fresh)
+            fx, fres, fw, want_residual, want_norm = _fused_case(ctx, 5000 + s, tokens)
+            x.copy_(fx), residual.copy_(fres), weight.copy_(fw)
+            graph.replay()
+            if s % 3 == 0:  # an eager step between replays (its own stream's workspace)
+                eager_xs, eager = _inputs(ctx, 9000 + s, 2, HIDDEN, torch.bfloat16)
+                ref.check(tp.all_reduce(eager), eager_xs, f"eager call after replay {s}")
+            torch.cuda.synchronize()
+            ref.check(outs[0], plain_xs, f"replay {s} ({name}) plain")
+            _check_fused(outs[1], outs[2], want_residual, want_norm, f"replay {s} ({name}) fused")
+            checked += 1
+    tp.ca_comm.comm.check()
+    tp.ca_comm.close()
+    return {"checked": checked, "graphs": sorted(graphs)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_graphs_of_every_kind_replayed_interleaved_with_eager_calls(world: int) -> None:
+    env = {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES), "PCIE_AR_SGLANG_MODE": "always",
+           "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    for r in ranks.run_ranks(_interleaved_graphs, world, timeout_s=900, env=env):
+        assert r["checked"] == INTERLEAVED_STEPS and r["graphs"] == sorted(GRAPH_TOKENS), r
