@@ -22,7 +22,7 @@ class HostSegment {
   HostSegment& operator=(const HostSegment&) = delete;
 
   // Create and register a zero-filled segment of `bytes` under a fresh name starting with
-  // `name_prefix` (followed by this process id, a counter and random bits). Throws with the
+  // `name_prefix` (then this process id, a counter and random bits). Throws with the
   // reason (no space in /dev/shm names its size) and leaves nothing behind on failure.
   void create(const std::string& name_prefix, uint64_t bytes);
   // Map and register a peer's segment; its size must be exactly `bytes` (the layout every rank
