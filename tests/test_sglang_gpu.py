@@ -211,14 +211,17 @@ def _graph(ctx: ranks.RankContext, tp) -> dict:
     return {"replays": replays, "collectives_per_replay": len(outs)}
 
 
+def _serving_env() -> dict[str, str]:
+    """The ranks' environment for the serving tests. mode=always: on NVLinked GPUs the default
+    mode leaves the group to SGLang (tested below); these tests are about serving, wherever they run."""
+    return {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES), "PCIE_AR_SGLANG_MODE": "always",
+            "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
+            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_sglang_group_coordinator_with_plugin(world: int) -> None:
-    # mode=always: on NVLinked GPUs the default mode leaves the group to SGLang (tested below);
-    # this test is about serving, wherever it runs.
-    env = {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES), "PCIE_AR_SGLANG_MODE": "always",
-           "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
-           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    results = ranks.run_ranks(_rank, world, timeout_s=900, env=env)
+    results = ranks.run_ranks(_rank, world, timeout_s=900, env=_serving_env())
     assert all(r == results[0] for r in results), results
     assert results[0]["graph"] == {"replays": 3, "collectives_per_replay": 3 * 2 * len(DECODE_TOKENS)}
     gate = results[0]["fusion_gate"]
@@ -315,8 +318,5 @@ def _interleaved_graphs(ctx: ranks.RankContext) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_graphs_of_every_kind_replayed_interleaved_with_eager_calls(world: int) -> None:
-    env = {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES), "PCIE_AR_SGLANG_MODE": "always",
-           "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
-           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    for r in ranks.run_ranks(_interleaved_graphs, world, timeout_s=900, env=env):
+    for r in ranks.run_ranks(_interleaved_graphs, world, timeout_s=900, env=_serving_env()):
         assert r["checked"] == INTERLEAVED_STEPS and r["graphs"] == sorted(GRAPH_TOKENS), r
