@@ -23,6 +23,8 @@ FUSED_COLUMNS: tuple[Column, ...] = (
     Column("algo", 22, lambda r: r.label),
     Column("p50(us)", 10, lambda r: num(r.p50_us)),
     Column("p99(us)", 10, lambda r: num(r.p99_us)),
+    Column("wire(B)", 21, lambda r: "-" if r.wire is None else f"{r.wire.out}/{r.wire.into}"),
+    Column("wire(GB/s)", 11, lambda r: num(r.wire_gbps)),
     Column("speedup", 8, lambda r: speedup(r.speedup)),
     Column("status", 8, lambda r: "" if r.ok else r.status),
 )

@@ -106,11 +106,13 @@ class Result:
 
     @property
     def wire(self) -> WireBytes | None:
-        """Bytes on one rank's link per call, for our plain all-reduce rows (None for other
-        backends, whose formats are theirs, and for fused or verify rows)."""
-        if not self.backend.startswith("ours") or self.workload != ALLREDUCE or is_norm_algo(self.algo):
+        """Bytes on one rank's link per call, for our rows of the sweep and of ``--fused`` (None
+        for other backends, whose formats are theirs, and for verify rows). The fused kernels move
+        what the plain algorithm of the same name moves (the token-split two-shot gathers the new
+        residual rows where the plain one gathers the sums); "+norm" rows, their all-reduce."""
+        if not self.backend.startswith("ours") or self.workload not in (ALLREDUCE, FUSED):
             return None
-        algo = self.resolved_algo or self.algo
+        algo = (self.resolved_algo or self.algo).removesuffix(NORM_SUFFIX)
         try:
             return wire_bytes(algo, self.size_bytes, self.world)
         except ValueError:  # not one of ours (an "auto" that did not resolve)

@@ -186,9 +186,13 @@ def test_fused_report_table_and_summary() -> None:
     assert text.startswith("# pcie_allreduce bench --fused | NVIDIA H200 x1")
     header = next(line for line in text.splitlines() if line.startswith("#") and "tokens" in line and "hidden" in line)
     assert header.lstrip("#").split() == ["tokens", "hidden", "size(B)", "backend", "algo", "p50(us)", "p99(us)",
-                                          "speedup", "status"]
+                                          "wire(B)", "wire(GB/s)", "speedup", "status"]
     row = next(line.split() for line in text.splitlines() if "fused(oneshot)" in line)
-    assert row[:5] == ["4", "7168", "57344", "ours", "fused(oneshot)"] and row[5] == "11.00" and row[7] == "1.45x"
+    assert row[:5] == ["4", "7168", "57344", "ours", "fused(oneshot)"] and row[5] == "11.00" and row[9] == "1.45x"
+    # the fused one-shot moves what the plain one-shot moves: the message to each of 3 peers
+    assert row[7] == f"{3 * 57344}/{3 * 57344}" and float(row[8]) == pytest.approx(3 * 57344 / 11e3, abs=0.01)
+    other = next(line.split() for line in text.splitlines() if not line.startswith("#") and " torch_symm " in line)
+    assert other[7] == "-"  # other backends' formats are theirs
     assert any("auto(twoshot)+norm" in line for line in text.splitlines())
     assert "best torch_symm row of the same tokens and op" in text
     summary = [line for line in text.splitlines() if line.split()[:2] in (["4", "4"], ["4", "128"])]
