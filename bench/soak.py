@@ -67,6 +67,7 @@ class SoakConfig:
     seed: int = DEFAULT_SEED
     max_bytes: int = 2 << 20
     timeout_s: float = 10.0
+    transport: str = "auto"  # the communicator's (its algorithms join the schedule)
     limit_minutes: float = 0.0  # 0: 3 x minutes + 10
     check_every: int = CHECK_EVERY
     graph_every: int = GRAPH_EVERY
@@ -87,6 +88,7 @@ class SoakConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m bench soak``."""
+    from pcie_allreduce import transport
     from pcie_allreduce.tune import world_arg
 
     parser.add_argument("--world", type=world_arg, metavar="W",
@@ -101,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest message, also the communicator's max_bytes (default {DEFAULT_MAX_BYTES})")
     parser.add_argument("--timeout-s", type=positive_float, metavar="S",
                         help="the communicator's kernel timeout (default: the library's default)")
+    parser.add_argument("--transport", choices=transport.CHOICES, default="auto",
+                        help="the communicator's transport (default auto: P2P where it works, else host memory)")
     parser.add_argument("--limit-minutes", type=positive_float, metavar="M",
                         help="stop here even if --calls is not reached, and fail (default 3 x --minutes + 10)")
     parser.add_argument("--check-every", type=positive_int, default=CHECK_EVERY, metavar="N",
@@ -128,7 +132,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     cfg = SoakConfig(world=world, calls=args.calls, minutes=args.minutes, seed=args.seed, max_bytes=args.max_bytes,
                      timeout_s=DEFAULT_TIMEOUT_S if args.timeout_s is None else args.timeout_s,
                      limit_minutes=args.limit_minutes or 0.0, check_every=args.check_every,
-                     graph_every=args.graph_every, progress_s=args.progress, out=args.out)
+                     graph_every=args.graph_every, progress_s=args.progress, out=args.out,
+                     transport=args.transport)
     if cfg.timeout_s < 2 * max(LATE_S):
         parser.error(f"--timeout-s must be at least {2 * max(LATE_S):g} s: the soak makes a rank "
                      f"{max(LATE_S):g} s late now and then")
@@ -269,7 +274,8 @@ def make_communicator(ctx: "RankContext", cfg: SoakConfig) -> Any:
     """This rank's communicator (a module function so the CPU tests can put a fake in its place)."""
     import pcie_allreduce
 
-    return pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=cfg.max_bytes, timeout_s=cfg.timeout_s)
+    return pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=cfg.max_bytes, timeout_s=cfg.timeout_s,
+                                       transport=cfg.transport)
 
 
 def soak_rank(ctx: "RankContext", cfg: SoakConfig) -> dict[str, Any]:

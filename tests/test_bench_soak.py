@@ -420,3 +420,9 @@ def test_short_soak_on_gpu(tmp_path: Any) -> None:
     assert summary["wrong"] == 0 and summary["hung"] == 0 and not summary["errors"], proc.stdout + proc.stderr
     assert summary["graphs"] >= 1 and summary["calls"] >= 500
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_transport_reaches_the_communicator() -> None:
+    assert _parse([]).transport == "auto" and _parse(["--transport", "host"]).transport == "host"
+    with pytest.raises(SystemExit):
+        _parse(["--transport", "nvlink"])
