@@ -18,7 +18,7 @@ from bench.results import (
     ALLREDUCE, FUSED, NOT_RUN, SKIPPED, VERIFY, Note, Report, Result, backend_order, best_per_backend,
     sort_key,
 )
-from bench.table import Column, line, num, speedup
+from bench.table import WIRE_COLUMNS, Column, line, num, speedup
 
 CSV_COLUMNS: tuple[str, ...] = (
     "world", "size_bytes", "count", "dtype", "backend", "algo", "resolved_algo", "mode", "calls_per_graph",
@@ -37,9 +37,7 @@ TABLE_COLUMNS: tuple[Column, ...] = (
     Column("p99(us)", 10, lambda r: num(r.p99_us)),
     Column("algbw(GB/s)", 12, lambda r: num(r.algbw_gbps)),
     Column("busbw(GB/s)", 12, lambda r: num(r.busbw_gbps)),
-    # Ours: bytes on one rank's link per call (out/in) and the link rate that implies.
-    Column("wire(B)", 21, lambda r: "-" if r.wire is None else f"{r.wire.out}/{r.wire.into}"),
-    Column("wire(GB/s)", 11, lambda r: num(r.wire_gbps)),
+    *WIRE_COLUMNS,
     Column("speedup", 8, lambda r: speedup(r.speedup)),
     Column("status", 8, lambda r: "" if r.ok else r.status),
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.results import FUSED, FUSED_ALGO, NORM_SUFFIX, Report, Result, backend_order
-from bench.table import Column, num, ratio, render, speedup
+from bench.table import WIRE_COLUMNS, Column, num, ratio, render, speedup
 
 GOAL_VS_ALLREDUCE = 1.15  # fused / our plain all-reduce alone
 GOAL_VS_UNFUSED = 0.75    # fused / (our all-reduce + torch add + RMSNorm)
@@ -23,8 +23,7 @@ FUSED_COLUMNS: tuple[Column, ...] = (
     Column("algo", 22, lambda r: r.label),
     Column("p50(us)", 10, lambda r: num(r.p50_us)),
     Column("p99(us)", 10, lambda r: num(r.p99_us)),
-    Column("wire(B)", 21, lambda r: "-" if r.wire is None else f"{r.wire.out}/{r.wire.into}"),
-    Column("wire(GB/s)", 11, lambda r: num(r.wire_gbps)),
+    *WIRE_COLUMNS,
     Column("speedup", 8, lambda r: speedup(r.speedup)),
     Column("status", 8, lambda r: "" if r.ok else r.status),
 )

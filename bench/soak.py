@@ -154,6 +154,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of ``python -m bench soak``: spawn the ranks, print and write the report, the exit status."""
     from pcie_allreduce import ranks
 
+    from bench.command import echo
     from bench.environment import host_environment
 
     gpu_count = ranks.gpu_count()
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if reason is not None:
         raise UnavailableError(reason)
     env = host_environment()
-    say(f"soak: W={cfg.world} ({ranks.placement_label(cfg.world, gpu_count, None)}), seed {cfg.seed}, "
+    echo(f"soak: W={cfg.world} ({ranks.placement_label(cfg.world, gpu_count, None)}), seed {cfg.seed}, "
         f"until >= {cfg.calls} calls and >= {cfg.minutes:g} min (limit {cfg.limit_s / 60:g} min)")
     failure = None
     try:
@@ -179,13 +180,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sys.stdout.flush()
     for path in write_outputs(cfg.out, {"environment": env, "config": cfg.to_dict(), "summary": summary,
                                         "ranks": results}, text):
-        say(f"wrote {path}")
+        echo(f"wrote {path}")
     return exit_status(summary)
-
-
-def say(line: str) -> None:
-    """Progress goes to stderr, the report to stdout."""
-    print(line, file=sys.stderr, flush=True)
 
 
 # ---- the parent's report (pure) -----------------------------------------------------------------

@@ -39,3 +39,11 @@ def header(columns: Sequence[Column]) -> str:
 def render(columns: Sequence[Column], rows: Sequence[Any]) -> list[str]:
     """Header and one line per row (trailing spaces stripped)."""
     return [header(columns)] + [line(columns, [c.cell(r) for c in columns]).rstrip() for r in rows]
+
+
+# Our rows' bytes on one rank's link per call (out/in) and the link rate they imply
+# (Result.wire, Result.wire_gbps): the same two columns in the sweep's and --fused's tables.
+WIRE_COLUMNS: tuple[Column, ...] = (
+    Column("wire(B)", 21, lambda r: "-" if r.wire is None else f"{r.wire.out}/{r.wire.into}"),
+    Column("wire(GB/s)", 11, lambda r: num(r.wire_gbps)),
+)

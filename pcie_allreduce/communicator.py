@@ -232,7 +232,7 @@ class Communicator:
                 if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
                     self._fused_choices[key] = algo
         stream = current_stream_handle(self.device)
-        workspace = self._workspaces.get(stream) or self._workspace_for(stream)
+        workspace = self.workspace(stream)
         if workspace.failed():
             raise self._error_of(workspace)
         if not workspace.captured:  # a graph capture: close() must keep this memory (all_reduce notes it in C++)
