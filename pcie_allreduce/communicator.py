@@ -6,10 +6,12 @@ their results per call shape."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import warnings
 import weakref
+import zlib
 from types import ModuleType
 from typing import Any, Callable
 
@@ -32,6 +34,9 @@ DEFAULT_TIMEOUT_S = 10.0
 # Seed of the creation-time transfer test; the workspace index is added, so a test pattern left
 # by one stream's creation never passes for another's.
 PROBE_SEED = 0x5EED0000
+# How long a rank waits for the others at the first fused call of a shape, while they compile it
+# (a cold Triton cache on a loaded host takes tens of seconds); past it the ranks' calls must differ.
+FIRST_FUSED_CALL_WAIT_S = 300
 
 # Communicators alive in this process, for the fork handler; and workspaces that must never be
 # freed here (a forked child's copies, or those of a communicator dropped without close()).
@@ -108,6 +113,7 @@ class Communicator:
                              f"the group has {self.world_size}")
         self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
         self._fused_choices: dict[tuple[int, int, torch.dtype], str] = {}
+        self._fused_compiled: set[tuple[Any, ...]] = set()  # fused calls compiled on every rank
         self._views: dict[int, WorkspaceView] = {}
 
         # Creation is all or nothing: each step that can fail on one rank runs on every rank and
@@ -240,8 +246,52 @@ class Communicator:
         view = self._views.get(id(workspace))
         if view is None:
             view = self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
+        call = (algo, tuple(x.shape), x.dtype, weight.dtype)
+        if call not in self._fused_compiled:
+            self._compile_everywhere(call, lambda: fused_rmsnorm.launch(
+                view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap,
+                compile_only=True))
         fused_rmsnorm.launch(view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap)
         return normed, new_residual
+
+    def _compile_everywhere(self, call: tuple[Any, ...], compile_call: Callable[[], None]) -> None:
+        """Compile a fused call's Triton kernels on this rank, then meet every rank on the CPU group
+        before any of them launches it.
+
+        A kernel's waits count from its own start: a peer still compiling (a second or more, far
+        more with a cold cache or a loaded CPU) would make the ranks already spinning time out. So
+        the first call of each (algorithm, shape, dtypes) compiles, then meets the others; the
+        kernels' compile keys do not depend on the tensors' alignment (FUSED_TENSOR_ARGS), so every
+        rank meets at the same call. The meeting also checks that every rank makes that same call,
+        and it is bounded: a rank that never comes (its calls differ from ours) raises here."""
+        error: Exception | None = None
+        try:
+            compile_call()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
+            error = exc
+        described = "{} [{}] {} (weight {})".format(call[0], ", ".join(map(str, call[1])), *call[2:])
+        mine = torch.tensor([zlib.crc32(described.encode()), int(error is not None)], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        meeting = dist.all_gather(everyone, mine, group=self._group, async_op=True)
+        try:
+            meeting.wait(timeout=datetime.timedelta(seconds=FIRST_FUSED_CALL_WAIT_S))
+        except RuntimeError as exc:
+            raise CollectiveTimeout(
+                f"rank {self.rank}: the other ranks did not reach the first fused all-reduce + RMSNorm of {described} "
+                f"within {FIRST_FUSED_CALL_WAIT_S} s (this rank compiled it and waited for them to compile it too): "
+                "a rank is stuck, or the ranks' calls differ") from exc
+        if error is not None:
+            raise error
+        digests, failed = [int(t[0]) for t in everyone], [r for r, t in enumerate(everyone) if int(t[1])]
+        differing = [r for r, d in enumerate(digests) if d != digests[self.rank]]
+        if differing:
+            raise CollectiveMismatch(f"rank {self.rank} calls the fused all-reduce + RMSNorm as {described}; ranks "
+                                     f"{differing} make a different call at the same point (algorithm, shape or dtypes "
+                                     "differ): every rank must make the same call")
+        if failed:
+            raise RuntimeError(f"rank {self.rank}: compiling the fused kernel for {described} failed on rank(s) {failed} "
+                               "(their exception says why)")
+        self._fused_compiled.add(call)
 
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
         """The fused kernel ``algo="auto"`` uses, following the plain table for the same message size:

@@ -40,7 +40,7 @@ import triton.language as tl
 from pcie_allreduce import constants
 from pcie_allreduce.constants import MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.layout import WorkspaceView
-from pcie_allreduce.triton_protocol import (begin_call, end_call, keep_spinning, line_flag, load_volatile_u64, now_ns,
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, keep_spinning, line_flag, load_volatile_u64, now_ns,
                                             pause_ns, pick_base, record_error, round_to, spin_verdict,
                                             store_volatile_u64)
 
@@ -181,7 +181,8 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
 
 
 @triton.jit(do_not_specialize=["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H",
-                                  "sig", "timeout_ns", "ll_slot_bytes", "ll_offset", "control_offset", "stats_offset"])
+                                  "sig", "timeout_ns", "ll_slot_bytes", "ll_offset", "control_offset", "stats_offset"],
+            do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
 def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                              rank, T, H, eps, sig, timeout_ns, ll_slot_bytes, ll_offset, control_offset, stats_offset,
@@ -357,13 +358,14 @@ def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunk
 
 def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
            normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int,
-           chunks: int | None = None, backoff_ns: int = 0) -> None:
+           chunks: int | None = None, backoff_ns: int = 0, compile_only: bool = False) -> None:
     """Enqueue one call on the current stream (arguments validated, eligibility checked).
 
     ``chunks`` forces that many column chunks per row instead of :func:`launch_shape`'s choice
     (tests: under the interpreter the choice is 1, which never exercises the row statistics
     exchange between programs). ``backoff_ns`` > 0 sleeps that long between polls (an experiment
-    for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without the knob)."""
+    for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without the knob).
+    ``compile_only``: compile both word-pairing variants of this shape, launch nothing."""
     tokens, hidden = x.shape
     shape = (launch_shape(tokens, hidden, view.world, max_programs, interpret) if chunks is None
              else shape_with_chunks(tokens, hidden, chunks))
@@ -372,15 +374,21 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         raise ValueError(f"fused oneshot_ll cannot take [{tokens}, {hidden}] {x.dtype} at world size {view.world} "
                          f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
                          f"{max_programs} programs); use algo='auto'")
+    if compile_only and interpret:
+        return
     programs, chunks, width, block_w, num_warps = shape
-    paired = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
     bases = view.padded_bases()
     assert len(bases) == MAX_RANKS
-    _fused_oneshot_ll_kernel[(programs,)](
-        x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
-        view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
-        view.layout.ll_slot_bytes, view.layout.ll_offset, view.local_offset(view.layout.control_offset),
-        view.local_offset(view.layout.stats_offset),
-        C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
-        PUSH=min(PUSH_WORDS, block_w), PAIRED=paired, INTERPRET=interpret, num_warps=num_warps,
-        **({"BACKOFF": backoff_ns} if backoff_ns else {}))
+    args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
+            view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
+            view.layout.ll_slot_bytes, view.layout.ll_offset, view.local_offset(view.layout.control_offset),
+            view.local_offset(view.layout.stats_offset))
+    constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
+                      PUSH=min(PUSH_WORDS, block_w), INTERPRET=interpret, num_warps=num_warps,
+                      **({"BACKOFF": backoff_ns} if backoff_ns else {}))
+    if compile_only:  # PAIRED follows the tensors' alignment, which may differ between calls and ranks
+        for paired in (True, False):
+            _fused_oneshot_ll_kernel.warmup(*args, grid=(programs,), PAIRED=paired, **constexprs)
+        return
+    paired = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
+    _fused_oneshot_ll_kernel[(programs,)](*args, PAIRED=paired, **constexprs)

@@ -37,8 +37,8 @@ import triton.language as tl
 from pcie_allreduce import constants, fused_oneshot_ll
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
-from pcie_allreduce.triton_protocol import (begin_call, end_call, flag_addr, interpreting, pick_base, round_to,
-                                            store_release, wait_peer)
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, flag_addr, interpreting,
+                                            pick_base, round_to, store_release, wait_peer)
 
 FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll")
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
@@ -184,7 +184,7 @@ _RUNTIME_ARGS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err
                  "timeout_ns", "slot_bytes", "parity_bytes", "flags_offset", "control_offset")
 
 
-@triton.jit(do_not_specialize=_RUNTIME_ARGS)
+@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
 def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                           rank, T, H, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
@@ -216,7 +216,7 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     end_call(ctrl, epoch, pid)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_ARGS)
+@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
 def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                           rank, T, H, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
@@ -300,12 +300,17 @@ def signature(algo: str, dtype: torch.dtype, tokens: int, hidden: int, programs:
 
 def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
            eps: float, normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool | None = None,
-           max_programs: int = MAX_PROGRAMS) -> None:
-    """Enqueue one fused call on the current stream (arguments already validated)."""
+           max_programs: int = MAX_PROGRAMS, compile_only: bool = False) -> None:
+    """Enqueue one fused call on the current stream (arguments already validated).
+
+    ``compile_only``: compile (or load from Triton's cache) every kernel variant this call's
+    shape and dtypes can launch, and launch nothing (nothing to compile under the interpreter)."""
     interpret = interpreting() if interpret is None else interpret
     if algo == "oneshot_ll":
         fused_oneshot_ll.launch(view, x, residual, weight, eps, normed, residual_out, interpret=interpret,
-                                max_programs=max_programs)
+                                max_programs=max_programs, compile_only=compile_only)
+        return
+    if compile_only and interpret:
         return
     tokens, hidden = x.shape
     programs, rows, block_h, num_warps = launch_shape(algo, tokens, view.world, hidden, max_programs)
@@ -314,9 +319,12 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     kernel = _fused_oneshot_kernel if algo == "oneshot" else _fused_twoshot_kernel
     bases = view.padded_bases()
     assert len(bases) == MAX_RANKS
-    kernel[(programs,)](
-        x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
-        view.rank, tokens, hidden, float(eps), signature(algo, x.dtype, tokens, hidden, programs), view.timeout_ns,
-        view.layout.slot_bytes, view.layout.parity_bytes, view.layout.flags_offset,
-        view.local_offset(view.layout.control_offset),
-        ROWS=rows, W=view.world, BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps)
+    args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
+            view.rank, tokens, hidden, float(eps), signature(algo, x.dtype, tokens, hidden, programs), view.timeout_ns,
+            view.layout.slot_bytes, view.layout.parity_bytes, view.layout.flags_offset,
+            view.local_offset(view.layout.control_offset))
+    constexprs = dict(ROWS=rows, W=view.world, BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps)
+    if compile_only:
+        kernel.warmup(*args, grid=(programs,), **constexprs)
+    else:
+        kernel[(programs,)](*args, **constexprs)

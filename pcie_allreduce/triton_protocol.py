@@ -20,6 +20,13 @@ import triton.language as tl
 from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, LINE_FLAG_MIX
 
 INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
+
+# The fused kernels' tensor arguments, never specialised on their alignment: a fused kernel's
+# compile key is then a function of the call's shapes and dtypes alone, the same on every rank, so
+# the communicator can compile each new shape on every rank before any rank launches it
+# (Communicator.all_reduce_rmsnorm). Their element offsets are runtime values, so an aligned base
+# could not widen an access anyway.
+FUSED_TENSOR_ARGS = ("x_ptr", "res_ptr", "w_ptr", "normed_ptr", "res_out_ptr")
 _EPOCH_WORDS: tl.constexpr = tl.constexpr(EPOCH_WORDS)
 _ABORT: tl.constexpr = tl.constexpr(ABORT_WORD)
 _CLAIM: tl.constexpr = tl.constexpr(CLAIM_WORD)

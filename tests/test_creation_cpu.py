@@ -290,6 +290,66 @@ def test_close_keeps_the_memory_a_captured_graph_may_replay(monkeypatch: pytest.
             communicator._NEVER_FREED.remove(captured)
 
 
+# ---- the first fused call of a shape: compiled on every rank before any rank launches it ------
+
+
+def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
+    import time
+
+    _fake_cuda("none", ctx.rank)
+    comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=1 << 20, timeout_s=5.0,
+                                       algo_table=pcie_allreduce.default_table())
+    comm._closed = True  # no CUDA here: skip close()'s synchronize
+    last = ctx.rank == ctx.world_size - 1
+    call = ("oneshot_ll", (4, 7168 if case != "shape_differs" or not last else 4096), torch.bfloat16, torch.bfloat16)
+
+    def compile_call() -> None:
+        if case == "slow_compiler" and last:
+            time.sleep(3.0)
+        if case == "compile_fails" and last:
+            raise RuntimeError("ptxas: out of resources")
+
+    if case == "never_comes":
+        communicator.FIRST_FUSED_CALL_WAIT_S = 2
+        if last:  # this rank's calls went another way: it never reaches the meeting
+            time.sleep(4.0)
+            return {"error": None, "message": "", "waited": 0.0, "compiled": []}
+    started = time.perf_counter()
+    try:
+        comm._compile_everywhere(call, compile_call)
+        error, message = None, ""
+    except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
+        error, message = type(exc).__name__, str(exc)
+    return {"error": error, "message": message, "waited": time.perf_counter() - started,
+            "compiled": sorted(map(str, comm._fused_compiled))}
+
+
+def test_first_fused_call_waits_for_every_rank_to_compile() -> None:
+    """The first call of a shape waits until the slowest rank has compiled it: no rank's kernel
+    starts its bounded waits while a peer is still compiling."""
+    results = ranks.run_ranks(_first_fused_call, 3, "slow_compiler", gpu=False, timeout_s=120)
+    assert [r["error"] for r in results] == [None] * 3
+    assert all(r["waited"] >= 2.5 for r in results), [r["waited"] for r in results]
+    assert all(len(r["compiled"]) == 1 for r in results)
+
+
+@pytest.mark.parametrize("case, first, last", [
+    ("shape_differs", "CollectiveMismatch", "CollectiveMismatch"),
+    ("compile_fails", "RuntimeError", "RuntimeError"),
+    ("never_comes", "CollectiveTimeout", None),
+])
+def test_first_fused_call_problems_raise_on_every_rank_that_meets(case: str, first: str, last: str | None) -> None:
+    results = ranks.run_ranks(_first_fused_call, 2, case, gpu=False, timeout_s=120)
+    assert [r["error"] for r in results] == [first, last]
+    assert not any(r["compiled"] for r in results)
+    if case == "shape_differs":
+        assert "oneshot_ll [4, 7168] torch.bfloat16" in results[0]["message"] and "ranks [1]" in results[0]["message"]
+    if case == "compile_fails":
+        assert "ptxas: out of resources" in results[1]["message"] and "rank(s) [1]" in results[0]["message"]
+    if case == "never_comes":
+        assert "within 2 s" in results[0]["message"] and "rank 0" in results[0]["message"]
+
+
 # ---- the host transport's /dev/shm housekeeping -------------------------------------------
 
 

@@ -16,6 +16,7 @@ SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,4,8").split(",") if int(w) in (2, 4, 8)]
+TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 TOKENS = (1, 4, 32, 128)
 HIDDENS = (4096, 7168, 8192)
 MAX_BYTES = 128 * 8192 * 2
@@ -58,8 +59,8 @@ def _algos(comm: pcie_allreduce.Communicator, tokens: int, hidden: int, dtype: t
     return algos + ["auto"]
 
 
-def _fused_matrix(ctx: ranks.RankContext) -> dict:
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+def _fused_matrix(ctx: ranks.RankContext, transport: str) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
     digests = {}
     seed = 0
     for dtype in (torch.bfloat16, torch.float16):
@@ -96,14 +97,15 @@ def _fused_matrix(ctx: ranks.RankContext) -> dict:
     return digests
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_fused_matches_reference_and_is_bitwise_identical_across_ranks(world: int) -> None:
-    results = ranks.run_ranks(_fused_matrix, world, timeout_s=900)
+def test_fused_matches_reference_and_is_bitwise_identical_across_ranks(world: int, transport: str) -> None:
+    results = ranks.run_ranks(_fused_matrix, world, transport, timeout_s=900)
     assert all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
-def _fused_graph(ctx: ranks.RankContext) -> dict:
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+def _fused_graph(ctx: ranks.RankContext, transport: str) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
     cases = [_case(ctx, t, 7168, torch.bfloat16, 500 + t) for t in (1, 4, 32, 128)]
     static = [(c[0][ctx.rank].to(ctx.device), c[1].to(ctx.device), c[2].to(ctx.device)) for c in cases]
     # warm the Triton compile cache outside the capture
@@ -129,9 +131,10 @@ def _fused_graph(ctx: ranks.RankContext) -> dict:
     return {"digest": digest}
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_fused_inside_cuda_graph(world: int) -> None:
-    results = ranks.run_ranks(_fused_graph, world, timeout_s=900)
+def test_fused_inside_cuda_graph(world: int, transport: str) -> None:
+    results = ranks.run_ranks(_fused_graph, world, transport, timeout_s=900)
     assert all(r == results[0] for r in results)
 
 
@@ -172,3 +175,39 @@ def test_a_fused_call_that_gives_up_leaves_nan_in_both_outputs(algo: str, world:
             continue
         assert r["raised"] == world - 1, f"rank {rank}: check() did not name the late rank: {r}"
         assert r["all_nan"] == [True, True], f"rank {rank}: the fused call that gave up left data: {r}"
+
+
+def _first_calls_of_a_late_rank(ctx: ranks.RankContext) -> dict:
+    """The last rank reaches the first fused call of each shape 15 s after the others (eagerly,
+    then inside a graph capture), three times the kernels' timeout: the others wait for it while
+    compiling, never inside a kernel, so every call completes with the right result."""
+    import time
+
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
+    late = ctx.rank == ctx.world_size - 1
+    outcomes = []
+    for capture, tokens, algo in ((False, 4, "auto"), (False, 3, "oneshot"), (True, 5, "auto"), (True, 6, "twoshot")):
+        xs, residual, weight, want_res, want_norm = _case(ctx, tokens, 7168, torch.bfloat16, 900 + tokens)
+        x, res, w = xs[ctx.rank].to(ctx.device), residual.to(ctx.device), weight.to(ctx.device)
+        torch.distributed.barrier(group=ctx.group)
+        if late:
+            time.sleep(15.0)
+        if capture:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)
+            graph.replay()
+        else:
+            normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)
+        torch.cuda.synchronize()
+        comm.check()
+        _check(normed, new_res, want_res, want_norm, f"first call of T={tokens} {algo} (capture={capture})")
+        outcomes.append(_digest(normed, new_res))
+    comm.close()
+    return {"digests": outcomes}
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_a_rank_late_to_the_first_call_of_a_shape_does_not_trip_the_timeout(world: int) -> None:
+    results = ranks.run_ranks(_first_calls_of_a_late_rank, world, timeout_s=300)
+    assert all(r == results[0] for r in results), "ranks disagree bitwise"
