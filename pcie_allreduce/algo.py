@@ -218,14 +218,22 @@ def default_table(transport: str = "p2p") -> AlgoTable:
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
     Host transport: the write-once algorithms. Per rank over its own PCIe link the one-shot reads
-    W-1 messages, the two-shot 2(W-1)/W (and writes one shard more, with one more exchange): the
-    one-shot at W = 2 for every size, the two-shot above 256 KiB from W = 3. A first estimate
-    from the link's byte counts, to be replaced by measured crossovers.
+    (W-1) N, the two-shot 2(W-1)N/W in two exchanges. With an exchange costing t0 ~ 3.2 us and a
+    link reading ~22 GB/s (a minimal write-once kernel on two H200s: 3.85 us at 14 KiB, 23.9 us
+    at 448 KiB), the two-shot wins above N = t0 B W / ((W-1)(W-2)): never at W = 2, ~104 KiB at
+    W = 3, ~46 KiB at 4, ~30 / 21 KiB at 5 / 6, ~16 / 13 KiB at 7 / 8. The two-shot also reads
+    W/2 times fewer bytes out of host memory in all, which all links share. An estimate from
+    those figures, to be replaced by crossovers measured with a GPU per link (`pcie-allreduce
+    tune --transport host`); on one GPU under MPS (one link for all ranks) the two-shot was
+    already the faster from W = 4 at 56 KiB and W = 8 at 14 KiB (bench/RESULTS.md).
     """
     if transport == "host":
         return AlgoTable((
             Rule("host_oneshot", max_bytes=None, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
-            Rule("host_oneshot", max_bytes=256 << 10, world=None, bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=96 << 10, world=(3,), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=48 << 10, world=(4,), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=24 << 10, world=(5, 6), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=16 << 10, world=(7, 8), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_twoshot", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
         ))
     small = (2, 3, 4)

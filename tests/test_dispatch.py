@@ -112,6 +112,12 @@ def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
     assert host.select(56 << 10, 2, "bfloat16").algo == "host_oneshot"
     assert host.select(4 << 20, 2, "bfloat16").algo == "host_oneshot"  # W=2: the two-shot reads as much
     assert host.select(4 << 20, 8, "bfloat16").algo == "host_twoshot"
+    # the two-shot's crossover falls with W: it reads 2(W-1)/W of the message, the one-shot W-1
+    crossovers = [next(n for n in range(1 << 10, 1 << 30, 1 << 10) if host.select(n, w, "bfloat16").algo == "host_twoshot")
+                  for w in range(3, 9)]
+    assert crossovers == sorted(crossovers, reverse=True), crossovers
+    assert host.select(14 << 10, 8, "bfloat16").algo == "host_oneshot"
+    assert host.select(56 << 10, 8, "bfloat16").algo == "host_twoshot"
     assert host.transport_problem("host") is None and algo.default_table().transport_problem("host") is None
     problem = host.transport_problem("p2p")
     assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
