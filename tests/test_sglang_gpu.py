@@ -320,3 +320,80 @@ def _interleaved_graphs(ctx: ranks.RankContext) -> dict:
 def test_graphs_of_every_kind_replayed_interleaved_with_eager_calls(world: int) -> None:
     for r in ranks.run_ranks(_interleaved_graphs, world, timeout_s=900, env=_serving_env()):
         assert r["checked"] == INTERLEAVED_STEPS and r["graphs"] == sorted(GRAPH_TOKENS), r
+
+
+def _fake_model_runner_module():
+    """A stand-in for ``sglang.srt.model_executor.model_runner`` (whose real import needs SGLang's
+    GPU dependencies): its ``ModelRunner.forward`` with 0.5.23's signature, which the plugin hooks
+    when the module is imported (tests/test_sglang_plugin.py checks the real signature)."""
+    import importlib.machinery
+    import types
+
+    from sglang_plugin import hooks
+
+    name = hooks.FORWARD_STEP.rsplit(".", 2)[0]
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+    class ModelRunner:
+        def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None,
+                    reinit_attn_backend=False, split_forward_count=1):
+            return ("ran", forward_batch)
+
+    module.ModelRunner = ModelRunner
+    return module
+
+
+def _late_peer_during_a_replay(ctx: ranks.RankContext) -> dict:
+    """A decode graph captured as SGLang's runner does; in one replay the last rank does not
+    replay (a peer stuck past the timeout). The other ranks' replay gives up, leaves NaN, and their
+    next forward step raises CollectiveTimeout naming that rank, before running anything."""
+    import sys
+
+    from pcie_allreduce.errors import CollectiveTimeout
+    from sglang.srt.plugins import load_plugins
+    from sglang_plugin import import_hook
+
+    ensure_entry_point()
+    load_plugins()
+    tp = _coordinator(ctx)
+    module = _fake_model_runner_module()
+    sys.modules[module.__name__] = module
+    import_hook.on_module_loaded(module.__name__)  # what the import hook's loader does after the import
+    runner = module.ModelRunner()
+    x = _inputs(ctx, 700, 4, HIDDEN, torch.bfloat16)[1]
+    with tp.graph_capture() as capture_ctx:
+        tp.all_reduce(x)  # warm-up in the capture context, as SGLang's runner does
+        capture_ctx.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture_ctx.stream):
+            out = tp.all_reduce(x)
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    healthy_step = runner.forward("step 1")
+    torch.distributed.barrier(group=ctx.group)
+    late = ctx.rank == ctx.world_size - 1
+    if not late:
+        graph.replay()
+    torch.cuda.synchronize()
+    result = {"late": late, "healthy_step": list(healthy_step), "all_nan": bool(torch.isnan(out).all())}
+    try:
+        runner.forward("step 2")
+        result["raised"] = None
+    except CollectiveTimeout as exc:
+        result["raised"], result["peer"] = "CollectiveTimeout", exc.peer
+    torch.distributed.barrier(group=ctx.group)  # the late rank stays until the others gave up
+    return result
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_a_peer_late_during_a_replay_makes_the_next_forward_step_raise(world: int) -> None:
+    env = {**_serving_env(), "PCIE_AR_SGLANG_TIMEOUT_S": "2"}
+    for rank, r in enumerate(ranks.run_ranks(_late_peer_during_a_replay, world, timeout_s=300, env=env)):
+        assert r["healthy_step"] == ["ran", "step 1"], f"rank {rank}: a healthy step did not run: {r}"
+        if r["late"]:
+            continue
+        assert r["all_nan"], f"rank {rank}: the replay that gave up left data in its output: {r}"
+        assert r["raised"] == "CollectiveTimeout" and r["peer"] == world - 1, \
+            f"rank {rank}: the next forward step did not raise the recorded timeout naming rank {world - 1}: {r}"
