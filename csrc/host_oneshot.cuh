@@ -9,12 +9,11 @@
 
 namespace pcie_ar {
 
-// Write our units [r) once into our input area; sum every rank's in rank order, polling each
-// peer's area until its unit arrived (H1). False (this thread) on timeout or abort.
+// Sum every rank's units [r) in rank order: ours from our input as it travels (H1), the peers'
+// from their input areas, polled until each unit arrived. False (this thread) on timeout or abort.
 template <typename T, typename Unit>
-__device__ __forceinline__ bool exchange_and_reduce(const KernelArgs& a, uint32_t buffer, uint32_t epoch,
-                                                    const Unit* in, Unit* out, Range r) {
-  Unit* mine = shared_area<Unit>(a, a.rank, buffer, SharedArea::kInput);
+__device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buffer, uint32_t epoch, const Unit* in,
+                                              Unit* out, Range r) {
   const Unit* theirs[kMaxRanks];
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
@@ -23,12 +22,10 @@ __device__ __forceinline__ bool exchange_and_reduce(const KernelArgs& a, uint32_
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    const Unit v = to_wire<T, Unit>(load_unit(in + i));
-    mine[i] = v;
     Pack<T, Unit> got[kMaxRanks];
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {  // every peer's first load in flight at once
-      if (p < a.world) got[p].unit = p == a.rank ? v : load_wire(theirs[p] + i);
+      if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(theirs[p] + i);
     }
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
@@ -36,7 +33,7 @@ __device__ __forceinline__ bool exchange_and_reduce(const KernelArgs& a, uint32_
         return false;
       }
     }
-    out[i] = sum_in_rank_order<T, Unit>(got, a.world);
+    out[i] = sum_in_rank_order<T, Unit>(got, a.world);  // in place: this unit's input was read above
   }
   return true;
 }
@@ -50,14 +47,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock) host_oneshot_kernel(const __
   const uint32_t buffer = state & 3u;
   bool done = false;
   if (!aborted) {
-    publish_header(a, buffer, epoch);
-    bool ok = wait_headers(a, buffer, epoch);
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-    ok = ok && exchange_and_reduce<T, Unit>(a, buffer, epoch, static_cast<const Unit*>(a.input),
-                                            static_cast<Unit*>(a.output), body);
-    ok = ok && exchange_and_reduce<T, T>(a, buffer, epoch, static_cast<const T*>(a.input),
-                                         static_cast<T*>(a.output), tail);
+    publish_header(a, buffer, epoch);
+    publish_input<T, Unit>(a, buffer, static_cast<const Unit*>(a.input), body);
+    publish_input<T, T>(a, buffer, static_cast<const T*>(a.input), tail);
+    bool ok = wait_headers(a, buffer, epoch);
+    ok = ok && reduce_inputs<T, Unit>(a, buffer, epoch, static_cast<const Unit*>(a.input),
+                                      static_cast<Unit*>(a.output), body);
+    ok = ok && reduce_inputs<T, T>(a, buffer, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);
     done = __syncthreads_and(ok) != 0;
     if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
   }

@@ -14,13 +14,6 @@
 
 namespace pcie_ar {
 
-// Write our units [r) of the message once into our input area.
-template <typename T, typename Unit>
-__device__ __forceinline__ void publish_input(const KernelArgs& a, uint32_t buffer, const Unit* in, Range r) {
-  Unit* mine = shared_area<Unit>(a, a.rank, buffer, SharedArea::kInput);
-  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) mine[i] = to_wire<T, Unit>(load_unit(in + i));
-}
-
 // Our shard [r): every rank's units from their input areas, summed in rank order, as it will
 // travel; into our output and, once, into our result area. False (this thread) on timeout or abort.
 template <typename T, typename Unit>

@@ -144,6 +144,14 @@ __device__ __forceinline__ void publish_header(const KernelArgs& a, uint32_t buf
   }
 }
 
+// Write our units [r) of the message once into our input area: before waiting for anything, so
+// the data is on its way while the headers are (H4).
+template <typename T, typename Unit>
+__device__ __forceinline__ void publish_input(const KernelArgs& a, uint32_t buffer, const Unit* in, Range r) {
+  Unit* mine = shared_area<Unit>(a, a.rank, buffer, SharedArea::kInput);
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) mine[i] = to_wire<T, Unit>(load_unit(in + i));
+}
+
 // Bounded wait (one thread) for `peer`'s header of this call; false on mismatch, timeout or abort.
 static __device__ __noinline__ bool wait_header(const KernelArgs& a, int peer, uint32_t buffer, uint32_t epoch) {
   const uint64_t* header = shared_header(a, peer, buffer, blockIdx.x);

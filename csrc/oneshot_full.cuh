@@ -17,7 +17,7 @@
 //      receiver's block k wait for each peer's, in parallel with the data. The same epoch with
 //      another signature is recorded as a mismatch, never reduced; a peer whose data never
 //      arrives is a timeout.
-//  F3. Every unit is reduced by the thread that pushed it, from the input it loaded before
+//  F3. Every unit is reduced by the thread that pushed it, from the input it loads again before
 //      writing that unit's output: in place (output == input) is safe. Blocks cover 16-byte
 //      granules (partition.cuh), so ranks that move vectors and ranks that move elements
 //      (unaligned buffers) interoperate.
@@ -68,33 +68,40 @@ static __device__ __noinline__ bool wait_full_header(const KernelArgs& a, int pe
   }
 }
 
-// Push our units [r) to every peer; reduce each from every peer's slot in our memory as soon as
-// it arrived; re-poison what we consumed (F1). False (this thread) on timeout or abort.
+// Push our units [r) into our slot of every peer's workspace, before waiting for anything: the
+// data is on its way while the headers are (F2).
 template <typename T, typename Unit>
-__device__ __forceinline__ bool push_poll_reduce(const KernelArgs& a, uint32_t parity, uint32_t epoch, const Unit* in,
-                                                 Unit* out, Range r) {
+__device__ __forceinline__ void push_units(const KernelArgs& a, uint32_t parity, const Unit* in, Range r) {
   Unit* to_peer[kMaxRanks];
-  Unit* from_peer[kMaxRanks];
 #pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) {
-    to_peer[p] = p < a.world ? full_slot<Unit>(a, p, parity, a.rank) : nullptr;
-    from_peer[p] = p < a.world ? full_slot<Unit>(a, a.rank, parity, p) : nullptr;
-  }
-  Unit poison;  // every 16-bit lane -0.0: as 32-bit words, kPoisonWord
-#pragma unroll
-  for (int k = 0; k < static_cast<int>(sizeof(Unit) / 2); ++k) reinterpret_cast<uint16_t*>(&poison)[k] = 0x8000u;
-  uint64_t started = 0;
-  uint32_t spins = 0;
+  for (int p = 0; p < kMaxRanks; ++p) to_peer[p] = p < a.world ? full_slot<Unit>(a, p, parity, a.rank) : nullptr;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     const Unit v = to_wire<T, Unit>(load_unit(in + i));
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p < a.world && p != a.rank) to_peer[p][i] = v;
     }
+  }
+}
+
+// Reduce our units [r) from every peer's slot in our memory as each arrived (ours from our input
+// as it travels), then re-poison what we consumed (F1). False (this thread) on timeout or abort.
+template <typename T, typename Unit>
+__device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity, uint32_t epoch, const Unit* in,
+                                            Unit* out, Range r) {
+  Unit* from_peer[kMaxRanks];
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p) from_peer[p] = p < a.world ? full_slot<Unit>(a, a.rank, parity, p) : nullptr;
+  Unit poison;  // every 16-bit lane -0.0: as 32-bit words, kPoisonWord
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(Unit) / 2); ++k) reinterpret_cast<uint16_t*>(&poison)[k] = 0x8000u;
+  uint64_t started = 0;
+  uint32_t spins = 0;
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world) got[p].unit = p == a.rank ? v : load_wire(from_peer[p] + i);
+      if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(from_peer[p] + i);
     }
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
@@ -103,7 +110,7 @@ __device__ __forceinline__ bool push_poll_reduce(const KernelArgs& a, uint32_t p
         return false;
       }
     }
-    out[i] = sum_in_rank_order<T, Unit>(got, a.world);
+    out[i] = sum_in_rank_order<T, Unit>(got, a.world);  // in place: this unit's input was read above (F3)
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p < a.world && p != a.rank) from_peer[p][i] = poison;
@@ -119,15 +126,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_full_kernel(const __
   bool done = false;
   if (!aborted) {
     const uint32_t parity = epoch & 1u;
-    publish_full_headers(a, parity, epoch);
-    const int peer = static_cast<int>(threadIdx.x);
-    bool ok = peer >= a.world || peer == a.rank || wait_full_header(a, peer, parity, epoch);
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-    ok = ok && push_poll_reduce<T, Unit>(a, parity, epoch, static_cast<const Unit*>(a.input),
-                                         static_cast<Unit*>(a.output), body);
-    ok = ok && push_poll_reduce<T, T>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output),
-                                      tail);
+    publish_full_headers(a, parity, epoch);
+    push_units<T, Unit>(a, parity, static_cast<const Unit*>(a.input), body);
+    push_units<T, T>(a, parity, static_cast<const T*>(a.input), tail);
+    const int peer = static_cast<int>(threadIdx.x);
+    bool ok = peer >= a.world || peer == a.rank || wait_full_header(a, peer, parity, epoch);
+    ok = ok && poll_reduce<T, Unit>(a, parity, epoch, static_cast<const Unit*>(a.input), static_cast<Unit*>(a.output),
+                                    body);
+    ok = ok && poll_reduce<T, T>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);
     done = __syncthreads_and(ok) != 0;
   }
   if (!done) fill_output_with_nan<T>(a);
