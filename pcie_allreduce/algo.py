@@ -150,10 +150,15 @@ class AlgoTable:
 
     def blocks_for(self, algo: str, nbytes: int, world: int, dtype: str) -> int:
         """Launch shape when the caller forces ``algo``: the first rule for that algorithm that fits,
-        else that algorithm's last rule, else the default bytes-per-block heuristic."""
+        else that algorithm's first rule; an algorithm the table never names launches as the
+        table's choice for this message does (its rules' shapes are sized for the message: a
+        generic shape would give a 14 KiB message one block where the table's gives four, and
+        make a comparison of algorithms a comparison of launch shapes)."""
         candidates = [r for r in self.rules if r.algo == algo and r.matches(nbytes, world, dtype)]
         if not candidates:
-            candidates = [r for r in self.rules if r.algo == algo] or [Rule(algo)]
+            candidates = [r for r in self.rules if r.algo == algo]
+        if not candidates:
+            candidates = [r for r in self.rules if r.matches(nbytes, world, dtype)] or [Rule(algo)]
         return candidates[0].blocks_for(nbytes)
 
     def transport_problem(self, transport: str) -> str | None:

@@ -302,6 +302,9 @@ def test_forced_algo_blocks_follow_its_rule() -> None:
     assert table.blocks_for("twoshot", 64 << 10, 2, "bfloat16") == 1
     assert table.blocks_for("oneshot", 64 << 10, 2, "bfloat16") == 16
     assert 1 <= table.blocks_for("staged", 8 << 20, 8, "bfloat16") <= algo.MAX_LAUNCH_BLOCKS
+    # an algorithm the table never names launches as the table's choice for that size
+    for nbytes in (1 << 10, 14 << 10, 56 << 10, 4 << 20):
+        assert table.blocks_for("oneshot_full", nbytes, 8, "bfloat16") == table.select(nbytes, 8, "bfloat16").blocks
 
 
 def test_torch_library_ops_registered() -> None:
