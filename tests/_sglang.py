@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 from importlib.metadata import entry_points
+from typing import Any
 
 from sglang_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
 
@@ -48,3 +49,30 @@ def ensure_entry_point() -> str | None:
     sys.path.insert(0, root)
     importlib.invalidate_caches()
     return root
+
+
+def plugin_tp_coordinator(ctx: Any, *, served: bool = True) -> Any:
+    """In a GPU rank: the plugin loaded as SGLang loads it (``load_plugins()`` finds the entry
+    point), then SGLang's real ``tp`` GroupCoordinator with NCCL off (NCCL refuses ranks that
+    share a GPU; the device group is gloo, which also serves what the plugin declines). With
+    ``served``, checks that our adapter is its ``ca_comm`` and that the fused op is hooked."""
+    ensure_entry_point()
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.layers import flashinfer_comm_fusion
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+    from sglang_plugin.registry import REGISTRY
+
+    load_plugins()
+    assert REGISTRY.state is not None, "load_plugins() did not load the plugin"
+    tp = GroupCoordinator(group_ranks=[list(range(ctx.world_size))], local_rank=ctx.device.index,
+                          torch_distributed_backend="gloo", use_pynccl=False, use_mscclpp=False,
+                          use_custom_allreduce=True, use_torch_symm_mem_all_reduce=False,
+                          use_hpu_communicator=False, use_xpu_communicator=False, group_name="tp")
+    if served:
+        adapter = tp.ca_comm
+        assert isinstance(adapter, PcieAllReduceAdapter) and not adapter.disabled, f"ca_comm is {adapter!r}"
+        assert hasattr(flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm, "__wrapped__"), \
+            "fused op not hooked"
+    return tp

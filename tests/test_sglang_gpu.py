@@ -27,7 +27,7 @@ import torch
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from tests._sglang import ensure_entry_point, sglang_skip_reason
+from tests._sglang import plugin_tp_coordinator, sglang_skip_reason
 from tests import _reference as ref
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()
@@ -41,15 +41,6 @@ DECODE_TOKENS = (1, 4, 8, 32)  # 14 KiB .. 448 KiB of bf16 at hidden 7168
 EAGER_CASES = [(t, HIDDEN, torch.bfloat16) for t in DECODE_TOKENS] + [
     (4, 4096, torch.float16), (3, 1000, torch.float32), (1, 7, torch.bfloat16)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _coordinator(ctx: ranks.RankContext):
-    from sglang.srt.distributed.parallel_state import GroupCoordinator
-
-    return GroupCoordinator(group_ranks=[list(range(ctx.world_size))], local_rank=ctx.device.index,
-                            torch_distributed_backend="gloo", use_pynccl=False, use_mscclpp=False,
-                            use_custom_allreduce=True, use_torch_symm_mem_all_reduce=False,
-                            use_hpu_communicator=False, use_xpu_communicator=False, group_name="tp")
 
 
 def _inputs(ctx, seed: int, tokens: int, hidden: int, dtype: torch.dtype):
@@ -94,20 +85,11 @@ def _fusion_gate_open() -> bool | str:
 
 
 def _rank(ctx: ranks.RankContext) -> dict:
-    ensure_entry_point()
     from sglang.srt.layers import flashinfer_comm_fusion
-    from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_plugin.adapter import PcieAllReduceAdapter
-    from sglang_plugin.registry import REGISTRY
-
-    load_plugins()
-    assert REGISTRY.state is not None, "load_plugins() did not load the plugin"
-    tp = _coordinator(ctx)
+    tp = plugin_tp_coordinator(ctx)
     adapter = tp.ca_comm
-    assert isinstance(adapter, PcieAllReduceAdapter) and not adapter.disabled, f"ca_comm is {adapter!r}"
-    assert hasattr(flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm, "__wrapped__"), "fused op not hooked"
     report: dict = {"served": [], "fallback": None}
 
     # ---- eager, through GroupCoordinator.all_reduce -> outplace_all_reduce -> the adapter
@@ -263,13 +245,10 @@ def _interleaved_graphs(ctx: ranks.RankContext) -> dict:
     unfused path (the new residual bitwise, the norm against the fp64 reference)."""
     import random
 
-    ensure_entry_point()
     from sglang.srt.layers import flashinfer_comm_fusion
-    from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
 
-    load_plugins()
-    tp = _coordinator(ctx)
+    tp = plugin_tp_coordinator(ctx)
     graphs = {}
     checked = 0
     with get_parallel().override(attn_tp_group=tp, attn_tp_size=ctx.world_size, attn_tp_rank=ctx.rank), \
@@ -351,12 +330,9 @@ def _late_peer_during_a_replay(ctx: ranks.RankContext) -> dict:
     import sys
 
     from pcie_allreduce.errors import CollectiveTimeout
-    from sglang.srt.plugins import load_plugins
     from sglang_plugin import import_hook
 
-    ensure_entry_point()
-    load_plugins()
-    tp = _coordinator(ctx)
+    tp = plugin_tp_coordinator(ctx)
     module = _fake_model_runner_module()
     sys.modules[module.__name__] = module
     import_hook.on_module_loaded(module.__name__)  # what the import hook's loader does after the import
