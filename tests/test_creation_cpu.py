@@ -311,8 +311,11 @@ def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
 
     if case == "never_comes":
         communicator.FIRST_FUSED_CALL_WAIT_S = 2
-        if last:  # this rank's calls went another way: it never reaches the meeting
+        if last:  # this rank's calls went another way: it reaches no meeting within the bound
             time.sleep(4.0)
+            # then completes the gather the other rank left behind, so no rank exits with one pending
+            torch.distributed.all_gather([torch.zeros(2, dtype=torch.int64) for _ in range(ctx.world_size)],
+                                         torch.zeros(2, dtype=torch.int64), group=ctx.group)
             return {"error": None, "message": "", "waited": 0.0, "compiled": []}
     started = time.perf_counter()
     try:
