@@ -76,3 +76,13 @@ def plugin_tp_coordinator(ctx: Any, *, served: bool = True) -> Any:
         assert hasattr(flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm, "__wrapped__"), \
             "fused op not hooked"
     return tp
+
+
+def serving_env(max_bytes: int) -> dict[str, str]:
+    """The ranks' environment for the SGLang GPU tests that serve: the plugin on, mode=always (on
+    NVLinked GPUs the default mode leaves the group to SGLang; these tests are about serving,
+    wherever they run), this checkout importable in every rank."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(max_bytes), "PCIE_AR_SGLANG_MODE": "always",
+            "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
+            "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}

@@ -27,7 +27,7 @@ import torch
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from tests._sglang import plugin_tp_coordinator, sglang_skip_reason
+from tests._sglang import plugin_tp_coordinator, serving_env, sglang_skip_reason
 from tests import _reference as ref
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()
@@ -40,7 +40,6 @@ EPS = 1e-6
 DECODE_TOKENS = (1, 4, 8, 32)  # 14 KiB .. 448 KiB of bf16 at hidden 7168
 EAGER_CASES = [(t, HIDDEN, torch.bfloat16) for t in DECODE_TOKENS] + [
     (4, 4096, torch.float16), (3, 1000, torch.float32), (1, 7, torch.bfloat16)]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _inputs(ctx, seed: int, tokens: int, hidden: int, dtype: torch.dtype):
@@ -193,17 +192,9 @@ def _graph(ctx: ranks.RankContext, tp) -> dict:
     return {"replays": replays, "collectives_per_replay": len(outs)}
 
 
-def _serving_env() -> dict[str, str]:
-    """The ranks' environment for the serving tests. mode=always: on NVLinked GPUs the default
-    mode leaves the group to SGLang (tested below); these tests are about serving, wherever they run."""
-    return {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES), "PCIE_AR_SGLANG_MODE": "always",
-            "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
-            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-
-
 @pytest.mark.parametrize("world", WORLDS)
 def test_sglang_group_coordinator_with_plugin(world: int) -> None:
-    results = ranks.run_ranks(_rank, world, timeout_s=900, env=_serving_env())
+    results = ranks.run_ranks(_rank, world, timeout_s=900, env=serving_env(MAX_BYTES))
     assert all(r == results[0] for r in results), results
     assert results[0]["graph"] == {"replays": 3, "collectives_per_replay": 3 * 2 * len(DECODE_TOKENS)}
     gate = results[0]["fusion_gate"]
@@ -297,7 +288,7 @@ def _interleaved_graphs(ctx: ranks.RankContext) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_graphs_of_every_kind_replayed_interleaved_with_eager_calls(world: int) -> None:
-    for r in ranks.run_ranks(_interleaved_graphs, world, timeout_s=900, env=_serving_env()):
+    for r in ranks.run_ranks(_interleaved_graphs, world, timeout_s=900, env=serving_env(MAX_BYTES)):
         assert r["checked"] == INTERLEAVED_STEPS and r["graphs"] == sorted(GRAPH_TOKENS), r
 
 
@@ -365,7 +356,7 @@ def _late_peer_during_a_replay(ctx: ranks.RankContext) -> dict:
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_a_peer_late_during_a_replay_makes_the_next_forward_step_raise(world: int) -> None:
-    env = {**_serving_env(), "PCIE_AR_SGLANG_TIMEOUT_S": "2"}
+    env = {**serving_env(MAX_BYTES), "PCIE_AR_SGLANG_TIMEOUT_S": "2"}
     for rank, r in enumerate(ranks.run_ranks(_late_peer_during_a_replay, world, timeout_s=300, env=env)):
         assert r["healthy_step"] == ["ran", "step 1"], f"rank {rank}: a healthy step did not run: {r}"
         if r["late"]:

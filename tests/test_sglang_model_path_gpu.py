@@ -91,7 +91,7 @@ import torch
 import pcie_allreduce
 from pcie_allreduce import ranks
 from tests import _reference as ref
-from tests._sglang import plugin_tp_coordinator, sglang_skip_reason
+from tests._sglang import plugin_tp_coordinator, serving_env, sglang_skip_reason
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -111,7 +111,6 @@ EAGER_SEEDS = (1, 2)
 REPLAYS = 3
 WARMUPS = 2  # SGLang's graph runner runs each batch size twice in the capture context first
 MAX_FUSED_BATCH = 2048  # add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 Outputs = list[tuple[torch.Tensor, torch.Tensor]]  # (normed, new residual) per boundary, in order
 
@@ -148,13 +147,6 @@ def _tp_only_parallel(ctx: ranks.RankContext, tp) -> dict[str, Any]:
             "attn_tp_group": tp, "attn_tp_size": w, "attn_tp_rank": ctx.rank,
             "attn_dp_size": 1, "attn_dp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
             "moe_tp_group": tp, "moe_tp_size": w, "moe_ep_size": 1, "moe_dp_size": 1, "dwdp_size": 1}
-
-
-def _serving_env() -> dict[str, str]:
-    """The ranks' environment, as in tests/test_sglang_gpu.py (mode=always: served wherever it runs)."""
-    return {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(MAX_BYTES), "PCIE_AR_SGLANG_MODE": "always",
-            "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
-            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
 
 
 def _count_served(adapter) -> collections.Counter:
@@ -543,7 +535,7 @@ def _rank(ctx: ranks.RankContext) -> dict:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_deepseek_layer_boundaries_through_the_plugin(world: int) -> None:
-    results = ranks.run_ranks(_rank, world, timeout_s=900, env=_serving_env())
+    results = ranks.run_ranks(_rank, world, timeout_s=900, env=serving_env(MAX_BYTES))
     for rank, r in enumerate(results[1:], start=1):
         assert r == results[0], f"rank {rank} differs from rank 0 (digests of the outputs included):\n{r}\n{results[0]}"
     report = results[0]
