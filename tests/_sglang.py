@@ -86,3 +86,25 @@ def serving_env(max_bytes: int) -> dict[str, str]:
     return {"PCIE_AR_SGLANG_ENABLE": "1", "PCIE_AR_SGLANG_MAX_BYTES": str(max_bytes), "PCIE_AR_SGLANG_MODE": "always",
             "PCIE_AR_SGLANG_TIMEOUT_S": "30", "SGLANG_PLUGINS": "pcie_allreduce",
             "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+
+
+def fake_model_runner_module() -> Any:
+    """A stand-in for ``sglang.srt.model_executor.model_runner`` (whose real import needs SGLang's
+    GPU dependencies): ``ModelRunner.forward`` with SGLang 0.5.23's signature (the conformance
+    tests check the real one), returning ``("ran", forward_batch, split_forward_count)``."""
+    import importlib.machinery
+    import types
+
+    from sglang_plugin import hooks
+
+    name = hooks.FORWARD_STEP.rsplit(".", 2)[0]
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+    class ModelRunner:
+        def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None,
+                    reinit_attn_backend=False, split_forward_count=1):
+            return ("ran", forward_batch, split_forward_count)
+
+    module.ModelRunner = ModelRunner
+    return module

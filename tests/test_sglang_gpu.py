@@ -27,7 +27,7 @@ import torch
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from tests._sglang import plugin_tp_coordinator, serving_env, sglang_skip_reason
+from tests._sglang import fake_model_runner_module, plugin_tp_coordinator, serving_env, sglang_skip_reason
 from tests import _reference as ref
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()
@@ -292,28 +292,6 @@ def test_graphs_of_every_kind_replayed_interleaved_with_eager_calls(world: int) 
         assert r["checked"] == INTERLEAVED_STEPS and r["graphs"] == sorted(GRAPH_TOKENS), r
 
 
-def _fake_model_runner_module():
-    """A stand-in for ``sglang.srt.model_executor.model_runner`` (whose real import needs SGLang's
-    GPU dependencies): its ``ModelRunner.forward`` with 0.5.23's signature, which the plugin hooks
-    when the module is imported (tests/test_sglang_plugin.py checks the real signature)."""
-    import importlib.machinery
-    import types
-
-    from sglang_plugin import hooks
-
-    name = hooks.FORWARD_STEP.rsplit(".", 2)[0]
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-
-    class ModelRunner:
-        def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None,
-                    reinit_attn_backend=False, split_forward_count=1):
-            return ("ran", forward_batch)
-
-    module.ModelRunner = ModelRunner
-    return module
-
-
 def _late_peer_during_a_replay(ctx: ranks.RankContext) -> dict:
     """A decode graph captured as SGLang's runner does; in one replay the last rank does not
     replay (a peer stuck past the timeout). The other ranks' replay gives up, leaves NaN, and their
@@ -324,7 +302,7 @@ def _late_peer_during_a_replay(ctx: ranks.RankContext) -> dict:
     from sglang_plugin import import_hook
 
     tp = plugin_tp_coordinator(ctx)
-    module = _fake_model_runner_module()
+    module = fake_model_runner_module()
     sys.modules[module.__name__] = module
     import_hook.on_module_loaded(module.__name__)  # what the import hook's loader does after the import
     runner = module.ModelRunner()
@@ -358,7 +336,7 @@ def _late_peer_during_a_replay(ctx: ranks.RankContext) -> dict:
 def test_a_peer_late_during_a_replay_makes_the_next_forward_step_raise(world: int) -> None:
     env = {**serving_env(MAX_BYTES), "PCIE_AR_SGLANG_TIMEOUT_S": "2"}
     for rank, r in enumerate(ranks.run_ranks(_late_peer_during_a_replay, world, timeout_s=300, env=env)):
-        assert r["healthy_step"] == ["ran", "step 1"], f"rank {rank}: a healthy step did not run: {r}"
+        assert r["healthy_step"] == ["ran", "step 1", 1], f"rank {rank}: a healthy step did not run: {r}"
         if r["late"]:
             continue
         assert r["all_nan"], f"rank {rank}: the replay that gave up left data in its output: {r}"

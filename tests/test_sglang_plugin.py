@@ -28,7 +28,7 @@ from pcie_allreduce.layout import Layout
 from sglang_plugin import hooks, patching, settings as settings_mod, surface
 from sglang_plugin.eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
-from tests._sglang import ensure_entry_point, sglang_skip_reason
+from tests._sglang import ensure_entry_point, fake_model_runner_module, sglang_skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG_SKIP = sglang_skip_reason()
@@ -643,23 +643,6 @@ class _Failed:
             raise CollectiveTimeout("rank 1 waited more than 10 s for rank 0 in one-shot gather of call #99")
 
 
-def _fake_model_runner_module() -> object:
-    import importlib.machinery
-    import types
-
-    name = hooks.FORWARD_STEP.rsplit(".", 2)[0]
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-
-    class ModelRunner:  # SGLang 0.5.23's signature (test_hook_targets_have_the_expected_signature)
-        def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None,
-                    reinit_attn_backend=False, split_forward_count=1):
-            return ("ran", forward_batch, split_forward_count)
-
-    module.ModelRunner = ModelRunner
-    return module
-
-
 @needs_sglang
 @pytest.mark.parametrize("attach", ["plugin", "import"])
 @pytest.mark.parametrize("loaded_first", [True, False])
@@ -673,7 +656,7 @@ def test_every_forward_step_raises_a_recorded_failure_first(monkeypatch: pytest.
     from sglang_plugin import import_hook, plugin
     from sglang_plugin.registry import REGISTRY
 
-    module = _fake_model_runner_module()
+    module = fake_model_runner_module()
     name = module.__name__
     original = module.ModelRunner.forward
     if loaded_first:
