@@ -132,6 +132,7 @@ void register_constants(py::module_& m) {
   m.attr("SHARED_AREAS") = pcie_ar::kSharedAreas;
   m.attr("SHARED_HEADER_BYTES") = pcie_ar::kSharedHeaderBytes;
   m.attr("FULL_HEADER_BYTES") = pcie_ar::kFullHeaderBytes;
+  m.attr("FULL_TWOSHOT_MARGIN") = pcie_ar::kFullTwoShotMargin;
   m.attr("POISON_WORD") = pcie_ar::kPoisonWord;
   m.attr("CONTROL_WORDS") = pcie_ar::kControlWords;
   m.attr("ERROR_WORDS") = pcie_ar::kErrorRecordWords;

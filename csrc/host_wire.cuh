@@ -72,6 +72,15 @@ __device__ __forceinline__ bool has_arrived(Unit v) {
   return arrived;
 }
 
+// What an unwritten unit holds: -0.0 in every 16-bit lane (kPoisonWord as 32-bit words).
+template <typename Unit>
+__device__ __forceinline__ Unit poison_unit() {
+  Unit u;
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(Unit) / 2); ++k) reinterpret_cast<uint16_t*>(&u)[k] = 0x8000u;
+  return u;
+}
+
 // A load that goes to memory every time (a poll of another GPU's writes into host memory).
 template <typename Unit>
 __device__ __forceinline__ Unit load_wire(const Unit* p) {

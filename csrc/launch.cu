@@ -13,6 +13,7 @@
 #include "oneshot_full.cuh"
 #include "oneshot_ll.cuh"
 #include "twoshot.cuh"
+#include "twoshot_full.cuh"
 
 namespace pcie_ar {
 
@@ -44,6 +45,7 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
     case Algo::kHostOneShot: host_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostTwoShot: host_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kOneShotFull: oneshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kTwoShotFull: twoshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }

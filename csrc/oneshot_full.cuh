@@ -92,9 +92,7 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
   Unit* from_peer[kMaxRanks];
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) from_peer[p] = p < a.world ? full_slot<Unit>(a, a.rank, parity, p) : nullptr;
-  Unit poison;  // every 16-bit lane -0.0: as 32-bit words, kPoisonWord
-#pragma unroll
-  for (int k = 0; k < static_cast<int>(sizeof(Unit) / 2); ++k) reinterpret_cast<uint16_t*>(&poison)[k] = 0x8000u;
+  const Unit poison = poison_unit<Unit>();
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {

@@ -30,12 +30,14 @@ constexpr uint64_t kLineBytes = 16;
 constexpr uint32_t kLineFlagMix = 0x9E3779B9u;
 
 enum class Algo : int {
-  kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5, kOneShotFull = 6
+  kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5, kOneShotFull = 6,
+  kTwoShotFull = 7
 };
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
                               kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
-                              kFusedRowStats = 8, kHostGather = 9, kFullGather = 10 };
+                              kFusedRowStats = 8, kHostGather = 9, kFullGather = 10, kFullReduceScatter = 11,
+                              kFullAllGather = 12 };
 enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
 // Where a workspace lives. kP2P: device memory, peers map it through CUDA IPC and their stores
 // cross the GPU-to-GPU path. kHost: pinned host memory shared by the ranks of one host (boxes
@@ -55,7 +57,7 @@ constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
                                       {Algo::kOneShotLL, "oneshot_ll"},
                                       {Algo::kHostOneShot, "host_oneshot"},
                                       {Algo::kHostTwoShot, "host_twoshot"},
-                                      {Algo::kOneShotFull, "oneshot_full"}};
+                                      {Algo::kOneShotFull, "oneshot_full"}, {Algo::kTwoShotFull, "twoshot_full"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
@@ -63,7 +65,8 @@ constexpr Named<Stage> kStageNames[] = {
     {Stage::kAllGather, "all-gather"},              {Stage::kFusedGather, "fused gather"},
     {Stage::kFusedReduceScatter, "fused reduce-scatter"}, {Stage::kFusedAllGather, "fused all-gather"},
     {Stage::kLowLatencyGather, "low-latency gather"}, {Stage::kFusedRowStats, "fused row statistics"},
-    {Stage::kHostGather, "host transport gather"}, {Stage::kFullGather, "full-payload gather"}};
+    {Stage::kHostGather, "host transport gather"}, {Stage::kFullGather, "full-payload gather"},
+    {Stage::kFullReduceScatter, "full-payload reduce-scatter"}, {Stage::kFullAllGather, "full-payload all-gather"}};
 constexpr Named<ErrorKind> kErrorKindNames[] = {{ErrorKind::kTimeout, "timeout"}, {ErrorKind::kMismatch, "mismatch"}};
 constexpr Named<Transport> kTransportNames[] = {{Transport::kP2P, "p2p"}, {Transport::kHost, "host"}};
 
@@ -132,6 +135,9 @@ constexpr uint64_t kSharedAreas = 2;
 constexpr uint32_t kPoisonWord = 0x80008000u;
 // The full-payload one-shot (oneshot_full.cuh) has slots of its own, like the lines: 2 parities
 // x W senders x ll_capacity bytes (the same cap), after one header word per (parity, sender, block).
+// The full-payload two-shot (twoshot_full.cuh) shares them, as 2W inboxes of half that per parity,
+// for messages up to ll_capacity - kFullTwoShotMargin bytes (so every shard and the tail fit one).
+constexpr uint64_t kFullTwoShotMargin = 16;
 constexpr uint64_t kFullHeaderBytes = (2 * kMaxRanks * kMaxFlagBlocks * sizeof(uint64_t) + kAlign - 1) / kAlign * kAlign;
 // Before the host transport's buffers: one header word (epoch << 32 | signature) per (buffer, block).
 constexpr uint64_t kSharedHeaderBytes = (kSharedBuffers * kMaxFlagBlocks * sizeof(uint64_t) + kAlign - 1) / kAlign * kAlign;

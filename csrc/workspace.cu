@@ -377,6 +377,10 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
                           nbytes <= state_->layout.ll_capacity,
                       "message larger than the low-latency capacity (" + std::to_string(state_->layout.ll_capacity) +
                           " bytes); use another algorithm");
+  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kTwoShotFull ||
+                          nbytes + kFullTwoShotMargin <= state_->layout.ll_capacity,
+                      "message larger than twoshot_full's capacity (" +
+                          std::to_string(state_->layout.ll_capacity - kFullTwoShotMargin) + " bytes); use another algorithm");
   KernelArgs args = state_->launch_template;
   args.input = reinterpret_cast<const void*>(input);
   args.output = reinterpret_cast<void*>(output);

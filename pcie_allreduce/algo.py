@@ -24,11 +24,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
+from pcie_allreduce.constants import ALGO_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS
 
 ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
-# Algorithms whose messages must fit the workspace's low-latency line slots (Layout.ll_capacity).
-CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll", "oneshot_full")
+# Algorithms whose messages must fit the workspace's low-latency capacity (Layout.ll_capacity):
+# the lines, and the full-payload slots (the two-shot's inboxes a margin less, csrc/twoshot_full.cuh).
+CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll", "oneshot_full", "twoshot_full")
 # Algorithms that need the host transport (their buffers exist only in shared host memory).
 HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot", "host_twoshot")
 
@@ -39,9 +40,18 @@ def runs_on(algo: str, transport: str) -> bool:
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
 
 
+def capacity_of(algo: str, ll_capacity: int | None) -> int | None:
+    """Largest message ``algo`` takes on a workspace of low-latency capacity ``ll_capacity``
+    (None: unbounded)."""
+    if ll_capacity is None or algo not in CAPPED_ALGORITHMS:
+        return None
+    return ll_capacity - (FULL_TWOSHOT_MARGIN if algo == "twoshot_full" else 0)
+
+
 def fits_capacity(algo: str, nbytes: int, ll_capacity: int | None) -> bool:
     """Whether ``algo`` can take ``nbytes`` given the low-latency capacity (None: unbounded)."""
-    return ll_capacity is None or algo not in CAPPED_ALGORITHMS or nbytes <= ll_capacity
+    limit = capacity_of(algo, ll_capacity)
+    return limit is None or nbytes <= limit
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
     - ``twoshot``: a reduce-scatter and an all-gather, each (W-1)/W of the message each way.
     - ``oneshot_ll``: as ``oneshot`` in 16-byte lines of 8 payload bytes: twice the bytes.
     - ``oneshot_full``: as ``oneshot``, the data its own flag (no flag round trip, no line overhead).
+    - ``twoshot_full``: as ``twoshot``, the data its own flag in both exchanges.
 
     On the host transport every byte crosses the link of the GPU that writes or reads it, and
     host memory is nobody's: ``out`` counts this rank's writes, ``into`` its reads.
@@ -84,7 +95,7 @@ def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
     others = world - 1
     if algo in ("oneshot", "staged", "oneshot_full"):
         return WireBytes(others * nbytes, others * nbytes)
-    if algo == "twoshot":
+    if algo in ("twoshot", "twoshot_full"):
         return WireBytes(2 * others * nbytes // world, 2 * others * nbytes // world)
     if algo == "oneshot_ll":
         return WireBytes(2 * others * nbytes, 2 * others * nbytes)

@@ -42,16 +42,17 @@ MIRROR: dict[str, Any] = {
     "SHARED_HEADER_BYTES": 3072,  # ... after one header word per (buffer, block)
     "POISON_WORD": 0x80008000,  # an unwritten word of those buffers (and of the full-payload slots)
     "FULL_HEADER_BYTES": 16384,  # the full-payload one-shot's header words, before its slots
+    "FULL_TWOSHOT_MARGIN": 16,  # the full-payload two-shot takes messages up to ll_capacity less this
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
     "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5,
-                 "oneshot_full": 6},
+                 "oneshot_full": 6, "twoshot_full": 7},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
     "TRANSPORT_IDS": {"p2p": 0, "host": 1},
     "STAGE_NAMES": {1: "one-shot gather", 2: "reduce-scatter", 3: "all-gather", 4: "fused gather",
                     5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
                     8: "fused row statistics", 9: "host transport gather",
-                    10: "full-payload gather"},
+                    10: "full-payload gather", 11: "full-payload reduce-scatter", 12: "full-payload all-gather"},
 }
 
 
@@ -96,6 +97,7 @@ SHARED_AREAS: int = _VALUES["SHARED_AREAS"]
 SHARED_HEADER_BYTES: int = _VALUES["SHARED_HEADER_BYTES"]
 POISON_WORD: int = _VALUES["POISON_WORD"]
 FULL_HEADER_BYTES: int = _VALUES["FULL_HEADER_BYTES"]
+FULL_TWOSHOT_MARGIN: int = _VALUES["FULL_TWOSHOT_MARGIN"]
 ERROR_WORDS: int = _VALUES["ERROR_WORDS"]
 #: Algorithm name -> the kernels' algorithm id.
 ALGO_IDS: dict[str, int] = _VALUES["ALGO_IDS"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.algo import AlgoTable, Choice, fits_capacity
+from pcie_allreduce.algo import AlgoTable, Choice, capacity_of, fits_capacity
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 #: torch dtype -> the kernels' dtype id (``constants.DTYPE_IDS`` is keyed by name).
@@ -34,8 +34,9 @@ def plain_choice(nbytes: int, world: int, dtype: torch.dtype | str, table: AlgoT
         choice = table.select(nbytes, world, dtype_name, ll_capacity)
     else:
         if not fits_capacity(algo, nbytes, ll_capacity):
-            raise ValueError(f"algo={algo!r} takes messages up to {ll_capacity} bytes (the low-latency "
-                             f"line slots of this communicator), got {nbytes}; use 'auto' or another algorithm")
+            raise ValueError(f"algo={algo!r} takes messages up to {capacity_of(algo, ll_capacity)} bytes (the "
+                             f"low-latency capacity of this communicator), got {nbytes}; use 'auto' or another "
+                             "algorithm")
         choice = Choice(algo, table.blocks_for(algo, nbytes, world, dtype_name))
     return choice if choice.blocks <= block_cap else Choice(choice.algo, block_cap)
 

@@ -265,10 +265,10 @@ def _replay_with_a_missing_rank(ctx: ranks.RankContext, algo: str, dtype: torch.
     return result
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll", "oneshot_full"])
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll", "oneshot_full", "twoshot_full"])
 def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str) -> None:
     dtype = {"oneshot": torch.float32, "twoshot": torch.bfloat16, "oneshot_ll": torch.float16,
-             "oneshot_full": torch.bfloat16}[algo]
+             "oneshot_full": torch.bfloat16, "twoshot_full": torch.float16}[algo]
     results = ranks.run_ranks(_replay_with_a_missing_rank, 2, algo, dtype, timeout_s=300)
     for rank, r in enumerate(results):
         if r["late"]:
@@ -385,7 +385,7 @@ def _replay_after_close(ctx: ranks.RankContext) -> dict:
     x = inputs[ctx.rank].to(ctx.device)
     residual = ref.rank_input(22, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
     weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
-    plain_algos = ("oneshot", "twoshot", "oneshot_ll", "staged", "oneshot_full")
+    plain_algos = ("oneshot", "twoshot", "oneshot_ll", "staged", "oneshot_full", "twoshot_full")
     outs = [torch.full_like(x, 7.0) for _ in plain_algos]
     normed, new_residual = torch.full_like(residual, 7.0), torch.full_like(residual, 7.0)
     stream = torch.cuda.Stream(ctx.device)
@@ -483,7 +483,7 @@ def _wire_edge_values(ctx: ranks.RankContext) -> dict:
         if dtype == torch.float32:  # the poison word as data: a negative subnormal
             base[:8] = torch.tensor([0x80008000] * 8, dtype=torch.int64).to(torch.int32).view(torch.float32)
         x = base.roll(ctx.rank * 3).to(dtype).to(ctx.device)
-        for algo in (*algo_mod.HOST_ONLY_ALGORITHMS, "oneshot_full", "oneshot"):
+        for algo in (*algo_mod.HOST_ONLY_ALGORITHMS, "oneshot_full", "twoshot_full", "oneshot"):
             out = comm.all_reduce(x, algo=algo)
             torch.cuda.synchronize()
             got, want = out.cpu().float(), torch.stack([base.roll(r * 3).to(dtype).float()

@@ -150,3 +150,7 @@ def test_the_full_payload_one_shot_is_capped_like_the_lines() -> None:
     assert not fits_capacity("oneshot_full", 600 << 10, 512 << 10) and fits_capacity("oneshot_full", 56 << 10, 512 << 10)
     assert wire_bytes("oneshot_full", 56 << 10, 8) == wire_bytes("oneshot", 56 << 10, 8)
     assert wire_bytes("oneshot_full", 56 << 10, 8).busiest * 2 == wire_bytes("oneshot_ll", 56 << 10, 8).busiest
+    assert wire_bytes("twoshot_full", 56 << 10, 8) == wire_bytes("twoshot", 56 << 10, 8)
+    # the full-payload two-shot's inboxes take the capacity less a margin (csrc/twoshot_full.cuh)
+    assert fits_capacity("twoshot_full", (512 << 10) - 16, 512 << 10)
+    assert not fits_capacity("twoshot_full", (512 << 10) - 15, 512 << 10)
