@@ -23,16 +23,7 @@ __device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buff
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {  // every peer's first load in flight at once
-      if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(theirs[p] + i);
-    }
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, theirs[p] + i, got[p].unit, p, epoch, Stage::kHostGather, spins, started)) {
-        return false;
-      }
-    }
+    if (!gather_unit<T, Unit>(a, theirs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
     out[i] = sum_in_rank_order<T, Unit>(got, a.world);  // in place: this unit's input was read above
   }
   return true;

@@ -29,16 +29,7 @@ __device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffe
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(inputs[p] + i);
-    }
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, inputs[p] + i, got[p].unit, p, epoch, Stage::kHostGather, spins, started)) {
-        return false;
-      }
-    }
+    if (!gather_unit<T, Unit>(a, inputs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
     const Unit sum = to_wire<T, Unit>(sum_in_rank_order<T, Unit>(got, a.world));
     result[i] = sum;
     out[i] = sum;
@@ -59,14 +50,6 @@ __device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffe
     out[i] = v;
   }
   return true;
-}
-
-// This block's part of shard `owner`, in units: the shard's granules split among the blocks.
-template <typename Unit>
-__device__ __forceinline__ Range block_part_of_shard(uint64_t nbytes, int world, int owner) {
-  const Range shard = shard_granules(nbytes, world, owner);
-  const Range part = split(shard.end - shard.begin, gridDim.x, blockIdx.x);
-  return to_units<Unit>(Range{shard.begin + part.begin, shard.begin + part.end});
 }
 
 template <typename T, typename Unit>
@@ -90,11 +73,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) host_twoshot_kernel(const __
     publish_input<T, Unit>(a, buffer, in, to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x)));
     if (owns_tail()) publish_input<T, T>(a, buffer, in_t, tail);
     bool ok = wait_headers(a, buffer, epoch);
-    ok = ok && reduce_shard<T, Unit>(a, buffer, epoch, in, out, block_part_of_shard<Unit>(a.nbytes, a.world, a.rank));
+    ok = ok && reduce_shard<T, Unit>(a, buffer, epoch, in, out, shard_part<Unit>(a.nbytes / kGranule, a.world, a.rank));
     if (tail_is_ours) ok = ok && reduce_shard<T, T>(a, buffer, epoch, in_t, out_t, tail);
     for (int s = 1; s < a.world && ok; ++s) {
       const int owner = (a.rank + s) % a.world;  // start with the next rank: spread the reads over owners
-      ok = gather_shard<T, Unit>(a, buffer, epoch, owner, out, block_part_of_shard<Unit>(a.nbytes, a.world, owner));
+      ok = gather_shard<T, Unit>(a, buffer, epoch, owner, out, shard_part<Unit>(a.nbytes / kGranule, a.world, owner));
       if (ok && owner == a.world - 1 && owns_tail()) ok = gather_shard<T, T>(a, buffer, epoch, owner, out_t, tail);
     }
     done = __syncthreads_and(ok) != 0;

@@ -161,29 +161,51 @@ __device__ __forceinline__ void publish_input(const KernelArgs& a, uint32_t buff
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) mine[i] = to_wire<T, Unit>(load_unit(in + i));
 }
 
-// Bounded wait (one thread) for `peer`'s header of this call; false on mismatch, timeout or abort.
-static __device__ __noinline__ bool wait_header(const KernelArgs& a, int peer, uint32_t buffer, uint32_t epoch) {
-  const uint64_t* header = shared_header(a, peer, buffer, blockIdx.x);
+// Bounded wait (one thread) for the header word of `peer` at `header` to hold this call (H4):
+// false on mismatch (the same epoch with another signature), timeout or abort, recorded in `stage`.
+static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const uint64_t* header, int peer,
+                                                     uint32_t epoch, Stage stage) {
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
     const uint64_t word = load_acquire_sys(header);
     if (static_cast<uint32_t>(word >> 32) == epoch) {
       const uint32_t observed = static_cast<uint32_t>(word);
       if (observed == a.signature) return true;
-      record_error(a, ErrorKind::kMismatch, peer, Stage::kHostGather, epoch, observed);
+      record_error(a, ErrorKind::kMismatch, peer, stage, epoch, observed);
       return false;
     }
     const SpinVerdict verdict = spin_verdict(a, spins, started);
-    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, Stage::kHostGather, epoch, 0);
+    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
   }
+}
+
+// Every rank's unit i into `got`, in rank order: ours from our input as it travels (H1), each
+// peer's polled at `from[p] + i` until it arrived (all first loads in flight at once). False
+// (this thread) on timeout or abort.
+template <typename T, typename Unit>
+__device__ __forceinline__ bool gather_unit(const KernelArgs& a, const Unit* const* from, const Unit* in, uint64_t i,
+                                            uint32_t epoch, Stage stage, uint32_t& spins, uint64_t& started,
+                                            Pack<T, Unit>* got) {
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p) {
+    if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(from[p] + i);
+  }
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p) {
+    if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, from[p] + i, got[p].unit, p, epoch, stage, spins, started)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Threads 0..W-1 each wait for one peer's header; the others go on (callers join with
 // __syncthreads_and before anything depends on every header).
 __device__ __forceinline__ bool wait_headers(const KernelArgs& a, uint32_t buffer, uint32_t epoch) {
   const int peer = static_cast<int>(threadIdx.x);
-  return peer >= a.world || peer == a.rank || wait_header(a, peer, buffer, epoch);
+  return peer >= a.world || peer == a.rank ||
+         wait_header_word(a, shared_header(a, peer, buffer, blockIdx.x), peer, epoch, Stage::kHostGather);
 }
 
 __device__ __forceinline__ void poison_granules(uint4* area, Range granules) {

@@ -50,24 +50,6 @@ __device__ __forceinline__ void publish_full_headers(const KernelArgs& a, uint32
   }
 }
 
-// One thread's bounded wait for `peer`'s header in our workspace; false on mismatch, timeout, abort.
-static __device__ __noinline__ bool wait_full_header(const KernelArgs& a, int peer, uint32_t parity, uint32_t epoch) {
-  const uint64_t* header = full_header(a, a.rank, parity, peer, blockIdx.x);
-  uint64_t started = 0;
-  for (uint32_t spins = 0;; ++spins) {
-    const uint64_t word = load_acquire_sys(header);
-    if (static_cast<uint32_t>(word >> 32) == epoch) {
-      const uint32_t observed = static_cast<uint32_t>(word);
-      if (observed == a.signature) return true;
-      record_error(a, ErrorKind::kMismatch, peer, Stage::kFullGather, epoch, observed);
-      return false;
-    }
-    const SpinVerdict verdict = spin_verdict(a, spins, started);
-    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, Stage::kFullGather, epoch, 0);
-    if (verdict != SpinVerdict::kSpin) return false;
-  }
-}
-
 // Push our units [r) into our slot of every peer's workspace, before waiting for anything: the
 // data is on its way while the headers are (F2).
 template <typename T, typename Unit>
@@ -97,17 +79,7 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(from_peer[p] + i);
-    }
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank &&
-          !await_unit<T, Unit>(a, from_peer[p] + i, got[p].unit, p, epoch, Stage::kFullGather, spins, started)) {
-        return false;
-      }
-    }
+    if (!gather_unit<T, Unit>(a, from_peer, in, i, epoch, Stage::kFullGather, spins, started, got)) return false;
     out[i] = sum_in_rank_order<T, Unit>(got, a.world);  // in place: this unit's input was read above (F3)
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
@@ -130,7 +102,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_full_kernel(const __
     push_units<T, Unit>(a, parity, static_cast<const Unit*>(a.input), body);
     push_units<T, T>(a, parity, static_cast<const T*>(a.input), tail);
     const int peer = static_cast<int>(threadIdx.x);
-    bool ok = peer >= a.world || peer == a.rank || wait_full_header(a, peer, parity, epoch);
+    bool ok = peer >= a.world || peer == a.rank ||
+              wait_header_word(a, full_header(a, a.rank, parity, peer, blockIdx.x), peer, epoch, Stage::kFullGather);
     ok = ok && poll_reduce<T, Unit>(a, parity, epoch, static_cast<const Unit*>(a.input), static_cast<Unit*>(a.output),
                                     body);
     ok = ok && poll_reduce<T, T>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);

@@ -32,6 +32,15 @@ __device__ __forceinline__ Range to_units(Range granules) {
   return {granules.begin * k, granules.end * k};
 }
 
+// This block's part of owner rank `owner`'s shard of a two-shot message of `granules`, in units:
+// the message's granules split among the ranks, the shard's among the blocks.
+template <typename Unit>
+__device__ __forceinline__ Range shard_part(uint64_t granules, int world, int owner) {
+  const Range shard = split(granules, world, owner);
+  const Range sub = split(shard.end - shard.begin, gridDim.x, blockIdx.x);
+  return to_units<Unit>(Range{shard.begin + sub.begin, shard.begin + sub.end});
+}
+
 // Tail elements of type T: [first, last) in element indices.
 template <typename T>
 __device__ __forceinline__ Range tail_elements(uint64_t nbytes) {

@@ -21,13 +21,6 @@
 
 namespace pcie_ar {
 
-template <typename Unit>
-__device__ __forceinline__ Range shard_part(uint64_t granules, int world, int owner) {
-  const Range shard = split(granules, world, owner);
-  const Range sub = split(shard.end - shard.begin, gridDim.x, blockIdx.x);
-  return to_units<Unit>(Range{shard.begin + sub.begin, shard.begin + sub.end});
-}
-
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
