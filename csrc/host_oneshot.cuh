@@ -31,13 +31,7 @@ __device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buff
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock) host_oneshot_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
-  Control* ctl = control_of(a);
-  const uint32_t state = __ldcg(&ctl->shared_state[blockIdx.x]);
-  const uint32_t buffer = state & 3u;
-  bool done = false;
-  if (!aborted) {
+  write_once_call<T>(a, false, [&](uint32_t buffer, uint32_t epoch) {
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
     publish_header(a, buffer, epoch);
@@ -47,12 +41,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) host_oneshot_kernel(const __
     ok = ok && reduce_inputs<T, Unit>(a, buffer, epoch, static_cast<const Unit*>(a.input),
                                       static_cast<Unit*>(a.output), body);
     ok = ok && reduce_inputs<T, T>(a, buffer, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);
-    done = __syncthreads_and(ok) != 0;
-    if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  advance_shared_state(ctl, shared_state_word(a.nbytes, (buffer + 1) % kSharedBuffers, false));
-  end_call(a, epoch);
+    return ok;
+  });
 }
 
 }  // namespace pcie_ar

@@ -54,13 +54,7 @@ __device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffe
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock) host_twoshot_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
-  Control* ctl = control_of(a);
-  const uint32_t state = __ldcg(&ctl->shared_state[blockIdx.x]);
-  const uint32_t buffer = state & 3u;
-  bool done = false;
-  if (!aborted) {
+  write_once_call<T>(a, true, [&](uint32_t buffer, uint32_t epoch) {
     const Unit* in = static_cast<const Unit*>(a.input);
     Unit* out = static_cast<Unit*>(a.output);
     const T* in_t = static_cast<const T*>(a.input);
@@ -80,12 +74,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) host_twoshot_kernel(const __
       ok = gather_shard<T, Unit>(a, buffer, epoch, owner, out, shard_part<Unit>(a.nbytes / kGranule, a.world, owner));
       if (ok && owner == a.world - 1 && owns_tail()) ok = gather_shard<T, T>(a, buffer, epoch, owner, out_t, tail);
     }
-    done = __syncthreads_and(ok) != 0;
-    if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  advance_shared_state(ctl, shared_state_word(a.nbytes, (buffer + 1) % kSharedBuffers, true));
-  end_call(a, epoch);
+    return ok;
+  });
 }
 
 }  // namespace pcie_ar

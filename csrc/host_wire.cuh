@@ -237,4 +237,26 @@ __device__ __forceinline__ void advance_shared_state(Control* ctl, uint32_t next
   }
 }
 
+// One call of a write-once algorithm, around its exchange: this block's buffer from its copy of
+// the state (H2); `exchange(buffer, epoch)` returns this thread's success; a block that fully
+// succeeded re-poisons what its previous call wrote, one that did not leaves NaN (invariant 5 of
+// protocol.cuh); the state (noting whether this call wrote a result shard) and the epoch advance
+// either way.
+template <typename T, typename Exchange>
+__device__ __forceinline__ void write_once_call(const KernelArgs& a, bool writes_result, Exchange exchange) {
+  bool aborted;
+  const uint32_t epoch = begin_call(a, &aborted);
+  Control* ctl = control_of(a);
+  const uint32_t state = __ldcg(&ctl->shared_state[blockIdx.x]);
+  const uint32_t buffer = state & 3u;
+  bool done = false;
+  if (!aborted) {
+    done = __syncthreads_and(exchange(buffer, epoch)) != 0;
+    if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
+  }
+  if (!done) fill_output_with_nan<T>(a);
+  advance_shared_state(ctl, shared_state_word(a.nbytes, (buffer + 1) % kSharedBuffers, writes_result));
+  end_call(a, epoch);
+}
+
 }  // namespace pcie_ar

@@ -55,6 +55,19 @@ uint64_t seconds_to_ns(double seconds) {
 uint64_t full_slots_offset(const Layout& l) { return l.full_offset + kFullHeaderBytes; }
 uint64_t full_slots_bytes(const Layout& l, int world) { return 2 * static_cast<uint64_t>(world) * l.ll_capacity; }
 
+// Enqueue work on a private non-blocking stream and wait for it: the legacy stream would
+// synchronize with a stream the caller may be capturing. `enqueue(stream)` returns its first error.
+template <typename Enqueue>
+void run_on_private_stream(Enqueue enqueue) {
+  cudaStream_t stream;
+  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const cudaError_t queued = enqueue(stream);
+  const cudaError_t done = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  PCIE_AR_CUDA_CHECK(queued);
+  PCIE_AR_CUDA_CHECK(done);
+}
+
 __global__ void fill_words_kernel(uint32_t* words, uint64_t n, uint32_t value) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
@@ -191,15 +204,7 @@ void Workspace::allocate() {
     std::fill(full, full + full_slots_bytes(state_->layout, world_) / sizeof(uint32_t), kPoisonWord);
     const uint64_t local_bytes = state_->layout.shared_offset - state_->layout.control_offset;
     PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local_only, local_bytes));
-    // A private non-blocking stream, as below: the legacy stream would synchronize with a
-    // stream the caller may be capturing.
-    cudaStream_t init_stream;
-    PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&init_stream, cudaStreamNonBlocking));
-    const cudaError_t zeroed = cudaMemsetAsync(state_->local_only, 0, local_bytes, init_stream);
-    const cudaError_t done = cudaStreamSynchronize(init_stream);
-    cudaStreamDestroy(init_stream);
-    PCIE_AR_CUDA_CHECK(zeroed);
-    PCIE_AR_CUDA_CHECK(done);
+    run_on_private_stream([&](cudaStream_t s) { return cudaMemsetAsync(state_->local_only, 0, local_bytes, s); });
   } else {
     allocate_device_memory();
   }
@@ -212,18 +217,16 @@ void Workspace::allocate() {
 
 void Workspace::allocate_device_memory() {
   PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->local, state_->layout.total_bytes));
-  // Zeroed flags are "epoch 0", older than any call. Zero on a private stream and wait, so the
-  // buffer is clean before its handle ever leaves this process.
-  cudaStream_t init_stream;
-  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&init_stream, cudaStreamNonBlocking));
-  PCIE_AR_CUDA_CHECK(cudaMemsetAsync(state_->local, 0, state_->layout.total_bytes, init_stream));
-  // The full-payload one-shot's slots start unwritten: poison (oneshot_full.cuh, F1).
-  fill_words_kernel<<<64, 256, 0, init_stream>>>(
-      reinterpret_cast<uint32_t*>(state_->local + full_slots_offset(state_->layout)),
-      full_slots_bytes(state_->layout, world_) / sizeof(uint32_t), kPoisonWord);
-  PCIE_AR_CUDA_CHECK(cudaGetLastError());
-  PCIE_AR_CUDA_CHECK(cudaStreamSynchronize(init_stream));
-  PCIE_AR_CUDA_CHECK(cudaStreamDestroy(init_stream));
+  // Zeroed flags are "epoch 0", older than any call. Zero and wait, so the buffer is clean
+  // before its handle ever leaves this process.
+  run_on_private_stream([&](cudaStream_t s) {
+    const cudaError_t zeroed = cudaMemsetAsync(state_->local, 0, state_->layout.total_bytes, s);
+    if (zeroed != cudaSuccess) return zeroed;
+    // The full-payload slots start unwritten: poison (oneshot_full.cuh, F1).
+    fill_words_kernel<<<64, 256, 0, s>>>(reinterpret_cast<uint32_t*>(state_->local + full_slots_offset(state_->layout)),
+                                         full_slots_bytes(state_->layout, world_) / sizeof(uint32_t), kPoisonWord);
+    return cudaGetLastError();
+  });
 }
 
 Workspace::~Workspace() {
@@ -320,32 +323,27 @@ std::vector<int> Workspace::probe_failures(uint32_t seed) {
   PCIE_AR_HOST_ASSERT(state_->peers_open, "probe_failures before open_peers");
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device_);
-  // A private non-blocking stream, as in the constructor: the legacy stream would synchronize
-  // with a stream the caller may be capturing.
-  cudaStream_t stream;
-  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::vector<uint32_t> got(static_cast<size_t>(world_) * kProbeWords, 0);
-  cudaError_t err = cudaSuccess;
-  for (int sender = 0; sender < world_ && err == cudaSuccess; ++sender) {
-    if (sender == rank_) continue;
-    uint32_t* into = &got[static_cast<size_t>(sender) * kProbeWords];
-    if (state_->transport == Transport::kHost) {  // host memory: read and clear it from here
-      volatile uint32_t* slot = reinterpret_cast<volatile uint32_t*>(state_->own.host_pointer() +
-                                                                     probe_offset(state_->layout, sender));
-      for (int i = 0; i < kProbeWords; ++i) {
-        into[i] = slot[i];
-        slot[i] = 0;
+  run_on_private_stream([&](cudaStream_t stream) {
+    cudaError_t err = cudaSuccess;
+    for (int sender = 0; sender < world_ && err == cudaSuccess; ++sender) {
+      if (sender == rank_) continue;
+      uint32_t* into = &got[static_cast<size_t>(sender) * kProbeWords];
+      if (state_->transport == Transport::kHost) {  // host memory: read and clear it from here
+        volatile uint32_t* slot = reinterpret_cast<volatile uint32_t*>(state_->own.host_pointer() +
+                                                                       probe_offset(state_->layout, sender));
+        for (int i = 0; i < kProbeWords; ++i) {
+          into[i] = slot[i];
+          slot[i] = 0;
+        }
+        continue;
       }
-      continue;
+      char* slot = state_->local + probe_offset(state_->layout, sender);
+      err = cudaMemcpyAsync(into, slot, kProbeBytes, cudaMemcpyDeviceToHost, stream);
+      if (err == cudaSuccess) err = cudaMemsetAsync(slot, 0, kProbeBytes, stream);
     }
-    char* slot = state_->local + probe_offset(state_->layout, sender);
-    err = cudaMemcpyAsync(into, slot, kProbeBytes, cudaMemcpyDeviceToHost, stream);
-    if (err == cudaSuccess) err = cudaMemsetAsync(slot, 0, kProbeBytes, stream);
-  }
-  const cudaError_t done = cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
-  PCIE_AR_CUDA_CHECK(err);
-  PCIE_AR_CUDA_CHECK(done);
+    return err;
+  });
   std::vector<int> failed;
   for (int sender = 0; sender < world_; ++sender) {
     if (sender == rank_) continue;
@@ -499,14 +497,9 @@ void Workspace::retire() {
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device_);
   const uint32_t raised = 1;
-  cudaStream_t stream;  // private and non-blocking, as in allocate()
-  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  char* abort_word = reinterpret_cast<char*>(&state_->control()->abort);
-  const cudaError_t copied = cudaMemcpyAsync(abort_word, &raised, sizeof(raised), cudaMemcpyHostToDevice, stream);
-  const cudaError_t done = cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
-  PCIE_AR_CUDA_CHECK(copied);
-  PCIE_AR_CUDA_CHECK(done);
+  run_on_private_stream([&](cudaStream_t s) {
+    return cudaMemcpyAsync(&state_->control()->abort, &raised, sizeof(raised), cudaMemcpyHostToDevice, s);
+  });
   unmap_peers();
   state_->own.release_name();  // the memory stays mapped for the graph; the name goes
   state_->retired = true;
