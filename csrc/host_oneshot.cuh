@@ -14,11 +14,7 @@ namespace pcie_ar {
 template <typename T, typename Unit>
 __device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buffer, uint32_t epoch, const Unit* in,
                                               Unit* out, Range r) {
-  const Unit* theirs[kMaxRanks];
-#pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) {
-    theirs[p] = p < a.world ? shared_area<Unit>(a, p, buffer, SharedArea::kInput) : nullptr;
-  }
+  const auto theirs = [&](int p) -> const Unit* { return shared_area<Unit>(a, p, buffer, SharedArea::kInput); };
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
@@ -30,7 +26,7 @@ __device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buff
 }
 
 template <typename T, typename Unit>
-__global__ void __launch_bounds__(kThreadsPerBlock) host_oneshot_kernel(const __grid_constant__ KernelArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) host_oneshot_kernel(const __grid_constant__ KernelArgs a) {
   write_once_call<T>(a, false, [&](uint32_t buffer, uint32_t epoch) {
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};

@@ -20,11 +20,7 @@ template <typename T, typename Unit>
 __device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffer, uint32_t epoch, const Unit* in,
                                              Unit* out, Range r) {
   Unit* result = shared_area<Unit>(a, a.rank, buffer, SharedArea::kResult);
-  const Unit* inputs[kMaxRanks];
-#pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) {
-    inputs[p] = p < a.world ? shared_area<Unit>(a, p, buffer, SharedArea::kInput) : nullptr;
-  }
+  const auto inputs = [&](int p) -> const Unit* { return shared_area<Unit>(a, p, buffer, SharedArea::kInput); };
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
@@ -53,7 +49,7 @@ __device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffe
 }
 
 template <typename T, typename Unit>
-__global__ void __launch_bounds__(kThreadsPerBlock) host_twoshot_kernel(const __grid_constant__ KernelArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) host_twoshot_kernel(const __grid_constant__ KernelArgs a) {
   write_once_call<T>(a, true, [&](uint32_t buffer, uint32_t epoch) {
     const Unit* in = static_cast<const Unit*>(a.input);
     Unit* out = static_cast<Unit*>(a.output);

@@ -163,11 +163,15 @@ __device__ __forceinline__ void publish_input(const KernelArgs& a, uint32_t buff
 
 // Bounded wait (one thread) for the header word of `peer` at `header` to hold this call (H4):
 // false on mismatch (the same epoch with another signature), timeout or abort, recorded in `stage`.
+// kAcquire: the write-once kernels read data areas whose re-poisoning the header vouches for
+// (H3), so they load it with acquire; the full-payload push kernels use it for mismatches only
+// (their slots are re-poisoned by the reader itself) and load it relaxed, off the data's path.
+template <bool kAcquire>
 static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const uint64_t* header, int peer,
                                                      uint32_t epoch, Stage stage) {
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
-    const uint64_t word = load_acquire_sys(header);
+    const uint64_t word = kAcquire ? load_acquire_sys(header) : load_relaxed_sys(header);
     if (static_cast<uint32_t>(word >> 32) == epoch) {
       const uint32_t observed = static_cast<uint32_t>(word);
       if (observed == a.signature) return true;
@@ -181,19 +185,22 @@ static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const 
 }
 
 // Every rank's unit i into `got`, in rank order: ours from our input as it travels (H1), each
-// peer's polled at `from[p] + i` until it arrived (all first loads in flight at once). False
-// (this thread) on timeout or abort.
-template <typename T, typename Unit>
-__device__ __forceinline__ bool gather_unit(const KernelArgs& a, const Unit* const* from, const Unit* in, uint64_t i,
+// peer's polled at `where(p) + i` until it arrived (all first loads in flight at once). `where`
+// computes a peer's area from the kernel's parameters each time it is asked: an array of W
+// pointers held across the loop would cost 2W registers, and the 16-byte gather of 8 ranks
+// already needs 32 for the units in flight (the kernels are capped at 128 by their 512 threads).
+// False (this thread) on timeout or abort.
+template <typename T, typename Unit, typename Where>
+__device__ __forceinline__ bool gather_unit(const KernelArgs& a, Where where, const Unit* in, uint64_t i,
                                             uint32_t epoch, Stage stage, uint32_t& spins, uint64_t& started,
                                             Pack<T, Unit>* got) {
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
-    if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(from[p] + i);
+    if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(where(p) + i);
   }
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
-    if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, from[p] + i, got[p].unit, p, epoch, stage, spins, started)) {
+    if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, where(p) + i, got[p].unit, p, epoch, stage, spins, started)) {
       return false;
     }
   }
@@ -205,7 +212,7 @@ __device__ __forceinline__ bool gather_unit(const KernelArgs& a, const Unit* con
 __device__ __forceinline__ bool wait_headers(const KernelArgs& a, uint32_t buffer, uint32_t epoch) {
   const int peer = static_cast<int>(threadIdx.x);
   return peer >= a.world || peer == a.rank ||
-         wait_header_word(a, shared_header(a, peer, buffer, blockIdx.x), peer, epoch, Stage::kHostGather);
+         wait_header_word<true>(a, shared_header(a, peer, buffer, blockIdx.x), peer, epoch, Stage::kHostGather);
 }
 
 __device__ __forceinline__ void poison_granules(uint4* area, Range granules) {

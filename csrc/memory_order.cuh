@@ -20,6 +20,12 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* addr) {
   return value;
 }
 
+__device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* addr) {
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ uint32_t load_volatile(const uint32_t* addr) {
   return *reinterpret_cast<const volatile uint32_t*>(addr);
 }

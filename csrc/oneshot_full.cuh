@@ -13,8 +13,8 @@
 //      e + 2, after it saw our data of call e + 1, which we send after this kernel finished, so
 //      a re-poison never erases newer data and nothing stale is taken for data.
 //  F2. Headers catch mismatches: block k of each sender also stores (epoch << 32 | signature)
-//      into its header slot (parity, sender, k) in every peer's workspace; threads 0..W-1 of the
-//      receiver's block k wait for each peer's, in parallel with the data. The same epoch with
+//      into its header slot (parity, sender, k) in every peer's workspace; lanes 0..W-1 of the
+//      last warp of the receiver's block k wait for each peer's, in parallel with the data. The same epoch with
 //      another signature is recorded as a mismatch, never reduced; a peer whose data never
 //      arrives is a timeout.
 //  F3. Every unit is reduced by the thread that pushed it, from the input it loads again before
@@ -41,27 +41,37 @@ __device__ __forceinline__ Unit* full_slot(const KernelArgs& a, int owner, uint3
   return reinterpret_cast<Unit*>(a.bases[owner] + a.layout.full_offset + kFullHeaderBytes + slot);
 }
 
-// Thread 0: our header of this call into every peer's workspace (F2).
-__device__ __forceinline__ void publish_full_headers(const KernelArgs& a, uint32_t parity, uint32_t epoch) {
-  if (threadIdx.x != 0) return;
-  const uint64_t word = flag_word(epoch, a.signature);
-  for (int p = 0; p < a.world; ++p) {
-    if (p != a.rank) *reinterpret_cast<volatile uint64_t*>(full_header(a, p, parity, a.rank, blockIdx.x)) = word;
-  }
+// The peer whose header this thread sends and waits for (F2): lane p of the block's LAST warp,
+// else -1. Units go to threads from the first one up, so for the small messages these kernels
+// take the last warp has no data to move and the header round trip runs beside the data's
+// instead of ahead of a warp's share of it.
+__device__ __forceinline__ int header_peer(const KernelArgs& a) {
+  const int lane = static_cast<int>(threadIdx.x) - static_cast<int>(blockDim.x - 32);
+  return lane >= 0 && lane < a.world && lane != a.rank ? lane : -1;
+}
+
+// Our header of this call into `peer`'s workspace (F2); nothing for -1.
+__device__ __forceinline__ void publish_full_header(const KernelArgs& a, int peer, uint32_t parity, uint32_t epoch) {
+  if (peer < 0) return;
+  *reinterpret_cast<volatile uint64_t*>(full_header(a, peer, parity, a.rank, blockIdx.x)) = flag_word(epoch, a.signature);
+}
+
+// `peer`'s header of this call in our workspace (F2): true once it is there with our signature,
+// false on mismatch, timeout or abort; true for -1. Relaxed loads: the header carries no data.
+__device__ __forceinline__ bool await_full_header(const KernelArgs& a, int peer, uint32_t parity, uint32_t epoch,
+                                                  Stage stage) {
+  return peer < 0 || wait_header_word<false>(a, full_header(a, a.rank, parity, peer, blockIdx.x), peer, epoch, stage);
 }
 
 // Push our units [r) into our slot of every peer's workspace, before waiting for anything: the
 // data is on its way while the headers are (F2).
 template <typename T, typename Unit>
 __device__ __forceinline__ void push_units(const KernelArgs& a, uint32_t parity, const Unit* in, Range r) {
-  Unit* to_peer[kMaxRanks];
-#pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) to_peer[p] = p < a.world ? full_slot<Unit>(a, p, parity, a.rank) : nullptr;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     const Unit v = to_wire<T, Unit>(load_unit(in + i));
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank) to_peer[p][i] = v;
+      if (p < a.world && p != a.rank) full_slot<Unit>(a, p, parity, a.rank)[i] = v;
     }
   }
 }
@@ -71,9 +81,10 @@ __device__ __forceinline__ void push_units(const KernelArgs& a, uint32_t parity,
 template <typename T, typename Unit>
 __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity, uint32_t epoch, const Unit* in,
                                             Unit* out, Range r) {
-  Unit* from_peer[kMaxRanks];
-#pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) from_peer[p] = p < a.world ? full_slot<Unit>(a, a.rank, parity, p) : nullptr;
+  // Every peer's slot from one base and a stride (see gather_unit on registers).
+  Unit* const slots = full_slot<Unit>(a, a.rank, parity, 0);
+  const uint64_t stride = a.layout.ll_capacity / sizeof(Unit);
+  const auto from_peer = [&](int p) { return slots + p * stride; };
   const Unit poison = poison_unit<Unit>();
   uint64_t started = 0;
   uint32_t spins = 0;
@@ -83,14 +94,14 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
     out[i] = sum_in_rank_order<T, Unit>(got, a.world);  // in place: this unit's input was read above (F3)
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank) from_peer[p][i] = poison;
+      if (p < a.world && p != a.rank) from_peer(p)[i] = poison;
     }
   }
   return true;
 }
 
 template <typename T, typename Unit>
-__global__ void __launch_bounds__(kThreadsPerBlock) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
   bool done = false;
@@ -98,12 +109,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_full_kernel(const __
     const uint32_t parity = epoch & 1u;
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-    publish_full_headers(a, parity, epoch);
+    const int peer = header_peer(a);
+    publish_full_header(a, peer, parity, epoch);
     push_units<T, Unit>(a, parity, static_cast<const Unit*>(a.input), body);
     push_units<T, T>(a, parity, static_cast<const T*>(a.input), tail);
-    const int peer = static_cast<int>(threadIdx.x);
-    bool ok = peer >= a.world || peer == a.rank ||
-              wait_header_word(a, full_header(a, a.rank, parity, peer, blockIdx.x), peer, epoch, Stage::kFullGather);
+    bool ok = await_full_header(a, peer, parity, epoch, Stage::kFullGather);
     ok = ok && poll_reduce<T, Unit>(a, parity, epoch, static_cast<const Unit*>(a.input), static_cast<Unit*>(a.output),
                                     body);
     ok = ok && poll_reduce<T, T>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);

@@ -16,8 +16,8 @@
 //      the slots of a parity are written again only two calls later, after every writer saw our
 //      data of the call between (here: a sender's part needs the owner's all-gather of the call
 //      before; an owner's sum needs the receiver's part of this call).
-//  F2. Block k of each rank stores its header (epoch << 32 | signature) into every peer; threads
-//      0..W-1 of the receiver's block k wait for each peer's before polling data. A header of
+//  F2. Block k of each rank stores its header (epoch << 32 | signature) into every peer; lanes
+//      0..W-1 of the last warp of the receiver's block k wait for each peer's beside the data. A header of
 //      this epoch with another signature (size, dtype, algorithm, blocks) is a mismatch.
 //  F3. Every unit is reduced (owner) or copied (all-gather) by one thread, which reads its own
 //      input before writing that unit's output: in place is safe.
@@ -76,13 +76,13 @@ __device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t p
                                                  Unit* out, bool tail) {
   const Range r = full_shard_units<T, Unit>(a, a.rank, tail);
   const Unit poison = poison_unit<Unit>();
-  Unit* from[kMaxRanks];  // each rank's part of our shard, in our reduce-scatter inboxes
-  Unit* to[kMaxRanks];    // our all-gather inbox in each peer
-#pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) {
-    from[p] = p < a.world ? full_inbox<Unit>(a, a.rank, parity, FullInbox::kReduceScatter, p, a.rank) : nullptr;
-    to[p] = p < a.world ? full_inbox<Unit>(a, p, parity, FullInbox::kAllGather, a.rank, a.rank) : nullptr;
-  }
+  // Computed from the parameters when used, not held in arrays (see gather_unit on registers).
+  const auto from = [&](int p) {  // rank p's part of our shard, in our reduce-scatter inbox for p
+    return full_inbox<Unit>(a, a.rank, parity, FullInbox::kReduceScatter, p, a.rank);
+  };
+  const auto to = [&](int p) {  // our all-gather inbox in peer p
+    return full_inbox<Unit>(a, p, parity, FullInbox::kAllGather, a.rank, a.rank);
+  };
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
@@ -92,8 +92,8 @@ __device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t p
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p < a.world && p != a.rank) {
-        to[p][i] = sum;
-        from[p][i] = poison;
+        to(p)[i] = sum;
+        from(p)[i] = poison;
       }
     }
     out[i] = sum;  // in place: this unit's input was read above (F3)
@@ -123,7 +123,7 @@ __device__ __forceinline__ bool gather_shards(const KernelArgs& a, uint32_t pari
 }
 
 template <typename T, typename Unit>
-__global__ void __launch_bounds__(kThreadsPerBlock) twoshot_full_kernel(const __grid_constant__ KernelArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) twoshot_full_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
   bool done = false;
@@ -133,12 +133,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_full_kernel(const __
     Unit* out = static_cast<Unit*>(a.output);
     const T* in_t = static_cast<const T*>(a.input);
     T* out_t = static_cast<T*>(a.output);
-    publish_full_headers(a, parity, epoch);
+    const int peer = header_peer(a);
+    publish_full_header(a, peer, parity, epoch);
     push_shards<T, Unit>(a, parity, in, false);
     push_shards<T, T>(a, parity, in_t, true);
-    const int peer = static_cast<int>(threadIdx.x);
-    bool ok = peer >= a.world || peer == a.rank ||
-              wait_header_word(a, full_header(a, a.rank, parity, peer, blockIdx.x), peer, epoch, Stage::kFullReduceScatter);
+    bool ok = await_full_header(a, peer, parity, epoch, Stage::kFullReduceScatter);
     ok = ok && reduce_own_shard<T, Unit>(a, parity, epoch, in, out, false);
     ok = ok && reduce_own_shard<T, T>(a, parity, epoch, in_t, out_t, true);
     ok = ok && gather_shards<T, Unit>(a, parity, epoch, out, false);

@@ -277,12 +277,12 @@ def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str) -> None:
         assert r["all_nan"] == [True, True], f"rank {rank}: a call that gave up left data in its output: {r}"
 
 
-def _mismatched_sizes(ctx: ranks.RankContext) -> dict:
+def _mismatched_sizes(ctx: ranks.RankContext, algo: str) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
     x = torch.randn(1000 + ctx.rank, device=ctx.device)
     kind = None
     try:
-        comm.all_reduce(x)
+        comm.all_reduce(x, algo=algo)
         torch.cuda.synchronize()
         comm.check()
     except CollectiveMismatch as exc:
@@ -293,8 +293,12 @@ def _mismatched_sizes(ctx: ranks.RankContext) -> dict:
     return {"kind": kind}
 
 
-def test_mismatched_sizes_across_ranks_raise_mismatch() -> None:
-    results = ranks.run_ranks(_mismatched_sizes, 2, timeout_s=300)
+# The full-payload kernels learn of a mismatch from their headers alone: every unit rank 0 polls
+# arrives (rank 1's message is larger) and must not be reduced; rank 1 waits for an element rank 0
+# never sends, and must hear of the mismatch rather than time out.
+@pytest.mark.parametrize("algo", ["auto", "oneshot_full", "twoshot_full"])
+def test_mismatched_sizes_across_ranks_raise_mismatch(algo: str) -> None:
+    results = ranks.run_ranks(_mismatched_sizes, 2, algo, timeout_s=300)
     assert [r["kind"] for r in results] == [("mismatch", 1), ("mismatch", 0)]
 
 
