@@ -691,3 +691,14 @@ def test_rows_for_boxes_without_p2p_run_when_named() -> None:
     assert OursBackend.transport is None  # the Communicator's default: auto
     assert backends.rank_env("nccl_shm", 2, 2)["NCCL_P2P_DISABLE"] == "1"
     assert backends.algos_for("ours_host", ["oneshot", "auto"]) == ("oneshot", "auto", "host_oneshot", "host_twoshot")
+
+
+def test_graph_loop_parses_sizes_and_exits_3_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import graph_loop
+
+    if ranks.skip_reason_no_gpu() is None:
+        pytest.skip("a GPU is present: the no-GPU exit is not reachable here")
+    assert graph_loop.main(["--world", "2", "--sizes", "14K", "56K", "--algos", "oneshot_full"]) == 3
+    assert "python -m bench.graph_loop:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        graph_loop.main(["--sizes", "fourteen"])

@@ -1,0 +1,94 @@
+"""``python -m bench.graph_loop``: our all-reduce timed the way a bare kernel is timed.
+
+The harness (``python -m bench``) times each replay of a graph between barriers and reports the
+slowest rank's p50. A stand-alone kernel (a minimal push one-shot without flags or timeouts, run
+as a yardstick) is usually timed more simply: K calls captured in one CUDA graph, the graph
+replayed R times back to back, the elapsed time divided by K x R. To compare our kernels with
+such a yardstick in one run, this times them the same way: K = 20, R = 20, the best of three
+repetitions on each rank, then the slowest rank. It runs whatever ``pcie_allreduce`` is
+imported, so two builds side by side (``cd`` into each checkout) give an A/B in one run.
+
+    python -m bench.graph_loop --world 2 4 8 --sizes 1K 14K 56K 448K --algos oneshot_ll oneshot_full
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+CALLS_PER_GRAPH = 20
+REPLAYS = 20
+REPETITIONS = 3
+
+
+def _time_algo(comm, x, out, algo: str, group) -> float:
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(3):
+        comm.all_reduce(x, out, algo=algo)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        for _ in range(CALLS_PER_GRAPH):
+            comm.all_reduce(x, out, algo=algo)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(REPETITIONS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier(group=group)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (CALLS_PER_GRAPH * REPLAYS))
+    comm.check()
+    return best
+
+
+def _rank(ctx, sizes: list[int], algos: list[str]) -> list[tuple[str, int, float]]:
+    import torch
+
+    from pcie_allreduce import Communicator
+
+    rows = []
+    with Communicator(ctx.group, ctx.device) as comm:
+        for algo in algos:
+            for nbytes in sizes:
+                x = torch.randn(nbytes // 2, device=ctx.device, dtype=torch.bfloat16)
+                out = torch.empty_like(x)
+                label = algo if algo != "auto" else "auto:" + comm.select_algo(nbytes, torch.bfloat16)
+                rows.append((label, nbytes, _time_algo(comm, x, out, algo, ctx.group)))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pcie_allreduce.sizes import parse_size
+
+    parser = argparse.ArgumentParser(prog="python -m bench.graph_loop", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8], metavar="W")
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=[1024, 14336, 57344, 458752], metavar="SIZE")
+    parser.add_argument("--algos", nargs="+", default=["oneshot_ll", "oneshot_full", "auto"], metavar="ALGO")
+    args = parser.parse_args(argv)
+
+    from pcie_allreduce import ranks
+
+    reason = ranks.skip_reason_no_gpu()
+    if reason is not None:
+        print(f"python -m bench.graph_loop: {reason}", file=sys.stderr)
+        return 3
+    print(f"{'W':>2} {'algo':<22} {'size':>10} {'us':>8}   (bf16; {CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
+          f"replays, best of {REPETITIONS}, slowest rank)")
+    for world in args.world:
+        per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, timeout_s=600)
+        for i, (label, nbytes, _) in enumerate(per_rank[0]):
+            slowest = max(rows[i][2] for rows in per_rank)
+            print(f"{world:>2} {label:<22} {nbytes:>10} {slowest:8.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
