@@ -63,11 +63,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) host_twoshot_kernel(const
     publish_input<T, Unit>(a, buffer, in, to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x)));
     if (owns_tail()) publish_input<T, T>(a, buffer, in_t, tail);
     bool ok = wait_headers(a, buffer, epoch);
-    ok = ok && reduce_shard<T, Unit>(a, buffer, epoch, in, out, shard_part<Unit>(a.nbytes / kGranule, a.world, a.rank));
+    ok = ok && reduce_shard<T, Unit>(a, buffer, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
     if (tail_is_ours) ok = ok && reduce_shard<T, T>(a, buffer, epoch, in_t, out_t, tail);
     for (int s = 1; s < a.world && ok; ++s) {
       const int owner = (a.rank + s) % a.world;  // start with the next rank: spread the reads over owners
-      ok = gather_shard<T, Unit>(a, buffer, epoch, owner, out, shard_part<Unit>(a.nbytes / kGranule, a.world, owner));
+      ok = gather_shard<T, Unit>(a, buffer, epoch, owner, out, shard_part<Unit>(a.nbytes, a.world, owner));
       if (ok && owner == a.world - 1 && owns_tail()) ok = gather_shard<T, T>(a, buffer, epoch, owner, out_t, tail);
     }
     return ok;

@@ -138,12 +138,6 @@ __device__ __forceinline__ uint32_t shared_state_word(uint64_t nbytes, uint32_t 
   return (wrote_result ? kStateWroteResult : 0u) | static_cast<uint32_t>(nbytes << 2) | next_buffer;
 }
 
-// Rank `owner`'s shard of a two-shot message, in 16-byte granules (the tail bytes belong to the
-// last rank's shard and move as single elements).
-__device__ __forceinline__ Range shard_granules(uint64_t nbytes, int world, int owner) {
-  return split(nbytes / kGranule, world, owner);
-}
-
 // ---- the steps -------------------------------------------------------------------------------
 
 // This block's header of this call (H4): thread 0, before its data.

@@ -100,12 +100,21 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
   return true;
 }
 
-template <typename T, typename Unit>
-__global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
+// One call of a full-payload algorithm (this one-shot, twoshot_full.cuh's two-shot) around its
+// exchange: `exchange(epoch)` returns this thread's success; a block that did not fully succeed
+// leaves NaN (invariant 5 of protocol.cuh), and the epoch advances either way.
+template <typename T, typename Exchange>
+__device__ __forceinline__ void full_payload_call(const KernelArgs& a, Exchange exchange) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
-  bool done = false;
-  if (!aborted) {
+  const bool done = !aborted && __syncthreads_and(exchange(epoch)) != 0;
+  if (!done) fill_output_with_nan<T>(a);
+  end_call(a, epoch);
+}
+
+template <typename T, typename Unit>
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
+  full_payload_call<T>(a, [&](uint32_t epoch) {
     const uint32_t parity = epoch & 1u;
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
@@ -117,10 +126,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const
     ok = ok && poll_reduce<T, Unit>(a, parity, epoch, static_cast<const Unit*>(a.input), static_cast<Unit*>(a.output),
                                     body);
     ok = ok && poll_reduce<T, T>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);
-    done = __syncthreads_and(ok) != 0;
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    return ok;
+  });
 }
 
 }  // namespace pcie_ar

@@ -32,11 +32,16 @@ __device__ __forceinline__ Range to_units(Range granules) {
   return {granules.begin * k, granules.end * k};
 }
 
-// This block's part of owner rank `owner`'s shard of a two-shot message of `granules`, in units:
-// the message's granules split among the ranks, the shard's among the blocks.
+// Rank `owner`'s shard of a two-shot message of `nbytes`, in granules (the tail bytes belong to
+// the last rank's shard and move as single elements).
+__device__ __forceinline__ Range shard_granules(uint64_t nbytes, int world, int owner) {
+  return split(nbytes / kGranule, world, owner);
+}
+
+// This block's part of rank `owner`'s shard, in units: the shard's granules split among the blocks.
 template <typename Unit>
-__device__ __forceinline__ Range shard_part(uint64_t granules, int world, int owner) {
-  const Range shard = split(granules, world, owner);
+__device__ __forceinline__ Range shard_part(uint64_t nbytes, int world, int owner) {
+  const Range shard = shard_granules(nbytes, world, owner);
   const Range sub = split(shard.end - shard.begin, gridDim.x, blockIdx.x);
   return to_units<Unit>(Range{shard.begin + sub.begin, shard.begin + sub.end});
 }

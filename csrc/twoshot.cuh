@@ -27,7 +27,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_
   const uint32_t epoch = begin_call(a, &aborted);
   bool done = false;
   if (!aborted) {
-    const uint64_t granules = a.nbytes / kGranule;
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
     const Unit* in = static_cast<const Unit*>(a.input);
     const T* in_t = static_cast<const T*>(a.input);
@@ -35,14 +34,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_
 
     for (int s = 1; s < a.world; ++s) {
       const int owner = (a.rank + s) % a.world;
-      push_to_peer<Unit>(a, owner, epoch, in, shard_part<Unit>(granules, a.world, owner));
+      push_to_peer<Unit>(a, owner, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
     }
     push_to_all_peers<T>(a, epoch, in_t, tail);
     __syncthreads();
     signal_all_peers(a, 0, epoch);
 
     if (wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) {
-      reduce_range<T, Unit, true>(a, epoch, in, out, shard_part<Unit>(granules, a.world, a.rank));
+      reduce_range<T, Unit, true>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
       reduce_range<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
       __syncthreads();
       signal_all_peers(a, 1, epoch);
@@ -50,7 +49,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_
       if (wait_all_peers(a, 1, epoch, Stage::kAllGather)) {
         for (int s = 1; s < a.world; ++s) {
           const int peer = (a.rank + s) % a.world;
-          copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(granules, a.world, peer));
+          copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
         }
         done = true;
       }

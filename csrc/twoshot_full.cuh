@@ -53,7 +53,7 @@ __device__ __forceinline__ Unit* full_inbox(const KernelArgs& a, int area_owner,
 // when this block carries them and they belong to that shard (the last one).
 template <typename T, typename Unit>
 __device__ __forceinline__ Range full_shard_units(const KernelArgs& a, int owner, bool tail) {
-  if (!tail) return shard_part<Unit>(a.nbytes / kGranule, a.world, owner);
+  if (!tail) return shard_part<Unit>(a.nbytes, a.world, owner);
   return owner == a.world - 1 && owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
 }
 
@@ -124,10 +124,7 @@ __device__ __forceinline__ bool gather_shards(const KernelArgs& a, uint32_t pari
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) twoshot_full_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
-  bool done = false;
-  if (!aborted) {
+  full_payload_call<T>(a, [&](uint32_t epoch) {
     const uint32_t parity = epoch & 1u;
     const Unit* in = static_cast<const Unit*>(a.input);
     Unit* out = static_cast<Unit*>(a.output);
@@ -142,10 +139,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) twoshot_full_kernel(const
     ok = ok && reduce_own_shard<T, T>(a, parity, epoch, in_t, out_t, true);
     ok = ok && gather_shards<T, Unit>(a, parity, epoch, out, false);
     ok = ok && gather_shards<T, T>(a, parity, epoch, out_t, true);
-    done = __syncthreads_and(ok) != 0;
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    return ok;
+  });
 }
 
 }  // namespace pcie_ar
