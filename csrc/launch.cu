@@ -50,15 +50,30 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
   }
 }
 
-template <typename T>
-void launch_low_latency(const KernelArgs& args, int blocks, cudaStream_t stream) {
+template <typename T, int kWorld>
+void launch_low_latency_for(const KernelArgs& args, int blocks, cudaStream_t stream) {
   // 8-byte payload words need 8-byte aligned input and output; line slots are always aligned.
   const bool aligned = ((reinterpret_cast<uintptr_t>(args.input) | reinterpret_cast<uintptr_t>(args.output)) & 7u) == 0;
   const dim3 grid(blocks), block(kThreadsPerBlock);
   if (aligned) {
-    oneshot_ll_kernel<T, true><<<grid, block, 0, stream>>>(args);
+    oneshot_ll_kernel<T, true, kWorld><<<grid, block, 0, stream>>>(args);
   } else {
-    oneshot_ll_kernel<T, false><<<grid, block, 0, stream>>>(args);
+    oneshot_ll_kernel<T, false, kWorld><<<grid, block, 0, stream>>>(args);
+  }
+}
+
+template <typename T>
+void launch_low_latency(const KernelArgs& args, int blocks, cudaStream_t stream) {
+  static_assert(kMinRanks == 2 && kMaxRanks == 8, "one oneshot_ll instance per world size below");
+  switch (args.world) {
+    case 2: launch_low_latency_for<T, 2>(args, blocks, stream); break;
+    case 3: launch_low_latency_for<T, 3>(args, blocks, stream); break;
+    case 4: launch_low_latency_for<T, 4>(args, blocks, stream); break;
+    case 5: launch_low_latency_for<T, 5>(args, blocks, stream); break;
+    case 6: launch_low_latency_for<T, 6>(args, blocks, stream); break;
+    case 7: launch_low_latency_for<T, 7>(args, blocks, stream); break;
+    case 8: launch_low_latency_for<T, 8>(args, blocks, stream); break;
+    default: PCIE_AR_HOST_ASSERT(false, "world size " + std::to_string(args.world) + " out of range");
   }
 }
 

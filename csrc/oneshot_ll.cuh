@@ -31,8 +31,8 @@
 namespace pcie_ar {
 
 // Line 0 of `sender`'s line slot in `owner`'s workspace for this call's parity.
-__device__ __forceinline__ uint4* line_slot(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
-  const uint64_t parity = static_cast<uint64_t>(epoch & 1u) * a.layout.ll_slot_bytes * static_cast<uint64_t>(a.world);
+__device__ __forceinline__ uint4* line_slot(const KernelArgs& a, int world, int owner, int sender, uint32_t epoch) {
+  const uint64_t parity = static_cast<uint64_t>(epoch & 1u) * a.layout.ll_slot_bytes * static_cast<uint64_t>(world);
   return reinterpret_cast<uint4*>(a.bases[owner] + a.layout.ll_offset + parity +
                                   static_cast<uint64_t>(sender) * a.layout.ll_slot_bytes);
 }
@@ -74,20 +74,21 @@ __device__ __forceinline__ void store_payload(void* base, uint64_t unit, uint64_
 
 // Bounded wait until line `i` of every peer has arrived in our workspace; their payloads go to
 // got[peer]. False (error recorded, or another thread's) on mismatch, timeout or abort.
+template <int kWorld>
 __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* lines0, uint64_t stride, uint64_t i,
                                              uint32_t flag, uint32_t epoch, uint2 (&got)[kMaxRanks]) {
-  uint32_t pending = ((1u << a.world) - 1u) & ~(1u << a.rank);
+  uint32_t pending = ((1u << kWorld) - 1u) & ~(1u << a.rank);
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
     // Issue every pending peer's load before testing any: tested one by one, each test waits for
     // its load, so a spin cost W - 1 dependent round trips instead of one.
     uint4 v[kMaxRanks];
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kWorld; ++r) {
       v[r] = (pending & (1u << r)) ? load_line(lines0 + static_cast<uint64_t>(r) * stride + i) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kWorld; ++r) {
       if (pending & (1u << r)) {
         if (v[r].y == flag && v[r].w == flag) {
           got[r] = make_uint2(v[r].x, v[r].z);
@@ -108,7 +109,10 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
   }
 }
 
-template <typename T, bool kAligned>
+// kWorld: the world size as a constant (== a.world; the launch picks the instance), so every loop
+// over peers is unrolled to exactly W - 1 copies instead of kMaxRanks predicated ones: each thread
+// runs its call once, so the instructions it issues are its latency.
+template <typename T, bool kAligned, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
@@ -120,34 +124,30 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __gr
 
     uint4* peer_lines[kMaxRanks];
 #pragma unroll
-    for (int s = 1; s < kMaxRanks; ++s) {
-      if (s < a.world) peer_lines[s] = line_slot(a, (a.rank + s) % a.world, a.rank, epoch);
-    }
+    for (int s = 1; s < kWorld; ++s) peer_lines[s] = line_slot(a, kWorld, (a.rank + s) % kWorld, a.rank, epoch);
     for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
       const uint2 payload = load_payload<T, kAligned>(a.input, i, a.nbytes);
 #pragma unroll
-      for (int s = 1; s < kMaxRanks; ++s) {
-        if (s < a.world) store_line(peer_lines[s] + i, payload, flag);
-      }
+      for (int s = 1; s < kWorld; ++s) store_line(peer_lines[s] + i, payload, flag);
     }
 
-    uint4* lines0 = line_slot(a, a.rank, 0, epoch);
+    uint4* lines0 = line_slot(a, kWorld, a.rank, 0, epoch);
     const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
     bool gathered = true;
     for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
       uint2 got[kMaxRanks];
-      if (!gather_lines(a, lines0, stride, i, flag, epoch, got)) {
+      if (!gather_lines<kWorld>(a, lines0, stride, i, flag, epoch, got)) {
         gathered = false;
         break;
       }
       const uint2 own = load_payload<T, kAligned>(a.input, i, a.nbytes);
       Pack<T, uint2> in[kMaxRanks];
 #pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
-      store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order<T, uint2>(in, a.world));
+      for (int r = 0; r < kWorld; ++r) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
+      store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order<T, uint2>(in, kWorld));
 #pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
-        if (r < a.world && r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
+      for (int r = 0; r < kWorld; ++r) {
+        if (r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
       }
     }
     done = __syncthreads_and(gathered) != 0;  // a thread that gave up fails its whole block
