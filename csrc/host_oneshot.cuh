@@ -19,7 +19,7 @@ __device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buff
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
-    if (!gather_unit<T, Unit>(a, theirs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
+    if (!gather_unit<T, Unit>(a, a.world, theirs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
     out[i] = sum_in_rank_order<T, Unit>(got, a.world);  // in place: this unit's input was read above
   }
   return true;

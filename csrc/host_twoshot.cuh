@@ -25,7 +25,7 @@ __device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffe
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
-    if (!gather_unit<T, Unit>(a, inputs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
+    if (!gather_unit<T, Unit>(a, a.world, inputs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
     const Unit sum = to_wire<T, Unit>(sum_in_rank_order<T, Unit>(got, a.world));
     result[i] = sum;
     out[i] = sum;

@@ -183,18 +183,20 @@ static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const 
 // computes a peer's area from the kernel's parameters each time it is asked: an array of W
 // pointers held across the loop would cost 2W registers, and the 16-byte gather of 8 ranks
 // already needs 32 for the units in flight (the kernels are capped at 128 by their 512 threads).
+// `world` is a.world, or the same as a constant in a kernel instanced per world size (the loops
+// then unroll to exactly `world` copies instead of kMaxRanks predicated ones).
 // False (this thread) on timeout or abort.
 template <typename T, typename Unit, typename Where>
-__device__ __forceinline__ bool gather_unit(const KernelArgs& a, Where where, const Unit* in, uint64_t i,
+__device__ __forceinline__ bool gather_unit(const KernelArgs& a, int world, Where where, const Unit* in, uint64_t i,
                                             uint32_t epoch, Stage stage, uint32_t& spins, uint64_t& started,
                                             Pack<T, Unit>* got) {
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
-    if (p < a.world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(where(p) + i);
+    if (p < world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(where(p) + i);
   }
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
-    if (p < a.world && p != a.rank && !await_unit<T, Unit>(a, where(p) + i, got[p].unit, p, epoch, stage, spins, started)) {
+    if (p < world && p != a.rank && !await_unit<T, Unit>(a, where(p) + i, got[p].unit, p, epoch, stage, spins, started)) {
       return false;
     }
   }
@@ -250,11 +252,8 @@ __device__ __forceinline__ void write_once_call(const KernelArgs& a, bool writes
   Control* ctl = control_of(a);
   const uint32_t state = __ldcg(&ctl->shared_state[blockIdx.x]);
   const uint32_t buffer = state & 3u;
-  bool done = false;
-  if (!aborted) {
-    done = __syncthreads_and(exchange(buffer, epoch)) != 0;
-    if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
-  }
+  const bool done = __syncthreads_and(!aborted && exchange(buffer, epoch)) != 0;  // the block's verdict (begin_call)
+  if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
   if (!done) fill_output_with_nan<T>(a);
   advance_shared_state(ctl, shared_state_word(a.nbytes, (buffer + 1) % kSharedBuffers, writes_result));
   end_call(a, epoch);

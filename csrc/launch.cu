@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "checks.cuh"
 #include "host_oneshot.cuh"
@@ -35,6 +36,22 @@ uint32_t call_signature(Algo algo, int dtype, uint64_t nbytes, int blocks) {
 
 namespace {
 
+// f(std::integral_constant<int, W>{}) for W == world: the kernels instanced per world size.
+template <typename F>
+void with_world(int world, F&& f) {
+  static_assert(kMinRanks == 2 && kMaxRanks == 8, "one instance per world size below");
+  switch (world) {
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: PCIE_AR_HOST_ASSERT(false, "world size " + std::to_string(world) + " out of range");
+  }
+}
+
 template <typename T, typename Unit>
 void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream) {
   const dim3 grid(blocks), block(kThreadsPerBlock);
@@ -44,37 +61,26 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
     case Algo::kTwoShot: twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostOneShot: host_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostTwoShot: host_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kOneShotFull: oneshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kOneShotFull:
+      with_world(args.world, [&](auto w) { oneshot_full_kernel<T, Unit, decltype(w)::value><<<grid, block, 0, stream>>>(args); });
+      break;
     case Algo::kTwoShotFull: twoshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }
 
-template <typename T, int kWorld>
-void launch_low_latency_for(const KernelArgs& args, int blocks, cudaStream_t stream) {
+template <typename T>
+void launch_low_latency(const KernelArgs& args, int blocks, cudaStream_t stream) {
   // 8-byte payload words need 8-byte aligned input and output; line slots are always aligned.
   const bool aligned = ((reinterpret_cast<uintptr_t>(args.input) | reinterpret_cast<uintptr_t>(args.output)) & 7u) == 0;
   const dim3 grid(blocks), block(kThreadsPerBlock);
-  if (aligned) {
-    oneshot_ll_kernel<T, true, kWorld><<<grid, block, 0, stream>>>(args);
-  } else {
-    oneshot_ll_kernel<T, false, kWorld><<<grid, block, 0, stream>>>(args);
-  }
-}
-
-template <typename T>
-void launch_low_latency(const KernelArgs& args, int blocks, cudaStream_t stream) {
-  static_assert(kMinRanks == 2 && kMaxRanks == 8, "one oneshot_ll instance per world size below");
-  switch (args.world) {
-    case 2: launch_low_latency_for<T, 2>(args, blocks, stream); break;
-    case 3: launch_low_latency_for<T, 3>(args, blocks, stream); break;
-    case 4: launch_low_latency_for<T, 4>(args, blocks, stream); break;
-    case 5: launch_low_latency_for<T, 5>(args, blocks, stream); break;
-    case 6: launch_low_latency_for<T, 6>(args, blocks, stream); break;
-    case 7: launch_low_latency_for<T, 7>(args, blocks, stream); break;
-    case 8: launch_low_latency_for<T, 8>(args, blocks, stream); break;
-    default: PCIE_AR_HOST_ASSERT(false, "world size " + std::to_string(args.world) + " out of range");
-  }
+  with_world(args.world, [&](auto w) {
+    if (aligned) {
+      oneshot_ll_kernel<T, true, decltype(w)::value><<<grid, block, 0, stream>>>(args);
+    } else {
+      oneshot_ll_kernel<T, false, decltype(w)::value><<<grid, block, 0, stream>>>(args);
+    }
+  });
 }
 
 template <typename T>

@@ -64,21 +64,21 @@ __device__ __forceinline__ bool await_full_header(const KernelArgs& a, int peer,
 }
 
 // Push our units [r) into our slot of every peer's workspace, before waiting for anything: the
-// data is on its way while the headers are (F2).
-template <typename T, typename Unit>
+// data is on its way while the headers are (F2). kWorld == a.world (the kernel's instance).
+template <typename T, typename Unit, int kWorld>
 __device__ __forceinline__ void push_units(const KernelArgs& a, uint32_t parity, const Unit* in, Range r) {
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     const Unit v = to_wire<T, Unit>(load_unit(in + i));
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank) full_slot<Unit>(a, p, parity, a.rank)[i] = v;
+    for (int p = 0; p < kWorld; ++p) {
+      if (p != a.rank) full_slot<Unit>(a, p, parity, a.rank)[i] = v;
     }
   }
 }
 
 // Reduce our units [r) from every peer's slot in our memory as each arrived (ours from our input
 // as it travels), then re-poison what we consumed (F1). False (this thread) on timeout or abort.
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kWorld>
 __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity, uint32_t epoch, const Unit* in,
                                             Unit* out, Range r) {
   // Every peer's slot from one base and a stride (see gather_unit on registers).
@@ -90,11 +90,11 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
-    if (!gather_unit<T, Unit>(a, from_peer, in, i, epoch, Stage::kFullGather, spins, started, got)) return false;
-    out[i] = sum_in_rank_order<T, Unit>(got, a.world);  // in place: this unit's input was read above (F3)
+    if (!gather_unit<T, Unit>(a, kWorld, from_peer, in, i, epoch, Stage::kFullGather, spins, started, got)) return false;
+    out[i] = sum_in_rank_order<T, Unit>(got, kWorld);  // in place: this unit's input was read above (F3)
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < a.world && p != a.rank) from_peer(p)[i] = poison;
+    for (int p = 0; p < kWorld; ++p) {
+      if (p != a.rank) from_peer(p)[i] = poison;
     }
   }
   return true;
@@ -107,12 +107,14 @@ template <typename T, typename Exchange>
 __device__ __forceinline__ void full_payload_call(const KernelArgs& a, Exchange exchange) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
-  const bool done = !aborted && __syncthreads_and(exchange(epoch)) != 0;
+  const bool done = __syncthreads_and(!aborted && exchange(epoch)) != 0;  // the block's verdict (begin_call)
   if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
 }
 
-template <typename T, typename Unit>
+// kWorld: the world size as a constant (== a.world; the launch picks the instance), as for
+// oneshot_ll: every loop over peers unrolls to exactly W copies.
+template <typename T, typename Unit, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
   full_payload_call<T>(a, [&](uint32_t epoch) {
     const uint32_t parity = epoch & 1u;
@@ -120,12 +122,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
     const int peer = header_peer(a);
     publish_full_header(a, peer, parity, epoch);
-    push_units<T, Unit>(a, parity, static_cast<const Unit*>(a.input), body);
-    push_units<T, T>(a, parity, static_cast<const T*>(a.input), tail);
+    push_units<T, Unit, kWorld>(a, parity, static_cast<const Unit*>(a.input), body);
+    push_units<T, T, kWorld>(a, parity, static_cast<const T*>(a.input), tail);
     bool ok = await_full_header(a, peer, parity, epoch, Stage::kFullGather);
-    ok = ok && poll_reduce<T, Unit>(a, parity, epoch, static_cast<const Unit*>(a.input), static_cast<Unit*>(a.output),
+    ok = ok && poll_reduce<T, Unit, kWorld>(a, parity, epoch, static_cast<const Unit*>(a.input), static_cast<Unit*>(a.output),
                                     body);
-    ok = ok && poll_reduce<T, T>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);
+    ok = ok && poll_reduce<T, T, kWorld>(a, parity, epoch, static_cast<const T*>(a.input), static_cast<T*>(a.output), tail);
     return ok;
   });
 }

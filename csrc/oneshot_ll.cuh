@@ -116,42 +116,41 @@ template <typename T, bool kAligned, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
-  bool done = false;
-  if (!aborted) {
-    const uint32_t flag = line_flag(epoch, a.signature);
-    const uint64_t units = (a.nbytes + kLinePayloadBytes - 1) / kLinePayloadBytes;
-    const Range mine = split(units, gridDim.x, blockIdx.x);
+  const uint32_t flag = line_flag(epoch, a.signature);
+  const uint64_t units = (a.nbytes + kLinePayloadBytes - 1) / kLinePayloadBytes;
+  // A thread that saw the abort flag (begin_call) moves nothing and fails its block below.
+  const Range mine = aborted ? Range{0, 0} : split(units, gridDim.x, blockIdx.x);
 
-    uint4* peer_lines[kMaxRanks];
+  uint4* peer_lines[kMaxRanks];
 #pragma unroll
-    for (int s = 1; s < kWorld; ++s) peer_lines[s] = line_slot(a, kWorld, (a.rank + s) % kWorld, a.rank, epoch);
-    for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
-      const uint2 payload = load_payload<T, kAligned>(a.input, i, a.nbytes);
+  for (int s = 1; s < kWorld; ++s) peer_lines[s] = line_slot(a, kWorld, (a.rank + s) % kWorld, a.rank, epoch);
+  for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
+    const uint2 payload = load_payload<T, kAligned>(a.input, i, a.nbytes);
 #pragma unroll
-      for (int s = 1; s < kWorld; ++s) store_line(peer_lines[s] + i, payload, flag);
-    }
-
-    uint4* lines0 = line_slot(a, kWorld, a.rank, 0, epoch);
-    const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
-    bool gathered = true;
-    for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
-      uint2 got[kMaxRanks];
-      if (!gather_lines<kWorld>(a, lines0, stride, i, flag, epoch, got)) {
-        gathered = false;
-        break;
-      }
-      const uint2 own = load_payload<T, kAligned>(a.input, i, a.nbytes);
-      Pack<T, uint2> in[kMaxRanks];
-#pragma unroll
-      for (int r = 0; r < kWorld; ++r) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
-      store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order<T, uint2>(in, kWorld));
-#pragma unroll
-      for (int r = 0; r < kWorld; ++r) {
-        if (r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
-      }
-    }
-    done = __syncthreads_and(gathered) != 0;  // a thread that gave up fails its whole block
+    for (int s = 1; s < kWorld; ++s) store_line(peer_lines[s] + i, payload, flag);
   }
+
+  uint4* lines0 = line_slot(a, kWorld, a.rank, 0, epoch);
+  const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
+  bool gathered = !aborted;
+  for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
+    uint2 got[kMaxRanks];
+    if (!gather_lines<kWorld>(a, lines0, stride, i, flag, epoch, got)) {
+      gathered = false;
+      break;
+    }
+    const uint2 own = load_payload<T, kAligned>(a.input, i, a.nbytes);
+    Pack<T, uint2> in[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kWorld; ++r) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
+    store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order<T, uint2>(in, kWorld));
+#pragma unroll
+    for (int r = 0; r < kWorld; ++r) {
+      if (r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
+    }
+  }
+  // A thread that gave up, or saw the abort flag, fails its whole block.
+  const bool done = __syncthreads_and(gathered) != 0;
   if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
 }

@@ -154,8 +154,13 @@ __device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, ui
   return __syncthreads_and(ok) != 0;
 }
 
-// This call's epoch. Written by an earlier kernel on this stream, so plain L2 loads (.cg) are
-// enough, and they let the compiler overlap them with the first input loads.
+// This call's epoch, and whether THIS THREAD found the workspace aborted. Both were written by an
+// earlier kernel on this stream, so plain L2 loads (.cg) are enough, and they let the compiler
+// overlap them with the first input loads. The abort flag can also be raised by a block of this
+// very kernel while this block's threads read it, so `aborted` may differ between threads of a
+// block: a thread that saw it skips its own work, and the kernel takes the block's verdict at the
+// first barrier it has anyway (__syncthreads_or / __syncthreads_and), before any flag is sent or
+// any branch holds a barrier. (A barrier here for the verdict cost 0.1-0.2 us per call.)
 __device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborted) {
   const Control* ctl = control_of(a);
   *aborted = __ldcg(&ctl->abort) != 0;

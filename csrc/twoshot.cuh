@@ -26,18 +26,21 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_
   bool aborted;
   const uint32_t epoch = begin_call(a, &aborted);
   bool done = false;
-  if (!aborted) {
-    const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-    const Unit* in = static_cast<const Unit*>(a.input);
-    const T* in_t = static_cast<const T*>(a.input);
-    Unit* out = static_cast<Unit*>(a.output);
+  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Unit* in = static_cast<const Unit*>(a.input);
+  const T* in_t = static_cast<const T*>(a.input);
+  Unit* out = static_cast<Unit*>(a.output);
 
+  if (!aborted) {
     for (int s = 1; s < a.world; ++s) {
       const int owner = (a.rank + s) % a.world;
       push_to_peer<Unit>(a, owner, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
     }
     push_to_all_peers<T>(a, epoch, in_t, tail);
-    __syncthreads();
+  }
+  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
+  // flag (begin_call): no flag goes out unless every thread pushed its share.
+  if (__syncthreads_or(aborted) == 0) {
     signal_all_peers(a, 0, epoch);
 
     if (wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) {

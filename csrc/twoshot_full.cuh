@@ -87,7 +87,7 @@ __device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t p
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> got[kMaxRanks];
-    if (!gather_unit<T, Unit>(a, from, in, i, epoch, Stage::kFullReduceScatter, spins, started, got)) return false;
+    if (!gather_unit<T, Unit>(a, a.world, from, in, i, epoch, Stage::kFullReduceScatter, spins, started, got)) return false;
     const Unit sum = to_wire<T, Unit>(sum_in_rank_order<T, Unit>(got, a.world));
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {

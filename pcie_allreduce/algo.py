@@ -227,10 +227,18 @@ def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
 
 def default_table(transport: str = "p2p") -> AlgoTable:
     """The built-in table of ``transport``. P2P: crossovers measured on one H200 under MPS
-    (bench/PERF_NOTES.md; `pcie-allreduce tune` measures yours).
+    (bench/PERF_NOTES.md; `pcie-allreduce tune` measures yours), and for the two data-as-flag
+    one-shots the bytes a PCIe link carries.
 
     One-shot moves (W-1) x the message per rank but needs one exchange; two-shot moves 2(W-1)/W
     but needs two. Small blocks-per-byte ratios win for small messages (more blocks in flight).
+    ``oneshot_ll`` sends twice the bytes of ``oneshot_full`` and, on one GPU where bytes are
+    free, ran 0.2-0.4 us faster at W = 2 and 4 and ~1.9 us at W = 8 (14-56 KiB). Over a PCIe link
+    its extra (W - 1) N bytes cost (W - 1) N / ~53 GB/s, more than that margin from about 16 KiB
+    at W = 2, 8 KiB at W = 3-4 and 14 KiB at W = 8: so the lines serve up to 16 KiB at W = 2 and
+    8 KiB above, and ``oneshot_full`` (half the bytes) up to 64 KiB. At W = 8, 56 KiB that is
+    392 KiB per rank instead of 784. A model from one-GPU timings and the links' published rate,
+    not a measurement over P2P PCIe; ``tune`` measures the crossovers where it runs.
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
     Host transport: the write-once algorithms. Per rank over its own PCIe link the one-shot reads
@@ -255,7 +263,9 @@ def default_table(transport: str = "p2p") -> AlgoTable:
     small = (2, 3, 4)
     large = (5, 6, 7, 8)
     return AlgoTable((
-        Rule("oneshot_ll", max_bytes=64 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("oneshot_ll", max_bytes=16 << 10, world=(2,), bytes_per_block=4 << 10, max_blocks=32),
+        Rule("oneshot_ll", max_bytes=8 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("oneshot_full", max_bytes=64 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
         Rule("oneshot", max_bytes=1 << 20, world=small, bytes_per_block=4 << 10, max_blocks=32),
         Rule("oneshot", max_bytes=512 << 10, world=large, bytes_per_block=2 << 10, max_blocks=16),
         Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),

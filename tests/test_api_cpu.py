@@ -240,10 +240,13 @@ def test_default_table_is_total_and_pure() -> None:
                 assert 1 <= a.blocks <= algo.MAX_LAUNCH_BLOCKS
 
 
-def test_default_table_small_is_low_latency_then_oneshot_then_twoshot() -> None:
+def test_default_table_small_is_low_latency_then_full_payload_then_oneshot_then_twoshot() -> None:
     table = algo.default_table()
     assert table.select(14 << 10, 2, "bfloat16").algo == "oneshot_ll"
-    assert table.select(56 << 10, 8, "bfloat16").algo == "oneshot_ll"
+    assert table.select(8 << 10, 8, "bfloat16").algo == "oneshot_ll"
+    assert table.select(14 << 10, 4, "bfloat16").algo == "oneshot_full"
+    assert table.select(56 << 10, 8, "bfloat16").algo == "oneshot_full"
+    assert table.select(128 << 10, 8, "bfloat16").algo == "oneshot"
     assert table.select(448 << 10, 4, "bfloat16") == algo.Choice("oneshot", 32)
     assert table.select(16 << 20, 8, "bfloat16").algo == "twoshot"
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"
@@ -251,7 +254,9 @@ def test_default_table_small_is_low_latency_then_oneshot_then_twoshot() -> None:
 
 def test_low_latency_rules_are_passed_over_above_the_capacity() -> None:
     table = algo.default_table()
-    assert table.select(56 << 10, 4, "bfloat16", ll_capacity=56 << 10).algo == "oneshot_ll"
+    assert table.select(8 << 10, 4, "bfloat16", ll_capacity=8 << 10).algo == "oneshot_ll"
+    assert table.select(8 << 10, 4, "bfloat16", ll_capacity=4 << 10).algo == "oneshot"
+    assert table.select(56 << 10, 4, "bfloat16", ll_capacity=56 << 10).algo == "oneshot_full"
     assert table.select(56 << 10, 4, "bfloat16", ll_capacity=32 << 10).algo == "oneshot"
 
 

@@ -144,6 +144,18 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
         wire_bytes("ring", n, world)
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_default_choice_at_the_verify_size_sends_the_message_once_per_peer(world: int) -> None:
+    """The default P2P table at the verify pass's message (4 x 7168 bf16) puts (W - 1) x 56 KiB
+    on each rank's link, not the lines' twice that: 392 KiB at W = 8."""
+    from pcie_allreduce.algo import default_table, wire_bytes
+    from pcie_allreduce.constants import LOW_LATENCY_MAX_BYTES
+
+    n = 4 * 7168 * 2
+    choice = default_table().select(n, world, "bfloat16", ll_capacity=LOW_LATENCY_MAX_BYTES)
+    assert wire_bytes(choice.algo, n, world).busiest == (world - 1) * n
+
+
 def test_the_full_payload_one_shot_is_capped_like_the_lines() -> None:
     from pcie_allreduce.algo import fits_capacity, wire_bytes
 
