@@ -242,8 +242,9 @@ def test_default_table_is_total_and_pure() -> None:
 
 def test_default_table_small_is_low_latency_then_full_payload_then_oneshot_then_twoshot() -> None:
     table = algo.default_table()
-    assert table.select(14 << 10, 2, "bfloat16").algo == "oneshot_ll"
-    assert table.select(8 << 10, 8, "bfloat16").algo == "oneshot_ll"
+    assert table.select(4 << 10, 2, "bfloat16").algo == "oneshot_ll"
+    assert table.select(14 << 10, 8, "bfloat16").algo == "oneshot_ll"
+    assert table.select(14 << 10, 2, "bfloat16").algo == "oneshot_full"
     assert table.select(14 << 10, 4, "bfloat16").algo == "oneshot_full"
     assert table.select(56 << 10, 8, "bfloat16").algo == "oneshot_full"
     assert table.select(128 << 10, 8, "bfloat16").algo == "oneshot"
