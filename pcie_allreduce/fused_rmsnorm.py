@@ -40,7 +40,7 @@ from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, flag_addr, interpreting,
                                             pick_base, round_to, store_release, wait_peer)
 
-FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll")
+FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll", "oneshot_full")
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
 STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
@@ -306,8 +306,9 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     ``compile_only``: compile (or load from Triton's cache) every kernel variant this call's
     shape and dtypes can launch, and launch nothing (nothing to compile under the interpreter)."""
     interpret = interpreting() if interpret is None else interpret
-    if algo == "oneshot_ll":
+    if algo in ("oneshot_ll", "oneshot_full"):
         fused_oneshot_ll.launch(view, x, residual, weight, eps, normed, residual_out, interpret=interpret,
+                                full=algo == "oneshot_full",
                                 max_programs=max_programs, compile_only=compile_only)
         return
     if compile_only and interpret:

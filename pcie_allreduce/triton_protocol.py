@@ -57,29 +57,40 @@ def store_release(ptr, value, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def load_volatile_u64(ptr, mask, INTERPRET: tl.constexpr):
-    """Masked ld.volatile.global.u64 (0 where masked off). Inline asm with side effects, so the
-    compiler can neither hoist a poll out of its loop nor re-load (rematerialise) a value after
-    the line was cleared; tl.load(volatile=True) does not promise either."""
+def load_volatile(ptr, mask, INTERPRET: tl.constexpr):
+    """Masked ld.volatile.global of the pointer's word (u64 or u32; 0 where masked off). Inline
+    asm with side effects, so the compiler can neither hoist a poll out of its loop nor re-load
+    (rematerialise) a value after the word was cleared or re-poisoned; tl.load(volatile=True)
+    does not promise either."""
     if INTERPRET:
         value = tl.load(ptr, mask=mask, other=0, volatile=True)
-    else:
+    elif ptr.dtype.element_ty == tl.uint64:
         value = tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.volatile.global.u64 $0, [$1]; }",
             "=l,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint64, is_pure=False, pack=1)
+    else:
+        tl.static_assert(ptr.dtype.element_ty == tl.uint32, "load_volatile: u64 or u32 words")
+        value = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [$1]; }",
+            "=r,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint32, is_pure=False, pack=1)
     return value
 
 
 @triton.jit
-def store_volatile_u64(ptr, value, mask, INTERPRET: tl.constexpr):
-    """Masked st.volatile.global.u64: one 8-byte store per element, never torn, merged or delayed
-    behind a spin (the CUDA kernels' store_line)."""
+def store_volatile(ptr, value, mask, INTERPRET: tl.constexpr):
+    """Masked st.volatile.global of the pointer's word (u64 or u32): one store per element, never
+    torn, merged or delayed behind a spin (the CUDA kernels' store_line)."""
     if INTERPRET:
         tl.store(ptr, value, mask=mask)
-    else:
+    elif ptr.dtype.element_ty == tl.uint64:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u64 [$1], $2; mov.u32 $0, 0; }",
             "=r,l,l,r", [ptr, value.to(tl.uint64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.static_assert(ptr.dtype.element_ty == tl.uint32, "store_volatile: u64 or u32 words")
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [ptr, value.to(tl.uint32), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
