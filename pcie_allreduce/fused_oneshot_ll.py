@@ -46,7 +46,7 @@ import triton.language as tl
 from pcie_allreduce import constants
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.layout import Layout, WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, keep_spinning, line_flag, load_volatile, now_ns,
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, line_flag, load_volatile, now_ns,
                                             pause_ns, pick_base, record_error, round_to, spin_verdict,
                                             store_volatile)
 
@@ -70,10 +70,27 @@ MEDIUM_COLUMNS = 1024
 MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
 
 
+# The worst state a program's wait has seen, ordered so that a block-wide max decides: its words
+# arrived < not yet < the workspace aborted < this wait timed out < a foreign call's word. The
+# verdicts of this thread's spin (abort flag, timer) ride in the same reduction as the words, so
+# every thread of the program leaves the wait in the same spin, whatever each one read.
+ARRIVED: tl.constexpr = tl.constexpr(0)
+NOT_YET: tl.constexpr = tl.constexpr(1)
+ABORTED: tl.constexpr = tl.constexpr(2)
+TIMED_OUT: tl.constexpr = tl.constexpr(3)
+FOREIGN: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit
+def _verdict_state(verdict):
+    """spin_verdict's 0 / 1 (aborted) / 2 (timed out) as a wait state."""
+    return tl.where(verdict == 1, ABORTED, tl.where(verdict == 2, TIMED_OUT, ARRIVED))
+
+
 @triton.jit
 def _word_states(live, words, headers, flag, epoch, sig, FULL: tl.constexpr):
-    """Per word of the [peers, words] tile: 0 arrived (or not ours to wait for), 1 not yet, 2 a
-    foreign call's (a mismatch, never reduced).
+    """Per word of the [peers, words] tile: ARRIVED (or not ours to wait for), NOT_YET, or
+    FOREIGN (a mismatch, never reduced).
 
     Lines (L1, L3): a word has arrived when its flag is ours; a non-zero flag that is not ours is
     foreign. Full payload (F1, F2 of csrc/oneshot_full.cuh): a word has arrived when neither of
@@ -88,53 +105,47 @@ def _word_states(live, words, headers, flag, epoch, sig, FULL: tl.constexpr):
         seen = words >> 32
         foreign = (seen != 0) & (seen != flag)
         waiting = seen == 0
-    return tl.where(live, tl.where(foreign, 2, tl.where(waiting, 1, 0)), 0)
+    return tl.where(live, tl.where(foreign, FOREIGN, tl.where(waiting, NOT_YET, ARRIVED)), ARRIVED)
 
 
 @triton.jit
-def _poll_words(words_ptr, headers_ptr, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, pid,
-                FULL: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
+def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_addr, epoch, sig, timeout_ns, rank,
+                pid, FULL: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
     """(words, ok): bounded wait until every live word of the tile has arrived (_word_states); 0
-    on mismatch/timeout/abort. ``headers_ptr``: with FULL, each element's sender's header word
+    on mismatch/timeout/abort (``aborted``: this thread found the workspace aborted at the start),
+    the same in every thread. ``headers_ptr``: with FULL, each element's sender's header word
     (the same address along a peer's row), else unused.
 
-    One block-wide reduction per spin (the worst word state: arrived < not yet < foreign): each
-    reduction is a block barrier, and the first version's two per spin (waiting?, foreign?) made
-    16-warp programs notice the last arrival later."""
+    One block-wide reduction per spin (the worst state): each reduction is a block barrier, and
+    the first version's two per spin (waiting?, foreign?) made 16-warp programs notice the last
+    arrival later."""
     STAGE: tl.constexpr = STAGE_FULL_GATHER if FULL else STAGE_LOW_LATENCY_GATHER
     words = load_volatile(words_ptr, live, INTERPRET)
     headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
     states = _word_states(live, words, headers, flag, epoch, sig, FULL)
-    state = tl.max(states)
-    ok = 1
+    state = tl.max(tl.maximum(states, tl.where(aborted != 0, ABORTED, ARRIVED)))
     spins = 0
     start = now_ns(INTERPRET)
-    while (state != 0) & (ok == 1):
-        if state == 2:
-            culprit = tl.max(tl.where(states == 2, peers, -1))
-            if FULL:
-                their_sig = tl.max(tl.where((states == 2) & (peers == culprit), headers & 0xFFFFFFFF, 0))
-            else:
-                observed = tl.max(tl.where((states == 2) & (peers == culprit), words >> 32, 0))
-                their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
-            record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig)
-            ok = 0
+    while state == NOT_YET:
+        spins += 1
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        pause_ns(BACKOFF, INTERPRET)
+        words = load_volatile(words_ptr, live, INTERPRET)
+        headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
+        states = _word_states(live, words, headers, flag, epoch, sig, FULL)
+        state = tl.max(tl.maximum(states, _verdict_state(verdict)))
+    if state == FOREIGN:
+        culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
+        if FULL:
+            their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), headers & 0xFFFFFFFF, 0))
         else:
-            spins += 1
-            verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
-            if verdict == 1:
-                ok = 0
-            elif verdict == 2:
-                late = tl.max(tl.where(states == 1, peers, -1))
-                record_error(ctrl, err_addr, 1, rank, late, STAGE, pid, epoch, sig, 0)
-                ok = 0
-            else:
-                pause_ns(BACKOFF, INTERPRET)
-                words = load_volatile(words_ptr, live, INTERPRET)
-                headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
-                states = _word_states(live, words, headers, flag, epoch, sig, FULL)
-                state = tl.max(states)
-    return words, ok
+            observed = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words >> 32, 0))
+            their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+        record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig)
+    elif state == TIMED_OUT:
+        late = tl.max(tl.where(states == NOT_YET, peers, -1))
+        record_error(ctrl, err_addr, 1, rank, late, STAGE, pid, epoch, sig, 0)
+    return words, (state == ARRIVED).to(tl.int32)
 
 
 @triton.jit
@@ -194,22 +205,21 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
     q_ok = q < C
     mine = stats + (row * C + c) * C + q               # slot (row, to c, from q)
     got = load_volatile(mine, q_ok, INTERPRET)
-    waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
-    ok = 1
+    state = tl.max(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED))
     spins = 0
     start = now_ns(INTERPRET)
-    while waiting & (ok == 1):
+    while state == NOT_YET:
         spins += 1
-        ok = keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, rank, STAGE_ROW_STATS, pid, epoch, sig,
-                           INTERPRET)
-        if ok == 1:
-            pause_ns(BACKOFF, INTERPRET)
-            got = load_volatile(mine, q_ok, INTERPRET)
-            waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        pause_ns(BACKOFF, INTERPRET)
+        got = load_volatile(mine, q_ok, INTERPRET)
+        state = tl.max(tl.maximum(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED), _verdict_state(verdict)))
+    if state == TIMED_OUT:
+        record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0)
     tl.debug_barrier()  # every thread has its final copy before any slot is cleared
     store_volatile(mine, tl.zeros([BLOCK], tl.uint64), q_ok, INTERPRET)
     partials = (got & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    return tl.sum(tl.where(q_ok, partials, 0.0), axis=0), ok
+    return tl.sum(tl.where(q_ok, partials, 0.0), axis=0), (state == ARRIVED).to(tl.int32)
 
 
 @triton.jit
@@ -268,85 +278,88 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     parity = (epoch & 1).to(tl.int64)
     parity_off = parity * W * slot_stride
     done = 0
-    if aborted == 0:
-        # 1. push this program's chunk of x to every peer (the chunk it also reduces and finishes,
-        #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it);
-        #    full payload: first this program's header of this call (F2), beside the data
-        if FULL:
-            for p in tl.static_range(W):
-                if p != rank:
-                    base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                    header = base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8
-                    store_volatile(header.to(tl.pointer_type(tl.uint64)), (epoch << 32) | sig64, pid >= 0, INTERPRET)
-        if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
-            payload = _wire_word(x_lo, x_hi, flag, FULL)
+    # `aborted` is this thread's reading (begin_call): no branch on it (the program's threads must
+    # agree on every branch that holds a barrier, and layout conversions are barriers); a thread
+    # that saw it masks its stores off, and the gather's first reduction takes the program's verdict.
+    sending = aborted == 0
+    # 1. push this program's chunk of x to every peer (the chunk it also reduces and finishes,
+    #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it);
+    #    full payload: first this program's header of this call (F2), beside the data
+    if FULL:
+        for p in tl.static_range(W):
+            if p != rank:
+                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                header = base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8
+                store_volatile(header.to(tl.pointer_type(tl.uint64)), (epoch << 32) | sig64, sending, INTERPRET)
+    if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
+        payload = _wire_word(x_lo, x_hi, flag, FULL)
+        for p in tl.static_range(W):
+            if p != rank:
+                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
+                store_volatile(dst + word, payload, w_ok & sending, INTERPRET)
+    else:  # wide chunks (C = 1): PUSH words at a time bounds the registers the push needs
+        off = first
+        while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
+            k = off + tl.arange(0, PUSH)
+            m = (k < last) & sending
+            payload = _wire_word(tl.load(x_ptr + 2 * k, mask=m, other=0.0), tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0),
+                                 flag, FULL)
             for p in tl.static_range(W):
                 if p != rank:
                     base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
                     dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
-                    store_volatile(dst + word, payload, w_ok, INTERPRET)
-        else:  # wide chunks (C = 1): PUSH words at a time bounds the registers the push needs
-            off = first
-            while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
-                k = off + tl.arange(0, PUSH)
-                m = k < last
-                payload = _wire_word(tl.load(x_ptr + 2 * k, mask=m, other=0.0), tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0),
-                                     flag, FULL)
-                for p in tl.static_range(W):
-                    if p != rank:
-                        base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                        dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
-                        store_volatile(dst + k, payload, m, INTERPRET)
-                off += PUSH
+                    store_volatile(dst + k, payload, m, INTERPRET)
+            off += PUSH
 
-        # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
-        #    reduced in rank order
-        peers = tl.arange(0, WP)[:, None]
-        live = (peers < W) & (peers != rank) & w_ok[None, :]
-        addr = my_base + slots_offset + parity_off + peers.to(tl.int64) * slot_stride + word[None, :] * WORD_BYTES
-        lines = addr.to(tl.pointer_type(WORD))
-        headers = (my_base + headers_offset + ((parity * _MAX_RANKS + peers) * _MAX_FLAG_BLOCKS + pid) * 8
-                   + word[None, :] * 0).to(tl.pointer_type(tl.uint64))
-        words, ok = _poll_words(lines, headers, live, peers, flag, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
-                                FULL, BACKOFF, INTERPRET)
-        if ok == 1:
-            lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
-            hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
-            own_lo = x_lo.to(tl.float32)  # (full payload: a -0.0 of ours sums as the +0.0 peers get;
-            own_hi = x_hi.to(tl.float32)  #  a sum of W >= 2 zeros is +0.0 either way, so no conversion)
-            for r in tl.static_range(W):
-                # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
-                v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
-                v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
-                if r == 0:
-                    acc_lo = v_lo
-                    acc_hi = v_hi
-                else:
-                    acc_lo += v_lo
-                    acc_hi += v_hi
-            nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET)
-            nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET)
-            # 3. the row's sum of squares, shared by its C programs: posted first, so the residual
-            #    stores and line clears below overlap its trip to the other programs of the row
-            v_lo = nr_lo.to(tl.float32)
-            v_hi = nr_hi.to(tl.float32)
-            partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
-            stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
-            _post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
-            _store_pairs(res_out_ptr, word, nr_lo, nr_hi, w_ok, PAIRED)
-            tl.debug_barrier()  # every thread has read its words before any is cleared
-            if FULL:
-                store_volatile(lines, tl.full(words.shape, _POISON, tl.uint32), live, INTERPRET)  # F1: re-poisoned
+    # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
+    #    reduced in rank order
+    peers = tl.arange(0, WP)[:, None]
+    live = (peers < W) & (peers != rank) & w_ok[None, :]
+    addr = my_base + slots_offset + parity_off + peers.to(tl.int64) * slot_stride + word[None, :] * WORD_BYTES
+    lines = addr.to(tl.pointer_type(WORD))
+    headers = (my_base + headers_offset + ((parity * _MAX_RANKS + peers) * _MAX_FLAG_BLOCKS + pid) * 8
+               + word[None, :] * 0).to(tl.pointer_type(tl.uint64))
+    words, ok = _poll_words(lines, headers, live, peers, flag, aborted, ctrl, err_addr, epoch, sig64, timeout_ns,
+                            rank, pid, FULL, BACKOFF, INTERPRET)
+    if ok == 1:
+        lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+        hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+        own_lo = x_lo.to(tl.float32)  # (full payload: a -0.0 of ours sums as the +0.0 peers get;
+        own_hi = x_hi.to(tl.float32)  #  a sum of W >= 2 zeros is +0.0 either way, so no conversion)
+        for r in tl.static_range(W):
+            # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
+            v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
+            v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
+            if r == 0:
+                acc_lo = v_lo
+                acc_hi = v_hi
             else:
-                store_volatile(lines, tl.zeros_like(words), live, INTERPRET)  # L2: cleared
-            sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid,
-                                            C, BLOCK_W, BACKOFF, INTERPRET)
-            # 4. normalise
-            if ok == 1:
-                rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
-                _store_pairs(normed_ptr, word, round_to(v_lo * rstd * w_lo, DT, INTERPRET),
-                             round_to(v_hi * rstd * w_hi, DT, INTERPRET), w_ok, PAIRED)
-                done = 1
+                acc_lo += v_lo
+                acc_hi += v_hi
+        nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET)
+        nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET)
+        # 3. the row's sum of squares, shared by its C programs: posted first, so the residual
+        #    stores and line clears below overlap its trip to the other programs of the row
+        v_lo = nr_lo.to(tl.float32)
+        v_hi = nr_hi.to(tl.float32)
+        partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
+        stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
+        _post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
+        _store_pairs(res_out_ptr, word, nr_lo, nr_hi, w_ok, PAIRED)
+        tl.debug_barrier()  # every thread has read its words before any is cleared
+        if FULL:
+            store_volatile(lines, tl.full(words.shape, _POISON, tl.uint32), live, INTERPRET)  # F1: re-poisoned
+        else:
+            store_volatile(lines, tl.zeros_like(words), live, INTERPRET)  # L2: cleared
+        sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid,
+                                        C, BLOCK_W, BACKOFF, INTERPRET)
+        # 4. normalise
+        if ok == 1:
+            rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
+            _store_pairs(normed_ptr, word, round_to(v_lo * rstd * w_lo, DT, INTERPRET),
+                         round_to(v_hi * rstd * w_hi, DT, INTERPRET), w_ok, PAIRED)
+            done = 1
     if done == 0:
         # Gave up (timeout, mismatch, abort): NaN in this program's words of both outputs, never
         # data that could pass for a result (invariant 5 of csrc/protocol.cuh); only this

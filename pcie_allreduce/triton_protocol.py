@@ -225,8 +225,29 @@ def next_epoch(epoch):
 
 
 @triton.jit
+def block_any(flag, INTERPRET: tl.constexpr):
+    """1 in every thread of the program if ``flag`` (an integer scalar) is non-zero in any of its
+    threads, else 0: one ``bar.red.or`` (CUDA's __syncthreads_or), so call it where every thread
+    of the program gets to.
+
+    A scalar a kernel loads or computes is a value per thread: the abort flag can be raised by
+    another program between two threads' reads, a timer expire for one thread and not the next.
+    A branch that holds a barrier (a reduction, tl.debug_barrier) must be taken by every thread of
+    the program or by none, so such a branch tests a value made uniform here."""
+    if INTERPRET:
+        any_set = (flag != 0).to(tl.int32)
+    else:
+        any_set = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $1, 0; bar.red.or.pred p, 0, p; selp.s32 $0, 1, 0, p; }",
+            "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    return any_set
+
+
+@triton.jit
 def begin_call(ctrl, pid):
-    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh)."""
+    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh),
+    and whether THIS THREAD found the workspace aborted (see :func:`block_any` before branching
+    around a barrier on it)."""
     epoch = next_epoch(tl.load(ctrl + pid, cache_modifier=".cg").to(tl.uint64) & 0xFFFFFFFF)
     aborted = tl.load(ctrl + _ABORT, cache_modifier=".cg")
     return epoch, aborted
