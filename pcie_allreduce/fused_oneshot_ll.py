@@ -286,11 +286,15 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it);
     #    full payload: first this program's header of this call (F2), beside the data
     if FULL:
+        # One store per peer, from the thread holding word 0: a scalar store would be issued by
+        # every thread (a transaction per warp and peer on the link, 32x the header's bytes).
+        only_first = (j == 0) & sending
+        header_word = tl.zeros([BLOCK_W], tl.uint64) + ((epoch << 32) | sig64)
         for p in tl.static_range(W):
             if p != rank:
                 base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                header = base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8
-                store_volatile(header.to(tl.pointer_type(tl.uint64)), (epoch << 32) | sig64, sending, INTERPRET)
+                header = base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8 + j * 0
+                store_volatile(header.to(tl.pointer_type(tl.uint64)), header_word, only_first, INTERPRET)
     if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
         payload = _wire_word(x_lo, x_hi, flag, FULL)
         for p in tl.static_range(W):
