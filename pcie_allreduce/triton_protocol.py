@@ -49,11 +49,17 @@ def load_acquire(ptr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def store_release(ptr, value, INTERPRET: tl.constexpr):
+    """st.release.sys of a scalar flag, by thread 0 of the program only. Called after a
+    tl.debug_barrier, that one release covers the stores every thread made before the barrier
+    (invariant 2 of csrc/protocol.cuh, as the CUDA kernels do it); a scalar store from inline asm
+    would otherwise be issued by every thread: a system-scope release per thread and flag."""
     if INTERPRET:
         tl.store(ptr, value)
     else:
-        tl.inline_asm_elementwise("st.release.sys.global.u64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, value],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p st.release.sys.global.u64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
