@@ -49,37 +49,54 @@ def load_acquire(ptr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def store_release(ptr, value, INTERPRET: tl.constexpr):
+    """st.release.sys of a scalar flag, by thread 0 of the program only. Called after a
+    tl.debug_barrier, that one release covers the stores every thread made before the barrier
+    (invariant 2 of csrc/protocol.cuh, as the CUDA kernels do it); a scalar store from inline asm
+    would otherwise be issued by every thread: a system-scope release per thread and flag."""
     if INTERPRET:
         tl.store(ptr, value)
     else:
-        tl.inline_asm_elementwise("st.release.sys.global.u64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, value],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p st.release.sys.global.u64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def load_volatile_u64(ptr, mask, INTERPRET: tl.constexpr):
-    """Masked ld.volatile.global.u64 (0 where masked off). Inline asm with side effects, so the
-    compiler can neither hoist a poll out of its loop nor re-load (rematerialise) a value after
-    the line was cleared; tl.load(volatile=True) does not promise either."""
+def load_volatile(ptr, mask, INTERPRET: tl.constexpr):
+    """Masked ld.volatile.global of the pointer's word (u64 or u32; 0 where masked off). Inline
+    asm with side effects, so the compiler can neither hoist a poll out of its loop nor re-load
+    (rematerialise) a value after the word was cleared or re-poisoned; tl.load(volatile=True)
+    does not promise either."""
     if INTERPRET:
         value = tl.load(ptr, mask=mask, other=0, volatile=True)
-    else:
+    elif ptr.dtype.element_ty == tl.uint64:
         value = tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.volatile.global.u64 $0, [$1]; }",
             "=l,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint64, is_pure=False, pack=1)
+    else:
+        tl.static_assert(ptr.dtype.element_ty == tl.uint32, "load_volatile: u64 or u32 words")
+        value = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [$1]; }",
+            "=r,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint32, is_pure=False, pack=1)
     return value
 
 
 @triton.jit
-def store_volatile_u64(ptr, value, mask, INTERPRET: tl.constexpr):
-    """Masked st.volatile.global.u64: one 8-byte store per element, never torn, merged or delayed
-    behind a spin (the CUDA kernels' store_line)."""
+def store_volatile(ptr, value, mask, INTERPRET: tl.constexpr):
+    """Masked st.volatile.global of the pointer's word (u64 or u32): one store per element, never
+    torn, merged or delayed behind a spin (the CUDA kernels' store_line)."""
     if INTERPRET:
         tl.store(ptr, value, mask=mask)
-    else:
+    elif ptr.dtype.element_ty == tl.uint64:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u64 [$1], $2; mov.u32 $0, 0; }",
             "=r,l,l,r", [ptr, value.to(tl.uint64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.static_assert(ptr.dtype.element_ty == tl.uint32, "store_volatile: u64 or u32 words")
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [ptr, value.to(tl.uint32), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -214,8 +231,29 @@ def next_epoch(epoch):
 
 
 @triton.jit
+def block_any(flag, INTERPRET: tl.constexpr):
+    """1 in every thread of the program if ``flag`` (an integer scalar) is non-zero in any of its
+    threads, else 0: one ``bar.red.or`` (CUDA's __syncthreads_or), so call it where every thread
+    of the program gets to.
+
+    A scalar a kernel loads or computes is a value per thread: the abort flag can be raised by
+    another program between two threads' reads, a timer expire for one thread and not the next.
+    A branch that holds a barrier (a reduction, tl.debug_barrier) must be taken by every thread of
+    the program or by none, so such a branch tests a value made uniform here."""
+    if INTERPRET:
+        any_set = (flag != 0).to(tl.int32)
+    else:
+        any_set = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $1, 0; bar.red.or.pred p, 0, p; selp.s32 $0, 1, 0, p; }",
+            "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    return any_set
+
+
+@triton.jit
 def begin_call(ctrl, pid):
-    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh)."""
+    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh),
+    and whether THIS THREAD found the workspace aborted (see :func:`block_any` before branching
+    around a barrier on it)."""
     epoch = next_epoch(tl.load(ctrl + pid, cache_modifier=".cg").to(tl.uint64) & 0xFFFFFFFF)
     aborted = tl.load(ctrl + _ABORT, cache_modifier=".cg")
     return epoch, aborted
