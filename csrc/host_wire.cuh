@@ -264,8 +264,11 @@ __device__ __forceinline__ void write_once_call(const KernelArgs& a, bool writes
   const uint32_t state = __ldcg(&ctl->shared_state[blockIdx.x]);
   const uint32_t buffer = state & 3u;
   const bool done = __syncthreads_and(!aborted && exchange(buffer, epoch)) != 0;  // the block's verdict (begin_call)
-  if (done) repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
-  if (!done) fill_output_with_nan<T>(a);
+  if (done) {
+    repoison_previous(a, (buffer + kSharedBuffers - 1) % kSharedBuffers, state);
+  } else {
+    fill_output_with_nan<T>(a);
+  }
   advance_shared_state(ctl, shared_state_word(a.nbytes, (buffer + 1) % kSharedBuffers, writes_result));
   end_call(a, epoch);
 }
