@@ -141,10 +141,10 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
         else:
             observed = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words >> 32, 0))
             their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
-        record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig)
+        record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig, INTERPRET)
     elif state == TIMED_OUT:
         late = tl.max(tl.where(states == NOT_YET, peers, -1))
-        record_error(ctrl, err_addr, 1, rank, late, STAGE, pid, epoch, sig, 0)
+        record_error(ctrl, err_addr, 1, rank, late, STAGE, pid, epoch, sig, 0, INTERPRET)
     return words, (state == ARRIVED).to(tl.int32)
 
 
@@ -215,7 +215,7 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
         got = load_volatile(mine, q_ok, INTERPRET)
         state = tl.max(tl.maximum(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED), _verdict_state(verdict)))
     if state == TIMED_OUT:
-        record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0)
+        record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0, INTERPRET)
     tl.debug_barrier()  # every thread has its final copy before any slot is cleared
     store_volatile(mine, tl.zeros([BLOCK], tl.uint64), q_ok, INTERPRET)
     partials = (got & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)

@@ -168,21 +168,52 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, observed):
-    """Raise the abort flag; the first failure fills the host-mapped record (kind written last)."""
-    tl.atomic_xchg(ctrl + _ABORT, 1)
-    claim = tl.atomic_cas(ctrl + _CLAIM, 0, 1)
-    if claim == 0:
-        # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits.
-        err = err_addr.to(tl.pointer_type(tl.int32))
-        tl.store(err + 1, rank)
-        tl.store(err + 2, peer)
-        tl.store(err + 3, stage)
-        tl.store(err + 4, pid)
-        tl.store(err + 5, epoch)
-        tl.store(err + 6, sig)
-        tl.store(err + 7, observed)
-        tl.store(err, kind)
+def _low_word(value):
+    """The low 32 bits of an integer (scalar tensor or constexpr) as an int32 operand."""
+    wide = tl.zeros((), tl.int64) + value
+    return (wide & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, observed, INTERPRET: tl.constexpr):
+    """Raise the abort flag; the first failure fills the host-mapped record (kind written last).
+
+    On the GPU every calling thread does this itself, in inline PTX: a bounded spin times out per
+    thread, so callers reach here in divergent code. Triton makes a scalar atomic whose result is
+    used a single-thread operation broadcast through shared memory behind a bar.sync, and a
+    barrier that only some threads of the program reach is undefined (with a block_any's bar.red
+    pending elsewhere in the program it is an illegal instruction). Here each thread exchanges the
+    abort word and races for the claim word; the one thread in the GPU that wins writes the record
+    (csrc/protocol.cuh's record_error, fences included)."""
+    if INTERPRET:
+        tl.atomic_xchg(ctrl + _ABORT, 1)
+        claim = tl.atomic_cas(ctrl + _CLAIM, 0, 1)
+        if claim == 0:
+            # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits.
+            err = err_addr.to(tl.pointer_type(tl.int32))
+            tl.store(err + 1, rank)
+            tl.store(err + 2, peer)
+            tl.store(err + 3, stage)
+            tl.store(err + 4, pid)
+            tl.store(err + 5, epoch)
+            tl.store(err + 6, sig)
+            tl.store(err + 7, observed)
+            tl.store(err, kind)
+    else:
+        err = err_addr.to(tl.pointer_type(tl.uint32))  # operands broadcast together: ctrl's pointer type
+        tl.inline_asm_elementwise(
+            "{ .reg .pred won; .reg .u32 c; "
+            "atom.global.exch.b32 c, [$1], 1; "
+            "atom.global.cas.b32 c, [$2], 0, 1; setp.eq.u32 won, c, 0; "
+            "@won st.volatile.global.u32 [$3+4], $5; @won st.volatile.global.u32 [$3+8], $6; "
+            "@won st.volatile.global.u32 [$3+12], $7; @won st.volatile.global.u32 [$3+16], $8; "
+            "@won st.volatile.global.u32 [$3+20], $9; @won st.volatile.global.u32 [$3+24], $10; "
+            "@won st.volatile.global.u32 [$3+28], $11; @won membar.sys; "
+            "@won st.volatile.global.u32 [$3], $4; @won membar.sys; mov.u32 $0, 0; }",
+            "=r,l,l,l,r,r,r,r,r,r,r,r",
+            [ctrl + _ABORT, ctrl + _CLAIM, err, _low_word(kind), _low_word(rank), _low_word(peer), _low_word(stage),
+             _low_word(pid), _low_word(epoch), _low_word(sig), _low_word(observed)],
+            dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -213,7 +244,7 @@ def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.const
     if ok == 1:
         observed = word & 0xFFFFFFFF
         if (seen == epoch) & (observed != sig):
-            record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed)
+            record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed, INTERPRET)
             ok = 0
     return ok
 
@@ -295,7 +326,7 @@ def keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, peer, stage, p
     peer after a reduction calls :func:`spin_verdict` and records the timeout itself.)"""
     verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
     if verdict == 2:
-        record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
+        record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0, INTERPRET)
     return (verdict == 0).to(tl.int32)
 
 
