@@ -75,8 +75,8 @@ def test_fused_algo(tokens, hidden, world, ll_capacity, block_cap, interpret, ex
 
 
 @pytest.mark.parametrize("tokens, world, expected", [
-    (1, 8, "oneshot_ll"),     # 14 KiB at W = 8: the lines
-    (4, 8, "oneshot_full"),   # 56 KiB, the verify pass: the same kernel at full payload
+    (1, 8, "oneshot_full"),   # 14 KiB at W = 8: full payload (the lines end at 4 KiB)
+    (4, 8, "oneshot_full"),   # 56 KiB, the verify pass
     (1, 2, "oneshot_full"),
     (4, 2, "oneshot_full"),
     (32, 8, "oneshot"),       # 448 KiB: beyond the data-as-flag band
