@@ -9,6 +9,9 @@ repetitions on each rank, then the slowest rank. It runs whatever ``pcie_allredu
 imported, so two builds side by side (``cd`` into each checkout) give an A/B in one run.
 
     python -m bench.graph_loop --world 2 4 8 --sizes 1K 14K 56K 448K --algos oneshot_ll oneshot_full
+
+``--transport host`` puts the workspaces in pinned host memory (the push algorithms and the
+host transport's own), so the data crosses each GPU's PCIe link to host memory.
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ def _time_algo(comm, x, out, algo: str, group) -> float:
     return best
 
 
-def _rank(ctx, sizes: list[int], algos: list[str]) -> list[tuple[str, int, float]]:
+def _rank(ctx, sizes: list[int], algos: list[str], transport: str) -> list[tuple[str, int, float]]:
     import torch
 
     from pcie_allreduce import Communicator
 
     rows = []
-    with Communicator(ctx.group, ctx.device) as comm:
+    with Communicator(ctx.group, ctx.device, transport=transport) as comm:
         for algo in algos:
             for nbytes in sizes:
                 x = torch.randn(nbytes // 2, device=ctx.device, dtype=torch.bfloat16)
@@ -72,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8], metavar="W")
     parser.add_argument("--sizes", type=parse_size, nargs="+", default=[1024, 14336, 57344, 458752], metavar="SIZE")
     parser.add_argument("--algos", nargs="+", default=["oneshot_ll", "oneshot_full", "auto"], metavar="ALGO")
+    parser.add_argument("--transport", choices=("auto", "p2p", "host"), default="auto",
+                        help="where the workspaces live (default auto: P2P where every pair passes a transfer test)")
     args = parser.parse_args(argv)
 
     from pcie_allreduce import ranks
@@ -81,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m bench.graph_loop: {reason}", file=sys.stderr)
         return 3
     print(f"{'W':>2} {'algo':<22} {'size':>10} {'us':>8}   (bf16; {CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
-          f"replays, best of {REPETITIONS}, slowest rank)")
+          f"replays, best of {REPETITIONS}, slowest rank; transport {args.transport})")
     for world in args.world:
-        per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, timeout_s=600)
+        per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, args.transport, timeout_s=600)
         for i, (label, nbytes, _) in enumerate(per_rank[0]):
             slowest = max(rows[i][2] for rows in per_rank)
             print(f"{world:>2} {label:<22} {nbytes:>10} {slowest:8.2f}", flush=True)

@@ -290,11 +290,11 @@ class Schedule:
         """The fused kernels that can take ``[tokens, hidden]`` of ``dtype``."""
         algos = ["oneshot", "twoshot"]
         if self._ll_fused_fits(tokens, hidden) and tokens * hidden * DTYPE_SIZES[dtype] <= self.params.ll_capacity:
-            algos.append("oneshot_ll")
+            algos += ["oneshot_ll", "oneshot_full"]
         return algos
 
     def _ll_fused_fits(self, tokens: int, hidden: int) -> bool:
-        """Whether the fused low-latency kernel has a launch shape for the call (its module's rule)."""
+        """Whether the fused data-as-flag kernels have a launch shape for the call (their module's rule)."""
         key = (tokens, hidden)
         hit = self._fused_ll_ok.get(key)
         if hit is None:

@@ -179,7 +179,10 @@ static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const 
 }
 
 // Every rank's unit i into `got`, in rank order: ours from our input as it travels (H1), each
-// peer's polled at `where(p) + i` until it arrived (all first loads in flight at once). `where`
+// peer's polled at `where(p) + i` until it arrived. Every spin re-issues the loads of ALL peers
+// still pending before testing any (as oneshot_ll's gather_lines does): waiting for the peers
+// one by one would cost one more round trip per peer whose first load came too early, W - 2 at
+// worst, where a round trip is an L2 access on one GPU and a PCIe read on the host transport. `where`
 // computes a peer's area from the kernel's parameters each time it is asked: an array of W
 // pointers held across the loop would cost 2W registers, and the 16-byte gather of 8 ranks
 // already needs 32 for the units in flight (the kernels are capped at 128 by their 512 threads).
@@ -190,17 +193,25 @@ template <typename T, typename Unit, typename Where>
 __device__ __forceinline__ bool gather_unit(const KernelArgs& a, int world, Where where, const Unit* in, uint64_t i,
                                             uint32_t epoch, Stage stage, uint32_t& spins, uint64_t& started,
                                             Pack<T, Unit>* got) {
+  uint32_t pending = ((1u << world) - 1u) & ~(1u << a.rank);
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
     if (p < world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(where(p) + i);
   }
+  for (;;) {
 #pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) {
-    if (p < world && p != a.rank && !await_unit<T, Unit>(a, where(p) + i, got[p].unit, p, epoch, stage, spins, started)) {
-      return false;
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < world && (pending & (1u << p)) && has_arrived<T, Unit>(got[p].unit)) pending &= ~(1u << p);
+    }
+    if (pending == 0u) return true;
+    const SpinVerdict verdict = spin_verdict(a, ++spins, started);
+    if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, __ffs(pending) - 1, stage, epoch, 0);
+    if (verdict != SpinVerdict::kSpin) return false;
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < world && (pending & (1u << p))) got[p].unit = load_wire(where(p) + i);
     }
   }
-  return true;
 }
 
 // Threads 0..W-1 each wait for one peer's header; the others go on (callers join with

@@ -233,13 +233,17 @@ def default_table(transport: str = "p2p") -> AlgoTable:
     One-shot moves (W-1) x the message per rank but needs one exchange; two-shot moves 2(W-1)/W
     but needs two. Small blocks-per-byte ratios win for small messages (more blocks in flight).
     ``oneshot_ll`` sends twice the bytes of ``oneshot_full``. On one GPU, where bytes are free,
-    it ran at 14-56 KiB as fast as ``oneshot_full`` at W = 2 (within 0.1 us), 0.2-0.3 us faster
-    at W = 4 and 1.7-1.9 us faster at W = 8. Over a PCIe link its extra (W - 1) N bytes cost
-    (W - 1) N / ~53 GB/s, which passes those margins from about 3 KiB at W = 2, 8 KiB at W = 4
-    and 14 KiB at W = 8: so the lines serve up to 4 KiB at W = 2, 8 KiB at W = 3-4 and 16 KiB at
-    W = 5-8, and ``oneshot_full`` (half the bytes) the rest up to 64 KiB. At W = 8, 56 KiB that
-    is 392 KiB per rank instead of 784. A model from one-GPU timings and the links' published
-    rate, not a measurement over P2P PCIe; ``tune`` measures the crossovers where it runs.
+    the lines were faster only at the smallest sizes (1 KiB: by ~0.1 us at W = 2 and 4, ~0.9 us
+    at W = 8); from 14 KiB ``oneshot_full`` was as fast or faster at every W. Over a PCIe link the
+    lines' extra (W - 1) N bytes cost (W - 1) N / ~53 GB/s, 0.08 us at W = 2 and 0.5 us at W = 8
+    for 4 KiB: so the lines serve up to 4 KiB, and ``oneshot_full`` (half the bytes) from there.
+    At W = 8, 56 KiB that is 392 KiB per rank instead of 784. Both one-shots put the same bytes on
+    the wire, so where ``oneshot_full`` ends and the flag-based ``oneshot`` begins follows the
+    one-GPU timings: ``oneshot_full`` was faster up to its capacity (512 KiB) at W = 2-4 (448 KiB:
+    4.1 / 6.8 us against 6.0 / 9.6) and at W = 8 up to ~200 KiB (56 KiB: 7.3 against 9.9 us;
+    448 KiB: 23.6 against 20.6). The lines-versus-payload crossover is a model from one-GPU
+    timings and the links' published rate, not a measurement over P2P PCIe; ``tune`` measures the
+    crossovers where it runs.
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
     Host transport: the write-once algorithms. Per rank over its own PCIe link the one-shot reads
@@ -264,10 +268,9 @@ def default_table(transport: str = "p2p") -> AlgoTable:
     small = (2, 3, 4)
     large = (5, 6, 7, 8)
     return AlgoTable((
-        Rule("oneshot_ll", max_bytes=4 << 10, world=(2,), bytes_per_block=4 << 10, max_blocks=32),
-        Rule("oneshot_ll", max_bytes=8 << 10, world=(3, 4), bytes_per_block=4 << 10, max_blocks=32),
-        Rule("oneshot_ll", max_bytes=16 << 10, world=large, bytes_per_block=4 << 10, max_blocks=32),
-        Rule("oneshot_full", max_bytes=64 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("oneshot_ll", max_bytes=4 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("oneshot_full", max_bytes=512 << 10, world=small, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("oneshot_full", max_bytes=192 << 10, world=large, bytes_per_block=4 << 10, max_blocks=32),
         Rule("oneshot", max_bytes=1 << 20, world=small, bytes_per_block=4 << 10, max_blocks=32),
         Rule("oneshot", max_bytes=512 << 10, world=large, bytes_per_block=2 << 10, max_blocks=16),
         Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),

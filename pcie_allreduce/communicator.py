@@ -213,9 +213,10 @@ class Communicator:
         dtype or fp32). Returns ``(normed, new_residual)``; ``out=x`` / ``residual_out=residual``
         work in place. ``new_residual`` is bitwise equal to ``residual + self.all_reduce(x)`` and
         identical on every rank (``normed`` too; its last bit may depend on which fused kernel
-        ran). One Triton launch: the low-latency one-shot where the plain table picks
-        ``oneshot_ll`` for this size, the flag-based one-shot for other small sizes, the
-        token-split two-shot where it picks two-shot (:meth:`select_fused_algo`).
+        ran). One Triton launch: the data-as-flag one-shot in the plain table's wire format where
+        it picks ``oneshot_ll`` or ``oneshot_full`` for this size, the flag-based one-shot for
+        other small sizes, the token-split two-shot where it picks two-shot
+        (:meth:`select_fused_algo`).
         """
         from pcie_allreduce import fused_rmsnorm
 

@@ -52,11 +52,11 @@ def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
                ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False) -> str:
     """The fused all-reduce + residual + RMSNorm kernel for ``[tokens, hidden]`` of ``dtype``,
     following the plain choice for the same message size: the token-split two-shot where that
-    picks two-shot and there is at least one token per rank; the low-latency one-shot where it
-    picks a data-as-flag one-shot (``oneshot_ll``, or ``oneshot_full``, which has no fused
-    kernel of its own yet) and that kernel has a launch shape for the call within ``block_cap``
-    (``interpret``: under Triton's CPU interpreter, which runs one chunk per row); else the
-    flag-based one-shot. The launch shapes themselves belong to the kernels' modules."""
+    picks two-shot and there is at least one token per rank; the same data-as-flag one-shot
+    (``oneshot_ll`` or ``oneshot_full``, one launch shape for both) where it picks one and that
+    kernel has a launch shape for the call within ``block_cap`` (``interpret``: under Triton's
+    CPU interpreter, which runs one chunk per row); else the flag-based one-shot. The launch
+    shapes themselves belong to the kernels' modules."""
     nbytes = tokens * hidden * dtype.itemsize
     plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap).algo
     if plain == "twoshot" and tokens >= world:
@@ -65,7 +65,7 @@ def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         from pcie_allreduce import fused_oneshot_ll  # Triton: imported on the first fused call only
 
         if fused_oneshot_ll.launch_shape(tokens, hidden, world, block_cap, interpret) is not None:
-            return "oneshot_ll"
+            return plain
     return "oneshot"
 
 

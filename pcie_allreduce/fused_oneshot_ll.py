@@ -1,11 +1,17 @@
-"""Fused all-reduce + residual add + RMSNorm over data-as-flag lines, for small messages.
+"""Fused all-reduce + residual add + RMSNorm with the data as its own flag, for small messages:
+over lines (``oneshot_ll``) or at full payload (``oneshot_full``, half the bytes on the wire).
 
-Same wire format and invariants as csrc/oneshot_ll.cuh (L1-L5 there): the message travels as
-8-byte words {4 payload bytes, 32-bit flag}; a word has arrived when its flag equals
+Lines: the wire format and invariants of csrc/oneshot_ll.cuh (L1-L5 there): the message travels
+as 8-byte words {4 payload bytes, 32-bit flag}; a word has arrived when its flag equals
 ``line_flag(epoch, signature)``; the receiver clears every word it consumed; a non-zero flag
-that is not ours means a peer issued a different call (mismatch, never reduced). So fused and
-plain low-latency calls interleave on one workspace. No fence and no flag round trip: this is
-what makes the fused call cost about as much as the plain all-reduce.
+that is not ours means a peer issued a different call (mismatch, never reduced).
+Full payload: the slots, headers and invariants of csrc/oneshot_full.cuh (F1-F2): 4-byte words of
+two elements, -0.0 sent as +0.0 so that no 16-bit lane is ever the poison pattern 0x8000; a word
+has arrived when no lane is poison and its sender's header for this program carries this epoch
+(a header of this epoch with another signature is a mismatch); the receiver re-poisons every
+word it consumed. Either way fused and plain calls of the same format interleave on one
+workspace, and there is no fence and no flag round trip: the fused call costs about what the
+plain all-reduce costs.
 
 Grid: T rows x C column chunks, one program each.
  1. Push: every program pushes its own chunk to every peer (chunks are near-equal, so all
@@ -38,13 +44,17 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce import constants
-from pcie_allreduce.constants import MAX_RANKS, ROW_STATS_SLOTS
-from pcie_allreduce.layout import WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, keep_spinning, line_flag, load_volatile_u64, now_ns,
+from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
+from pcie_allreduce.layout import Layout, WorkspaceView
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, line_flag, load_volatile, now_ns,
                                             pause_ns, pick_base, record_error, round_to, spin_verdict,
-                                            store_volatile_u64)
+                                            store_volatile)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
+STAGE_FULL_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_FULL_GATHER)
+_MAX_RANKS: tl.constexpr = tl.constexpr(MAX_RANKS)
+_MAX_FLAG_BLOCKS: tl.constexpr = tl.constexpr(constants.MAX_FLAG_BLOCKS)
+_POISON: tl.constexpr = tl.constexpr(constants.POISON_WORD)
 STAGE_ROW_STATS: tl.constexpr = tl.constexpr(constants.STAGE_FUSED_ROW_STATS)
 MAX_PROGRAMS = constants.MAX_LAUNCH_BLOCKS  # the CUDA kernels' cap
 MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
@@ -60,49 +70,82 @@ MEDIUM_COLUMNS = 1024
 MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
 
 
-@triton.jit
-def _line_state(live, seen, flag):
-    """Per word: 0 arrived (or not ours to wait for), 1 not written yet, 2 a foreign flag (L3)."""
-    return tl.where(live & (seen != flag), tl.where(seen == 0, 1, 2), 0)
+# The worst state a program's wait has seen, ordered so that a block-wide max decides: its words
+# arrived < not yet < the workspace aborted < this wait timed out < a foreign call's word. The
+# verdicts of this thread's spin (abort flag, timer) ride in the same reduction as the words, so
+# every thread of the program leaves the wait in the same spin, whatever each one read.
+ARRIVED: tl.constexpr = tl.constexpr(0)
+NOT_YET: tl.constexpr = tl.constexpr(1)
+ABORTED: tl.constexpr = tl.constexpr(2)
+TIMED_OUT: tl.constexpr = tl.constexpr(3)
+FOREIGN: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
-def _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, pid,
-                BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
-    """(words, ok): bounded wait until every live word carries our flag; 0 on mismatch/timeout/abort.
+def _verdict_state(verdict):
+    """spin_verdict's 0 / 1 (aborted) / 2 (timed out) as a wait state."""
+    return tl.where(verdict == 1, ABORTED, tl.where(verdict == 2, TIMED_OUT, ARRIVED))
 
-    One block-wide reduction per spin (the worst word state: arrived < not yet < foreign): each
-    reduction is a block barrier, and the first version's two per spin (waiting?, foreign?) made
-    16-warp programs notice the last arrival later."""
-    words = load_volatile_u64(lines, live, INTERPRET)
-    seen = words >> 32
-    state = tl.max(_line_state(live, seen, flag))
-    ok = 1
+
+@triton.jit
+def _word_states(live, words, headers, flag, epoch, sig, FULL: tl.constexpr):
+    """Per word of the [peers, words] tile: ARRIVED (or not ours to wait for), NOT_YET, or
+    FOREIGN (a mismatch, never reduced).
+
+    Lines (L1, L3): a word has arrived when its flag is ours; a non-zero flag that is not ours is
+    foreign. Full payload (F1, F2 of csrc/oneshot_full.cuh): a word has arrived when neither of
+    its 16-bit lanes is the poison pattern AND its sender's header of this program carries this
+    epoch; a header of this epoch with another signature is foreign."""
+    if FULL:
+        poisoned = ((words & 0xFFFF) == 0x8000) | ((words >> 16) == 0x8000)
+        header_epoch = headers >> 32
+        foreign = (header_epoch == epoch) & ((headers & 0xFFFFFFFF) != sig)
+        waiting = poisoned | (header_epoch != epoch)
+    else:
+        seen = words >> 32
+        foreign = (seen != 0) & (seen != flag)
+        waiting = seen == 0
+    return tl.where(live, tl.where(foreign, FOREIGN, tl.where(waiting, NOT_YET, ARRIVED)), ARRIVED)
+
+
+@triton.jit
+def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_addr, epoch, sig, timeout_ns, rank,
+                pid, FULL: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
+    """(words, ok): bounded wait until every live word of the tile has arrived (_word_states); 0
+    on mismatch/timeout/abort (``aborted``: this thread found the workspace aborted at the start),
+    the same in every thread. ``headers_ptr``: with FULL, each element's sender's header word
+    (the same address along a peer's row), else unused.
+
+    One block-wide reduction per spin (the worst state): each reduction is a block barrier, and
+    the first version's two per spin (waiting?, foreign?) made 16-warp programs notice the last
+    arrival later."""
+    STAGE: tl.constexpr = STAGE_FULL_GATHER if FULL else STAGE_LOW_LATENCY_GATHER
+    words = load_volatile(words_ptr, live, INTERPRET)
+    headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
+    states = _word_states(live, words, headers, flag, epoch, sig, FULL)
+    state = tl.max(tl.maximum(states, tl.where(aborted != 0, ABORTED, ARRIVED)))
     spins = 0
     start = now_ns(INTERPRET)
-    while (state != 0) & (ok == 1):
-        if state == 2:
-            foreign = live & (seen != 0) & (seen != flag)
-            culprit = tl.max(tl.where(foreign, peers, -1))
-            observed = tl.max(tl.where(foreign & (peers == culprit), seen, 0))
-            their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
-            record_error(ctrl, err_addr, 2, rank, culprit, STAGE_LOW_LATENCY_GATHER, pid, epoch, sig, their_sig)
-            ok = 0
+    while state == NOT_YET:
+        spins += 1
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        pause_ns(BACKOFF, INTERPRET)
+        words = load_volatile(words_ptr, live, INTERPRET)
+        headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
+        states = _word_states(live, words, headers, flag, epoch, sig, FULL)
+        state = tl.max(tl.maximum(states, _verdict_state(verdict)))
+    if state == FOREIGN:
+        culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
+        if FULL:
+            their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), headers & 0xFFFFFFFF, 0))
         else:
-            spins += 1
-            verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
-            if verdict == 1:
-                ok = 0
-            elif verdict == 2:
-                late = tl.max(tl.where(live & (seen != flag), peers, -1))
-                record_error(ctrl, err_addr, 1, rank, late, STAGE_LOW_LATENCY_GATHER, pid, epoch, sig, 0)
-                ok = 0
-            else:
-                pause_ns(BACKOFF, INTERPRET)
-                words = load_volatile_u64(lines, live, INTERPRET)
-                seen = words >> 32
-                state = tl.max(_line_state(live, seen, flag))
-    return words, ok
+            observed = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words >> 32, 0))
+            their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+        record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig, INTERPRET)
+    elif state == TIMED_OUT:
+        late = tl.max(tl.where(states == NOT_YET, peers, -1))
+        record_error(ctrl, err_addr, 1, rank, late, STAGE, pid, epoch, sig, 0, INTERPRET)
+    return words, (state == ARRIVED).to(tl.int32)
 
 
 @triton.jit
@@ -143,7 +186,7 @@ def _post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.
     """Send this chunk's sum of squares to the C programs of its row (slot (row, to q, from c))."""
     word = (_stats_tag(epoch) << 32) | partial.to(tl.uint32, bitcast=True).to(tl.uint64)
     q = tl.arange(0, BLOCK)
-    store_volatile_u64(stats + (row * C + q) * C + c, tl.zeros([BLOCK], tl.uint64) + word, q < C, INTERPRET)
+    store_volatile(stats + (row * C + q) * C + c, tl.zeros([BLOCK], tl.uint64) + word, q < C, INTERPRET)
 
 
 @triton.jit
@@ -161,35 +204,54 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
     q = tl.arange(0, BLOCK)
     q_ok = q < C
     mine = stats + (row * C + c) * C + q               # slot (row, to c, from q)
-    got = load_volatile_u64(mine, q_ok, INTERPRET)
-    waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
-    ok = 1
+    got = load_volatile(mine, q_ok, INTERPRET)
+    state = tl.max(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED))
     spins = 0
     start = now_ns(INTERPRET)
-    while waiting & (ok == 1):
+    while state == NOT_YET:
         spins += 1
-        ok = keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, rank, STAGE_ROW_STATS, pid, epoch, sig,
-                           INTERPRET)
-        if ok == 1:
-            pause_ns(BACKOFF, INTERPRET)
-            got = load_volatile_u64(mine, q_ok, INTERPRET)
-            waiting = tl.max((q_ok & ((got >> 32) != tag)).to(tl.int32)) > 0
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        pause_ns(BACKOFF, INTERPRET)
+        got = load_volatile(mine, q_ok, INTERPRET)
+        state = tl.max(tl.maximum(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED), _verdict_state(verdict)))
+    if state == TIMED_OUT:
+        record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0, INTERPRET)
     tl.debug_barrier()  # every thread has its final copy before any slot is cleared
-    store_volatile_u64(mine, tl.zeros([BLOCK], tl.uint64), q_ok, INTERPRET)
+    store_volatile(mine, tl.zeros([BLOCK], tl.uint64), q_ok, INTERPRET)
     partials = (got & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    return tl.sum(tl.where(q_ok, partials, 0.0), axis=0), ok
+    return tl.sum(tl.where(q_ok, partials, 0.0), axis=0), (state == ARRIVED).to(tl.int32)
+
+
+@triton.jit
+def _wire_word(lo, hi, flag, FULL: tl.constexpr):
+    """The word that carries elements (lo, hi) (2-byte dtype) to a peer. Lines: the two payload
+    halves and our flag (u64). Full payload: the two halves alone (u32), each -0.0 (0x8000, the
+    poison pattern) sent as +0.0 (H1 of csrc/host_wire.cuh)."""
+    lo16 = lo.to(tl.uint16, bitcast=True)
+    hi16 = hi.to(tl.uint16, bitcast=True)
+    if FULL:
+        lo16 = tl.where(lo16 == 0x8000, 0, lo16)
+        hi16 = tl.where(hi16 == 0x8000, 0, hi16)
+        word = lo16.to(tl.uint32) | (hi16.to(tl.uint32) << 16)
+    else:
+        word = lo16.to(tl.uint64) | (hi16.to(tl.uint64) << 16) | (flag << 32)
+    return word
 
 
 @triton.jit(do_not_specialize=["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H",
-                                  "sig", "timeout_ns", "ll_slot_bytes", "ll_offset", "control_offset", "stats_offset"],
+                                  "sig", "timeout_ns", "slot_stride", "slots_offset", "headers_offset", "control_offset",
+                                  "stats_offset"],
             do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
 def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
-                             rank, T, H, eps, sig, timeout_ns, ll_slot_bytes, ll_offset, control_offset, stats_offset,
+                             rank, T, H, eps, sig, timeout_ns, slot_stride, slots_offset, headers_offset,
+                             control_offset, stats_offset,
                              C: tl.constexpr, CW: tl.constexpr, BLOCK_W: tl.constexpr,
                              W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, PAIRED: tl.constexpr,
-                             INTERPRET: tl.constexpr, BACKOFF: tl.constexpr = 0):
+                             FULL: tl.constexpr, INTERPRET: tl.constexpr, BACKOFF: tl.constexpr = 0):
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    WORD: tl.constexpr = tl.uint32 if FULL else tl.uint64  # full payload: 2 elements; lines: 2 elements + flag
+    WORD_BYTES: tl.constexpr = 4 if FULL else 8
     pid = tl.program_id(0)
     row = pid // C
     c = pid % C
@@ -213,77 +275,95 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     epoch, aborted = begin_call(ctrl, pid)
     sig64 = sig.to(tl.uint64)
     flag = line_flag(epoch, sig64)
-    parity_off = (epoch & 1).to(tl.int64) * W * ll_slot_bytes
+    parity = (epoch & 1).to(tl.int64)
+    parity_off = parity * W * slot_stride
     done = 0
-    if aborted == 0:
-        # 1. push this program's chunk of x to every peer (the chunk it also reduces and finishes,
-        #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it)
-        if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
-            payload = (x_lo.to(tl.uint16, bitcast=True).to(tl.uint64)
-                       | (x_hi.to(tl.uint16, bitcast=True).to(tl.uint64) << 16) | (flag << 32))
+    # `aborted` is this thread's reading (begin_call): no branch on it (the program's threads must
+    # agree on every branch that holds a barrier, and layout conversions are barriers); a thread
+    # that saw it masks its stores off, and the gather's first reduction takes the program's verdict.
+    sending = aborted == 0
+    # 1. push this program's chunk of x to every peer (the chunk it also reduces and finishes,
+    #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it);
+    #    full payload: first this program's header of this call (F2), beside the data
+    if FULL:
+        # One store per peer, from the thread holding word 0: a scalar store would be issued by
+        # every thread (a transaction per warp and peer on the link, 32x the header's bytes).
+        only_first = (j == 0) & sending
+        header_word = tl.zeros([BLOCK_W], tl.uint64) + ((epoch << 32) | sig64)
+        for p in tl.static_range(W):
+            if p != rank:
+                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                header = base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8 + j * 0
+                store_volatile(header.to(tl.pointer_type(tl.uint64)), header_word, only_first, INTERPRET)
+    if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
+        payload = _wire_word(x_lo, x_hi, flag, FULL)
+        for p in tl.static_range(W):
+            if p != rank:
+                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
+                store_volatile(dst + word, payload, w_ok & sending, INTERPRET)
+    else:  # wide chunks (C = 1): PUSH words at a time bounds the registers the push needs
+        off = first
+        while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
+            k = off + tl.arange(0, PUSH)
+            m = (k < last) & sending
+            payload = _wire_word(tl.load(x_ptr + 2 * k, mask=m, other=0.0), tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0),
+                                 flag, FULL)
             for p in tl.static_range(W):
                 if p != rank:
                     base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                    dst = (base + ll_offset + parity_off + rank.to(tl.int64) * ll_slot_bytes).to(tl.pointer_type(tl.uint64))
-                    store_volatile_u64(dst + word, payload, w_ok, INTERPRET)
-        else:  # wide chunks (C = 1): PUSH words at a time bounds the registers the push needs
-            off = first
-            while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
-                k = off + tl.arange(0, PUSH)
-                m = k < last
-                lo = tl.load(x_ptr + 2 * k, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
-                hi = tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint64)
-                payload = lo | (hi << 16) | (flag << 32)
-                for p in tl.static_range(W):
-                    if p != rank:
-                        base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                        dst = (base + ll_offset + parity_off + rank.to(tl.int64) * ll_slot_bytes).to(tl.pointer_type(tl.uint64))
-                        store_volatile_u64(dst + k, payload, m, INTERPRET)
-                off += PUSH
+                    dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
+                    store_volatile(dst + k, payload, m, INTERPRET)
+            off += PUSH
 
-        # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
-        #    reduced in rank order
-        peers = tl.arange(0, WP)[:, None]
-        live = (peers < W) & (peers != rank) & w_ok[None, :]
-        addr = my_base + ll_offset + parity_off + peers.to(tl.int64) * ll_slot_bytes + word[None, :] * 8
-        lines = addr.to(tl.pointer_type(tl.uint64))
-        words, ok = _poll_lines(lines, live, peers, flag, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
-                                BACKOFF, INTERPRET)
+    # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
+    #    reduced in rank order
+    peers = tl.arange(0, WP)[:, None]
+    live = (peers < W) & (peers != rank) & w_ok[None, :]
+    addr = my_base + slots_offset + parity_off + peers.to(tl.int64) * slot_stride + word[None, :] * WORD_BYTES
+    lines = addr.to(tl.pointer_type(WORD))
+    headers = (my_base + headers_offset + ((parity * _MAX_RANKS + peers) * _MAX_FLAG_BLOCKS + pid) * 8
+               + word[None, :] * 0).to(tl.pointer_type(tl.uint64))
+    words, ok = _poll_words(lines, headers, live, peers, flag, aborted, ctrl, err_addr, epoch, sig64, timeout_ns,
+                            rank, pid, FULL, BACKOFF, INTERPRET)
+    if ok == 1:
+        lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+        hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+        own_lo = x_lo.to(tl.float32)  # (full payload: a -0.0 of ours sums as the +0.0 peers get;
+        own_hi = x_hi.to(tl.float32)  #  a sum of W >= 2 zeros is +0.0 either way, so no conversion)
+        for r in tl.static_range(W):
+            # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
+            v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
+            v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
+            if r == 0:
+                acc_lo = v_lo
+                acc_hi = v_hi
+            else:
+                acc_lo += v_lo
+                acc_hi += v_hi
+        nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET)
+        nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET)
+        # 3. the row's sum of squares, shared by its C programs: posted first, so the residual
+        #    stores and line clears below overlap its trip to the other programs of the row
+        v_lo = nr_lo.to(tl.float32)
+        v_hi = nr_hi.to(tl.float32)
+        partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
+        stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
+        _post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
+        _store_pairs(res_out_ptr, word, nr_lo, nr_hi, w_ok, PAIRED)
+        tl.debug_barrier()  # every thread has read its words before any is cleared
+        if FULL:
+            store_volatile(lines, tl.full(words.shape, _POISON, tl.uint32), live, INTERPRET)  # F1: re-poisoned
+        else:
+            store_volatile(lines, tl.zeros_like(words), live, INTERPRET)  # L2: cleared
+        sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid,
+                                        C, BLOCK_W, BACKOFF, INTERPRET)
+        # 4. normalise
         if ok == 1:
-            lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
-            hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
-            own_lo = x_lo.to(tl.float32)
-            own_hi = x_hi.to(tl.float32)
-            for r in tl.static_range(W):
-                # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
-                v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
-                v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
-                if r == 0:
-                    acc_lo = v_lo
-                    acc_hi = v_hi
-                else:
-                    acc_lo += v_lo
-                    acc_hi += v_hi
-            nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET)
-            nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET)
-            # 3. the row's sum of squares, shared by its C programs: posted first, so the residual
-            #    stores and line clears below overlap its trip to the other programs of the row
-            v_lo = nr_lo.to(tl.float32)
-            v_hi = nr_hi.to(tl.float32)
-            partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
-            stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
-            _post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
-            _store_pairs(res_out_ptr, word, nr_lo, nr_hi, w_ok, PAIRED)
-            tl.debug_barrier()  # every thread has read its words before any is cleared
-            store_volatile_u64(lines, tl.zeros_like(words), live, INTERPRET)  # invariant L2
-            sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid,
-                                            C, BLOCK_W, BACKOFF, INTERPRET)
-            # 4. normalise
-            if ok == 1:
-                rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
-                _store_pairs(normed_ptr, word, round_to(v_lo * rstd * w_lo, DT, INTERPRET),
-                             round_to(v_hi * rstd * w_hi, DT, INTERPRET), w_ok, PAIRED)
-                done = 1
+            rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
+            _store_pairs(normed_ptr, word, round_to(v_lo * rstd * w_lo, DT, INTERPRET),
+                         round_to(v_hi * rstd * w_hi, DT, INTERPRET), w_ok, PAIRED)
+            done = 1
     if done == 0:
         # Gave up (timeout, mismatch, abort): NaN in this program's words of both outputs, never
         # data that could pass for a result (invariant 5 of csrc/protocol.cuh); only this
@@ -351,15 +431,27 @@ def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> Shape:
 
 
 @functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
-def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int) -> int:
+def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int, full: bool = False) -> int:
     """32-bit call signature (peers must agree); differs from every other call's."""
-    return zlib.crc32(f"fused-rmsnorm:oneshot_ll:{dtype}:{tokens}:{hidden}:{programs}:{chunks}".encode())
+    algo = "oneshot_full" if full else "oneshot_ll"
+    return zlib.crc32(f"fused-rmsnorm:{algo}:{dtype}:{tokens}:{hidden}:{programs}:{chunks}".encode())
+
+
+def _slots(layout: Layout, full: bool) -> tuple[int, int, int]:
+    """(slot stride, offset of the slots, offset of the headers) in a workspace, bytes: the line
+    slots (no headers), or the full-payload slots after their headers (csrc/oneshot_full.cuh)."""
+    if full:
+        return layout.ll_capacity, layout.full_offset + FULL_HEADER_BYTES, layout.full_offset
+    return layout.ll_slot_bytes, layout.ll_offset, layout.ll_offset
 
 
 def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
            normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int,
-           chunks: int | None = None, backoff_ns: int = 0, compile_only: bool = False) -> None:
+           full: bool = False, chunks: int | None = None, backoff_ns: int = 0, compile_only: bool = False) -> None:
     """Enqueue one call on the current stream (arguments validated, eligibility checked).
+
+    ``full``: the full-payload wire format (the slots and headers of csrc/oneshot_full.cuh, half
+    the lines' bytes) instead of the lines.
 
     ``chunks`` forces that many column chunks per row instead of :func:`launch_shape`'s choice
     (tests: under the interpreter the choice is 1, which never exercises the row statistics
@@ -371,7 +463,8 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
              else shape_with_chunks(tokens, hidden, chunks))
     nbytes = x.numel() * x.element_size()
     if shape is None or nbytes > view.layout.ll_capacity:
-        raise ValueError(f"fused oneshot_ll cannot take [{tokens}, {hidden}] {x.dtype} at world size {view.world} "
+        raise ValueError(f"fused {'oneshot_full' if full else 'oneshot_ll'} cannot take [{tokens}, {hidden}] {x.dtype} "
+                         f"at world size {view.world} "
                          f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
                          f"{max_programs} programs); use algo='auto'")
     if compile_only and interpret:
@@ -380,11 +473,11 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
     bases = view.padded_bases()
     assert len(bases) == MAX_RANKS
     args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
-            view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks), view.timeout_ns,
-            view.layout.ll_slot_bytes, view.layout.ll_offset, view.local_offset(view.layout.control_offset),
+            view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks, full),
+            view.timeout_ns, *_slots(view.layout, full), view.local_offset(view.layout.control_offset),
             view.local_offset(view.layout.stats_offset))
     constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
-                      PUSH=min(PUSH_WORDS, block_w), INTERPRET=interpret, num_warps=num_warps,
+                      PUSH=min(PUSH_WORDS, block_w), FULL=full, INTERPRET=interpret, num_warps=num_warps,
                       **({"BACKOFF": backoff_ns} if backoff_ns else {}))
     if compile_only:  # PAIRED follows the tensors' alignment, which may differ between calls and ranks
         for paired in (True, False):

@@ -37,10 +37,10 @@ import triton.language as tl
 from pcie_allreduce import constants, fused_oneshot_ll
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, flag_addr, interpreting,
-                                            pick_base, round_to, store_release, wait_peer)
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, block_any, end_call, flag_addr,
+                                            interpreting, pick_base, round_to, store_release, wait_peer)
 
-FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll")
+FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll", "oneshot_full")
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
 STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
@@ -167,14 +167,16 @@ def _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, ra
 @triton.jit
 def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
                     stage: tl.constexpr, W: tl.constexpr, INTERPRET: tl.constexpr):
-    """1 once every peer's flag of ``kind`` for this program carries our epoch; 0 on failure."""
+    """1 once every peer's flag of ``kind`` for this program carries our epoch; 0 on failure, in
+    every thread of the program if in any (each thread waits on its own loads: at a timeout's
+    edge they can disagree, and the caller branches around barriers on the result)."""
     ok = 1
     for p in tl.static_range(W):
         if p != rank:
             if ok == 1:
                 ok = wait_peer(flag_addr(my_base, flags_offset, kind, p, pid), ctrl, err_addr, epoch, sig64,
                                 timeout_ns, rank, p, stage, pid, INTERPRET)
-    return ok
+    return 1 - block_any(1 - ok, INTERPRET)
 
 
 # ---- kernels -----------------------------------------------------------------------------
@@ -192,6 +194,7 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
+    aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
     done = 0
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
@@ -224,6 +227,7 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
+    aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
     done = 0
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
@@ -306,8 +310,9 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     ``compile_only``: compile (or load from Triton's cache) every kernel variant this call's
     shape and dtypes can launch, and launch nothing (nothing to compile under the interpreter)."""
     interpret = interpreting() if interpret is None else interpret
-    if algo == "oneshot_ll":
+    if algo in ("oneshot_ll", "oneshot_full"):
         fused_oneshot_ll.launch(view, x, residual, weight, eps, normed, residual_out, interpret=interpret,
+                                full=algo == "oneshot_full",
                                 max_programs=max_programs, compile_only=compile_only)
         return
     if compile_only and interpret:

@@ -49,37 +49,54 @@ def load_acquire(ptr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def store_release(ptr, value, INTERPRET: tl.constexpr):
+    """st.release.sys of a scalar flag, by thread 0 of the program only. Called after a
+    tl.debug_barrier, that one release covers the stores every thread made before the barrier
+    (invariant 2 of csrc/protocol.cuh, as the CUDA kernels do it); a scalar store from inline asm
+    would otherwise be issued by every thread: a system-scope release per thread and flag."""
     if INTERPRET:
         tl.store(ptr, value)
     else:
-        tl.inline_asm_elementwise("st.release.sys.global.u64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, value],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p st.release.sys.global.u64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def load_volatile_u64(ptr, mask, INTERPRET: tl.constexpr):
-    """Masked ld.volatile.global.u64 (0 where masked off). Inline asm with side effects, so the
-    compiler can neither hoist a poll out of its loop nor re-load (rematerialise) a value after
-    the line was cleared; tl.load(volatile=True) does not promise either."""
+def load_volatile(ptr, mask, INTERPRET: tl.constexpr):
+    """Masked ld.volatile.global of the pointer's word (u64 or u32; 0 where masked off). Inline
+    asm with side effects, so the compiler can neither hoist a poll out of its loop nor re-load
+    (rematerialise) a value after the word was cleared or re-poisoned; tl.load(volatile=True)
+    does not promise either."""
     if INTERPRET:
         value = tl.load(ptr, mask=mask, other=0, volatile=True)
-    else:
+    elif ptr.dtype.element_ty == tl.uint64:
         value = tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.volatile.global.u64 $0, [$1]; }",
             "=l,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint64, is_pure=False, pack=1)
+    else:
+        tl.static_assert(ptr.dtype.element_ty == tl.uint32, "load_volatile: u64 or u32 words")
+        value = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [$1]; }",
+            "=r,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint32, is_pure=False, pack=1)
     return value
 
 
 @triton.jit
-def store_volatile_u64(ptr, value, mask, INTERPRET: tl.constexpr):
-    """Masked st.volatile.global.u64: one 8-byte store per element, never torn, merged or delayed
-    behind a spin (the CUDA kernels' store_line)."""
+def store_volatile(ptr, value, mask, INTERPRET: tl.constexpr):
+    """Masked st.volatile.global of the pointer's word (u64 or u32): one store per element, never
+    torn, merged or delayed behind a spin (the CUDA kernels' store_line)."""
     if INTERPRET:
         tl.store(ptr, value, mask=mask)
-    else:
+    elif ptr.dtype.element_ty == tl.uint64:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u64 [$1], $2; mov.u32 $0, 0; }",
             "=r,l,l,r", [ptr, value.to(tl.uint64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.static_assert(ptr.dtype.element_ty == tl.uint32, "store_volatile: u64 or u32 words")
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [ptr, value.to(tl.uint32), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -151,21 +168,52 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, observed):
-    """Raise the abort flag; the first failure fills the host-mapped record (kind written last)."""
-    tl.atomic_xchg(ctrl + _ABORT, 1)
-    claim = tl.atomic_cas(ctrl + _CLAIM, 0, 1)
-    if claim == 0:
-        # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits.
-        err = err_addr.to(tl.pointer_type(tl.int32))
-        tl.store(err + 1, rank)
-        tl.store(err + 2, peer)
-        tl.store(err + 3, stage)
-        tl.store(err + 4, pid)
-        tl.store(err + 5, epoch)
-        tl.store(err + 6, sig)
-        tl.store(err + 7, observed)
-        tl.store(err, kind)
+def _low_word(value):
+    """The low 32 bits of an integer (scalar tensor or constexpr) as an int32 operand."""
+    wide = tl.zeros((), tl.int64) + value
+    return (wide & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, observed, INTERPRET: tl.constexpr):
+    """Raise the abort flag; the first failure fills the host-mapped record (kind written last).
+
+    On the GPU every calling thread does this itself, in inline PTX: a bounded spin times out per
+    thread, so callers reach here in divergent code. Triton makes a scalar atomic whose result is
+    used a single-thread operation broadcast through shared memory behind a bar.sync, and a
+    barrier that only some threads of the program reach is undefined (with a block_any's bar.red
+    pending elsewhere in the program it is an illegal instruction). Here each thread exchanges the
+    abort word and races for the claim word; the one thread in the GPU that wins writes the record
+    (csrc/protocol.cuh's record_error, fences included)."""
+    if INTERPRET:
+        tl.atomic_xchg(ctrl + _ABORT, 1)
+        claim = tl.atomic_cas(ctrl + _CLAIM, 0, 1)
+        if claim == 0:
+            # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits.
+            err = err_addr.to(tl.pointer_type(tl.int32))
+            tl.store(err + 1, rank)
+            tl.store(err + 2, peer)
+            tl.store(err + 3, stage)
+            tl.store(err + 4, pid)
+            tl.store(err + 5, epoch)
+            tl.store(err + 6, sig)
+            tl.store(err + 7, observed)
+            tl.store(err, kind)
+    else:
+        err = err_addr.to(tl.pointer_type(tl.uint32))  # operands broadcast together: ctrl's pointer type
+        tl.inline_asm_elementwise(
+            "{ .reg .pred won; .reg .u32 c; "
+            "atom.global.exch.b32 c, [$1], 1; "
+            "atom.global.cas.b32 c, [$2], 0, 1; setp.eq.u32 won, c, 0; "
+            "@won st.volatile.global.u32 [$3+4], $5; @won st.volatile.global.u32 [$3+8], $6; "
+            "@won st.volatile.global.u32 [$3+12], $7; @won st.volatile.global.u32 [$3+16], $8; "
+            "@won st.volatile.global.u32 [$3+20], $9; @won st.volatile.global.u32 [$3+24], $10; "
+            "@won st.volatile.global.u32 [$3+28], $11; @won membar.sys; "
+            "@won st.volatile.global.u32 [$3], $4; @won membar.sys; mov.u32 $0, 0; }",
+            "=r,l,l,l,r,r,r,r,r,r,r,r",
+            [ctrl + _ABORT, ctrl + _CLAIM, err, _low_word(kind), _low_word(rank), _low_word(peer), _low_word(stage),
+             _low_word(pid), _low_word(epoch), _low_word(sig), _low_word(observed)],
+            dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -196,7 +244,7 @@ def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.const
     if ok == 1:
         observed = word & 0xFFFFFFFF
         if (seen == epoch) & (observed != sig):
-            record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed)
+            record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed, INTERPRET)
             ok = 0
     return ok
 
@@ -214,8 +262,29 @@ def next_epoch(epoch):
 
 
 @triton.jit
+def block_any(flag, INTERPRET: tl.constexpr):
+    """1 in every thread of the program if ``flag`` (an integer scalar) is non-zero in any of its
+    threads, else 0: one ``bar.red.or`` (CUDA's __syncthreads_or), so call it where every thread
+    of the program gets to.
+
+    A scalar a kernel loads or computes is a value per thread: the abort flag can be raised by
+    another program between two threads' reads, a timer expire for one thread and not the next.
+    A branch that holds a barrier (a reduction, tl.debug_barrier) must be taken by every thread of
+    the program or by none, so such a branch tests a value made uniform here."""
+    if INTERPRET:
+        any_set = (flag != 0).to(tl.int32)
+    else:
+        any_set = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $1, 0; bar.red.or.pred p, 0, p; selp.s32 $0, 1, 0, p; }",
+            "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    return any_set
+
+
+@triton.jit
 def begin_call(ctrl, pid):
-    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh)."""
+    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh),
+    and whether THIS THREAD found the workspace aborted (see :func:`block_any` before branching
+    around a barrier on it)."""
     epoch = next_epoch(tl.load(ctrl + pid, cache_modifier=".cg").to(tl.uint64) & 0xFFFFFFFF)
     aborted = tl.load(ctrl + _ABORT, cache_modifier=".cg")
     return epoch, aborted
@@ -257,7 +326,7 @@ def keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, peer, stage, p
     peer after a reduction calls :func:`spin_verdict` and records the timeout itself.)"""
     verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
     if verdict == 2:
-        record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0)
+        record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0, INTERPRET)
     return (verdict == 0).to(tl.int32)
 
 

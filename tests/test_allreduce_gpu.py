@@ -162,7 +162,7 @@ def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     comm.workspace().debug_set_epoch(completed)
     torch.distributed.barrier(group=ctx.group)
-    fused_algos = ("oneshot", "twoshot", "oneshot_ll")
+    fused_algos = ("oneshot", "twoshot", "oneshot_ll", "oneshot_full")
     for i in range(32):
         if ctx.rank == ctx.world_size - 1 and i in (5, 21):
             time.sleep(1.0)
@@ -456,7 +456,7 @@ def _transports_agree(ctx: ranks.RankContext) -> dict:
     x = inputs[ctx.rank].to(ctx.device).view(4, hidden)
     residual = ref.rank_input(32, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
     weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
-    for algo in ("oneshot", "twoshot", "oneshot_ll"):
+    for algo in ("oneshot", "twoshot", "oneshot_ll", "oneshot_full"):
         fused = {name: comm.all_reduce_rmsnorm(x, residual, weight, 1e-6, algo=algo) for name, comm in comms.items()}
         if not all(torch.equal(a, b) for a, b in zip(fused["p2p"], fused["host"])):
             differ.append(f"fused {algo}")

@@ -242,21 +242,23 @@ def test_default_table_is_total_and_pure() -> None:
 
 def test_default_table_small_is_low_latency_then_full_payload_then_oneshot_then_twoshot() -> None:
     table = algo.default_table()
-    assert table.select(4 << 10, 2, "bfloat16").algo == "oneshot_ll"
-    assert table.select(14 << 10, 8, "bfloat16").algo == "oneshot_ll"
-    assert table.select(14 << 10, 2, "bfloat16").algo == "oneshot_full"
-    assert table.select(14 << 10, 4, "bfloat16").algo == "oneshot_full"
-    assert table.select(56 << 10, 8, "bfloat16").algo == "oneshot_full"
-    assert table.select(128 << 10, 8, "bfloat16").algo == "oneshot"
-    assert table.select(448 << 10, 4, "bfloat16") == algo.Choice("oneshot", 32)
+    for world in (2, 4, 8):
+        assert table.select(4 << 10, world, "bfloat16").algo == "oneshot_ll"
+        assert table.select(4 << 10 | 2, world, "bfloat16").algo == "oneshot_full"
+        assert table.select(56 << 10, world, "bfloat16").algo == "oneshot_full"
+    assert table.select(448 << 10, 4, "bfloat16").algo == "oneshot_full"
+    assert table.select(512 << 10, 2, "bfloat16").algo == "oneshot_full"
+    assert table.select(192 << 10, 8, "bfloat16").algo == "oneshot_full"
+    assert table.select(256 << 10, 8, "bfloat16").algo == "oneshot"
+    assert table.select(1 << 20, 4, "bfloat16") == algo.Choice("oneshot", 32)
     assert table.select(16 << 20, 8, "bfloat16").algo == "twoshot"
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"
 
 
 def test_low_latency_rules_are_passed_over_above_the_capacity() -> None:
     table = algo.default_table()
-    assert table.select(8 << 10, 4, "bfloat16", ll_capacity=8 << 10).algo == "oneshot_ll"
-    assert table.select(8 << 10, 4, "bfloat16", ll_capacity=4 << 10).algo == "oneshot"
+    assert table.select(4 << 10, 4, "bfloat16", ll_capacity=4 << 10).algo == "oneshot_ll"
+    assert table.select(4 << 10, 4, "bfloat16", ll_capacity=2 << 10).algo == "oneshot"
     assert table.select(56 << 10, 4, "bfloat16", ll_capacity=56 << 10).algo == "oneshot_full"
     assert table.select(56 << 10, 4, "bfloat16", ll_capacity=32 << 10).algo == "oneshot"
 

@@ -699,6 +699,7 @@ def test_graph_loop_parses_sizes_and_exits_3_without_a_gpu(capsys: pytest.Captur
     if ranks.skip_reason_no_gpu() is None:
         pytest.skip("a GPU is present: the no-GPU exit is not reachable here")
     assert graph_loop.main(["--world", "2", "--sizes", "14K", "56K", "--algos", "oneshot_full"]) == 3
+    assert graph_loop.main(["--world", "2", "--transport", "host", "--algos", "host_oneshot"]) == 3
     assert "python -m bench.graph_loop:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         graph_loop.main(["--sizes", "fourteen"])

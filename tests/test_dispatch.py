@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pcie_allreduce import dispatch, topology
-from pcie_allreduce.algo import AlgoTable, Choice, Rule
+from pcie_allreduce.algo import AlgoTable, Choice, Rule, default_table
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -71,6 +71,20 @@ def test_plain_choice_reads_dtype_rules() -> None:
 def test_fused_algo(tokens, hidden, world, ll_capacity, block_cap, interpret, expected) -> None:
     got = dispatch.fused_algo(tokens, hidden, BF16, world, TABLE, ll_capacity=ll_capacity, block_cap=block_cap,
                               interpret=interpret)
+    assert got == expected
+
+
+@pytest.mark.parametrize("tokens, world, expected", [
+    (1, 8, "oneshot_full"),   # 14 KiB at W = 8: full payload (the lines end at 4 KiB)
+    (4, 8, "oneshot_full"),   # 56 KiB, the verify pass
+    (1, 2, "oneshot_full"),
+    (4, 2, "oneshot_full"),
+    (32, 8, "oneshot"),       # 448 KiB: beyond the data-as-flag band
+])
+def test_fused_algo_follows_the_default_tables_wire_format(tokens, world, expected) -> None:
+    """Where the plain default picks ``oneshot_full`` (half the lines' bytes), the fused call
+    takes the fused kernel in the same format."""
+    got = dispatch.fused_algo(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=64)
     assert got == expected
 
 

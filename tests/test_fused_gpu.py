@@ -55,7 +55,7 @@ def _algos(comm: pcie_allreduce.Communicator, tokens: int, hidden: int, dtype: t
     algos = ["oneshot", "twoshot"]
     fits = tokens * hidden * torch.empty((), dtype=dtype).element_size() <= comm.ll_capacity
     if fits and fused_oneshot_ll.launch_shape(tokens, hidden, comm.world_size, comm.block_cap) is not None:
-        algos.append("oneshot_ll")
+        algos += ["oneshot_ll", "oneshot_full"]
     return algos + ["auto"]
 
 
@@ -82,11 +82,12 @@ def _fused_matrix(ctx: ranks.RankContext, transport: str) -> dict:
                 # the plain path: residual + all_reduce(x) must give the same bits
                 plain = res + comm.all_reduce(x)
                 assert torch.equal(plain.cpu(), want_res)
-                if "oneshot_ll" in per_algo and tokens == 4:
-                    # tensors 2 bytes past a 4-byte boundary: moved element by element, same bits
-                    xm, resm, outm, res_outm = (ref.misaligned_copy(t) for t in (x, res, x, res))
-                    comm.all_reduce_rmsnorm(xm, resm, w, EPS, out=outm, residual_out=res_outm, algo="oneshot_ll")
-                    assert _digest(outm, res_outm) == per_algo["oneshot_ll"], "misaligned tensors differ"
+                for algo in ("oneshot_ll", "oneshot_full"):
+                    if algo in per_algo and tokens == 4:
+                        # tensors 2 bytes past a 4-byte boundary: moved element by element, same bits
+                        xm, resm, outm, res_outm = (ref.misaligned_copy(t) for t in (x, res, x, res))
+                        comm.all_reduce_rmsnorm(xm, resm, w, EPS, out=outm, residual_out=res_outm, algo=algo)
+                        assert _digest(outm, res_outm) == per_algo[algo], f"{algo}: misaligned tensors differ"
                 # in place: normed into x, new residual into residual
                 x2, res2 = x.clone(), res.clone()
                 comm.all_reduce_rmsnorm(x2, res2, w, EPS, out=x2, residual_out=res2)

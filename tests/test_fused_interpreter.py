@@ -156,7 +156,8 @@ def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
 
 
 @pytest.mark.parametrize("algo, gather_stage", [("oneshot", fused.STAGE_FUSED_GATHER),
-                                                 ("oneshot_ll", ll.STAGE_LOW_LATENCY_GATHER.value)])
+                                                 ("oneshot_ll", ll.STAGE_LOW_LATENCY_GATHER.value),
+                                                 ("oneshot_full", ll.STAGE_FULL_GATHER.value)])
 def test_missing_peer_records_timeout_instead_of_hanging(algo: str, gather_stage: int) -> None:
     fake = FakeRanks(2, 0)
     xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=3)
@@ -170,7 +171,8 @@ def test_missing_peer_records_timeout_instead_of_hanging(algo: str, gather_stage
 @pytest.mark.parametrize("algo, cause, in_place", [
     ("oneshot", "timeout", False), ("twoshot", "timeout", True), ("oneshot_ll", "timeout", True),
     ("oneshot", "mismatch", True), ("twoshot", "mismatch", False),
-    ("oneshot", "aborted", False), ("twoshot", "aborted", True), ("oneshot_ll", "aborted", False)])
+    ("oneshot", "aborted", False), ("twoshot", "aborted", True), ("oneshot_ll", "aborted", False),
+    ("oneshot_full", "timeout", False), ("oneshot_full", "aborted", True)])
 def test_a_call_that_gives_up_leaves_nan(algo: str, cause: str, in_place: bool) -> None:
     """Timeout, mismatch, or a workspace already aborted by an earlier failure: both outputs hold
     NaN in every element afterwards (in place too), never the old contents or a partial result.

@@ -1,8 +1,9 @@
-"""The fused low-latency one-shot (pcie_allreduce.fused_oneshot_ll) under TRITON_INTERPRET=1.
+"""The fused data-as-flag one-shots (pcie_allreduce.fused_oneshot_ll) under TRITON_INTERPRET=1.
 
-As in test_fused_interpreter.py the test plays the peers: it writes their lines (the wire format
-of csrc/oneshot_ll.cuh: 8-byte words {4 payload bytes, flag}) into the rank's workspace before
-launching, then checks what the rank wrote into the peers' workspaces and what it left behind.
+As in test_fused_interpreter.py the test plays the peers: it writes their words into the rank's
+workspace before launching (lines: the wire format of csrc/oneshot_ll.cuh, 8-byte words {4
+payload bytes, flag}; full payload: csrc/oneshot_full.cuh's poisoned slots and headers), then
+checks what the rank wrote into the peers' workspaces and what it left behind.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pcie_allreduce import constants
 from pcie_allreduce import layout as lay
 from pcie_allreduce.triton_protocol import line_flag_of
 from tests import _reference as ref
@@ -45,6 +47,23 @@ def _call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tupl
     return programs, ll.signature(dtype, tokens, hidden, programs, chunks)
 
 
+def _run_one_rank(fake: FakeRanks, algo: str, xs: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                  misaligned: bool) -> None:
+    """Launch this rank's call (``misaligned``: every tensor 2 bytes past a 4-byte boundary) and
+    check its outputs against the reference: the new residual bitwise, the norm within tolerance."""
+    normed = torch.full_like(residual, float("nan"))
+    res_out = torch.full_like(residual, float("nan"))
+    x, res = xs[fake.rank], residual
+    if misaligned:
+        x, res, normed, res_out = (ref.misaligned_copy(t) for t in (x, res, normed, res_out))
+    fused.launch(fake.view, algo, x, res, weight, 1e-6, normed, res_out, interpret=True)
+
+    assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
+    want_res, want_norm = _expected(xs, residual, weight, 1e-6)
+    assert torch.equal(res_out, want_res), "new residual must be bitwise residual + all_reduce(x)"
+    torch.testing.assert_close(normed.double(), want_norm, rtol=ref.TOLERANCE[residual.dtype] * 2, atol=1e-2)
+
+
 @pytest.mark.parametrize("world, rank, tokens, hidden, dtype, misaligned",
                          [case + (False,) for case in ONE_SHOT_CASES] + [ONE_SHOT_CASES[2] + (True,)])
 def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype, misaligned) -> None:
@@ -58,17 +77,7 @@ def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype, misaligned) -> 
     for peer in range(world):
         if peer != rank:
             _lines(fake, rank, peer)[:words] = _encode(xs[peer], flag)
-    normed = torch.full_like(residual, float("nan"))
-    res_out = torch.full_like(residual, float("nan"))
-    x, res = xs[rank], residual
-    if misaligned:
-        x, res, normed, res_out = (ref.misaligned_copy(t) for t in (x, res, normed, res_out))
-    fused.launch(fake.view, "oneshot_ll", x, res, weight, 1e-6, normed, res_out, interpret=True)
-
-    assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
-    want_res, want_norm = _expected(xs, residual, weight, 1e-6)
-    assert torch.equal(res_out, want_res), "new residual must be bitwise residual + all_reduce(x)"
-    torch.testing.assert_close(normed.double(), want_norm, rtol=ref.TOLERANCE[dtype] * 2, atol=1e-2)
+    _run_one_rank(fake, "oneshot_ll", xs, residual, weight, misaligned)
     for peer in range(world):
         if peer != rank:
             assert torch.equal(_lines(fake, peer, rank)[:words], _encode(xs[rank], flag)), "pushed words"
@@ -161,3 +170,105 @@ def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, c
     left = {i for i in range(lay.ROW_STATS_SLOTS) if int(stats[i]) != 0}
     assert left == later
     assert all((int(stats[i]) >> 32) & 0xFFFFFFFF == tag for i in left)
+
+
+# ---- full payload (oneshot_full) -------------------------------------------------------------
+
+POISON = constants.POISON_WORD - (1 << 32)  # as an int32 word
+
+
+def _full_slot(fake: FakeRanks, owner: int, sender: int) -> torch.Tensor:
+    """`sender`'s full-payload slot in `owner`'s workspace for this call's parity, as int32 words."""
+    lay_ = fake.layout
+    off = lay_.full_offset + lay.FULL_HEADER_BYTES + ((fake.epoch & 1) * fake.world + sender) * lay_.ll_capacity
+    return fake.buffers[owner][off:off + lay_.ll_capacity].view(torch.int32)
+
+
+def _full_headers(fake: FakeRanks, owner: int) -> torch.Tensor:
+    """`owner`'s header words [parity, sender, program] (csrc/oneshot_full.cuh, F2)."""
+    off = fake.layout.full_offset
+    return fake.buffers[owner][off:off + lay.FULL_HEADER_BYTES].view(torch.int64).view(2, lay.MAX_RANKS,
+                                                                                      lay.MAX_FLAG_BLOCKS)
+
+
+def _poisoned(fake: FakeRanks) -> FakeRanks:
+    """Every full-payload slot poisoned, as a new workspace's are (F1)."""
+    for owner in range(fake.world):
+        for parity in range(2):
+            off = fake.layout.full_offset + lay.FULL_HEADER_BYTES + parity * fake.world * fake.layout.ll_capacity
+            fake.buffers[owner][off:off + fake.world * fake.layout.ll_capacity].view(torch.int32).fill_(POISON)
+    return fake
+
+
+def _full_words(x: torch.Tensor) -> torch.Tensor:
+    """The int32 words a rank pushes for message x (2-byte elements, even count): -0.0 as +0.0."""
+    lanes = x.reshape(-1).view(torch.int16).clone()
+    lanes[lanes == -0x8000] = 0
+    return lanes.view(torch.int32)
+
+
+def _header(epoch: int, sig: int) -> int:
+    word = (epoch << 32) | sig
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def _full_call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
+    programs, chunks, *_ = ll.launch_shape(tokens, hidden, fake.world, 64, interpret=True)
+    return programs, ll.signature(dtype, tokens, hidden, programs, chunks, full=True)
+
+
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype, misaligned",
+                         [case + (False,) for case in ONE_SHOT_CASES] + [ONE_SHOT_CASES[2] + (True,)])
+def test_oneshot_full_one_rank(world, rank, tokens, hidden, dtype, misaligned) -> None:
+    """The peers' words and headers are there before the launch; zeros of both signs among the
+    inputs (-0.0 travels as +0.0 and the sum must still match)."""
+    fake = _poisoned(FakeRanks(world, rank))
+    xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens + 1)
+    for r in range(world):  # a few exact zeros of either sign in every rank's message
+        flat = xs[r].view(-1)
+        flat[r::7] = -0.0 if r % 2 else 0.0
+    programs, sig = _full_call(fake, tokens, hidden, dtype)
+    words = tokens * hidden // 2
+    for peer in range(world):
+        if peer != rank:
+            _full_slot(fake, rank, peer)[:words] = _full_words(xs[peer])
+            _full_headers(fake, rank)[fake.epoch & 1, peer, :programs] = _header(fake.epoch, sig)
+    _run_one_rank(fake, "oneshot_full", xs, residual, weight, misaligned)
+    for peer in range(world):
+        if peer != rank:
+            assert torch.equal(_full_slot(fake, peer, rank)[:words], _full_words(xs[rank])), "pushed words"
+            assert bool((_full_headers(fake, peer)[fake.epoch & 1, rank, :programs] == _header(fake.epoch, sig)).all())
+            assert bool((_full_slot(fake, rank, peer) == POISON).all()), "consumed words re-poisoned (F1)"
+    assert bool((fake.control(rank)[:lay.EPOCH_WORDS] == fake.epoch).all()), "every epoch copy advances"
+
+
+def test_oneshot_full_waits_for_the_header_of_this_call() -> None:
+    """A peer's words with no header of this call (its header still of the call before): not
+    taken, however complete the data looks; the wait ends in a timeout naming that peer."""
+    fake = _poisoned(FakeRanks(2, 0))
+    xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=5)
+    programs, sig = _full_call(fake, 1, 64, torch.bfloat16)
+    _full_slot(fake, 0, 1)[:32] = _full_words(xs[1])
+    _full_headers(fake, 0)[fake.epoch & 1, 1, :programs] = _header(fake.epoch - 2, sig)
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    assert (int(fake.error[0]), int(fake.error[2]), int(fake.error[3])) == (1, 1, ll.STAGE_FULL_GATHER.value)
+    assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
+
+
+def test_oneshot_full_peer_with_another_call_records_mismatch() -> None:
+    fake = _poisoned(FakeRanks(2, 1))
+    xs, residual, weight = _inputs(2, 2, 64, torch.bfloat16, seed=4)
+    programs, _ = _full_call(fake, 2, 64, torch.bfloat16)
+    _, theirs = _full_call(fake, 2, 128, torch.bfloat16)  # the peer thinks the call is [2, 128]
+    _full_slot(fake, 1, 0)[:64] = _full_words(xs[0])
+    _full_headers(fake, 1)[fake.epoch & 1, 0, :programs] = _header(fake.epoch, theirs)
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, "oneshot_full", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
+    assert int(fake.error[7]) & 0xFFFFFFFF == theirs, "the report names the peer's call signature"
+    assert bool(torch.isnan(normed).all()), "a mismatch is never reduced"
+
+
+def test_full_and_line_signatures_differ() -> None:
+    assert ll.signature(torch.bfloat16, 4, 7168, 28, 7) != ll.signature(torch.bfloat16, 4, 7168, 28, 7, full=True)
