@@ -18,7 +18,11 @@ import torch.distributed as dist
 from bench.backends import Buffers, RankBackend
 from bench.plan import RankJob
 
-SLEEP_CYCLES = 20_000  # ~10 us at 2 GHz: covers queueing the sync call and the block
+# ~100 us at 2 GHz. The sleep must outlast what the host does before the block reaches the GPU:
+# the sync call (an eager collective, ~10 us of host time), the start event and the graph launch,
+# with W rank processes sharing the host's cores. Any part of that still running when the GPU
+# finishes the sync call is idle time inside the timed block, spread over its calls.
+SLEEP_CYCLES = 200_000
 MIN_REPLAYS = 10
 
 
