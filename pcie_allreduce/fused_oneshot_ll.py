@@ -306,7 +306,9 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         off = first
         while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
             k = off + tl.arange(0, PUSH)
-            m = (k < last) & sending
+            # where, not `&`: Triton 3.9's interpreter turns a tensor & a loaded scalar's compare
+            # into int32 data, which tl.load refuses as a mask
+            m = tl.where(sending, k < last, False)
             payload = _wire_word(tl.load(x_ptr + 2 * k, mask=m, other=0.0), tl.load(x_ptr + 2 * k + 1, mask=m, other=0.0),
                                  flag, FULL)
             for p in tl.static_range(W):

@@ -69,7 +69,9 @@ def load_volatile(ptr, mask, INTERPRET: tl.constexpr):
     (rematerialise) a value after the word was cleared or re-poisoned; tl.load(volatile=True)
     does not promise either."""
     if INTERPRET:
-        value = tl.load(ptr, mask=mask, other=0, volatile=True)
+        # `!= 0`: Triton 3.9's interpreter can hand a combined mask (a tensor & a loaded scalar's
+        # compare) over as int32 data, which tl.load and tl.store refuse
+        value = tl.load(ptr, mask=mask != 0, other=0, volatile=True)
     elif ptr.dtype.element_ty == tl.uint64:
         value = tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.volatile.global.u64 $0, [$1]; }",
@@ -87,7 +89,7 @@ def store_volatile(ptr, value, mask, INTERPRET: tl.constexpr):
     """Masked st.volatile.global of the pointer's word (u64 or u32): one store per element, never
     torn, merged or delayed behind a spin (the CUDA kernels' store_line)."""
     if INTERPRET:
-        tl.store(ptr, value, mask=mask)
+        tl.store(ptr, value, mask=mask != 0)  # `!= 0`: see load_volatile
     elif ptr.dtype.element_ty == tl.uint64:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u64 [$1], $2; mov.u32 $0, 0; }",
