@@ -19,7 +19,7 @@ import math
 import random
 from typing import Union
 
-from pcie_allreduce.algo import ALGORITHMS, fits_capacity, runs_on
+from pcie_allreduce.algo import ALGORITHMS, DATA_AS_FLAG_ONESHOTS, fits_capacity, runs_on
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench.options import NORM_DTYPES
@@ -290,7 +290,7 @@ class Schedule:
         """The fused kernels that can take ``[tokens, hidden]`` of ``dtype``."""
         algos = ["oneshot", "twoshot"]
         if self._ll_fused_fits(tokens, hidden) and tokens * hidden * DTYPE_SIZES[dtype] <= self.params.ll_capacity:
-            algos += ["oneshot_ll", "oneshot_full"]
+            algos += DATA_AS_FLAG_ONESHOTS
         return algos
 
     def _ll_fused_fits(self, tokens: int, hidden: int) -> bool:

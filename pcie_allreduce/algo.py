@@ -30,6 +30,9 @@ ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # Algorithms whose messages must fit the workspace's low-latency capacity (Layout.ll_capacity):
 # the lines, and the full-payload slots (the two-shot's inboxes a margin less, csrc/twoshot_full.cuh).
 CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll", "oneshot_full", "twoshot_full")
+# The one-shots whose data is its own flag, in two wire formats (lines; full payload): one fused
+# all-reduce + RMSNorm kernel serves both (fused_oneshot_ll.py).
+DATA_AS_FLAG_ONESHOTS: tuple[str, ...] = ("oneshot_ll", "oneshot_full")
 # Algorithms that need the host transport (their buffers exist only in shared host memory).
 HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot", "host_twoshot")
 

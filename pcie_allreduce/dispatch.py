@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.algo import AlgoTable, Choice, capacity_of, fits_capacity
+from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS, AlgoTable, Choice, capacity_of, fits_capacity
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 #: torch dtype -> the kernels' dtype id (``constants.DTYPE_IDS`` is keyed by name).
@@ -61,7 +61,7 @@ def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap).algo
     if plain == "twoshot" and tokens >= world:
         return "twoshot"
-    if plain in ("oneshot_ll", "oneshot_full"):
+    if plain in DATA_AS_FLAG_ONESHOTS:
         from pcie_allreduce import fused_oneshot_ll  # Triton: imported on the first fused call only
 
         if fused_oneshot_ll.launch_shape(tokens, hidden, world, block_cap, interpret) is not None:

@@ -35,12 +35,13 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce import constants, fused_oneshot_ll
+from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, block_any, end_call, flag_addr,
                                             interpreting, pick_base, round_to, store_release, wait_peer)
 
-FUSED_ALGORITHMS = ("oneshot", "twoshot", "oneshot_ll", "oneshot_full")
+FUSED_ALGORITHMS = ("oneshot", "twoshot", *DATA_AS_FLAG_ONESHOTS)
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
 STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
@@ -310,7 +311,7 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     ``compile_only``: compile (or load from Triton's cache) every kernel variant this call's
     shape and dtypes can launch, and launch nothing (nothing to compile under the interpreter)."""
     interpret = interpreting() if interpret is None else interpret
-    if algo in ("oneshot_ll", "oneshot_full"):
+    if algo in DATA_AS_FLAG_ONESHOTS:
         fused_oneshot_ll.launch(view, x, residual, weight, eps, normed, residual_out, interpret=interpret,
                                 full=algo == "oneshot_full",
                                 max_programs=max_programs, compile_only=compile_only)

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Mapping
 
-from pcie_allreduce.algo import ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS
 from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 PREFIX = "PCIE_AR_SGLANG_"
@@ -39,8 +39,8 @@ DOCS: dict[str, tuple[str, str]] = {
     ENABLE: ("0", "1 turns the plugin on (it is installed but inert by default)"),
     MAX_BYTES: ("8MiB", "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
                         "SGLang's next backend. Each rank allocates 2 x W x this per CUDA stream"),
-    ALGO: ("auto", "force one algorithm: auto | oneshot_ll | oneshot_full | oneshot | staged | twoshot | "
-                   "twoshot_full (host_oneshot | host_twoshot on the host transport)"),
+    ALGO: ("auto", "force one algorithm: " + " | ".join(a for a in ALGOS if a not in HOST_ONLY_ALGORITHMS)
+                   + " (" + " | ".join(HOST_ONLY_ALGORITHMS) + " on the host transport)"),
     MODE: ("pcie", "pcie: serve only GPUs without full NVLink (leave NVLink to SGLang's own kernels); "
                    "always: serve every single-node tp group of 2-8 GPUs"),
     FUSED: ("1", "0 keeps SGLang's unfused all-reduce + add + RMSNorm on GPUs where its FlashInfer fusion "
