@@ -162,7 +162,7 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
 def test_default_choice_at_the_verify_size_sends_the_message_once_per_peer(world: int) -> None:
     """The default P2P table at the verify pass's message (4 x 7168 bf16) puts (W - 1) x 56 KiB
     on each rank's link, not the lines' twice that: 392 KiB at W = 8."""
-    from pcie_allreduce.algo import default_table, wire_bytes
+    from pcie_allreduce.algo import wire_bytes
     from pcie_allreduce.constants import LOW_LATENCY_MAX_BYTES
 
     n = 4 * 7168 * 2
