@@ -1,0 +1,150 @@
+"""Residual add + RMSNorm in one Triton kernel, and the row statistic every fused kernel shares.
+
+    new_residual = residual + y                                   (rounded once, as torch adds)
+    normed       = new_residual * rsqrt(mean(new_residual^2) + eps) * weight   (fp32 math)
+
+:func:`add_rmsnorm` is the library's own unfused epilogue: where no fused all-reduce + RMSNorm
+kernel beats the plain all-reduce followed by it, ``Communicator.all_reduce_rmsnorm`` runs those
+two kernels instead (``algo="unfused"``). One program per row, the whole row in registers.
+
+The row statistic (:func:`sum_of_squares`) is exact fixed-point arithmetic, not an fp32 tree: the
+square of a bf16 or fp16 value is exact in fp32 (8 or 11 mantissa bits, squared, fit in 24), and
+each square is shifted onto a common 64-bit fixed-point grid set by the row's largest exponent
+(2^49 for the largest, so 16384 of them stay below 2^63), where integer addition is associative.
+So the sum, and with it ``normed``, does not depend on the order of the additions: not on
+Triton's register layout (which follows the tensors' alignment: a vectorised and a scalar
+variant give the same bits), not on how many threads or programs a row is spread over. Ranks
+whose tensors differ in alignment still agree bitwise, and a 16-byte aligned variant is safe.
+Squares below 2^-49 of the row's largest are dropped (far below fp32's own rounding); a row
+holding inf or NaN gets the fp32 sum of its squares (inf or NaN, whatever the order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pcie_allreduce.triton_protocol import interpreting, round_to
+
+# A square's 24-bit mantissa is shifted left by at most this much: terms < 2^49, and
+# MAX_RMSNORM_HIDDEN (2^14) of them sum below 2^63.
+_STAT_SHIFT: tl.constexpr = tl.constexpr(25)
+# fp32's exponent bias plus its 23 fraction bits: a mantissa m with biased exponent e is m * 2^(e - 150).
+_MANTISSA_SCALE: tl.constexpr = tl.constexpr(150)
+VECTOR_BYTES = 16  # the widest access a thread makes
+
+
+@triton.jit
+def _pow2(n):
+    """2^n as fp32 for an int32 n in [-126, 127]."""
+    return ((n + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def sum_of_squares(v, mask):
+    """Sum of ``v * v`` over the masked elements of fp32 ``v`` (values of a bf16/fp16 tensor), the
+    same bits whatever the order of the additions (module docstring): a scalar."""
+    q = tl.where(mask, v * v, 0.0)
+    bits = q.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    fraction = bits & 0x7FFFFF
+    mantissa = tl.where(exponent > 0, fraction | 0x800000, fraction).to(tl.int64)
+    exponent = tl.maximum(exponent, 1)  # a subnormal: exponent 1, no implicit bit
+    top = tl.max(exponent)
+    shift = exponent - top + _STAT_SHIFT  # <= _STAT_SHIFT
+    up = tl.maximum(shift, 0).to(tl.int64)
+    down = tl.minimum(tl.maximum(-shift, 0), 63).to(tl.int64)
+    total = tl.sum((mantissa << up) >> down)
+    # total * 2^k, k in [-174, 79]: two power-of-two factors, each within fp32's normal range
+    k = top - _MANTISSA_SCALE - _STAT_SHIFT
+    k1 = k >> 1
+    result = total.to(tl.float32) * _pow2(k1) * _pow2(k - k1)
+    if top == 255:  # inf or NaN in the row (or a square that overflowed): fp32's own answer
+        result = tl.sum(q)
+    return result
+
+
+@triton.jit
+def rstd_of(sumsq, H, eps):
+    """1 / sqrt(mean + eps) with a correctly rounded square root: the same in every kernel."""
+    return 1.0 / tl.sqrt_rn(sumsq / H + eps)
+
+
+@triton.jit
+def typed_pointer(addr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """An address (int64) as a pointer to DT; with ALIGNED, known to be 16-byte aligned."""
+    ptr = addr.to(tl.pointer_type(DT))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit(do_not_specialize=["y_addr", "res_addr", "w_addr", "normed_addr", "res_out_addr"])
+def _add_rmsnorm_kernel(y_addr, res_addr, w_addr, normed_addr, res_out_addr, eps,
+                        H: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr,
+                        ALIGNED: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0)
+    y = typed_pointer(y_addr, DT, ALIGNED)
+    res = typed_pointer(res_addr, DT, ALIGNED)
+    w = typed_pointer(w_addr, WT, ALIGNED)
+    normed = typed_pointer(normed_addr, DT, ALIGNED)
+    res_out = typed_pointer(res_out_addr, DT, ALIGNED)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    off = row.to(tl.int64) * H + cols
+    # the whole row is read before any of it is written: y may be normed, residual res_out
+    nr = round_to(tl.load(y + off, mask=ok, other=0.0).to(tl.float32)
+                  + tl.load(res + off, mask=ok, other=0.0).to(tl.float32), DT, INTERPRET)
+    wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(res_out + off, nr, mask=ok)
+    v = nr.to(tl.float32)
+    rstd = rstd_of(sum_of_squares(v, ok), H, eps)
+    tl.store(normed + off, round_to(v * rstd * wv, DT, INTERPRET), mask=ok)
+
+
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@functools.lru_cache(maxsize=256)  # pure, and asked on every eager call
+def launch_shape(hidden: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of ``hidden`` elements: the row in one program, up to 32
+    elements (two 16-byte accesses of bf16) per thread."""
+    block = triton.next_power_of_2(hidden)
+    return block, 4 if block <= 1024 else 8 if block <= 8192 else 16
+
+
+def is_aligned(hidden: int, *tensors: torch.Tensor) -> bool:
+    """Whether every tensor starts on a 16-byte boundary and every row does too: the kernel's
+    vector variant applies (same results as the other, faster)."""
+    return (hidden * tensors[0].element_size()) % VECTOR_BYTES == 0 and all(
+        t.data_ptr() % VECTOR_BYTES == 0 for t in tensors)
+
+
+def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                normed: torch.Tensor, new_residual: torch.Tensor, *, compile_only: bool = False) -> None:
+    """Enqueue ``new_residual = residual + y``, ``normed = rmsnorm(new_residual) * weight`` on the
+    current stream (arguments already validated: contiguous ``[tokens, hidden]`` bf16/fp16,
+    weight ``[hidden]`` of the same dtype or fp32). ``normed`` may be ``y`` and ``new_residual``
+    may be ``residual`` (in place).
+
+    ``compile_only``: compile both variants (16-byte aligned or not) for this shape and dtypes,
+    launch nothing; nothing to compile under the interpreter."""
+    tokens, hidden = y.shape
+    interpret = interpreting()
+    if compile_only and interpret:
+        return
+    block, num_warps = launch_shape(hidden)
+    tensors = (y, residual, weight, normed, new_residual)
+    args = (*(t.data_ptr() for t in tensors), float(eps))
+    constexprs = dict(H=hidden, BLOCK=block, DT=_TRITON_DTYPES[y.dtype], WT=_TRITON_DTYPES[weight.dtype],
+                      INTERPRET=interpret, num_warps=num_warps)
+    if compile_only:
+        for aligned in (True, False):
+            _add_rmsnorm_kernel.warmup(*args, grid=(max(tokens, 1),), ALIGNED=aligned, **constexprs)
+        return
+    if tokens == 0:
+        return
+    _add_rmsnorm_kernel[(tokens,)](*args, ALIGNED=is_aligned(hidden, *tensors), **constexprs)
