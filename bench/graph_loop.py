@@ -12,6 +12,14 @@ imported, so two builds side by side (``cd`` into each checkout) give an A/B in 
 
 ``--transport host`` puts the workspaces in pinned host memory (the push algorithms and the
 host transport's own), so the data crosses each GPU's PCIe link to host memory.
+
+``--fused`` times the all-reduce + residual add + RMSNorm on ``[T, --hidden]`` bf16 instead, for
+each ``--tokens`` T: the plain all-reduce alone (``allreduce``), then each of ``--fused-algos``
+(``unfused`` is the plain all-reduce followed by the library's one add + RMSNorm kernel, the
+baseline a fused kernel must beat; a kernel that cannot take the shape is left out), every
+case on fresh inputs, in one run:
+
+    python -m bench.graph_loop --fused --world 2 8 --tokens 1 4 32 --fused-algos auto unfused oneshot_full oneshot
 """
 
 from __future__ import annotations
@@ -26,16 +34,21 @@ REPETITIONS = 3
 
 
 def _time_algo(comm, x, out, algo: str, group) -> float:
+    return _time_call(comm, lambda: comm.all_reduce(x, out, algo=algo), group)
+
+
+def _time_call(comm, call, group) -> float:
+    """Per-call time of ``call`` captured CALLS_PER_GRAPH times in a graph, replayed REPLAYS times."""
     import torch
     import torch.distributed as dist
 
     for _ in range(3):
-        comm.all_reduce(x, out, algo=algo)
+        call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         for _ in range(CALLS_PER_GRAPH):
-            comm.all_reduce(x, out, algo=algo)
+            call()
     graph.replay()
     torch.cuda.synchronize()
     best = float("inf")
@@ -68,6 +81,36 @@ def _rank(ctx, sizes: list[int], algos: list[str], transport: str) -> list[tuple
     return rows
 
 
+def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport: str) -> list[tuple[str, int, float]]:
+    import torch
+
+    from pcie_allreduce import Communicator, dispatch
+
+    rows = []
+    eps = 1e-6
+    with Communicator(ctx.group, ctx.device, max_bytes=max(tokens) * hidden * 2, transport=transport) as comm:
+        for t in tokens:
+            gen = torch.Generator(device=ctx.device).manual_seed(1000 * t + ctx.rank)
+            x = torch.randn(t, hidden, generator=gen, device=ctx.device).to(torch.bfloat16)
+            residual = torch.randn(t, hidden, generator=torch.Generator(device=ctx.device).manual_seed(t),
+                                   device=ctx.device).to(torch.bfloat16)
+            weight = torch.ones(hidden, device=ctx.device, dtype=torch.bfloat16)
+            normed, new_residual, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+            rows.append(("allreduce:" + comm.select_algo(x.nbytes, x.dtype), t, _time_algo(comm, x, out, "auto", ctx.group)))
+            for algo in algos:
+                label = algo if algo != "auto" else "auto:" + comm.select_fused_algo(t, hidden, x.dtype)
+                if algo not in ("auto", "unfused") and not dispatch.fused_kernel_fits(
+                        algo, t, hidden, x.dtype, comm.world_size, ll_capacity=comm.ll_capacity,
+                        block_cap=comm.block_cap):
+                    continue
+
+                def call(algo=algo):
+                    comm.all_reduce_rmsnorm(x, residual, weight, eps, out=normed, residual_out=new_residual, algo=algo)
+
+                rows.append((label, t, _time_call(comm, call, ctx.group)))
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from pcie_allreduce.sizes import parse_size
 
@@ -77,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--algos", nargs="+", default=["oneshot_ll", "oneshot_full", "auto"], metavar="ALGO")
     parser.add_argument("--transport", choices=("auto", "p2p", "host"), default="auto",
                         help="where the workspaces live (default auto: P2P where every pair passes a transfer test)")
+    parser.add_argument("--fused", action="store_true", help="time the all-reduce + residual add + RMSNorm")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32], metavar="T")
+    parser.add_argument("--hidden", type=int, default=7168, metavar="H")
+    parser.add_argument("--fused-algos", nargs="+", default=["auto", "unfused"], metavar="ALGO")
     args = parser.parse_args(argv)
 
     from pcie_allreduce import ranks
@@ -85,10 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"python -m bench.graph_loop: {reason}", file=sys.stderr)
         return 3
-    print(f"{'W':>2} {'algo':<22} {'size':>10} {'us':>8}   (bf16; {CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
+    print(f"{'W':>2} {'algo':<22} {'tokens' if args.fused else 'size':>10} {'us':>8}   (bf16; {CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
           f"replays, best of {REPETITIONS}, slowest rank; transport {args.transport})")
     for world in args.world:
-        per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, args.transport, timeout_s=600)
+        if args.fused:
+            per_rank = ranks.run_ranks(_fused_rank, world, args.tokens, args.hidden, args.fused_algos, args.transport,
+                                       timeout_s=600)
+        else:
+            per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, args.transport, timeout_s=600)
         for i, (label, nbytes, _) in enumerate(per_rank[0]):
             slowest = max(rows[i][2] for rows in per_rank)
             print(f"{world:>2} {label:<22} {nbytes:>10} {slowest:8.2f}", flush=True)

@@ -105,7 +105,8 @@ def _add_rmsnorm_kernel(y_addr, res_addr, w_addr, normed_addr, res_out_addr, eps
     tl.store(normed + off, round_to(v * rstd * wv, DT, INTERPRET), mask=ok)
 
 
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+#: torch dtype -> Triton dtype, for kernels that take addresses and a DT constexpr.
+TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @functools.lru_cache(maxsize=256)  # pure, and asked on every eager call
@@ -139,7 +140,7 @@ def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     block, num_warps = launch_shape(hidden)
     tensors = (y, residual, weight, normed, new_residual)
     args = (*(t.data_ptr() for t in tensors), float(eps))
-    constexprs = dict(H=hidden, BLOCK=block, DT=_TRITON_DTYPES[y.dtype], WT=_TRITON_DTYPES[weight.dtype],
+    constexprs = dict(H=hidden, BLOCK=block, DT=TRITON_DTYPES[y.dtype], WT=TRITON_DTYPES[weight.dtype],
                       INTERPRET=interpret, num_warps=num_warps)
     if compile_only:
         for aligned in (True, False):

@@ -35,6 +35,12 @@ CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll", "oneshot_full", "twoshot_ful
 DATA_AS_FLAG_ONESHOTS: tuple[str, ...] = ("oneshot_ll", "oneshot_full")
 # Algorithms that need the host transport (their buffers exist only in shared host memory).
 HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot", "host_twoshot")
+# The fused all-reduce + residual + RMSNorm: its Triton kernels, and "unfused", the plain
+# all-reduce then the library's one add + RMSNorm kernel (add_rmsnorm.py), taken where no fused
+# kernel beats that pair.
+FUSED_KERNELS: tuple[str, ...] = ("oneshot", "twoshot", *DATA_AS_FLAG_ONESHOTS)
+UNFUSED = "unfused"
+FUSED_ALGORITHMS: tuple[str, ...] = (*FUSED_KERNELS, UNFUSED)
 
 
 def runs_on(algo: str, transport: str) -> bool:
@@ -149,10 +155,58 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class FusedRule:
+    """One row of the fused table: for ``[tokens, hidden]`` calls on ``world`` ranks with at most
+    ``max_tokens`` tokens (None: any), what ``all_reduce_rmsnorm(algo="auto")`` runs: ``"kernel"``
+    (the fused Triton kernel that follows the plain table's choice for the message, see
+    ``dispatch.fused_kernel``), a named fused kernel, or ``"unfused"`` (the plain all-reduce, then
+    one add + RMSNorm kernel). A named kernel that cannot take a call's shape runs unfused."""
+
+    algo: str
+    max_tokens: int | None = None
+    world: tuple[int, ...] | None = None  # None: any world size
+
+    def __post_init__(self) -> None:
+        if self.algo not in FUSED_CHOICES:
+            raise ValueError(f"fused table: unknown algo {self.algo!r}; expected one of {FUSED_CHOICES}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"fused table: max_tokens must be a positive int or null, got {self.max_tokens!r}")
+
+    def matches(self, tokens: int, world: int) -> bool:
+        return (self.world is None or world in self.world) and (self.max_tokens is None or tokens <= self.max_tokens)
+
+
+#: What a fused rule may name: "kernel" (follow the plain table), a fused kernel, or "unfused".
+FUSED_CHOICES: tuple[str, ...] = ("kernel", *FUSED_ALGORITHMS)
+
+
+def default_fused_rules() -> tuple[FusedRule, ...]:
+    """Where the fused kernels beat the plain all-reduce followed by the one add + RMSNorm kernel:
+    measured on one H200 under MPS, hidden 7168 bf16 (bench/RESULTS.md, "Fused all-reduce +
+    RMSNorm"); everywhere else the pair runs. ``pcie-allreduce tune`` does not measure these yet:
+    a table in $PCIE_AR_ALGO_TABLE may carry its own ``"fused"`` rules."""
+    return (
+        FusedRule("kernel", max_tokens=4, world=(2, 3, 4)),
+        FusedRule("kernel", max_tokens=1, world=None),
+        FusedRule(UNFUSED),
+    )
+
+
+@dataclass(frozen=True)
 class AlgoTable:
-    """An ordered list of rules; the last rule should match everything."""
+    """An ordered list of rules; the last rule should match everything. ``fused``: the fused
+    table (:class:`FusedRule`), tried in order, its last rule matching everything."""
 
     rules: tuple[Rule, ...] = field(default_factory=tuple)
+    fused: tuple[FusedRule, ...] = field(default_factory=default_fused_rules)
+
+    def select_fused(self, tokens: int, world: int) -> str:
+        """The fused table's choice for ``tokens`` rows on ``world`` ranks (a name of FUSED_CHOICES)."""
+        for rule in self.fused:
+            if rule.matches(tokens, world):
+                return rule.algo
+        return UNFUSED
 
     def select(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None) -> Choice:
         """The algorithm and block count for a message of ``nbytes`` bytes of ``dtype`` on ``world``
@@ -190,7 +244,9 @@ class AlgoTable:
             row["world"] = "*" if rule.world is None else list(rule.world)
             row["dtypes"] = None if rule.dtypes is None else list(rule.dtypes)
             rows.append(row)
-        return json.dumps({"rules": rows}, sort_keys=True)
+        fused = [{"algo": r.algo, "max_tokens": r.max_tokens, "world": "*" if r.world is None else list(r.world)}
+                 for r in self.fused]
+        return json.dumps({"rules": rows, "fused": fused}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "algorithm table") -> "AlgoTable":
@@ -200,7 +256,16 @@ class AlgoTable:
             raise ValueError(f"{source}: not valid JSON ({exc})") from None
         if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
             raise ValueError(f'{source}: expected an object {{"rules": [...]}} with at least one rule')
-        return cls(tuple(_rule_from_dict(row, source, i) for i, row in enumerate(data["rules"])))
+        unknown = set(data) - {"rules", "fused", "meta"}  # "meta": what tune records of its run, not read
+        if unknown:
+            raise ValueError(f'{source}: unknown keys {sorted(unknown)}; known: "rules", "fused", "meta"')
+        rules = tuple(_rule_from_dict(row, source, i) for i, row in enumerate(data["rules"]))
+        if "fused" not in data:
+            return cls(rules)
+        fused = data["fused"]
+        if not isinstance(fused, list) or not fused:
+            raise ValueError(f'{source}: "fused" must be a list of at least one rule')
+        return cls(rules, tuple(_fused_rule_from_dict(row, source, i) for i, row in enumerate(fused)))
 
 
 def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
@@ -226,6 +291,26 @@ def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
                     bytes_per_block=int(row.get("bytes_per_block", 16384)), max_blocks=int(row.get("max_blocks", 16)))
     except ValueError as exc:
         raise ValueError(f"{source}: rule {index}: {exc}") from None
+
+
+def _fused_rule_from_dict(row: Any, source: str, index: int) -> FusedRule:
+    where = f"{source}: fused rule {index}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} must be an object, got {type(row).__name__}")
+    unknown = set(row) - {"algo", "max_tokens", "world"}
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: algo, max_tokens, world")
+    world = row.get("world", "*")
+    if world == "*" or world is None:
+        world_t = None
+    elif isinstance(world, list) and world and all(isinstance(w, int) and not isinstance(w, bool) for w in world):
+        world_t = tuple(world)
+    else:
+        raise ValueError(f'{where}: world must be "*", null or a non-empty list of ints, got {world!r}')
+    try:
+        return FusedRule(algo=row.get("algo", ""), max_tokens=row.get("max_tokens"), world=world_t)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def default_table(transport: str = "p2p") -> AlgoTable:

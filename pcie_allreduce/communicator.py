@@ -211,24 +211,23 @@ class Communicator:
 
         ``x`` and ``residual`` are ``[tokens, hidden]`` bf16/fp16; ``weight`` is ``[hidden]`` (same
         dtype or fp32). Returns ``(normed, new_residual)``; ``out=x`` / ``residual_out=residual``
-        work in place. ``new_residual`` is bitwise equal to ``residual + self.all_reduce(x)`` and
-        identical on every rank (``normed`` too; its last bit may depend on which fused kernel
-        ran). One Triton launch: the data-as-flag one-shot in the plain table's wire format where
-        it picks ``oneshot_ll`` or ``oneshot_full`` for this size, the flag-based one-shot for
-        other small sizes, the token-split two-shot where it picks two-shot
-        (:meth:`select_fused_algo`).
+        work in place (no other sharing of memory between arguments is allowed). ``new_residual``
+        is bitwise equal to ``residual + self.all_reduce(x)`` and identical on every rank;
+        ``normed`` is identical on every rank too (its last bit may depend on which kernel ran).
+        ``algo="auto"`` (:meth:`select_fused_algo`) runs a fused Triton kernel where one beats the
+        plain all-reduce followed by the library's one add + RMSNorm kernel, and that pair
+        (``"unfused"``) elsewhere; a fused kernel can also be forced by name.
         """
-        from pcie_allreduce import fused_rmsnorm
-
         if self._closed:
             raise RuntimeError(self._closed_reason)
         validation.validate_rmsnorm_args(x, residual, weight, eps, device=self.device, max_bytes=self.max_bytes)
         validation.validate_out(x, out, name="out")
         validation.validate_out(residual, residual_out, name="residual_out")
-        if algo != "auto" and algo not in fused_rmsnorm.FUSED_ALGORITHMS:
-            raise ValueError(f"unknown fused algo {algo!r}; expected 'auto' or one of {fused_rmsnorm.FUSED_ALGORITHMS}")
+        if algo != "auto" and algo not in algo_mod.FUSED_ALGORITHMS:
+            raise ValueError(f"unknown fused algo {algo!r}; expected 'auto' or one of {algo_mod.FUSED_ALGORITHMS}")
         normed = torch.empty_like(x) if out is None else out
         new_residual = torch.empty_like(residual) if residual_out is None else residual_out
+        validation.validate_rmsnorm_aliasing(x, residual, weight, normed, new_residual)
         if x.numel() == 0:
             return normed, new_residual
         if algo == "auto":
@@ -238,6 +237,18 @@ class Communicator:
                 algo = self.select_fused_algo(*key)
                 if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
                     self._fused_choices[key] = algo
+        call = (algo, tuple(x.shape), x.dtype, weight.dtype)
+        if algo == algo_mod.UNFUSED:
+            from pcie_allreduce import add_rmsnorm
+
+            if call not in self._fused_compiled:
+                self._compile_everywhere(call, lambda: add_rmsnorm.add_rmsnorm(
+                    x, residual, weight, eps, normed, new_residual, compile_only=True))
+            self.all_reduce(x, out=normed)
+            add_rmsnorm.add_rmsnorm(normed, residual, weight, eps, normed, new_residual)
+            return normed, new_residual
+        from pcie_allreduce import fused_rmsnorm
+
         stream = current_stream_handle(self.device)
         workspace = self.workspace(stream)
         if workspace.failed():
@@ -247,7 +258,6 @@ class Communicator:
         view = self._views.get(id(workspace))
         if view is None:
             view = self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
-        call = (algo, tuple(x.shape), x.dtype, weight.dtype)
         if call not in self._fused_compiled:
             self._compile_everywhere(call, lambda: fused_rmsnorm.launch(
                 view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap,
@@ -295,10 +305,10 @@ class Communicator:
         self._fused_compiled.add(call)
 
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
-        """The fused kernel ``algo="auto"`` uses, following the plain table for the same message size:
-        two-shot (token split) where it picks two-shot and there is at least one token per rank;
-        the low-latency one-shot where it picks ``oneshot_ll`` and that kernel can take the shape;
-        else the flag-based one-shot."""
+        """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: a
+        fused kernel where the table's fused rules say one wins at this token count and W (it then
+        follows the plain table for the same message size), else ``"unfused"``
+        (:func:`pcie_allreduce.dispatch.fused_algo`)."""
         from pcie_allreduce.triton_protocol import interpreting
 
         return dispatch.fused_algo(tokens, hidden, dtype, self.world_size, self.table, ll_capacity=self.ll_capacity,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS, AlgoTable, Choice, capacity_of, fits_capacity
+from pcie_allreduce.algo import UNFUSED, DATA_AS_FLAG_ONESHOTS, AlgoTable, Choice, capacity_of, fits_capacity
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 #: torch dtype -> the kernels' dtype id (``constants.DTYPE_IDS`` is keyed by name).
@@ -50,6 +50,37 @@ def plain_launch(nbytes: int, world: int, dtype: torch.dtype, table: AlgoTable, 
 
 def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: AlgoTable, *,
                ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False) -> str:
+    """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: the
+    table's fused rules (``AlgoTable.fused``) say whether a fused kernel beats the plain all-reduce
+    followed by the one add + RMSNorm kernel (``"unfused"``) at this token count and W; "kernel"
+    means :func:`fused_kernel`'s choice, and a named kernel that cannot take the shape runs
+    unfused. Never raises for a valid call: every shape has the unfused pair."""
+    choice = table.select_fused(tokens, world)
+    if choice == UNFUSED:
+        return UNFUSED
+    if choice == "kernel":
+        return fused_kernel(tokens, hidden, dtype, world, table, ll_capacity=ll_capacity, block_cap=block_cap,
+                            interpret=interpret)
+    return choice if fused_kernel_fits(choice, tokens, hidden, dtype, world, ll_capacity=ll_capacity,
+                                       block_cap=block_cap, interpret=interpret) else UNFUSED
+
+
+def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, world: int, *,
+                      ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False) -> bool:
+    """Whether the fused kernel ``algo`` has a launch shape for the call (the data-as-flag ones:
+    an even hidden size, a message within the workspace's low-latency capacity and few enough
+    programs; the flag-based ones take every call)."""
+    if algo not in DATA_AS_FLAG_ONESHOTS:
+        return True
+    if ll_capacity is not None and tokens * hidden * dtype.itemsize > ll_capacity:
+        return False
+    from pcie_allreduce import fused_oneshot_ll  # Triton: imported on the first fused call only
+
+    return fused_oneshot_ll.launch_shape(tokens, hidden, world, block_cap, interpret) is not None
+
+
+def fused_kernel(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: AlgoTable, *,
+                 ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False) -> str:
     """The fused all-reduce + residual + RMSNorm kernel for ``[tokens, hidden]`` of ``dtype``,
     following the plain choice for the same message size: the token-split two-shot where that
     picks two-shot and there is at least one token per rank; the same data-as-flag one-shot
@@ -61,11 +92,10 @@ def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap).algo
     if plain == "twoshot" and tokens >= world:
         return "twoshot"
-    if plain in DATA_AS_FLAG_ONESHOTS:
-        from pcie_allreduce import fused_oneshot_ll  # Triton: imported on the first fused call only
-
-        if fused_oneshot_ll.launch_shape(tokens, hidden, world, block_cap, interpret) is not None:
-            return plain
+    if plain in DATA_AS_FLAG_ONESHOTS and fused_kernel_fits(plain, tokens, hidden, dtype, world,
+                                                            ll_capacity=ll_capacity, block_cap=block_cap,
+                                                            interpret=interpret):
+        return plain
     return "oneshot"
 
 

@@ -35,14 +35,15 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce import constants, fused_oneshot_ll
+from pcie_allreduce.add_rmsnorm import TRITON_DTYPES, is_aligned, rstd_of, sum_of_squares, typed_pointer
 from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, block_any, end_call, flag_addr,
-                                            interpreting, pick_base, round_to, store_release, wait_peer)
+from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting, pick_base,
+                                            round_to, store_release, wait_peer)
 
-FUSED_ALGORITHMS = ("oneshot", "twoshot", *DATA_AS_FLAG_ONESHOTS)
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
+_ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
 STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
 STAGE_FUSED_ALL_GATHER = constants.STAGE_FUSED_ALL_GATHER
@@ -50,11 +51,11 @@ STAGE_FUSED_ALL_GATHER = constants.STAGE_FUSED_ALL_GATHER
 
 @triton.jit
 def _finish_rows(nr, w, cols_ok, H, eps, normed_ptrs, res_out_ptrs, mask, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Store the new residual and its RMSNorm (fp32 statistics)."""
+    """Store the new residual and its RMSNorm (the exact row statistic of add_rmsnorm.py, so the
+    bits do not depend on the register layout the tensors' alignment gives)."""
     tl.store(res_out_ptrs, nr, mask=mask)
     v = nr.to(tl.float32)
-    var = tl.sum(tl.where(cols_ok, v * v, 0.0), axis=0) / H
-    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    rstd = rstd_of(sum_of_squares(v, cols_ok), H, eps)
     tl.store(normed_ptrs, round_to(v * rstd * w, DT, INTERPRET), mask=mask)
 
 
@@ -89,10 +90,9 @@ def _row_mask(cols_ok, row, end, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS, INTERPRET: tl.constexpr):
     """Copy rows first_row + pid*ROWS + i (i < ROWS, row < row_limit) of x to the same rows at dst."""
-    for i in tl.static_range(ROWS):
+    for i in range(ROWS):
         row = first_row + pid * ROWS + i
         mask = _row_mask(cols_ok, row, row_limit, INTERPRET)
         off = row.to(tl.int64) * H + cols
@@ -100,13 +100,13 @@ def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl
 
 
 @triton.jit
-def _fill_rows_with_nan(normed_ptr, res_out_ptr, first_row, row_limit, pid, H, cols, cols_ok, ROWS: tl.constexpr,
+def _fill_rows_with_nan(normed_ptr, res_out_ptr, first_row, row_limit, pid, H, cols, cols_ok, ROWS,
                         INTERPRET: tl.constexpr):
     """A call that gave up (timeout, mismatch, abort) leaves NaN in both outputs, never data that
     could pass for a result (invariant 5 of csrc/protocol.cuh). Only the rows this program owns
     (the ones :func:`_push_rows` reads for it): in place, no other program reads them."""
     nan = tl.full(cols.shape, float("nan"), tl.float32).to(normed_ptr.dtype.element_ty)
-    for i in tl.static_range(ROWS):
+    for i in range(ROWS):
         row = first_row + pid * ROWS + i
         mask = _row_mask(cols_ok, row, row_limit, INTERPRET)
         off = row.to(tl.int64) * H + cols
@@ -130,22 +130,24 @@ def _call_state(x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
     epoch, aborted = begin_call(ctrl, pid)
     cols = tl.arange(0, BLOCK_H)
-    parity_off = (epoch & 1).to(tl.int64) * parity_bytes
+    # workspace regions start on ALIGN-byte boundaries (layout.py): facts the compiler needs to
+    # widen the slot accesses, since these offsets are runtime values
+    parity_off = tl.multiple_of((epoch & 1).to(tl.int64) * parity_bytes, _ALIGN)
     # 64-bit element counts: sender x slot elements is the largest offset a kernel forms
-    slot_elems = slot_bytes.to(tl.int64) // ES
+    slot_elems = tl.multiple_of(slot_bytes.to(tl.int64) // ES, _ALIGN // ES)
     return pid, ctrl, epoch, aborted, sig.to(tl.uint64), cols, cols < H, slot_elems, parity_off
 
 
 @triton.jit
 def _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
-                   parity_off, flags_offset, SHARDED: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
+                   parity_off, flags_offset, SHARDED: tl.constexpr, ROWS, W: tl.constexpr, ALIGNED: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Push this program's rows of x into our slot of every peer (all rows, or with SHARDED only
     the rows that peer owns), then release that peer's flag of kind 0."""
     for p in tl.static_range(W):
         if p != rank:
             base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-            dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, x_ptr.dtype.element_ty, ALIGNED)
             if SHARDED:
                 begin, end = _shard(T, W, p)
             else:
@@ -182,17 +184,30 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
 
 # ---- kernels -----------------------------------------------------------------------------
 
-# Arguments that vary between workspaces and calls: specialising on them would recompile.
-_RUNTIME_ARGS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H", "sig",
-                 "timeout_ns", "slot_bytes", "parity_bytes", "flags_offset", "control_offset")
+# Arguments that vary between workspaces and calls: specialising on them would recompile. The
+# tensors come as addresses (x_addr, ...): their alignment is the ALIGNED constexpr's business
+# (two variants of each kernel, the same bits: the row statistic is exact), not the compile key's.
+_RUNTIME_ARGS = ("x_addr", "res_addr", "w_addr", "normed_addr", "res_out_addr", "b0", "b1", "b2", "b3", "b4", "b5",
+                 "b6", "b7", "my_base", "err_addr", "rank", "T", "ROWS", "sig", "timeout_ns", "slot_bytes",
+                 "parity_bytes", "flags_offset", "control_offset")
 
 
-@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
-def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
+@triton.jit
+def _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr, DT: tl.constexpr, WT: tl.constexpr,
+              ALIGNED: tl.constexpr):
+    """The five tensors as typed pointers (16-byte aligned ones with ALIGNED)."""
+    return (typed_pointer(x_addr, DT, ALIGNED), typed_pointer(res_addr, DT, ALIGNED), typed_pointer(w_addr, WT, ALIGNED),
+            typed_pointer(normed_addr, DT, ALIGNED), typed_pointer(res_out_addr, DT, ALIGNED))
+
+
+@triton.jit(do_not_specialize=_RUNTIME_ARGS)
+def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
-                          rank, T, H, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
-                          ROWS: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
-    DT: tl.constexpr = x_ptr.dtype.element_ty
+                          rank, T, ROWS, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
+                          H: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr, ALIGNED: tl.constexpr, W: tl.constexpr,
+                          BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr = _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
+                                                               DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
     aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
@@ -200,32 +215,35 @@ def _fused_oneshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
-                       parity_off, flags_offset, False, ROWS, W, INTERPRET)
+                       parity_off, flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
         # 2. wait for every peer's rows
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
                              INTERPRET)
         # 3. reduce, add the residual, normalise
         if ok == 1:
             w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
-            slot0 = (my_base + parity_off).to(tl.pointer_type(DT))
-            for i in tl.static_range(ROWS):
+            slot0 = typed_pointer(my_base + parity_off, DT, ALIGNED)
+            for i in range(ROWS):
                 row = pid * ROWS + i
                 mask = _row_mask(cols_ok, row, T, INTERPRET)
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
-                _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
+                _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
+                             INTERPRET)
             done = 1
     if done == 0:
         _fill_rows_with_nan(normed_ptr, res_out_ptr, 0, T, pid, H, cols, cols_ok, ROWS, INTERPRET)
     end_call(ctrl, epoch, pid)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
-def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
+@triton.jit(do_not_specialize=_RUNTIME_ARGS)
+def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
-                          rank, T, H, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
-                          ROWS: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
-    DT: tl.constexpr = x_ptr.dtype.element_ty
+                          rank, T, ROWS, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
+                          H: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr, ALIGNED: tl.constexpr, W: tl.constexpr,
+                          BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr = _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
+                                                               DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
     aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
@@ -233,24 +251,25 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
-                       parity_off, flags_offset, True, ROWS, W, INTERPRET)
+                       parity_off, flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
                              INTERPRET)
         w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
         if ok == 1:
             # 2. own rows: reduce + residual; push the new residual rows to everyone
-            slot0 = (my_base + parity_off).to(tl.pointer_type(DT))
+            slot0 = typed_pointer(my_base + parity_off, DT, ALIGNED)
             begin, end = _shard(T, W, rank)
-            for i in tl.static_range(ROWS):
+            for i in range(ROWS):
                 row = begin + pid * ROWS + i
                 mask = _row_mask(cols_ok, row, end, INTERPRET)
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
-                _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT, INTERPRET)
+                _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
+                             INTERPRET)
                 for p in tl.static_range(W):
                     if p != rank:
                         base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                        dst = (base + parity_off + rank.to(tl.int64) * slot_bytes).to(tl.pointer_type(DT))
+                        dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, DT, ALIGNED)
                         tl.store(dst + row_off + cols, nr, mask=mask)
             tl.debug_barrier()
             for p in tl.static_range(W):
@@ -261,11 +280,11 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
                                  INTERPRET)
             if ok == 1:
-                for p in tl.static_range(W):
-                    if p != rank:
-                        src = (my_base + parity_off + p * slot_bytes.to(tl.int64)).to(tl.pointer_type(DT))
-                        begin, end = _shard(T, W, p)
-                        for i in tl.static_range(ROWS):
+                for sender in range(W):  # a loop, not unrolled: W copies of the norm would only cost compile time
+                    if sender != rank:
+                        src = typed_pointer(my_base + parity_off + sender * slot_bytes.to(tl.int64), DT, ALIGNED)
+                        begin, end = _shard(T, W, sender)
+                        for i in range(ROWS):
                             row = begin + pid * ROWS + i
                             mask = _row_mask(cols_ok, row, end, INTERPRET)
                             row_off = row.to(tl.int64) * H
@@ -274,8 +293,8 @@ def _fused_twoshot_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                                          res_out_ptr + row_off + cols, mask, DT, INTERPRET)
                 done = 1
     if done == 0:  # this program's rows of every shard, its own shard's finished rows included
-        for p in tl.static_range(W):
-            begin, end = _shard(T, W, p)
+        for owner in range(W):
+            begin, end = _shard(T, W, owner)
             _fill_rows_with_nan(normed_ptr, res_out_ptr, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
     end_call(ctrl, epoch, pid)
 
@@ -325,12 +344,17 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     kernel = _fused_oneshot_kernel if algo == "oneshot" else _fused_twoshot_kernel
     bases = view.padded_bases()
     assert len(bases) == MAX_RANKS
-    args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
-            view.rank, tokens, hidden, float(eps), signature(algo, x.dtype, tokens, hidden, programs), view.timeout_ns,
+    tensors = (x, residual, weight, normed, residual_out)
+    args = (*(t.data_ptr() for t in tensors), *bases, view.bases[view.rank], view.error_ptr,
+            view.rank, tokens, rows, float(eps), signature(algo, x.dtype, tokens, hidden, programs), view.timeout_ns,
             view.layout.slot_bytes, view.layout.parity_bytes, view.layout.flags_offset,
             view.local_offset(view.layout.control_offset))
-    constexprs = dict(ROWS=rows, W=view.world, BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps)
+    # The compile key holds the hidden size, dtypes, W and ALIGNED, never the token count: one
+    # compilation per model shape serves every batch.
+    constexprs = dict(H=hidden, DT=TRITON_DTYPES[x.dtype], WT=TRITON_DTYPES[weight.dtype], W=view.world,
+                      BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps)
     if compile_only:
-        kernel.warmup(*args, grid=(programs,), **constexprs)
+        for aligned in (True, False):
+            kernel.warmup(*args, grid=(programs,), ALIGNED=aligned, **constexprs)
     else:
-        kernel[(programs,)](*args, **constexprs)
+        kernel[(programs,)](*args, ALIGNED=is_aligned(hidden, *tensors), **constexprs)

@@ -130,3 +130,30 @@ def validate_rmsnorm_args(x: object, residual: object, weight: object, eps: obje
         raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def validate_rmsnorm_aliasing(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor,
+                              new_residual: torch.Tensor) -> None:
+    """The outputs of the fused all-reduce + RMSNorm may be their own inputs (``out`` is ``x``,
+    ``residual_out`` is ``residual``: in place) and must share memory with nothing else: the
+    kernels store a row of one output while other rows of the inputs are still to be read, so any
+    other overlap would corrupt a result without an error."""
+    operands = (("x", x), ("residual", residual), ("weight", weight), ("out", normed), ("residual_out", new_residual))
+    in_place = {("out", "x"), ("residual_out", "residual")}
+    spans = {name: _span(t) for name, t in operands}
+    for written in ("out", "residual_out"):
+        a0, a1 = spans[written]
+        for name, _ in operands:
+            if name == written or (written, name) in in_place or (name == "out" and written == "residual_out"):
+                continue
+            b0, b1 = spans[name]
+            if a0 < b1 and b0 < a1:
+                problem = "is" if (a0, a1) == (b0, b1) else "overlaps"
+                raise ValueError(f"{written} {problem} {name}: the outputs may only be their own inputs "
+                                 "(out=x, residual_out=residual, in place) and must not share memory with "
+                                 "any other argument")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pcie_allreduce import dispatch, topology
-from pcie_allreduce.algo import AlgoTable, Choice, Rule, default_table
+from pcie_allreduce.algo import AlgoTable, Choice, FusedRule, Rule, default_fused_rules, default_table
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -68,8 +68,8 @@ def test_plain_choice_reads_dtype_rules() -> None:
     (4, 262144, 4, LL_CAP, 64, False, "twoshot"),
     (16, 32768, 8, LL_CAP, 64, False, "oneshot"),    # 1 MiB: the plain one-shot's range
 ])
-def test_fused_algo(tokens, hidden, world, ll_capacity, block_cap, interpret, expected) -> None:
-    got = dispatch.fused_algo(tokens, hidden, BF16, world, TABLE, ll_capacity=ll_capacity, block_cap=block_cap,
+def test_fused_kernel(tokens, hidden, world, ll_capacity, block_cap, interpret, expected) -> None:
+    got = dispatch.fused_kernel(tokens, hidden, BF16, world, TABLE, ll_capacity=ll_capacity, block_cap=block_cap,
                               interpret=interpret)
     assert got == expected
 
@@ -81,11 +81,48 @@ def test_fused_algo(tokens, hidden, world, ll_capacity, block_cap, interpret, ex
     (4, 2, "oneshot_full"),
     (32, 8, "oneshot"),       # 448 KiB: beyond the data-as-flag band
 ])
-def test_fused_algo_follows_the_default_tables_wire_format(tokens, world, expected) -> None:
+def test_fused_kernel_follows_the_default_tables_wire_format(tokens, world, expected) -> None:
     """Where the plain default picks ``oneshot_full`` (half the lines' bytes), the fused call
     takes the fused kernel in the same format."""
-    got = dispatch.fused_algo(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=64)
+    got = dispatch.fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=64)
     assert got == expected
+
+
+def test_fused_algo_follows_the_fused_rules() -> None:
+    """The fused rules decide between a fused kernel and the unfused pair; "kernel" follows the
+    plain table, a named kernel that cannot take the shape runs unfused, and every call has an
+    answer (the unfused pair)."""
+    rules = (FusedRule("kernel", max_tokens=2, world=(2,)), FusedRule("oneshot_ll", max_tokens=8),
+             FusedRule("unfused"))
+    table = AlgoTable(TABLE.rules, rules)
+
+    def pick(tokens: int, world: int, hidden: int = 4096) -> str:
+        return dispatch.fused_algo(tokens, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
+
+    assert pick(1, 2) == dispatch.fused_kernel(1, 4096, BF16, 2, table, ll_capacity=LL_CAP, block_cap=64)
+    assert pick(3, 2) == "oneshot_ll"
+    assert pick(3, 2, hidden=4095) == "unfused", "odd hidden: the named data-as-flag kernel has no shape"
+    assert pick(9, 2) == "unfused"
+    assert pick(1, 8) == "oneshot_ll"
+    assert dispatch.fused_algo(1, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
+                               ll_capacity=LL_CAP) == "oneshot_ll"
+    assert dispatch.fused_algo(2, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
+                               ll_capacity=LL_CAP) == "unfused", "past the last rule: unfused"
+
+
+def test_fused_rules_round_trip_and_validation() -> None:
+    table = AlgoTable(TABLE.rules, (FusedRule("twoshot", max_tokens=64, world=(4, 8)), FusedRule("unfused")))
+    assert AlgoTable.from_json(table.to_json()) == table
+    assert AlgoTable.from_json('{"rules": [{"algo": "twoshot"}]}').fused == default_fused_rules()
+    for bad, message in (('"fused": []', "at least one rule"),
+                         ('"fused": [{"algo": "fast"}]', "unknown algo"),
+                         ('"fused": [{"algo": "unfused", "max_tokens": 0}]', "max_tokens"),
+                         ('"fused": [{"algo": "unfused", "max_tokens": 4.0}]', "max_tokens"),
+                         ('"fused": [{"algo": "unfused", "world": "8"}]', "world"),
+                         ('"fused": [{"algo": "unfused", "tokens": 3}]', "unknown keys"),
+                         ('"fast": 1', "unknown keys")):
+        with pytest.raises(ValueError, match=message):
+            AlgoTable.from_json('{"rules": [{"algo": "twoshot"}], ' + bad + "}", source="t.json")
 
 
 @pytest.mark.parametrize("ranks_per_gpu, sms, expected", [

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "
 
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,4,8").split(",") if int(w) in (2, 4, 8)]
 TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
-TOKENS = (1, 4, 32, 128)
-HIDDENS = (4096, 7168, 8192)
+TOKENS = (1, 4, 8, 32, 128)
+HIDDENS = (4096, 7168, 8192, 2050)  # 2050: rows not a multiple of 16 bytes (the unaligned variants)
 MAX_BYTES = 128 * 8192 * 2
 EPS = 1e-6
 
@@ -49,13 +49,12 @@ def _check(normed, new_res, want_res, want_norm, what):
 
 
 def _algos(comm: pcie_allreduce.Communicator, tokens: int, hidden: int, dtype: torch.dtype) -> list[str]:
-    """Every fused kernel that can take this shape, and auto."""
-    from pcie_allreduce import fused_oneshot_ll
+    """Every fused kernel that can take this shape, the unfused pair, and auto."""
+    from pcie_allreduce import algo, dispatch
 
-    algos = ["oneshot", "twoshot"]
-    fits = tokens * hidden * torch.empty((), dtype=dtype).element_size() <= comm.ll_capacity
-    if fits and fused_oneshot_ll.launch_shape(tokens, hidden, comm.world_size, comm.block_cap) is not None:
-        algos += ["oneshot_ll", "oneshot_full"]
+    algos = [a for a in algo.FUSED_ALGORITHMS
+             if dispatch.fused_kernel_fits(a, tokens, hidden, dtype, comm.world_size, ll_capacity=comm.ll_capacity,
+                                           block_cap=comm.block_cap)]
     return algos + ["auto"]
 
 
@@ -82,9 +81,9 @@ def _fused_matrix(ctx: ranks.RankContext, transport: str) -> dict:
                 # the plain path: residual + all_reduce(x) must give the same bits
                 plain = res + comm.all_reduce(x)
                 assert torch.equal(plain.cpu(), want_res)
-                for algo in ("oneshot_ll", "oneshot_full"):
-                    if algo in per_algo and tokens == 4:
-                        # tensors 2 bytes past a 4-byte boundary: moved element by element, same bits
+                for algo in per_algo:
+                    if tokens == 4:
+                        # tensors 2 bytes past a 4-byte boundary: the kernels' unaligned variants, same bits
                         xm, resm, outm, res_outm = (ref.misaligned_copy(t) for t in (x, res, x, res))
                         comm.all_reduce_rmsnorm(xm, resm, w, EPS, out=outm, residual_out=res_outm, algo=algo)
                         assert _digest(outm, res_outm) == per_algo[algo], f"{algo}: misaligned tensors differ"
@@ -169,7 +168,7 @@ def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll"])
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused"])
 def test_a_fused_call_that_gives_up_leaves_nan_in_both_outputs(algo: str, world: int) -> None:
     for rank, r in enumerate(ranks.run_ranks(_fused_call_gives_up, world, algo, timeout_s=300)):
         if r["late"]:
@@ -212,3 +211,28 @@ def _first_calls_of_a_late_rank(ctx: ranks.RankContext) -> dict:
 def test_a_rank_late_to_the_first_call_of_a_shape_does_not_trip_the_timeout(world: int) -> None:
     results = ranks.run_ranks(_first_calls_of_a_late_rank, world, timeout_s=300)
     assert all(r == results[0] for r in results), "ranks disagree bitwise"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_add_rmsnorm_kernel_compiled(dtype: torch.dtype) -> None:
+    """The one add + RMSNorm kernel of the unfused path, compiled (one GPU, one process): against
+    the fp64 norm, new residual bitwise ``residual + y``, outputs poisoned first, fresh inputs per
+    shape, and the vector and scalar variants (aligned, misaligned views) give the same bits."""
+    from pcie_allreduce import add_rmsnorm
+
+    device = torch.device("cuda", 0)
+    gen = torch.Generator(device=device).manual_seed(5)
+    for tokens, hidden in ((1, 7168), (4, 7168), (32, 7168), (128, 7168), (3, 2050), (5, 4096), (7, 8191)):
+        y = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+        residual = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
+        normed = torch.full_like(y, float("nan"))
+        new_residual = torch.full_like(y, float("nan"))
+        add_rmsnorm.add_rmsnorm(y, residual, weight, EPS, normed, new_residual)
+        want_res = residual + y
+        v = want_res.double()
+        want_norm = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+        _check(normed, new_residual, want_res.cpu(), want_norm.cpu(), f"add_rmsnorm [{tokens}, {hidden}] {dtype}")
+        ym, rm = ref.misaligned_copy(y), ref.misaligned_copy(residual)
+        add_rmsnorm.add_rmsnorm(ym, rm, weight, EPS, ym, rm)  # in place, misaligned
+        assert _digest(ym, rm) == _digest(normed, new_residual), f"[{tokens}, {hidden}]: misaligned variant differs"
