@@ -9,14 +9,15 @@ two kernels instead (``algo="unfused"``). One program per row, the whole row in 
 
 The row statistic (:func:`sum_of_squares`) is exact fixed-point arithmetic, not an fp32 tree: the
 square of a bf16 or fp16 value is exact in fp32 (8 or 11 mantissa bits, squared, fit in 24), and
-each square is shifted onto a common 64-bit fixed-point grid set by the row's largest exponent
-(2^49 for the largest, so 16384 of them stay below 2^63), where integer addition is associative.
+each square is scaled onto a common 64-bit fixed-point grid set by the row's largest square
+(which lands in [2^48, 2^49), so 16384 of them stay below 2^63), where integer addition is
+associative.
 So the sum, and with it ``normed``, does not depend on the order of the additions: not on
 Triton's register layout (which follows the tensors' alignment: a vectorised and a scalar
 variant give the same bits), not on how many threads or programs a row is spread over. Ranks
 whose tensors differ in alignment still agree bitwise, and a 16-byte aligned variant is safe.
-Squares below 2^-49 of the row's largest are dropped (far below fp32's own rounding); a row
-holding inf or NaN gets the fp32 sum of its squares (inf or NaN, whatever the order).
+Each square keeps its bits down to 2^-48 of the row's largest (far below fp32's own rounding of
+the sum); a row holding inf or NaN gets the fp32 sum of its squares (inf or NaN, whatever the order).
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ import triton.language as tl
 
 from pcie_allreduce.triton_protocol import interpreting, round_to
 
-# A square's 24-bit mantissa is shifted left by at most this much: terms < 2^49, and
-# MAX_RMSNORM_HIDDEN (2^14) of them sum below 2^63.
-_STAT_SHIFT: tl.constexpr = tl.constexpr(25)
-# fp32's exponent bias plus its 23 fraction bits: a mantissa m with biased exponent e is m * 2^(e - 150).
-_MANTISSA_SCALE: tl.constexpr = tl.constexpr(150)
+# The row's largest square lands at 2^48 <= term < 2^49 on the fixed-point grid, so
+# MAX_RMSNORM_HIDDEN (2^14) terms sum below 2^63.
+_GRID_TOP: tl.constexpr = tl.constexpr(48)
 VECTOR_BYTES = 16  # the widest access a thread makes
 
 
@@ -46,23 +45,23 @@ def _pow2(n):
 @triton.jit
 def sum_of_squares(v, mask):
     """Sum of ``v * v`` over the masked elements of fp32 ``v`` (values of a bf16/fp16 tensor), the
-    same bits whatever the order of the additions (module docstring): a scalar."""
+    same bits whatever the order of the additions (module docstring): a scalar.
+
+    Each square is scaled by a power of two chosen from the row's largest (exact, a per-row
+    scalar) and truncated to an int64, a function of that element alone; the int64 sum is then
+    exact, whatever the order. A few instructions per element: the multiplies and one
+    conversion, no 64-bit shifts."""
     q = tl.where(mask, v * v, 0.0)
-    bits = q.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF
-    fraction = bits & 0x7FFFFF
-    mantissa = tl.where(exponent > 0, fraction | 0x800000, fraction).to(tl.int64)
-    exponent = tl.maximum(exponent, 1)  # a subnormal: exponent 1, no implicit bit
-    top = tl.max(exponent)
-    shift = exponent - top + _STAT_SHIFT  # <= _STAT_SHIFT
-    up = tl.maximum(shift, 0).to(tl.int64)
-    down = tl.minimum(tl.maximum(-shift, 0), 63).to(tl.int64)
-    total = tl.sum((mantissa << up) >> down)
-    # total * 2^k, k in [-174, 79]: two power-of-two factors, each within fp32's normal range
-    k = top - _MANTISSA_SCALE - _STAT_SHIFT
+    bits = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    top = tl.max(bits)  # the largest square's bits; >= 0x7F800000: inf or NaN in the row
+    exponent = tl.maximum(top >> 23, 1)  # biased; a subnormal counts as exponent 1
+    # term = q * 2^(GRID_TOP + 127 - exponent): the largest square in [2^48, 2^49). The scale can
+    # exceed fp32's range (up to 2^174), so it is applied as two factors, each within it.
+    k = _GRID_TOP + 127 - exponent
     k1 = k >> 1
-    result = total.to(tl.float32) * _pow2(k1) * _pow2(k - k1)
-    if top == 255:  # inf or NaN in the row (or a square that overflowed): fp32's own answer
+    total = tl.sum((q * _pow2(k1) * _pow2(k - k1)).to(tl.int64))
+    result = total.to(tl.float32) * _pow2(-k1) * _pow2(k1 - k)
+    if top >= 0x7F800000:  # inf or NaN in the row (or a square that overflowed): fp32's own answer
         result = tl.sum(q)
     return result
 

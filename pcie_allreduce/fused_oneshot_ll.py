@@ -82,7 +82,7 @@ FOREIGN: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
-def _verdict_state(verdict):
+def verdict_state(verdict):
     """spin_verdict's 0 / 1 (aborted) / 2 (timed out) as a wait state."""
     return tl.where(verdict == 1, ABORTED, tl.where(verdict == 2, TIMED_OUT, ARRIVED))
 
@@ -133,7 +133,7 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
         words = load_volatile(words_ptr, live, INTERPRET)
         headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
         states = _word_states(live, words, headers, flag, epoch, sig, FULL)
-        state = tl.max(tl.maximum(states, _verdict_state(verdict)))
+        state = tl.max(tl.maximum(states, verdict_state(verdict)))
     if state == FOREIGN:
         culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
         if FULL:
@@ -213,7 +213,7 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
         verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
         pause_ns(BACKOFF, INTERPRET)
         got = load_volatile(mine, q_ok, INTERPRET)
-        state = tl.max(tl.maximum(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED), _verdict_state(verdict)))
+        state = tl.max(tl.maximum(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED), verdict_state(verdict)))
     if state == TIMED_OUT:
         record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0, INTERPRET)
     tl.debug_barrier()  # every thread has its final copy before any slot is cleared

@@ -39,8 +39,10 @@ from pcie_allreduce.add_rmsnorm import TRITON_DTYPES, is_aligned, rstd_of, sum_o
 from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
-from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting, pick_base,
-                                            round_to, store_release, wait_peer)
+from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
+from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting,
+                                            load_acquire_where, next_epoch, now_ns, pick_base, record_error, round_to,
+                                            spin_verdict, store_release)
 
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
@@ -169,17 +171,51 @@ def _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, ra
 
 @triton.jit
 def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
-                    stage: tl.constexpr, W: tl.constexpr, INTERPRET: tl.constexpr):
-    """1 once every peer's flag of ``kind`` for this program carries our epoch; 0 on failure, in
-    every thread of the program if in any (each thread waits on its own loads: at a timeout's
-    edge they can disagree, and the caller branches around barriers on the result)."""
-    ok = 1
-    for p in tl.static_range(W):
-        if p != rank:
-            if ok == 1:
-                ok = wait_peer(flag_addr(my_base, flags_offset, kind, p, pid), ctrl, err_addr, epoch, sig64,
-                                timeout_ns, rank, p, stage, pid, INTERPRET)
-    return 1 - block_any(1 - ok, INTERPRET)
+                    stage: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """1 once every peer's flag of ``kind`` for this program carries our epoch or the next one
+    (invariant 3 of csrc/protocol.cuh); 0 on a mismatch (a peer's flag of this epoch with another
+    signature), a timeout or an abort, the same in every thread of the program.
+
+    Every pending peer's flag is loaded in each spin, one peer per thread (a BLOCK-wide tensor
+    masked to the W - 1 peers: each slot is polled by exactly one thread), so a peer whose flag
+    comes late costs one round trip, not one per peer before it; the exit test is one block-wide
+    reduction of the worst state (fused_oneshot_ll's wait states), so every thread leaves in the
+    same spin."""
+    peers = tl.arange(0, BLOCK)
+    live = (peers < W) & (peers != rank)
+    flags = flag_addr(my_base, flags_offset, kind, peers, pid)
+    following = next_epoch(epoch)
+    words = load_acquire_where(flags, live, INTERPRET)
+    states = _flag_states(live, words, epoch, following, sig64)
+    state = tl.max(states)
+    spins = 0
+    start = now_ns(INTERPRET)
+    while state == NOT_YET:
+        spins += 1
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        fresh = load_acquire_where(flags, live & (states == NOT_YET), INTERPRET)  # arrived ones stay arrived
+        words = tl.where(states == NOT_YET, fresh, words)
+        states = _flag_states(live, words, epoch, following, sig64)
+        state = tl.max(tl.maximum(states, verdict_state(verdict)))
+    if state == FOREIGN:
+        culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
+        their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words & 0xFFFFFFFF, 0))
+        record_error(ctrl, err_addr, 2, rank, culprit, stage, pid, epoch, sig64, their_sig, INTERPRET)
+    elif state == TIMED_OUT:
+        late = tl.max(tl.where(states == NOT_YET, peers, -1))
+        record_error(ctrl, err_addr, 1, rank, late, stage, pid, epoch, sig64, 0, INTERPRET)
+    return (state == ARRIVED).to(tl.int32)
+
+
+@triton.jit
+def _flag_states(live, words, epoch, following, sig64):
+    """Per peer: ARRIVED (its flag carries this epoch with our signature, or the next epoch: it
+    has finished this call and begun the next), FOREIGN (this epoch, another signature: a
+    different call) or NOT_YET; ARRIVED where not live."""
+    seen = (words >> 32) & 0xFFFFFFFF
+    foreign = (seen == epoch) & ((words & 0xFFFFFFFF) != sig64)
+    arrived = (seen == epoch) | (seen == following)
+    return tl.where(live, tl.where(foreign, FOREIGN, tl.where(arrived, ARRIVED, NOT_YET)), ARRIVED)
 
 
 # ---- kernels -----------------------------------------------------------------------------
@@ -218,7 +254,7 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                        parity_off, flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
         # 2. wait for every peer's rows
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
-                             INTERPRET)
+                             BLOCK_H, INTERPRET)
         # 3. reduce, add the residual, normalise
         if ok == 1:
             w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
@@ -253,7 +289,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                        parity_off, flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
-                             INTERPRET)
+                             BLOCK_H, INTERPRET)
         w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
         if ok == 1:
             # 2. own rows: reduce + residual; push the new residual rows to everyone
@@ -278,7 +314,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                     store_release(flag_addr(base, flags_offset, 1, rank, pid), (epoch << 32) | sig64, INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
-                                 INTERPRET)
+                                 BLOCK_H, INTERPRET)
             if ok == 1:
                 for sender in range(W):  # a loop, not unrolled: W copies of the norm would only cost compile time
                     if sender != rank:

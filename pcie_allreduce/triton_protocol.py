@@ -48,6 +48,19 @@ def load_acquire(ptr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def load_acquire_where(ptr, mask, INTERPRET: tl.constexpr):
+    """ld.acquire.sys of each u64 word of ``ptr`` where ``mask`` (0 elsewhere, nothing loaded):
+    the batched form of :func:`load_acquire`, for a poll of several peers' flags at once."""
+    if INTERPRET:
+        value = tl.load(ptr, mask=mask != 0, other=0, volatile=True)  # `!= 0`: see load_volatile
+    else:
+        value = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.acquire.sys.global.u64 $0, [$1]; }",
+            "=l,l,r", [ptr, mask.to(tl.int32)], dtype=tl.uint64, is_pure=False, pack=1)
+    return value
+
+
+@triton.jit
 def store_release(ptr, value, INTERPRET: tl.constexpr):
     """st.release.sys of a scalar flag, by thread 0 of the program only. Called after a
     tl.debug_barrier, that one release covers the stores every thread made before the barrier
@@ -224,33 +237,6 @@ def flag_addr(base, flags_offset, kind: tl.constexpr, sender, pid):
     return (base + flags_offset + index.to(tl.int64) * 8).to(tl.pointer_type(tl.uint64))
 
 
-@triton.jit
-def wait_peer(flag, ctrl, err_addr, epoch, sig, timeout_ns, rank, peer: tl.constexpr, stage: tl.constexpr, pid,
-               INTERPRET: tl.constexpr):
-    """Spin (bounded) until the peer's flag carries our epoch or the next one (invariant 3 of
-    protocol.cuh); 1 on success."""
-    following = next_epoch(epoch)
-    word = load_acquire(flag, INTERPRET)
-    seen = (word >> 32) & 0xFFFFFFFF
-    waiting = (seen != epoch) & (seen != following)
-    ok = 1
-    spins = 0
-    start = now_ns(INTERPRET)
-    while waiting & (ok == 1):
-        spins += 1
-        ok = keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, peer, stage, pid, epoch, sig, INTERPRET)
-        if ok == 1:
-            word = load_acquire(flag, INTERPRET)
-            seen = (word >> 32) & 0xFFFFFFFF
-            waiting = (seen != epoch) & (seen != following)
-    if ok == 1:
-        observed = word & 0xFFFFFFFF
-        if (seen == epoch) & (observed != sig):
-            record_error(ctrl, err_addr, 2, rank, peer, stage, pid, epoch, sig, observed, INTERPRET)
-            ok = 0
-    return ok
-
-
 def next_epoch_of(epoch: int) -> int:
     """``next_epoch`` of protocol.cuh on the host (tests): after 2^32-1 comes 2."""
     return 2 if epoch == 0xFFFFFFFF else epoch + 1
@@ -318,18 +304,6 @@ def spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET: tl.constexpr):
         elif expired:
             verdict = 2
     return verdict
-
-
-@triton.jit
-def keep_spinning(ctrl, err_addr, start, spins, timeout_ns, rank, peer, stage, pid, epoch, sig,
-                  INTERPRET: tl.constexpr):
-    """1 while a bounded spin may go on; 0 once the workspace was aborted or this wait timed out,
-    the timeout recorded as waiting for ``peer`` in ``stage``. (A wait that only knows its late
-    peer after a reduction calls :func:`spin_verdict` and records the timeout itself.)"""
-    verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
-    if verdict == 2:
-        record_error(ctrl, err_addr, 1, rank, peer, stage, pid, epoch, sig, 0, INTERPRET)
-    return (verdict == 0).to(tl.int32)
 
 
 def line_flag_of(epoch: int, signature: int) -> int:
