@@ -71,7 +71,7 @@ def cases_for(cfg: BenchConfig, backend: str) -> tuple[Case, ...]:
     """Every case ``backend`` runs under ``cfg`` (its workload decides what a case is)."""
     if cfg.workload == ALLREDUCE:
         return make_cases(cfg.sizes, backends.algos_for(backend, cfg.algos), cfg.dtype)
-    algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm)
+    algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm, fused_algos=cfg.fused_algos)
     cases = []
     for shape in cfg.shapes:
         calls = 2 * shape.layers if cfg.workload == VERIFY else 0

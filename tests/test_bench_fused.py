@@ -7,6 +7,9 @@ import csv
 import dataclasses
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +18,11 @@ from pcie_allreduce.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import backends, command, environment, norm_ops, options, pattern, plan, report, runner
-from bench.results import FAILED, FUSED, OK, WRONG, Report, Result, add_speedups, is_norm_algo
+from bench.norm_ops import torch_rmsnorm
+from bench.results import (
+    FAILED, FUSED, OK, SKIPPED, WRONG, Report, Result, add_speedups, forced_fused_algo, fused_kernel_name,
+    is_norm_algo, is_one_kernel_norm, split_norm,
+)
 
 from tests import _bench_fakes as fakes
 
@@ -40,7 +47,30 @@ def test_fused_defaults() -> None:
                                                                   "model": ""}
 
 
+def test_fused_algos_option() -> None:
+    assert _config(["--fused"]).fused_algos == ("auto",)
+    cfg = _config(["--fused", "--fused-algos", "auto", "oneshot_full", "oneshot", "twoshot", "unfused", "twoshot"])
+    assert cfg.fused_algos == ("auto", "oneshot_full", "oneshot", "twoshot", "unfused")
+    from pcie_allreduce.fused_rmsnorm import FUSED_ALGORITHMS
+
+    assert options.fused_algo_names() == ("auto", *FUSED_ALGORITHMS, "unfused")
+    assert [c.algo for c in plan.cases_for(cfg, "ours")][:5] == [
+        "fused", "fused:oneshot_full", "fused:oneshot", "fused:twoshot", "fused:unfused"]
+
+
+def test_fused_option_parsing_stays_torch_free() -> None:
+    """Without forced kernels the options never import torch (--help and usage errors stay fast)."""
+    code = ("import sys; from bench import __main__ as m, options; p = m.build_parser(); "
+            "a = p.parse_args(['--fused', '--fused-algos', 'auto']); options.config_from_args(a, p, 1); "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("argv, fragment", [
+    (["--fused", "--fused-algos", "oneshot", "threeshot"], "--fused-algos: unknown threeshot (choose from auto"),
+    (["--fused-algos", "oneshot"], "--fused-algos only applies with --fused"),
     (["--fused", "--sizes", "1K"], "use --tokens/--hidden, not --sizes"),
     (["--fused", "--algos", "oneshot"], "not --algos"),
     (["--fused", "--dtype", "float32"], "needs --dtype bfloat16 or float16"),
@@ -56,19 +86,43 @@ def test_fused_bad_options(argv: list[str], fragment: str, capsys: pytest.Captur
     assert fragment in err and "Traceback" not in err
 
 
+NORMS = ("+norm", "+addnorm", "+fi_addnorm", "+sgl_addnorm")
+
+
 def test_fused_variants_per_backend() -> None:
-    assert backends.algos_for("ours", (), FUSED) == ("fused", "auto+norm", "auto")
-    assert backends.algos_for("torch_symm", (), FUSED) == ("one_shot+norm", "two_shot+norm")
-    assert backends.algos_for("nccl", (), FUSED) == ("default+norm",)
+    assert backends.algos_for("ours", (), FUSED) == ("fused", *(f"auto{n}" for n in NORMS), "auto")
+    assert backends.algos_for("torch_symm", (), FUSED) == (
+        *(f"one_shot{n}" for n in NORMS), *(f"two_shot{n}" for n in NORMS))
+    assert backends.algos_for("nccl", (), FUSED) == tuple(f"default{n}" for n in NORMS)
+    forced = backends.algos_for("ours", (), FUSED, fused_algos=("oneshot", "auto", "unfused"))
+    assert forced[:3] == ("fused", "fused:oneshot", "fused:unfused") and forced[-1] == "auto"
+    assert backends.algos_for("torch_symm", (), FUSED, fused_algos=("oneshot",)) == backends.algos_for(
+        "torch_symm", (), FUSED)  # forced kernels are ours only
     cfg = options.BenchConfig(worlds=(2,), sizes=(128, 256), workload=FUSED,
-                              shapes=(options.Shape(1, 64), options.Shape(2, 64)))
+                              shapes=(options.Shape(1, 64), options.Shape(2, 64)), fused_algos=("twoshot",))
     cases = plan.cases_for(cfg, "ours")
-    assert [(c.index, c.tokens, c.hidden, c.count, c.size_bytes, c.algo) for c in cases[:4]] == [
-        (0, 1, 64, 64, 128, "fused"), (1, 1, 64, 64, 128, "auto+norm"), (2, 1, 64, 64, 128, "auto"),
-        (3, 2, 64, 128, 256, "fused")]
+    assert [(c.index, c.tokens, c.hidden, c.count, c.size_bytes, c.algo) for c in cases[:3]] == [
+        (0, 1, 64, 64, 128, "fused"), (1, 1, 64, 64, 128, "fused:twoshot"), (2, 1, 64, 64, 128, "auto+norm")]
+    assert [c.algo for c in cases].count("fused") == 2 and len(cases) == 2 * 7
     assert all(c.calls == 0 for c in cases)
-    assert is_norm_algo("fused") and is_norm_algo("one_shot+norm") and not is_norm_algo("auto")
+    assert is_norm_algo("fused") and is_norm_algo("fused:oneshot") and is_norm_algo("one_shot+norm")
+    assert is_norm_algo("one_shot+sgl_addnorm") and not is_norm_algo("auto")
     assert norm_ops.base_algo("fused") == "auto" and norm_ops.base_algo("two_shot+norm") == "two_shot"
+    assert norm_ops.base_algo("fused:twoshot") == "auto" and norm_ops.base_algo("pcie_ipc+fi_addnorm") == "pcie_ipc"
+
+
+def test_norm_suffixes_and_labels() -> None:
+    assert split_norm("auto+addnorm") == ("auto", "+addnorm")
+    assert split_norm("auto+fi_addnorm") == ("auto", "+fi_addnorm")
+    assert split_norm("custom_ar+sgl_addnorm") == ("custom_ar", "+sgl_addnorm") and split_norm("auto") == ("auto", "")
+    assert [is_one_kernel_norm(a) for a in ("a+norm", "a+addnorm", "a+fi_addnorm", "a+sgl_addnorm", "fused")] == [
+        False, True, True, True, False]
+    assert forced_fused_algo("auto") == "fused" and forced_fused_algo("twoshot") == "fused:twoshot"
+    assert fused_kernel_name("fused") == "auto" and fused_kernel_name("fused:oneshot_ll") == "oneshot_ll"
+    assert _row("ours", "auto+addnorm", 4, 1.0, resolved_algo="oneshot+addnorm").label == "auto(oneshot)+addnorm"
+    assert _row("ours", "fused:twoshot", 4, 1.0, resolved_algo="twoshot").label == "fused:twoshot"
+    assert _row("ours", "fused:unfused", 4, 1.0, resolved_algo="oneshot").label == "fused:unfused(oneshot)"
+    assert _row("ours", "auto+fi_addnorm", 4, 1.0, resolved_algo="oneshot+fi_addnorm").wire is not None
 
 
 def test_norm_pattern_is_exact() -> None:
@@ -110,21 +164,51 @@ def test_fused_rank_loop_on_cpu(monkeypatch) -> None:
     bar = fakes.RecordingBar()
     rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None, bar)
     by = {(r.backend, r.algo, r.tokens): r for r in rep.results}
-    assert bar.done == runner.total_cases(cfg) == 15
+    assert bar.done == runner.total_cases(cfg) == 3 * (6 + 8)
     for tokens in (1, 2, 3):
-        assert by[("ours", "auto+norm", tokens)].status == OK
+        for norm in ("+norm", "+addnorm", "+fi_addnorm"):
+            assert by[("ours", f"auto{norm}", tokens)].status == OK
+            assert by[("torch_symm", f"one_shot{norm}", tokens)].status == OK
+            assert by[("torch_symm", f"two_shot{norm}", tokens)].status == OK  # its input was zeroed before timing
         assert by[("ours", "auto", tokens)].status == OK
-        assert by[("torch_symm", "one_shot+norm", tokens)].status == OK
-        assert by[("torch_symm", "two_shot+norm", tokens)].status == OK  # its input was zeroed before timing
+        sgl = by[("torch_symm", "one_shot+sgl_addnorm", tokens)]
+        assert sgl.status == SKIPPED and "sgl_kernel does not import here (ModuleNotFoundError" in sgl.error
     assert by[("ours", "fused", 1)].status == OK and by[("ours", "fused", 1)].p50_us > 0
     assert by[("ours", "fused", 1)].resolved_algo == "oneshot" and by[("ours", "fused", 1)].label == "fused(oneshot)"
     assert by[("ours", "auto+norm", 1)].label == "auto(oneshot)+norm"
+    assert by[("ours", "auto+addnorm", 1)].label == "auto(oneshot)+addnorm"
     wrong = by[("ours", "fused", 2)]
     assert wrong.status == WRONG and wrong.error.startswith("rank 1: new_residual: 1 of 128 elements wrong")
     rounding = by[("ours", "fused", 3)]
     assert rounding.status == WRONG and "not bitwise equal to residual + all_reduce(x) on random data" in rounding.error
     assert {r.workload for r in rep.results} == {FUSED} and all(r.hidden == 64 for r in rep.results)
     assert rep.environment["ranks"]["2"]["gpu_name"] == "Fake GPU"  # the backend's facts reach the setup event
+
+
+def test_forced_fused_kernels_and_in_place_baselines_on_cpu(monkeypatch) -> None:
+    """--fused-algos: one row per forced kernel; one that cannot take the shape is skipped with the
+    library's message. NCCL's all-reduce is in place, so FlashInfer's in-place norm writes each
+    call's output into the next call's input: checked before timing, not after."""
+    fakes.use_cpu_ranks(monkeypatch)
+    cfg = _config(["--fused", "--world", "2", "--tokens", "1", "4", "--hidden", "64", "--backends", "ours", "nccl",
+                   "--fused-algos", "auto", "oneshot_ll", "twoshot", "unfused", "--eager", "--iters", "3",
+                   "--warmup", "1", "--calls-per-graph", "2"])
+    cfg = dataclasses.replace(cfg, setup_timeout_s=60.0, retries=0)
+    rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None)
+    by = {(r.backend, r.algo, r.tokens): r for r in rep.results}
+    assert by[("ours", "fused", 4)].status == OK and by[("ours", "fused", 4)].label == "fused(twoshot)"
+    assert by[("ours", "fused:oneshot_ll", 1)].status == OK and by[("ours", "fused:oneshot_ll", 1)].label == \
+        "fused:oneshot_ll"
+    ll = by[("ours", "fused:oneshot_ll", 4)]
+    assert ll.status == SKIPPED and "fused:oneshot_ll: fused oneshot_ll cannot take [4, 64]" in ll.error
+    assert by[("ours", "fused:twoshot", 4)].status == OK
+    assert by[("ours", "fused:unfused", 4)].status == OK and by[("ours", "fused:unfused", 4)].label == \
+        "fused:unfused(oneshot)"
+    for tokens in (1, 4):
+        assert by[("nccl", "default+fi_addnorm", tokens)].status == OK
+        assert by[("nccl", "default+addnorm", tokens)].status == OK
+        assert by[("nccl", "default+sgl_addnorm", tokens)].status == SKIPPED
+    assert command.exit_status(rep) == 0  # skipped rows are no failure
 
 
 def test_rounds_interleave_cases_and_pool_their_replays(monkeypatch) -> None:
@@ -138,7 +222,7 @@ def test_rounds_interleave_cases_and_pool_their_replays(monkeypatch) -> None:
     bar = fakes.RecordingBar()
     rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None, bar)
     by = {(r.algo, r.tokens): r for r in rep.results}
-    assert bar.done == runner.total_cases(cfg) == 6 == len(rep.results)
+    assert bar.done == runner.total_cases(cfg) == 12 == len(rep.results)
     assert by[("fused", 1)].status == OK and by[("fused", 1)].replays == 6, "3 + 3 replays pooled"
     assert by[("auto", 2)].status == OK and by[("auto", 2)].replays == 6
     assert by[("fused", 2)].status == WRONG  # the scripted fault at T=2, caught in round 1
@@ -232,3 +316,67 @@ def test_fused_command_end_to_end(monkeypatch, capsys, tmp_path) -> None:
     assert seen["cfg"].workload == FUSED and seen["cfg"].worlds == (4,)
     assert "fused/AR(<=1.15)" in out.out and f"wrote {tmp_path}/fused.json" in out.err
     assert {"fused.csv", "fused.json", "fused.txt"} <= {p.name for p in tmp_path.iterdir()}
+
+
+# ----------------------------------------------------------------------------- one-kernel baselines' checks
+
+
+def _adapter(monkeypatch, kernels: dict, algos: tuple[str, ...]) -> norm_ops.NormAdapter:
+    """A NormAdapter over a do-nothing backend (the one-kernel cross-check is not collective)."""
+    monkeypatch.setattr(norm_ops, "load_kernel", lambda suffix: kernels[suffix])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    ctx = type("Ctx", (), {"device": torch.device("cpu"), "rank": 0, "world_size": 1})()
+    cases = tuple(plan.Case(i, 2 * 64 * 2, 2 * 64, a, tokens=2, hidden=64) for i, a in enumerate(algos))
+    job = plan.RankJob(backend="nccl", dtype="bfloat16", cases=cases, max_bytes=256, progress_dir="/tmp")
+    return norm_ops.NormAdapter(fakes.FakeBackend.__new__(fakes.FakeBackend), ctx, job)
+
+
+def _norm_bufs() -> norm_ops.NormBuffers:
+    """A [2, 64] bf16 case's buffers: the cross-check reads only the shape, dtype and weight."""
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.bfloat16)
+
+    return norm_ops.NormBuffers(inp=bf16(128), out=bf16(128), inner=None, residual=bf16(2, 64),
+                                weight=pattern.weight_values(64, torch.bfloat16), normed=bf16(2, 64),
+                                new_residual=bf16(2, 64), tokens=2, hidden=64)
+
+
+def test_one_kernel_cross_checks(monkeypatch) -> None:
+    def rounded_twice(y, residual, weight, eps, normed, new_residual, *, compile_only=False):
+        new_residual.copy_((residual.float() + y.float()).to(torch.float16).to(residual.dtype))  # not torch's add
+        normed.copy_(torch_rmsnorm(new_residual, weight, eps))
+
+    def in_place_off_by_a_little(x, residual, weight, eps):
+        residual.copy_((residual.float() + x.float() * (1 + 2 ** -10)).to(residual.dtype))
+        x.copy_(torch_rmsnorm(residual, weight, eps))
+
+    def in_place_bad_norm(x, residual, weight, eps):
+        residual.add_(x)
+        x.copy_(torch_rmsnorm(residual, weight, eps) * 1.1)
+
+    good = {"+addnorm": fakes.fake_add_rmsnorm, "+fi_addnorm": fakes.fake_fused_add_rmsnorm}
+    adapter = _adapter(monkeypatch, good, ("auto+addnorm", "auto+fi_addnorm"))
+    for algo in ("auto+addnorm", "auto+fi_addnorm"):
+        assert adapter.cross_check(_norm_bufs(), algo) is None
+    adapter = _adapter(monkeypatch, {"+addnorm": rounded_twice, "+fi_addnorm": in_place_off_by_a_little},
+                       ("auto+addnorm", "auto+fi_addnorm"))
+    problem = adapter.cross_check(_norm_bufs(), "auto+addnorm")
+    assert problem.startswith("pcie_allreduce.add_rmsnorm.add_rmsnorm new_residual is not bitwise equal to "
+                              "residual + y")
+    assert adapter.cross_check(_norm_bufs(), "auto+fi_addnorm") is None  # within tolerance
+    adapter = _adapter(monkeypatch, {"+sgl_addnorm": in_place_bad_norm}, ("auto+sgl_addnorm",))
+    problem = adapter.cross_check(_norm_bufs(), "auto+sgl_addnorm")
+    assert problem.startswith("sgl_kernel.fused_add_rmsnorm vs torch RMSNorm on random data: normed:")
+
+
+def test_a_baseline_that_does_not_import_is_skipped(monkeypatch) -> None:
+    def missing(suffix: str):
+        raise ImportError("libcudart.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(norm_ops, "load_kernel", missing)
+    ctx = type("Ctx", (), {"device": torch.device("cpu"), "rank": 0, "world_size": 1})()
+    case = plan.Case(0, 256, 128, "default+fi_addnorm", tokens=2, hidden=64)
+    job = plan.RankJob(backend="nccl", dtype="bfloat16", cases=(case,), max_bytes=256, progress_dir="/tmp")
+    adapter = norm_ops.NormAdapter(fakes.FakeBackend.__new__(fakes.FakeBackend), ctx, job)
+    assert adapter.skip_reason(case) == ("flashinfer.norm does not import here (ImportError: libcudart.so.13: cannot "
+                                         "open shared object file)")

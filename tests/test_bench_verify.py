@@ -12,7 +12,7 @@ from pcie_allreduce.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import command, environment, options, plan, report, runner, verify_options
-from bench.results import OK, VERIFY, Report, Result, add_speedups
+from bench.results import OK, SKIPPED, VERIFY, Report, Result, add_speedups
 
 from tests import _bench_fakes as fakes
 
@@ -59,10 +59,11 @@ def test_verify_bad_options(argv: list[str], fragment: str, capsys: pytest.Captu
 def test_verify_cases() -> None:
     cfg = _verify_config(["--model", "qwen3-235b-a22b", "--fused"])
     ours = plan.cases_for(cfg, "ours")
-    assert [c.algo for c in ours] == ["auto", "fused", "auto+norm"]
-    assert {(c.calls, c.tokens, c.hidden, c.model) for c in ours} == {(188, 4, 4096, "qwen3-235b-a22b")}
-    assert [c.algo for c in plan.cases_for(cfg, "torch_symm")] == ["one_shot", "two_shot", "one_shot+norm",
-                                                                   "two_shot+norm"]
+    norms = ("+norm", "+addnorm", "+fi_addnorm", "+sgl_addnorm")
+    assert [c.algo for c in ours if c.tokens == 4] == ["auto", "fused", *(f"auto{n}" for n in norms)]
+    assert {(c.calls, c.hidden, c.model) for c in ours} == {(188, 4096, "qwen3-235b-a22b")}
+    assert [c.algo for c in plan.cases_for(cfg, "torch_symm") if c.tokens == 4] == [
+        "one_shot", "two_shot", *(f"one_shot{n}" for n in norms), *(f"two_shot{n}" for n in norms)]
     plain = _verify_config(["--model", "qwen3-235b-a22b"])
     assert [c.algo for c in plan.cases_for(plain, "nccl")] == ["default"]
     job = plan.make_job(cfg, "ours", ours, "/tmp")
@@ -76,8 +77,9 @@ def test_verify_rank_loop_on_cpu(monkeypatch) -> None:
                               setup_timeout_s=60.0, retries=0, compute_ms=1.0)
     rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None)
     rows = {r.algo: r for r in rep.results}
-    assert set(rows) == {"auto", "fused", "auto+norm"}
-    assert rows["auto"].status == OK and rows["auto+norm"].status == OK
+    assert set(rows) == {"auto", "fused", "auto+norm", "auto+addnorm", "auto+fi_addnorm", "auto+sgl_addnorm"}
+    assert rows["auto"].status == OK and rows["auto+norm"].status == OK and rows["auto+addnorm"].status == OK
+    assert rows["auto+fi_addnorm"].status == OK and rows["auto+sgl_addnorm"].status == SKIPPED
     assert rows["fused"].status != OK  # the fake's fused path at T=2 corrupts rank 1's residual
     assert rows["auto"].calls_per_graph == 6 and rows["auto"].model == "tiny" and rows["auto"].layers == 3
     assert rows["auto"].pass_ms == pytest.approx(rows["auto"].p50_us * 6 / 1e3)
