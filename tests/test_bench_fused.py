@@ -17,7 +17,7 @@ import torch
 from pcie_allreduce.ranks import placement_label
 
 from bench import __main__ as bench_cli
-from bench import backends, command, environment, norm_ops, options, pattern, plan, report, runner
+from bench import backends, command, environment, norm_ops, options, pattern, plan, report, report_fused, runner
 from bench.norm_ops import torch_rmsnorm
 from bench.results import (
     FAILED, FUSED, OK, SKIPPED, WRONG, Report, Result, add_speedups, forced_fused_algo, fused_kernel_name,
@@ -241,15 +241,23 @@ def _row(backend: str, algo: str, tokens: int, p50: float | None, world: int = 4
 def fake_fused_report() -> Report:
     rows = [
         _row("ours", "fused", 4, 11.0, resolved_algo="oneshot"),
+        _row("ours", "fused:oneshot", 4, 11.5, resolved_algo="oneshot"),
+        _row("ours", "fused:oneshot_ll", 4, None, status=SKIPPED, resolved_algo="oneshot_ll",
+             error="rank 0: fused:oneshot_ll: fused oneshot_ll cannot take [4, 7168] torch.bfloat16"),
         _row("ours", "auto+norm", 4, 18.0, resolved_algo="oneshot+norm"),
+        _row("ours", "auto+addnorm", 4, 13.0, resolved_algo="oneshot+addnorm"),
         _row("ours", "auto", 4, 10.0, resolved_algo="oneshot"),
         _row("torch_symm", "one_shot+norm", 4, 16.0),
+        _row("torch_symm", "one_shot+fi_addnorm", 4, 12.5),
         _row("torch_symm", "two_shot+norm", 4, 20.0),
         _row("ours", "fused", 128, 40.0, resolved_algo="twoshot"),
+        _row("ours", "fused:oneshot", 128, 60.0, resolved_algo="oneshot"),
         _row("ours", "auto+norm", 128, 45.0, resolved_algo="twoshot+norm"),
+        _row("ours", "auto+addnorm", 128, 42.0, resolved_algo="twoshot+addnorm"),
         _row("ours", "auto", 128, 30.0, resolved_algo="twoshot"),
         _row("torch_symm", "one_shot+norm", 128, None, status=FAILED, error="rank 0: boom"),
         _row("torch_symm", "two_shot+norm", 128, 50.0),
+        _row("torch_symm", "two_shot+addnorm", 128, 44.0),
     ]
     config = options.BenchConfig(worlds=(4,), sizes=(57344, 1835008), workload=FUSED,
                                  shapes=(options.Shape(4, 7168), options.Shape(128, 7168))).to_dict()
@@ -259,10 +267,29 @@ def fake_fused_report() -> Report:
 
 def test_fused_speedups_compare_like_with_like() -> None:
     by = {(r.algo, r.tokens): r for r in fake_fused_report().results}
-    assert by[("fused", 4)].reference == "torch_symm" and by[("fused", 4)].speedup == pytest.approx(16 / 11)
-    assert by[("auto+norm", 4)].speedup == pytest.approx(16 / 18)
+    # against torch_symm's best norm row of any kind: its all-reduce + FlashInfer's one kernel
+    assert by[("fused", 4)].reference == "torch_symm" and by[("fused", 4)].speedup == pytest.approx(12.5 / 11)
+    assert by[("auto+norm", 4)].speedup == pytest.approx(12.5 / 18)
     assert by[("auto", 4)].speedup is None  # a plain all-reduce is not compared with all-reduce + norm rows
-    assert by[("fused", 128)].speedup == pytest.approx(50 / 40)
+    assert by[("fused", 128)].speedup == pytest.approx(44 / 40)
+
+
+def test_fused_goals() -> None:
+    assert [report_fused.goal_vs_allreduce(t) for t in (1, 4, 32, 64, 128)] == [1.10, 1.10, 1.10, 1.15, 1.15]
+    assert report_fused.GOAL_VS_ONE_KERNEL == 0.85
+
+
+def test_fused_summary_ratios() -> None:
+    four, big = report_fused.summary_rows(fake_fused_report())
+    assert (four["world"], four["tokens"]) == (4, 4) and four["fused"].p50_us == 11.0
+    assert four["ours_allreduce"].p50_us == 10.0 and four["ours_one_kernel"].p50_us == 13.0
+    assert four["best_one_kernel"].algo == "one_shot+fi_addnorm" and four["ours_eager"].p50_us == 18.0
+    assert four["fused_vs_allreduce"] == pytest.approx(1.1) and four["goal_vs_allreduce"] == 1.10
+    assert four["fused_vs_ours_one_kernel"] == pytest.approx(11 / 13)
+    assert four["fused_vs_best_one_kernel"] == pytest.approx(11 / 12.5)  # judged against the best one kernel
+    assert four["forced"]["fused:oneshot"].p50_us == 11.5 and four["forced"]["fused:oneshot_ll"] is None
+    assert big["best_one_kernel"].backend == "ours" and big["fused_vs_best_one_kernel"] == pytest.approx(40 / 42)
+    assert big["goal_vs_allreduce"] == 1.15 and big["fused_vs_allreduce"] == pytest.approx(40 / 30)
 
 
 def test_fused_report_table_and_summary() -> None:
@@ -272,21 +299,32 @@ def test_fused_report_table_and_summary() -> None:
     assert header.lstrip("#").split() == ["tokens", "hidden", "size(B)", "backend", "algo", "p50(us)", "p99(us)",
                                           "wire(B)", "wire(GB/s)", "speedup", "status"]
     row = next(line.split() for line in text.splitlines() if "fused(oneshot)" in line)
-    assert row[:5] == ["4", "7168", "57344", "ours", "fused(oneshot)"] and row[5] == "11.00" and row[9] == "1.45x"
+    assert row[:5] == ["4", "7168", "57344", "ours", "fused(oneshot)"] and row[5] == "11.00" and row[9] == "1.14x"
     # the fused one-shot moves what the plain one-shot moves: the message to each of 3 peers
     assert row[7] == f"{3 * 57344}/{3 * 57344}" and float(row[8]) == pytest.approx(3 * 57344 / 11e3, abs=0.01)
+    forced = next(line.split() for line in text.splitlines() if " fused:oneshot " in line)
+    assert forced[4:6] == ["fused:oneshot", "11.50"] and forced[7] == f"{3 * 57344}/{3 * 57344}"
+    skipped = next(line.split() for line in text.splitlines() if " fused:oneshot_ll " in line)
+    assert skipped[5] == "-" and skipped[-1] == "skipped"
     other = next(line.split() for line in text.splitlines() if not line.startswith("#") and " torch_symm " in line)
     assert other[7] == "-"  # other backends' formats are theirs
     assert any("auto(twoshot)+norm" in line for line in text.splitlines())
+    assert any("auto(oneshot)+addnorm" in line for line in text.splitlines())
     assert "best torch_symm row of the same tokens and op" in text
     summary = [line for line in text.splitlines() if line.split()[:2] in (["4", "4"], ["4", "128"])]
+    header = next(line for line in text.splitlines() if line.startswith("# W ") and "best 1-kernel" in line)
+    assert header.lstrip("#").split() == [
+        "W", "tokens", "fused", "fused:oneshot", "fused:oneshot_ll", "AR", "AR+addnorm", "best", "1-kernel",
+        "(which)", "AR+norm", "fused/AR(<=1.10|1.15)", "fused/(AR+addnorm)", "fused/best1k(<=0.85)"]
     four = summary[0].split()
-    # W, tokens, fused, ours AR, ours AR+norm, torch_symm+norm, fused/AR verdict, fused/(AR+norm) verdict, vs best
-    assert four[:6] == ["4", "4", "11.00", "10.00", "18.00", "16.00"]
-    assert four[6:10] == ["1.10", "ok", "0.61", "ok"] and four[10] == "0.69"
+    # W, tokens, fused, forced..., AR, AR+addnorm, best 1-kernel, which, AR+norm, verdicts
+    assert four[:10] == ["4", "4", "11.00", "11.50", "-", "10.00", "13.00", "12.50",
+                         "torch_symm/one_shot+fi_addnorm", "18.00"]
+    assert four[10:] == ["1.10", "ok", "0.85", "0.88", "MISS"]
     big = summary[1].split()
-    assert big[2:6] == ["40.00", "30.00", "45.00", "50.00"] and big[6:10] == ["1.33", "MISS", "0.89", "MISS"]
-    assert "fused/AR(<=1.15)" in text and "fused/(AR+norm)(<=0.75)" in text
+    assert big[2:10] == ["40.00", "60.00", "-", "30.00", "42.00", "42.00", "ours/auto(twoshot)+addnorm", "45.00"]
+    assert big[10:] == ["1.33", "MISS", "0.95", "0.95", "MISS"]
+    assert "fused/AR <= 1.10 for T <= 32, <= 1.15 above; fused/best1k <= 0.85" in text
 
 
 def test_fused_csv_json_and_file_names(tmp_path) -> None:
@@ -314,7 +352,7 @@ def test_fused_command_end_to_end(monkeypatch, capsys, tmp_path) -> None:
     assert bench_cli.main(["--fused", "--tokens", "4", "128", "--world", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert seen["cfg"].workload == FUSED and seen["cfg"].worlds == (4,)
-    assert "fused/AR(<=1.15)" in out.out and f"wrote {tmp_path}/fused.json" in out.err
+    assert "fused/best1k(<=0.85)" in out.out and f"wrote {tmp_path}/fused.json" in out.err
     assert {"fused.csv", "fused.json", "fused.txt"} <= {p.name for p in tmp_path.iterdir()}
 
 
