@@ -32,6 +32,9 @@ PRESETS = MappingProxyType({
 })
 DEFAULT_MODELS: tuple[str, ...] = ("kimi-k2.5", "llama-3-70b", "qwen3-235b-a22b")
 MAX_LAYERS = 512
+# T = batch x draft tokens: 4 (one sequence, the latency case) and 32 (eight sequences) by default.
+DEFAULT_BATCH: tuple[int, ...] = (1, 8)
+DEFAULT_DRAFT_TOKENS: tuple[int, ...] = (4,)
 
 layers_arg = typed_arg(int, lambda v: 1 <= v <= MAX_LAYERS, f"an integer in [1, {MAX_LAYERS}]")
 compute_arg = typed_arg(float, lambda v: v >= 0, "a number >= 0")
@@ -47,16 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--layers", type=layers_arg, metavar="L", help="a custom model: layers (with --hidden)")
     what.add_argument("--hidden", type=options.hidden_arg, metavar="H",
                       help="a custom model: hidden size (with --layers)")
-    what.add_argument("--batch", type=options.positive_int, nargs="+", default=[1], metavar="B",
-                      help="sequences per verify pass (default 1)")
-    what.add_argument("--draft-tokens", type=options.positive_int, nargs="+", default=[4], metavar="D",
-                      help="tokens verified per sequence; T = batch x draft tokens (default 4)")
+    what.add_argument("--batch", type=options.positive_int, nargs="+", default=list(DEFAULT_BATCH), metavar="B",
+                      help=f"sequences per verify pass (default {' '.join(map(str, DEFAULT_BATCH))})")
+    what.add_argument("--draft-tokens", type=options.positive_int, nargs="+", default=list(DEFAULT_DRAFT_TOKENS),
+                      metavar="D", help="tokens verified per sequence; T = every batch x every draft tokens "
+                                        f"(default {' '.join(map(str, DEFAULT_DRAFT_TOKENS))}: T = 4 and 32)")
     what.add_argument("--compute-ms", type=compute_arg, default=options.DEFAULT_COMPUTE_MS, metavar="MS",
                       help=f"model compute per verify pass, added to the pass time (default "
                            f"{options.DEFAULT_COMPUTE_MS:g})")
     what.add_argument("--fused", action="store_true",
-                      help="also time each collective with its residual add + RMSNorm: our fused kernel, our "
-                           "all-reduce + torch ops, the other backends' all-reduce + torch ops")
+                      help="also time each collective with its residual add + RMSNorm: our fused kernel, and every "
+                           "backend's all-reduce + eager torch ops / + one add + RMSNorm kernel (ours, FlashInfer's, "
+                           "sgl-kernel's)")
     what.add_argument("--eps", type=options.positive_float, default=options.DEFAULT_EPS, metavar="EPS",
                       help=f"RMSNorm epsilon (default {options.DEFAULT_EPS:g})")
     options.add_timing_arguments(parser, iters=50, calls_per_graph=False)

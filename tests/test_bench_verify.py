@@ -11,7 +11,7 @@ import pytest
 from pcie_allreduce.ranks import placement_label
 
 from bench import __main__ as bench_cli
-from bench import command, environment, options, plan, report, runner, verify_options
+from bench import command, environment, options, plan, report, report_verify, runner, verify_options
 from bench.results import OK, SKIPPED, VERIFY, Report, Result, add_speedups
 
 from tests import _bench_fakes as fakes
@@ -28,8 +28,11 @@ def test_verify_defaults() -> None:
     cfg = _verify_config([])
     assert cfg.workload == VERIFY and not cfg.norm and cfg.compute_ms == 5.0 and cfg.iters == 50
     assert [(s.model, s.layers, s.hidden, s.tokens) for s in cfg.shapes] == [
-        ("kimi-k2.5", 61, 7168, 4), ("llama-3-70b", 80, 8192, 4), ("qwen3-235b-a22b", 94, 4096, 4)]
-    assert cfg.sizes == (4 * 4096 * 2, 4 * 7168 * 2, 4 * 8192 * 2) and cfg.calls_per_graph == 188
+        ("kimi-k2.5", 61, 7168, 4), ("kimi-k2.5", 61, 7168, 32), ("llama-3-70b", 80, 8192, 4),
+        ("llama-3-70b", 80, 8192, 32), ("qwen3-235b-a22b", 94, 4096, 4), ("qwen3-235b-a22b", 94, 4096, 32)]
+    assert verify_options.DEFAULT_BATCH == (1, 8) and verify_options.DEFAULT_DRAFT_TOKENS == (4,)
+    assert cfg.sizes == tuple(sorted(t * h * 2 for t in (4, 32) for h in (7168, 8192, 4096)))
+    assert cfg.calls_per_graph == 188
 
 
 def test_verify_options() -> None:
@@ -37,9 +40,9 @@ def test_verify_options() -> None:
                           "--compute-ms", "7.5", "--fused", "--world", "4", "8", "--dtype", "float16"])
     assert [(s.model, s.tokens) for s in cfg.shapes] == [("deepseek-v3/kimi-k2.5", 4), ("deepseek-v3/kimi-k2.5", 32)]
     assert cfg.norm and cfg.compute_ms == 7.5 and cfg.worlds == (4, 8) and cfg.dtype == "float16"
-    custom = _verify_config(["--layers", "2", "--hidden", "256"])
+    custom = _verify_config(["--layers", "2", "--hidden", "256", "--batch", "1"])
     assert [(s.model, s.layers, s.hidden) for s in custom.shapes] == [("custom-L2-H256", 2, 256)]
-    both = _verify_config(["--layers", "2", "--hidden", "256", "--model", "llama-3-70b"])
+    both = _verify_config(["--layers", "2", "--hidden", "256", "--model", "llama-3-70b", "--batch", "1"])
     assert [s.model for s in both.shapes] == ["llama-3-70b", "custom-L2-H256"]
 
 
@@ -65,7 +68,7 @@ def test_verify_cases() -> None:
     assert [c.algo for c in plan.cases_for(cfg, "torch_symm") if c.tokens == 4] == [
         "one_shot", "two_shot", *(f"one_shot{n}" for n in norms), *(f"two_shot{n}" for n in norms)]
     plain = _verify_config(["--model", "qwen3-235b-a22b"])
-    assert [c.algo for c in plan.cases_for(plain, "nccl")] == ["default"]
+    assert [(c.algo, c.tokens) for c in plan.cases_for(plain, "nccl")] == [("default", 4), ("default", 32)]
     job = plan.make_job(cfg, "ours", ours, "/tmp")
     assert job.calls(ours[0]) == 188 and job.workload == VERIFY
 
@@ -95,7 +98,10 @@ def _row(backend: str, algo: str, p50: float, model: str = "kimi-k2.5", layers: 
 def fake_verify_report(compute_ms: float = 5.0) -> Report:
     rows = [_row("ours", "auto", 10.0, resolved_algo="oneshot"), _row("torch_symm", "one_shot", 12.5),
             _row("torch_symm", "two_shot", 14.0), _row("ours", "fused", 12.0, resolved_algo="oneshot"),
-            _row("ours", "auto+norm", 20.0, resolved_algo="oneshot+norm"), _row("torch_symm", "one_shot+norm", 22.0)]
+            _row("ours", "auto+norm", 20.0, resolved_algo="oneshot+norm"), _row("torch_symm", "one_shot+norm", 22.0),
+            _row("ours", "auto+addnorm", 15.0, resolved_algo="oneshot+addnorm"),
+            _row("ours", "auto+fi_addnorm", 14.0, resolved_algo="oneshot+fi_addnorm"),
+            _row("torch_symm", "one_shot+addnorm", 17.0)]
     config = options.BenchConfig(worlds=(8,), sizes=(57344,), workload=VERIFY, compute_ms=compute_ms, norm=True,
                                  shapes=(options.Shape(4, 7168, 61, "kimi-k2.5"),)).to_dict()
     return Report({"gpus": ["NVIDIA H200"]}, config, {8: placement_label(8, 1, True)},
@@ -107,7 +113,7 @@ def test_verify_pass_and_projected_speedup() -> None:
     assert by["auto"].pass_ms == pytest.approx(1.22)  # 10 us x 122 calls
     # projected verify: (1.525 + 5) / (1.22 + 5)
     assert by["auto"].reference == "torch_symm" and by["auto"].speedup == pytest.approx(6.525 / 6.22)
-    assert by["fused"].speedup == pytest.approx((2.684 + 5) / (1.464 + 5))  # vs torch_symm one_shot+norm
+    assert by["fused"].speedup == pytest.approx((2.074 + 5) / (1.464 + 5))  # vs torch_symm one_shot+addnorm
 
 
 def test_verify_report_text() -> None:
@@ -121,10 +127,32 @@ def test_verify_report_text() -> None:
                and not line.startswith("#") and line.split()[0] == "kimi-k2.5")
     assert row[:6] == ["kimi-k2.5", "61", "4", "7168", "ours", "auto(oneshot)"]
     assert row[6:11] == ["1.220", "1.342", "10.00", "6.220", "1.05x"]
-    summary = [line for line in text.splitlines() if line.startswith("  8")]
+    summary = [line for line in text.splitlines() if line.startswith("  8") and "fi_addnorm" not in line]
     assert len(summary) == 2  # (allreduce, allreduce+norm) for the one model and T
     assert "1.220/6.220 (auto(oneshot))" in summary[0] and "+0.305 ms (1.049x)" in summary[0]
     assert "1.464/6.464 (fused(oneshot))" in summary[1]
+    fused_header = next(line for line in text.splitlines() if line.startswith("# W ") and "fused/plain" in line)
+    assert fused_header.lstrip("#").split() == [
+        "W", "model", "T", "fused", "plain", "plain+addnorm", "best", "1-kernel", "(which)", "plain+norm",
+        "fused/plain", "fused/(plain+addnorm)", "fused/best1k"]
+    fused_row = next(line.split() for line in text.splitlines() if line.split()[:3] == ["8", "kimi-k2.5", "4"]
+                     and "fi_addnorm" in line)
+    assert fused_row[3:] == ["1.464", "1.220", "1.830", "1.708", "ours/auto(oneshot)+fi_addnorm", "2.440",
+                             "1.20", "0.80", "0.86"]
+
+
+def test_verify_fused_pass_ratios() -> None:
+    (entry,) = report_verify.fused_pass_rows(fake_verify_report())
+    assert (entry["world"], entry["model"], entry["tokens"]) == (8, "kimi-k2.5", 4)
+    assert entry["fused"].pass_ms == pytest.approx(1.464) and entry["plain"].pass_ms == pytest.approx(1.22)
+    assert entry["ours_one_kernel"].algo == "auto+addnorm" and entry["best_one_kernel"].algo == "auto+fi_addnorm"
+    assert entry["ours_eager"].algo == "auto+norm"
+    assert entry["fused_vs_plain"] == pytest.approx(12 / 10)
+    assert entry["fused_vs_ours_one_kernel"] == pytest.approx(12 / 15)
+    assert entry["fused_vs_best_one_kernel"] == pytest.approx(12 / 14)
+    plain_only = fake_verify_report()
+    plain_only.results = [r for r in plain_only.results if r.algo != "fused"]
+    assert report_verify.format_fused_pass_summary(plain_only) == ""
 
 
 def test_verify_compute_time_changes_the_verify_column() -> None:
