@@ -172,9 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"{' '.join(HOST_ONLY_ALGORITHMS)}, which ours_host adds)")
     fused = parser.add_argument_group("--fused: all-reduce + residual add + RMSNorm on [tokens, hidden]")
     fused.add_argument("--fused", action="store_true",
-                       help="compare our fused all-reduce + residual add + RMSNorm with our all-reduce and then "
-                            "torch add + RMSNorm, the other backends' all-reduce + the same torch ops, and our plain "
-                            "all-reduce alone")
+                       help="compare our fused all-reduce + residual add + RMSNorm with every backend's all-reduce "
+                            "followed by one add + RMSNorm kernel (ours, FlashInfer's, sgl-kernel's) or by eager "
+                            "torch ops, and with our plain all-reduce alone")
     fused.add_argument("--tokens", type=positive_int, nargs="+", metavar="T",
                        help=f"--fused: token counts (default {' '.join(map(str, DEFAULT_TOKENS))})")
     fused.add_argument("--hidden", type=hidden_arg, default=None, metavar="H",
