@@ -8,7 +8,8 @@ rank-side methods of :class:`RankBackend`) plus one line in :data:`REGISTRY`. Th
 class only to read its declarations; third-party packages are imported inside the ranks only.
 
 With ``--fused`` and ``verify`` every backend is wrapped in :class:`~.norm_ops.NormAdapter`,
-which adds the "+norm" variants (all-reduce, then torch residual add + RMSNorm) and our fused kernel.
+which adds the norm variants (all-reduce, then a residual add + RMSNorm: "+norm" as eager torch
+ops, "+addnorm" / "+fi_addnorm" / "+sgl_addnorm" as one kernel) and our fused kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 from pcie_allreduce.algo import HOST_ONLY_ALGORITHMS
 from pcie_allreduce.cli import resolve
 
-from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIX, VERIFY
+from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIXES, VERIFY, forced_fused_algo
 
 if TYPE_CHECKING:  # torch only inside ranks and availability probes
     import torch
@@ -91,7 +92,10 @@ class RankBackend(Protocol):
     #   skip_reason(case) -> str | None   a case this backend cannot run here (status "skipped")
     #   facts() -> dict                  JSON-able facts for the run's "setup" event
     #   cross_check(bufs, algo) -> str | None   an extra correctness check before timing
+    #   checks_after_timing(bufs, algo) -> bool  False: the last timed output cannot be checked
+    #   (raising bench.outcome.CaseSkipped inside a case makes it "skipped" with that message)
     #   capture_context() -> context manager     entered around every CUDA-graph capture
+    #   begin_case(case) -> None         per-case set-up beyond the buffers (verify --gemms' operands)
 
 
 class Backend:
@@ -137,13 +141,15 @@ def backend_class(name: str) -> type[Backend]:
 
 
 def algos_for(backend: str, our_algos: Sequence[str], workload: str = ALLREDUCE, *,
-              norm: bool = False) -> tuple[str, ...]:
+              norm: bool = False, fused_algos: Sequence[str] = ("auto",)) -> tuple[str, ...]:
     """The variants a backend is timed with.
 
     allreduce: its algorithms (``--algos`` applies to ours only). fused: ours runs the fused
-    kernel, "auto+norm" and plain "auto" (the two ratios the fused kernel is judged by); the
-    others their algorithms + norm. verify: the plain algorithms (ours: "auto"), and with ``norm``
-    the same + norm (ours: the fused kernel and "auto+norm").
+    kernel ("fused" = auto, always; "fused:<name>" for every other name of ``fused_algos``), then
+    "auto" + each residual add + RMSNorm (eager torch ops and each one-kernel baseline) and plain
+    "auto" (the rows the fused kernel is judged against); the others their algorithms + each
+    norm. verify: the plain algorithms (ours: "auto"), and with ``norm`` the same + each norm
+    (ours: the fused kernel first).
     """
     ours = backend in OUR_BACKENDS
     if workload == ALLREDUCE:
@@ -151,9 +157,10 @@ def algos_for(backend: str, our_algos: Sequence[str], workload: str = ALLREDUCE,
             return tuple(dict.fromkeys((*our_algos, *HOST_ONLY_ALGORITHMS)))
         return tuple(our_algos) if ours else backend_class(backend).algorithms
     plain = ("auto",) if ours else backend_class(backend).algorithms
-    normed = tuple(a + NORM_SUFFIX for a in plain)
+    normed = tuple(a + suffix for a in plain for suffix in NORM_SUFFIXES)
     if ours:
-        normed = (FUSED_ALGO, *normed)
+        fused = (FUSED_ALGO, *(forced_fused_algo(a) for a in fused_algos)) if workload == FUSED else (FUSED_ALGO,)
+        normed = (*dict.fromkeys(fused), *normed)
     if workload == FUSED:
         return normed + (("auto",) if ours else ())
     if workload == VERIFY:

@@ -31,6 +31,19 @@ DEFAULT_HIDDEN = 7168  # DeepSeek-V3 / Kimi-K2.5
 MAX_HIDDEN = 16384     # the fused kernel's limit
 DEFAULT_EPS = 1e-6
 DEFAULT_COMPUTE_MS = 5.0
+DEFAULT_FUSED_ALGOS: tuple[str, ...] = ("auto",)
+# The communicator's algo="unfused": our plain all-reduce, then the library's add_rmsnorm kernel.
+UNFUSED = "unfused"
+
+
+def fused_algo_names() -> tuple[str, ...]:
+    """What ``--fused-algos`` accepts: "auto", the library's fused kernels and "unfused".
+
+    Imports the kernels' module (torch, triton), so only when a name other than "auto" is given:
+    parsing the options stays torch-free."""
+    from pcie_allreduce.fused_rmsnorm import FUSED_ALGORITHMS
+
+    return tuple(dict.fromkeys(("auto", *FUSED_ALGORITHMS, UNFUSED)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +90,8 @@ class BenchConfig:
     eps: float = DEFAULT_EPS
     compute_ms: float = DEFAULT_COMPUTE_MS  # verify: model compute per pass, for the projected verify time
     norm: bool = False                      # verify: also the residual add + RMSNorm variants
+    fused_algos: tuple[str, ...] = DEFAULT_FUSED_ALGOS  # --fused: our fused call's algo= values, one row each
+    gemms: bool = False                     # verify: the model's dense GEMMs between the collectives
 
     @property
     def mode(self) -> str:
@@ -157,15 +172,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"{' '.join(HOST_ONLY_ALGORITHMS)}, which ours_host adds)")
     fused = parser.add_argument_group("--fused: all-reduce + residual add + RMSNorm on [tokens, hidden]")
     fused.add_argument("--fused", action="store_true",
-                       help="compare our fused all-reduce + residual add + RMSNorm with our all-reduce and then "
-                            "torch add + RMSNorm, the other backends' all-reduce + the same torch ops, and our plain "
-                            "all-reduce alone")
+                       help="compare our fused all-reduce + residual add + RMSNorm with every backend's all-reduce "
+                            "followed by one add + RMSNorm kernel (ours, FlashInfer's, sgl-kernel's) or by eager "
+                            "torch ops, and with our plain all-reduce alone")
     fused.add_argument("--tokens", type=positive_int, nargs="+", metavar="T",
                        help=f"--fused: token counts (default {' '.join(map(str, DEFAULT_TOKENS))})")
     fused.add_argument("--hidden", type=hidden_arg, default=None, metavar="H",
                        help=f"--fused: hidden size (default {DEFAULT_HIDDEN})")
     fused.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, metavar="EPS",
                        help=f"--fused: RMSNorm epsilon (default {DEFAULT_EPS:g})")
+    fused.add_argument("--fused-algos", nargs="+", metavar="ALGO",
+                       help="--fused: also time our fused call with each of these algo= values forced, one row "
+                            "\"fused:ALGO\" each (a kernel that cannot take a shape is skipped there): 'auto' or a "
+                            "name of pcie_allreduce.fused_rmsnorm.FUSED_ALGORITHMS, or 'unfused' (our all-reduce, then "
+                            "the library's add_rmsnorm kernel); the row \"fused\" (auto) always runs (default auto)")
     add_timing_arguments(parser)
     add_output_arguments(parser, "bench.csv, bench.json and bench.txt (fused.* with --fused)")
 
@@ -210,6 +230,12 @@ def _fused_config(args: argparse.Namespace, parser: argparse.ArgumentParser, gpu
     if given:
         parser.error(f"--fused measures [tokens, hidden] shapes: use --tokens/--hidden, not {' '.join(given)}")
     check_norm_dtype(args, parser, "--fused")
+    fused_algos = unique(args.fused_algos) if args.fused_algos else DEFAULT_FUSED_ALGOS
+    if any(a != "auto" for a in fused_algos):
+        known = fused_algo_names()
+        unknown = [a for a in fused_algos if a not in known]
+        if unknown:
+            parser.error(f"--fused-algos: unknown {' '.join(unknown)} (choose from {' '.join(known)})")
     hidden = args.hidden or DEFAULT_HIDDEN
     shapes = tuple(Shape(t, hidden) for t in sorted(unique(args.tokens or DEFAULT_TOKENS)))
     return BenchConfig(
@@ -217,7 +243,7 @@ def _fused_config(args: argparse.Namespace, parser: argparse.ArgumentParser, gpu
         backends=unique(args.backends) if args.backends else DEFAULT_BACKENDS,
         backends_explicit=bool(args.backends),
         calls_per_graph=args.calls_per_graph,
-        workload=FUSED, shapes=shapes, eps=args.eps,
+        workload=FUSED, shapes=shapes, eps=args.eps, fused_algos=fused_algos,
         **common_fields(args, gpu_count),
     )
 
@@ -228,6 +254,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         return _fused_config(args, parser, gpu_count)
     if args.tokens or args.hidden is not None:
         parser.error("--tokens and --hidden only apply with --fused (or to `python -m bench verify`)")
+    if args.fused_algos:
+        parser.error("--fused-algos only applies with --fused")
     return BenchConfig(
         sizes=sweep_sizes(args, parser),
         algos=unique(args.algos) if args.algos else DEFAULT_OUR_ALGOS,

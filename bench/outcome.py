@@ -12,6 +12,11 @@ _SEVERITY = MappingProxyType({OK: 0, SKIPPED: 1, WRONG: 2, FAILED: 3})  # worst 
 MAX_ERROR_CHARS = 500
 
 
+class CaseSkipped(Exception):
+    """Raised by a backend inside a case it cannot run here (a forced kernel that cannot take the
+    shape, a baseline that does not import): the case is "skipped" with this message, not failed."""
+
+
 def rank_outcome(rank: int, status: str, *, error: str = "", times: Sequence[float] = (),
                  resolved: str = "") -> dict[str, Any]:
     """What one rank reports about one case (gathered over gloo, so plain data)."""

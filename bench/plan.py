@@ -51,6 +51,7 @@ class RankJob:
     setup_timeout_s: float = 90.0
     workload: str = ALLREDUCE
     eps: float = 1e-6
+    gemms: bool = False  # verify: run each case's model GEMMs between its collectives (bench.gemm_ops)
 
     def calls(self, case: Case) -> int:
         """Calls per timed block (per CUDA graph) of ``case``."""
@@ -71,7 +72,7 @@ def cases_for(cfg: BenchConfig, backend: str) -> tuple[Case, ...]:
     """Every case ``backend`` runs under ``cfg`` (its workload decides what a case is)."""
     if cfg.workload == ALLREDUCE:
         return make_cases(cfg.sizes, backends.algos_for(backend, cfg.algos), cfg.dtype)
-    algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm)
+    algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm, fused_algos=cfg.fused_algos)
     cases = []
     for shape in cfg.shapes:
         calls = 2 * shape.layers if cfg.workload == VERIFY else 0
@@ -87,5 +88,5 @@ def make_job(cfg: BenchConfig, backend: str, cases: Sequence[Case], progress_dir
         seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, calls_per_graph=cfg.calls_per_graph, eager=cfg.eager,
         time_budget_s=cfg.time_budget_s, rounds=cfg.rounds, case_timeout_s=cfg.case_timeout_s,
         setup_timeout_s=cfg.setup_timeout_s,
-        workload=cfg.workload, eps=cfg.eps,
+        workload=cfg.workload, eps=cfg.eps, gemms=cfg.gemms,
     )

@@ -1,26 +1,35 @@
 """The ``python -m bench --fused`` report: the per-case table and the summary the fused kernel is judged by.
 
-The goals, per W and token count: our fused all-reduce + residual add + RMSNorm should cost
-at most 1.15x our plain all-reduce alone, and at most 0.75x our all-reduce and then
-the separate torch add + RMSNorm. Pure.
+The goals, per W and token count T: our fused all-reduce + residual add + RMSNorm should cost
+at most 1.10x our plain all-reduce alone for T <= 32 (1.15x above: at T = 64, 128 the norm's own
+memory traffic is no longer hidden behind the collective's latency), and at most 0.85x the
+best a user could run instead: an all-reduce followed by ONE residual add + RMSNorm kernel
+(ours, FlashInfer's or sgl-kernel's, after any backend's all-reduce). The eager torch ops
+("+norm", several kernels) are shown but judge nothing: they flatter any fused kernel. Pure.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.results import FUSED, FUSED_ALGO, NORM_SUFFIX, Report, Result, backend_order
+from bench.results import (
+    FORCED_FUSED_PREFIX, FUSED, FUSED_ALGO, NORM_SUFFIX, ONE_KERNEL_NORM_SUFFIX, Report, Result, is_fused_algo,
+    is_one_kernel_norm, split_norm,
+)
 from bench.table import WIRE_COLUMNS, Column, num, ratio, render, speedup
 
-GOAL_VS_ALLREDUCE = 1.15  # fused / our plain all-reduce alone
-GOAL_VS_UNFUSED = 0.75    # fused / (our all-reduce + torch add + RMSNorm)
+GOAL_VS_ALLREDUCE = 1.10        # fused / our plain all-reduce alone, for T <= GOAL_SMALL_TOKENS
+GOAL_VS_ALLREDUCE_LARGE = 1.15  # the same above (T = 64, 128)
+GOAL_SMALL_TOKENS = 32
+GOAL_VS_ONE_KERNEL = 0.85       # fused / (the best all-reduce + one-kernel add + RMSNorm)
+OURS = "ours"
 
 FUSED_COLUMNS: tuple[Column, ...] = (
     Column("tokens", 8, lambda r: str(r.tokens)),
     Column("hidden", 7, lambda r: str(r.hidden)),
     Column("size(B)", 10, lambda r: str(r.size_bytes)),
     Column("backend", 11, lambda r: r.backend),
-    Column("algo", 22, lambda r: r.label),
+    Column("algo", 30, lambda r: r.label),
     Column("p50(us)", 10, lambda r: num(r.p50_us)),
     Column("p99(us)", 10, lambda r: num(r.p99_us)),
     *WIRE_COLUMNS,
@@ -29,31 +38,48 @@ FUSED_COLUMNS: tuple[Column, ...] = (
 )
 
 
-def _best(rows: list[Result], backend: str, norm: bool) -> Result | None:
-    """The fastest ok row of ``backend``: its "+norm" variants (norm) or its plain ones."""
-    picked = [r for r in rows if r.backend == backend and r.ok and r.algo != FUSED_ALGO
-              and r.algo.endswith(NORM_SUFFIX) == norm]
-    return min(picked, key=lambda r: r.p50_us, default=None)  # type: ignore[arg-type,return-value]
+def goal_vs_allreduce(tokens: int) -> float:
+    """The fused/plain all-reduce goal at ``tokens`` rows."""
+    return GOAL_VS_ALLREDUCE if tokens <= GOAL_SMALL_TOKENS else GOAL_VS_ALLREDUCE_LARGE
+
+
+def _fastest(rows: list[Result]) -> Result | None:
+    return min((r for r in rows if r.ok), key=lambda r: r.p50_us, default=None)  # type: ignore[arg-type,return-value]
+
+
+def _best(rows: list[Result], backend: str | None, suffix: str) -> Result | None:
+    """The fastest ok row of ``backend`` (None: any) whose norm suffix is ``suffix`` ("" = plain)."""
+    return _fastest([r for r in rows if (backend is None or r.backend == backend) and not is_fused_algo(r.algo)
+                     and split_norm(r.algo)[1] == suffix])
+
+
+def forced_names(report: Report) -> list[str]:
+    """The forced fused rows ("fused:<name>") present, in the order they first appear."""
+    return list(dict.fromkeys(r.algo for r in report.results
+                              if r.workload == FUSED and r.algo.startswith(FORCED_FUSED_PREFIX)))
 
 
 def summary_rows(report: Report) -> list[dict[str, Any]]:
-    """Per (world, tokens): the p50 of every contender and the two ratios the goals are about."""
+    """Per (world, tokens): the p50 of every contender and the ratios the goals are about."""
     rows = [r for r in report.results if r.workload == FUSED]
-    others = [b for b in backend_order(report, rows) if b != "ours"]
+    forced = forced_names(report)
     out = []
     for world, tokens, hidden in sorted({(r.world, r.tokens, r.hidden) for r in rows}):
         group = [r for r in rows if (r.world, r.tokens, r.hidden) == (world, tokens, hidden)]
-        fused = next((r for r in group if r.backend == "ours" and r.algo == FUSED_ALGO and r.ok), None)
-        plain = _best(group, "ours", norm=False)
-        unfused = _best(group, "ours", norm=True)
-        entry: dict[str, Any] = {"world": world, "tokens": tokens, "hidden": hidden,
-                                 "fused": fused, "ours_allreduce": plain, "ours_unfused": unfused,
-                                 "others": {b: _best(group, b, norm=True) for b in others}}
-        entry["fused_vs_allreduce"] = _ratio(fused, plain)
-        entry["fused_vs_unfused"] = _ratio(fused, unfused)
-        best_other = min((r for r in entry["others"].values() if r is not None), key=lambda r: r.p50_us,
-                         default=None)
-        entry["fused_vs_best_other"] = _ratio(fused, best_other)
+        fused = _fastest([r for r in group if r.backend == OURS and r.algo == FUSED_ALGO])
+        plain = _best(group, OURS, "")
+        ours_one_kernel = _best(group, OURS, ONE_KERNEL_NORM_SUFFIX)
+        best_one_kernel = _fastest([r for r in group if is_one_kernel_norm(r.algo)])
+        entry: dict[str, Any] = {
+            "world": world, "tokens": tokens, "hidden": hidden, "fused": fused,
+            "forced": {a: _fastest([r for r in group if r.backend == OURS and r.algo == a]) for a in forced},
+            "ours_allreduce": plain, "ours_one_kernel": ours_one_kernel, "best_one_kernel": best_one_kernel,
+            "ours_eager": _best(group, OURS, NORM_SUFFIX),
+            "goal_vs_allreduce": goal_vs_allreduce(tokens),
+            "fused_vs_allreduce": _ratio(fused, plain),
+            "fused_vs_ours_one_kernel": _ratio(fused, ours_one_kernel),
+            "fused_vs_best_one_kernel": _ratio(fused, best_one_kernel),
+        }
         out.append(entry)
     return out
 
@@ -70,30 +96,39 @@ def _verdict(value: float | None, goal: float) -> str:
     return f"{value:.2f} {'ok' if value <= goal else 'MISS'}"
 
 
+def _p50(r: Result | None) -> str:
+    return "-" if r is None else f"{r.p50_us:.2f}"
+
+
 def format_fused_summary(report: Report) -> str:
-    """The headline: fused vs our plain all-reduce, vs our unfused path, vs the best other backend."""
+    """The headline: fused vs our plain all-reduce, vs the best all-reduce + one-kernel norm."""
     entries = summary_rows(report)
     if not entries:
         return "# fused summary: no results"
-    others = list(entries[0]["others"])
-
-    def p50(r: Result | None) -> str:
-        return "-" if r is None else f"{r.p50_us:.2f}"
-
+    forced = list(entries[0]["forced"])
     columns = [
         Column("W", 3, lambda e: str(e["world"])),
         Column("tokens", 7, lambda e: str(e["tokens"])),
-        Column("fused", 9, lambda e: p50(e["fused"])),
-        Column("ours AR", 9, lambda e: p50(e["ours_allreduce"])),
-        Column("ours AR+norm", 13, lambda e: p50(e["ours_unfused"])),
-        *[Column(f"{b}+norm", max(12, len(b) + 6), lambda e, b=b: p50(e["others"][b])) for b in others],
-        Column(f"fused/AR(<={GOAL_VS_ALLREDUCE})", 19, lambda e: _verdict(e["fused_vs_allreduce"], GOAL_VS_ALLREDUCE)),
-        Column(f"fused/(AR+norm)(<={GOAL_VS_UNFUSED})", 24,
-               lambda e: _verdict(e["fused_vs_unfused"], GOAL_VS_UNFUSED)),
-        Column("fused/best other", 17, lambda e: ratio(e["fused_vs_best_other"])),
+        Column("fused", 9, lambda e: _p50(e["fused"])),
+        *[Column(a, max(9, len(a)), lambda e, a=a: _p50(e["forced"][a])) for a in forced],
+        Column("AR", 9, lambda e: _p50(e["ours_allreduce"])),
+        Column("AR+addnorm", 11, lambda e: _p50(e["ours_one_kernel"])),
+        Column("best 1-kernel", 14, lambda e: _p50(e["best_one_kernel"])),
+        Column("(which)", 36, lambda e: "-" if e["best_one_kernel"] is None
+               else f"{e['best_one_kernel'].backend}/{e['best_one_kernel'].label}"),
+        Column("AR+norm", 9, lambda e: _p50(e["ours_eager"])),
+        Column(f"fused/AR(<={GOAL_VS_ALLREDUCE:.2f}|{GOAL_VS_ALLREDUCE_LARGE:.2f})", 23,
+               lambda e: _verdict(e["fused_vs_allreduce"], e["goal_vs_allreduce"])),
+        Column("fused/(AR+addnorm)", 19, lambda e: ratio(e["fused_vs_ours_one_kernel"])),
+        Column(f"fused/best1k(<={GOAL_VS_ONE_KERNEL:.2f})", 21,
+               lambda e: _verdict(e["fused_vs_best_one_kernel"], GOAL_VS_ONE_KERNEL)),
     ]
     lines = ["# fused all-reduce + residual add + RMSNorm vs the same work unfused: best p50 per call (us)",
-             "# AR = our plain all-reduce (auto) alone; AR+norm = our all-reduce, then torch add + RMSNorm; "
-             "X+norm = backend X's best all-reduce, then the same torch ops",
+             "# AR = our plain all-reduce (auto) alone; AR+addnorm = our all-reduce, then our one add_rmsnorm kernel; "
+             "best 1-kernel = the fastest all-reduce + ONE add + RMSNorm kernel of any backend and kernel (which: "
+             "backend/algo); AR+norm = our all-reduce, then eager torch add + RMSNorm (several kernels)",
+             f"# goals: fused/AR <= {GOAL_VS_ALLREDUCE:.2f} for T <= {GOAL_SMALL_TOKENS}, <= "
+             f"{GOAL_VS_ALLREDUCE_LARGE:.2f} above; fused/best1k <= {GOAL_VS_ONE_KERNEL:.2f}"
+             + (f"; {' '.join(forced)}: our fused call with that algo= forced" if forced else ""),
              *render(columns, entries)]
     return "\n".join(lines)

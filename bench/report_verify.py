@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.results import VERIFY, Report, Result, backend_order
-from bench.table import Column, num, render, speedup
+from bench.results import (
+    FUSED_ALGO, NORM_SUFFIX, ONE_KERNEL_NORM_SUFFIX, VERIFY, Report, Result, backend_order, is_fused_algo,
+    is_one_kernel_norm, split_norm,
+)
+from bench.table import Column, num, ratio, render, speedup
+from bench.verify_options import GEMMS_NOTE
+
+OURS = "ours"
 
 
 def _verify_ms(r: Result, compute_ms: float) -> float | None:
@@ -42,8 +48,12 @@ def timing_line(config: dict[str, Any]) -> str:
     how = "eager launches" if config.get("eager") else "one CUDA graph per pass"
     if config.get("rounds", 1) > 1:
         how += f", {config['rounds']} interleaved rounds (replays pooled)"
-    return (f"# {how}: 2 x L collectives on [T, H]; pass = p50 / p99 over timed replays of the slowest rank's "
+    text = (f"# {how}: 2 x L collectives on [T, H]; pass = p50 / p99 over timed replays of the slowest rank's "
             f"pass time; verify = pass + {config.get('compute_ms', 5.0):g} ms compute")
+    if config.get("gemms"):
+        text += (f"\n# GEMMS INCLUDED: pass and call times include the {GEMMS_NOTE}; --compute-ms is added on top, "
+                 "so it should count only the rest of the model's compute")
+    return text
 
 
 def format_verify_summary(report: Report) -> str:
@@ -82,7 +92,69 @@ def format_verify_summary(report: Report) -> str:
         *[Column(b, 34, lambda e, b=b: cell(e, b)) for b in backends],
         *[Column(f"ours vs {b}", 24, lambda e, b=b: saving(e, b)) for b in others],
     ]
+    gemms = " (passes include the model's GEMMs)" if report.config.get("gemms") else ""
+    parts = [f"# best per backend{gemms}: pass ms / projected verify ms (pass + {compute:g} ms compute) (algo); "
+             "ours vs X: the pass time ours saves per verify (verify speed-up)",
+             *render(columns, entries)]
+    fused = format_fused_pass_summary(report)
+    return "\n".join(parts + (["", fused] if fused else []))
+
+
+def _fastest(rows: list[Result]) -> Result | None:
+    return min(rows, key=lambda r: r.p50_us, default=None)  # type: ignore[arg-type,return-value]
+
+
+def fused_pass_rows(report: Report) -> list[dict[str, Any]]:
+    """Per (W, model, T) where our fused pass ran: the fused pass, our plain pass, our plain pass +
+    our one-kernel add + RMSNorm, the best plain + one-kernel pass of any backend, our plain + eager
+    torch ops, and the fused pass over each (ms per pass)."""
+    rows = [r for r in report.results if r.workload == VERIFY and r.ok]
+    out = []
+    for world, model, tokens in sorted({(r.world, r.model, r.tokens) for r in rows if r.algo == FUSED_ALGO}):
+        group = [r for r in rows if (r.world, r.model, r.tokens) == (world, model, tokens)]
+        ours = [r for r in group if r.backend == OURS and not is_fused_algo(r.algo)]
+        entry: dict[str, Any] = {
+            "world": world, "model": model, "tokens": tokens,
+            "fused": _fastest([r for r in group if r.backend == OURS and r.algo == FUSED_ALGO]),
+            "plain": _fastest([r for r in ours if not split_norm(r.algo)[1]]),
+            "ours_one_kernel": _fastest([r for r in ours if split_norm(r.algo)[1] == ONE_KERNEL_NORM_SUFFIX]),
+            "best_one_kernel": _fastest([r for r in group if is_one_kernel_norm(r.algo)]),
+            "ours_eager": _fastest([r for r in ours if split_norm(r.algo)[1] == NORM_SUFFIX]),
+        }
+        for key in ("plain", "ours_one_kernel", "best_one_kernel"):
+            other = entry[key]
+            entry[f"fused_vs_{key}"] = None if other is None else entry["fused"].pass_ms / other.pass_ms
+        out.append(entry)
+    return out
+
+
+def format_fused_pass_summary(report: Report) -> str:
+    """The fused pass against the plain pass and the plain + one-kernel-norm pass; "" without fused rows."""
+    entries = fused_pass_rows(report)
+    if not entries:
+        return ""
+
+    def ms(r: Result | None) -> str:
+        return "-" if r is None else f"{r.pass_ms:.3f}"
+
+    columns = [
+        Column("W", 3, lambda e: str(e["world"])),
+        Column("model", 22, lambda e: e["model"]),
+        Column("T", 5, lambda e: str(e["tokens"])),
+        Column("fused", 8, lambda e: ms(e["fused"])),
+        Column("plain", 8, lambda e: ms(e["plain"])),
+        Column("plain+addnorm", 14, lambda e: ms(e["ours_one_kernel"])),
+        Column("best 1-kernel", 14, lambda e: ms(e["best_one_kernel"])),
+        Column("(which)", 36, lambda e: "-" if e["best_one_kernel"] is None
+               else f"{e['best_one_kernel'].backend}/{e['best_one_kernel'].label}"),
+        Column("plain+norm", 11, lambda e: ms(e["ours_eager"])),
+        Column("fused/plain", 12, lambda e: ratio(e["fused_vs_plain"])),
+        Column("fused/(plain+addnorm)", 22, lambda e: ratio(e["fused_vs_ours_one_kernel"])),
+        Column("fused/best1k", 13, lambda e: ratio(e["fused_vs_best_one_kernel"])),
+    ]
     return "\n".join([
-        f"# best per backend: pass ms / projected verify ms (pass + {compute:g} ms compute) (algo); "
-        "ours vs X: the pass time ours saves per verify (verify speed-up)",
+        "# fused vs unfused verify passes (ms per pass, ours unless named): fused = every collective our fused "
+        "all-reduce + add + RMSNorm; plain = our all-reduce alone; plain+addnorm = our all-reduce, then our one "
+        "add_rmsnorm kernel; best 1-kernel = the fastest all-reduce + ONE add + RMSNorm kernel of any backend "
+        "(which: backend/algo); plain+norm = our all-reduce, then eager torch ops",
         *render(columns, entries)])

@@ -21,13 +21,52 @@ STATUSES: tuple[str, ...] = (OK, WRONG, FAILED, NOT_RUN, SKIPPED)
 # add + RMSNorm (``--fused``), or one verify forward's collectives (``verify``).
 ALLREDUCE, FUSED, VERIFY = "allreduce", "fused", "verify"
 WORKLOADS: tuple[str, ...] = (ALLREDUCE, FUSED, VERIFY)
-NORM_SUFFIX = "+norm"  # algo "X+norm": backend's all-reduce X, then torch residual add + RMSNorm
-FUSED_ALGO = "fused"   # our fused all-reduce + residual add + RMSNorm kernel
+# A norm variant's algo is "<all-reduce algo><suffix>": the backend's all-reduce, then the
+# residual add + RMSNorm done one of these ways (baselines for our fused kernel):
+NORM_SUFFIX = "+norm"                   # eager torch ops (several kernels): what a model does without a fused op
+ONE_KERNEL_NORM_SUFFIX = "+addnorm"     # our pcie_allreduce.add_rmsnorm: one kernel, out of place
+FLASHINFER_NORM_SUFFIX = "+fi_addnorm"  # flashinfer.norm.fused_add_rmsnorm: one kernel, in place
+SGL_NORM_SUFFIX = "+sgl_addnorm"        # sgl_kernel.fused_add_rmsnorm: one kernel, in place
+# The one-kernel baselines: the best of them is what the fused kernel is judged against.
+ONE_KERNEL_NORM_SUFFIXES: tuple[str, ...] = (ONE_KERNEL_NORM_SUFFIX, FLASHINFER_NORM_SUFFIX, SGL_NORM_SUFFIX)
+NORM_SUFFIXES: tuple[str, ...] = (NORM_SUFFIX, *ONE_KERNEL_NORM_SUFFIXES)
+FUSED_ALGO = "fused"   # our fused all-reduce + residual add + RMSNorm kernel, algo="auto"
+# "fused:<name>": the same call with algo=<name> forced (--fused-algos).
+FORCED_FUSED_PREFIX = "fused:"
+
+
+def split_norm(algo: str) -> tuple[str, str]:
+    """(all-reduce algo, norm suffix): "one_shot+addnorm" -> ("one_shot", "+addnorm"); ("auto", "")
+    for a plain algo. Fused rows have no suffix: see :func:`is_fused_algo`."""
+    for suffix in sorted(NORM_SUFFIXES, key=len, reverse=True):  # no suffix ends another today; stay safe
+        if algo.endswith(suffix):
+            return algo[:-len(suffix)], suffix
+    return algo, ""
+
+
+def is_fused_algo(algo: str) -> bool:
+    """Whether ``algo`` is our fused kernel: "fused" (auto) or "fused:<name>" (forced)."""
+    return algo == FUSED_ALGO or algo.startswith(FORCED_FUSED_PREFIX)
+
+
+def forced_fused_algo(name: str) -> str:
+    """The row of our fused call with ``algo=name`` forced: "fused" for "auto", else "fused:<name>"."""
+    return FUSED_ALGO if name == "auto" else FORCED_FUSED_PREFIX + name
+
+
+def fused_kernel_name(algo: str) -> str:
+    """The ``algo=`` a fused row passes to ``all_reduce_rmsnorm``: "auto" for "fused"."""
+    return "auto" if algo == FUSED_ALGO else algo.removeprefix(FORCED_FUSED_PREFIX)
 
 
 def is_norm_algo(algo: str) -> bool:
-    """Whether ``algo`` includes the residual add + RMSNorm (fused or as separate torch ops)."""
-    return algo == FUSED_ALGO or algo.endswith(NORM_SUFFIX)
+    """Whether ``algo`` includes the residual add + RMSNorm (fused, or after the all-reduce)."""
+    return is_fused_algo(algo) or bool(split_norm(algo)[1])
+
+
+def is_one_kernel_norm(algo: str) -> bool:
+    """Whether ``algo`` is an all-reduce followed by ONE residual add + RMSNorm kernel."""
+    return split_norm(algo)[1] in ONE_KERNEL_NORM_SUFFIXES
 
 # Speed-ups are against NCCL where it ran (distinct GPUs), else against torch symmetric memory.
 REFERENCE_ORDER: tuple[str, ...] = ("nccl", "torch_symm")
@@ -109,10 +148,10 @@ class Result:
         """Bytes on one rank's link per call, for our rows of the sweep and of ``--fused`` (None
         for other backends, whose formats are theirs, and for verify rows). The fused kernels move
         what the plain algorithm of the same name moves (the token-split two-shot gathers the new
-        residual rows where the plain one gathers the sums); "+norm" rows, their all-reduce."""
+        residual rows where the plain one gathers the sums); norm rows, their all-reduce."""
         if not self.backend.startswith("ours") or self.workload not in (ALLREDUCE, FUSED):
             return None
-        algo = (self.resolved_algo or self.algo).removesuffix(NORM_SUFFIX)
+        algo = split_norm(self.resolved_algo or self.algo)[0]
         try:
             return wire_bytes(algo, self.size_bytes, self.world)
         except ValueError:  # not one of ours (an "auto" that did not resolve)
@@ -126,10 +165,14 @@ class Result:
 
     @property
     def label(self) -> str:
-        """The algo column: "auto(oneshot)" when auto resolved to something, "auto(oneshot)+norm"."""
-        base, suffix = (self.algo[:-len(NORM_SUFFIX)], NORM_SUFFIX) if self.algo.endswith(NORM_SUFFIX) \
-            else (self.algo, "")
-        resolved = self.resolved_algo.removesuffix(NORM_SUFFIX)
+        """The algo column: "auto(oneshot)" when auto resolved to something, "auto(oneshot)+addnorm",
+        "fused(oneshot)"; a forced fused kernel shows its name ("fused:twoshot"), and what it ran as
+        when that differs ("fused:unfused(oneshot)")."""
+        if self.algo.startswith(FORCED_FUSED_PREFIX):
+            name = fused_kernel_name(self.algo)
+            return self.algo if self.resolved_algo in ("", name) else f"{self.algo}({self.resolved_algo})"
+        base, suffix = split_norm(self.algo)
+        resolved = split_norm(self.resolved_algo)[0]
         if resolved and resolved != base:
             return f"{base}({resolved}){suffix}"
         return self.algo

@@ -7,7 +7,12 @@ backends are fakes built on gloo all-reduce:
   ``select_fused_algo``, ``check``; scripted faults by token count: T=2 rank 1 corrupts the new
   residual (the exact check must catch it); T=3 the fused path rounds differently, which only
   random data shows (the bitwise cross-check must catch it).
+  Forced kernels (``algo=``): "oneshot_ll" cannot take more than 1 token (ValueError, as the
+  library's shape check), others run the same math.
 - ``torch_symm``: gloo all-reduce whose ``two_shot`` overwrites its input (the zeroing path).
+- ``nccl``: gloo all-reduce in place (its output is its input).
+- One-kernel add + RMSNorm baselines (``norm_ops.load_kernel``): ours and FlashInfer's as torch
+  math (FlashInfer's in place), sgl-kernel's not importable.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from pcie_allreduce import ranks
 
 from bench import backends
 from bench.backends import Buffers
-from bench.norm_ops import torch_rmsnorm
+from bench import norm_ops
+from bench.norm_ops import torch_add_rmsnorm, torch_rmsnorm
+from bench.results import FLASHINFER_NORM_SUFFIX, ONE_KERNEL_NORM_SUFFIX
 
 FAKE_BLOCK_CAP = 4
+FAKE_FUSED_ALGOS = ("auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
 
 
 class FakeEvent:
@@ -60,6 +68,10 @@ class FakeComm:
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                            out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                            algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        if algo not in FAKE_FUSED_ALGOS:
+            raise ValueError(f"unknown fused algo {algo!r}")
+        if algo == "oneshot_ll" and x.shape[0] > 1:
+            raise ValueError(f"fused oneshot_ll cannot take [{x.shape[0]}, {x.shape[1]}] {x.dtype}")
         out = torch.empty_like(x) if out is None else out
         residual_out = torch.empty_like(residual) if residual_out is None else residual_out
         y = self.all_reduce(x)
@@ -120,13 +132,33 @@ class FakeBackend(QuietBackendHooks):
         return bufs.out
 
     def mutates_input(self, algo: str) -> bool:
-        return algo == "two_shot"
+        return algo == "two_shot" or self.name == "nccl"
 
     def resolved_algo(self, size_bytes: int, dtype: torch.dtype, algo: str) -> str:
         return "oneshot" if algo == "auto" else algo
 
     def facts(self) -> dict[str, Any]:
         return {"block_cap": FAKE_BLOCK_CAP, "gpu_name": "Fake GPU", "fingerprint": "0123456789ab"}
+
+
+def fake_add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     normed: torch.Tensor, new_residual: torch.Tensor, *, compile_only: bool = False) -> None:
+    """The library's add_rmsnorm contract, in torch math (out of place; nothing to compile)."""
+    if not compile_only:
+        torch_add_rmsnorm(y, residual, weight, eps, normed, new_residual)
+
+
+def fake_fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """FlashInfer's in-place contract: residual += x; x = rmsnorm(residual) * weight."""
+    residual.add_(x)
+    x.copy_(torch_rmsnorm(residual, weight, eps))
+
+
+def fake_load_kernel(suffix: str) -> Any:
+    kernels = {ONE_KERNEL_NORM_SUFFIX: fake_add_rmsnorm, FLASHINFER_NORM_SUFFIX: fake_fused_add_rmsnorm}
+    if suffix not in kernels:
+        raise ModuleNotFoundError(f"No module named {norm_ops.ONE_KERNELS[suffix][0]!r}")
+    return kernels[suffix]
 
 
 def cpu_bench_rank(ctx: ranks.RankContext, job: Any, backend_class: Any = None) -> dict:
@@ -139,6 +171,7 @@ def cpu_bench_rank(ctx: ranks.RankContext, job: Any, backend_class: Any = None) 
     torch.cuda.Event = FakeEvent
     torch.cuda._sleep = lambda cycles: None
     backends.open_backend = backend_class or FakeBackend
+    norm_ops.load_kernel = fake_load_kernel
     environment.rank_environment = lambda c: {"mps": False, "shared_gpu": True}
     return rank.bench_rank(ctx, job)
 

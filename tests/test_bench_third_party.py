@@ -49,7 +49,8 @@ def test_variants_of_the_third_party_backends() -> None:
     assert backends.algos_for("vllm", ("auto",)) == ("custom_ar",)
     assert backends.algos_for("sgl_kernel", ("auto",)) == ("custom_ar",)
     assert backends.algos_for("flashinfer", ("auto",)) == ("pcie_ipc",)
-    assert backends.algos_for("flashinfer", ("auto",), "fused") == ("pcie_ipc+norm",)
+    assert backends.algos_for("flashinfer", ("auto",), "fused") == (
+        "pcie_ipc+norm", "pcie_ipc+addnorm", "pcie_ipc+fi_addnorm", "pcie_ipc+sgl_addnorm")
 
 
 # ---------------------------------------------------------------------------- custom all-reduce

@@ -7,12 +7,13 @@ import csv
 import io
 
 import pytest
+import torch
 
 from pcie_allreduce.ranks import placement_label
 
 from bench import __main__ as bench_cli
-from bench import command, environment, options, plan, report, runner, verify_options
-from bench.results import OK, VERIFY, Report, Result, add_speedups
+from bench import command, environment, options, plan, report, report_verify, runner, verify_options
+from bench.results import OK, SKIPPED, VERIFY, Report, Result, add_speedups
 
 from tests import _bench_fakes as fakes
 
@@ -28,8 +29,11 @@ def test_verify_defaults() -> None:
     cfg = _verify_config([])
     assert cfg.workload == VERIFY and not cfg.norm and cfg.compute_ms == 5.0 and cfg.iters == 50
     assert [(s.model, s.layers, s.hidden, s.tokens) for s in cfg.shapes] == [
-        ("kimi-k2.5", 61, 7168, 4), ("llama-3-70b", 80, 8192, 4), ("qwen3-235b-a22b", 94, 4096, 4)]
-    assert cfg.sizes == (4 * 4096 * 2, 4 * 7168 * 2, 4 * 8192 * 2) and cfg.calls_per_graph == 188
+        ("kimi-k2.5", 61, 7168, 4), ("kimi-k2.5", 61, 7168, 32), ("llama-3-70b", 80, 8192, 4),
+        ("llama-3-70b", 80, 8192, 32), ("qwen3-235b-a22b", 94, 4096, 4), ("qwen3-235b-a22b", 94, 4096, 32)]
+    assert verify_options.DEFAULT_BATCH == (1, 8) and verify_options.DEFAULT_DRAFT_TOKENS == (4,)
+    assert cfg.sizes == tuple(sorted(t * h * 2 for t in (4, 32) for h in (7168, 8192, 4096)))
+    assert cfg.calls_per_graph == 188
 
 
 def test_verify_options() -> None:
@@ -37,9 +41,9 @@ def test_verify_options() -> None:
                           "--compute-ms", "7.5", "--fused", "--world", "4", "8", "--dtype", "float16"])
     assert [(s.model, s.tokens) for s in cfg.shapes] == [("deepseek-v3/kimi-k2.5", 4), ("deepseek-v3/kimi-k2.5", 32)]
     assert cfg.norm and cfg.compute_ms == 7.5 and cfg.worlds == (4, 8) and cfg.dtype == "float16"
-    custom = _verify_config(["--layers", "2", "--hidden", "256"])
+    custom = _verify_config(["--layers", "2", "--hidden", "256", "--batch", "1"])
     assert [(s.model, s.layers, s.hidden) for s in custom.shapes] == [("custom-L2-H256", 2, 256)]
-    both = _verify_config(["--layers", "2", "--hidden", "256", "--model", "llama-3-70b"])
+    both = _verify_config(["--layers", "2", "--hidden", "256", "--model", "llama-3-70b", "--batch", "1"])
     assert [s.model for s in both.shapes] == ["llama-3-70b", "custom-L2-H256"]
 
 
@@ -59,12 +63,13 @@ def test_verify_bad_options(argv: list[str], fragment: str, capsys: pytest.Captu
 def test_verify_cases() -> None:
     cfg = _verify_config(["--model", "qwen3-235b-a22b", "--fused"])
     ours = plan.cases_for(cfg, "ours")
-    assert [c.algo for c in ours] == ["auto", "fused", "auto+norm"]
-    assert {(c.calls, c.tokens, c.hidden, c.model) for c in ours} == {(188, 4, 4096, "qwen3-235b-a22b")}
-    assert [c.algo for c in plan.cases_for(cfg, "torch_symm")] == ["one_shot", "two_shot", "one_shot+norm",
-                                                                   "two_shot+norm"]
+    norms = ("+norm", "+addnorm", "+fi_addnorm", "+sgl_addnorm")
+    assert [c.algo for c in ours if c.tokens == 4] == ["auto", "fused", *(f"auto{n}" for n in norms)]
+    assert {(c.calls, c.hidden, c.model) for c in ours} == {(188, 4096, "qwen3-235b-a22b")}
+    assert [c.algo for c in plan.cases_for(cfg, "torch_symm") if c.tokens == 4] == [
+        "one_shot", "two_shot", *(f"one_shot{n}" for n in norms), *(f"two_shot{n}" for n in norms)]
     plain = _verify_config(["--model", "qwen3-235b-a22b"])
-    assert [c.algo for c in plan.cases_for(plain, "nccl")] == ["default"]
+    assert [(c.algo, c.tokens) for c in plan.cases_for(plain, "nccl")] == [("default", 4), ("default", 32)]
     job = plan.make_job(cfg, "ours", ours, "/tmp")
     assert job.calls(ours[0]) == 188 and job.workload == VERIFY
 
@@ -76,8 +81,9 @@ def test_verify_rank_loop_on_cpu(monkeypatch) -> None:
                               setup_timeout_s=60.0, retries=0, compute_ms=1.0)
     rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None)
     rows = {r.algo: r for r in rep.results}
-    assert set(rows) == {"auto", "fused", "auto+norm"}
-    assert rows["auto"].status == OK and rows["auto+norm"].status == OK
+    assert set(rows) == {"auto", "fused", "auto+norm", "auto+addnorm", "auto+fi_addnorm", "auto+sgl_addnorm"}
+    assert rows["auto"].status == OK and rows["auto+norm"].status == OK and rows["auto+addnorm"].status == OK
+    assert rows["auto+fi_addnorm"].status == OK and rows["auto+sgl_addnorm"].status == SKIPPED
     assert rows["fused"].status != OK  # the fake's fused path at T=2 corrupts rank 1's residual
     assert rows["auto"].calls_per_graph == 6 and rows["auto"].model == "tiny" and rows["auto"].layers == 3
     assert rows["auto"].pass_ms == pytest.approx(rows["auto"].p50_us * 6 / 1e3)
@@ -93,7 +99,10 @@ def _row(backend: str, algo: str, p50: float, model: str = "kimi-k2.5", layers: 
 def fake_verify_report(compute_ms: float = 5.0) -> Report:
     rows = [_row("ours", "auto", 10.0, resolved_algo="oneshot"), _row("torch_symm", "one_shot", 12.5),
             _row("torch_symm", "two_shot", 14.0), _row("ours", "fused", 12.0, resolved_algo="oneshot"),
-            _row("ours", "auto+norm", 20.0, resolved_algo="oneshot+norm"), _row("torch_symm", "one_shot+norm", 22.0)]
+            _row("ours", "auto+norm", 20.0, resolved_algo="oneshot+norm"), _row("torch_symm", "one_shot+norm", 22.0),
+            _row("ours", "auto+addnorm", 15.0, resolved_algo="oneshot+addnorm"),
+            _row("ours", "auto+fi_addnorm", 14.0, resolved_algo="oneshot+fi_addnorm"),
+            _row("torch_symm", "one_shot+addnorm", 17.0)]
     config = options.BenchConfig(worlds=(8,), sizes=(57344,), workload=VERIFY, compute_ms=compute_ms, norm=True,
                                  shapes=(options.Shape(4, 7168, 61, "kimi-k2.5"),)).to_dict()
     return Report({"gpus": ["NVIDIA H200"]}, config, {8: placement_label(8, 1, True)},
@@ -105,7 +114,7 @@ def test_verify_pass_and_projected_speedup() -> None:
     assert by["auto"].pass_ms == pytest.approx(1.22)  # 10 us x 122 calls
     # projected verify: (1.525 + 5) / (1.22 + 5)
     assert by["auto"].reference == "torch_symm" and by["auto"].speedup == pytest.approx(6.525 / 6.22)
-    assert by["fused"].speedup == pytest.approx((2.684 + 5) / (1.464 + 5))  # vs torch_symm one_shot+norm
+    assert by["fused"].speedup == pytest.approx((2.074 + 5) / (1.464 + 5))  # vs torch_symm one_shot+addnorm
 
 
 def test_verify_report_text() -> None:
@@ -119,10 +128,32 @@ def test_verify_report_text() -> None:
                and not line.startswith("#") and line.split()[0] == "kimi-k2.5")
     assert row[:6] == ["kimi-k2.5", "61", "4", "7168", "ours", "auto(oneshot)"]
     assert row[6:11] == ["1.220", "1.342", "10.00", "6.220", "1.05x"]
-    summary = [line for line in text.splitlines() if line.startswith("  8")]
+    summary = [line for line in text.splitlines() if line.startswith("  8") and "fi_addnorm" not in line]
     assert len(summary) == 2  # (allreduce, allreduce+norm) for the one model and T
     assert "1.220/6.220 (auto(oneshot))" in summary[0] and "+0.305 ms (1.049x)" in summary[0]
     assert "1.464/6.464 (fused(oneshot))" in summary[1]
+    fused_header = next(line for line in text.splitlines() if line.startswith("# W ") and "fused/plain" in line)
+    assert fused_header.lstrip("#").split() == [
+        "W", "model", "T", "fused", "plain", "plain+addnorm", "best", "1-kernel", "(which)", "plain+norm",
+        "fused/plain", "fused/(plain+addnorm)", "fused/best1k"]
+    fused_row = next(line.split() for line in text.splitlines() if line.split()[:3] == ["8", "kimi-k2.5", "4"]
+                     and "fi_addnorm" in line)
+    assert fused_row[3:] == ["1.464", "1.220", "1.830", "1.708", "ours/auto(oneshot)+fi_addnorm", "2.440",
+                             "1.20", "0.80", "0.86"]
+
+
+def test_verify_fused_pass_ratios() -> None:
+    (entry,) = report_verify.fused_pass_rows(fake_verify_report())
+    assert (entry["world"], entry["model"], entry["tokens"]) == (8, "kimi-k2.5", 4)
+    assert entry["fused"].pass_ms == pytest.approx(1.464) and entry["plain"].pass_ms == pytest.approx(1.22)
+    assert entry["ours_one_kernel"].algo == "auto+addnorm" and entry["best_one_kernel"].algo == "auto+fi_addnorm"
+    assert entry["ours_eager"].algo == "auto+norm"
+    assert entry["fused_vs_plain"] == pytest.approx(12 / 10)
+    assert entry["fused_vs_ours_one_kernel"] == pytest.approx(12 / 15)
+    assert entry["fused_vs_best_one_kernel"] == pytest.approx(12 / 14)
+    plain_only = fake_verify_report()
+    plain_only.results = [r for r in plain_only.results if r.algo != "fused"]
+    assert report_verify.format_fused_pass_summary(plain_only) == ""
 
 
 def test_verify_compute_time_changes_the_verify_column() -> None:
@@ -153,3 +184,96 @@ def test_verify_command_end_to_end(monkeypatch, capsys) -> None:
     assert bench_cli.main(["verify", "--model", "kimi-k2.5", "--fused", "--world", "8"]) == 0
     assert seen["cfg"].norm and seen["cfg"].worlds == (8,)
     assert "verify(ms)" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- --gemms
+
+
+def test_gemm_shapes_per_preset() -> None:
+    Gemm = verify_options.Gemm
+    first, second = verify_options.layer_gemms("llama-3-70b", 32, 4)
+    assert first == (Gemm("o_proj", 1, 32, 64 * 128 // 4, 8192),)
+    assert second == (Gemm("gate_up", 1, 32, 8192, 2 * 28672 // 4), Gemm("down", 1, 32, 28672 // 4, 8192))
+    first, second = verify_options.layer_gemms("deepseek-v3/kimi-k2.5", 4, 8)
+    assert first == (Gemm("o_proj", 1, 4, 128 * 128 // 8, 7168),)
+    assert second == (Gemm("shared_gate_up", 1, 4, 7168, 2 * 2048 // 8), Gemm("shared_down", 1, 4, 2048 // 8, 7168),
+                      Gemm("experts_gate_up", 8, 4, 7168, 2 * 2048 // 8), Gemm("experts_down", 8, 4, 2048 // 8, 7168))
+    assert verify_options.layer_gemms("kimi-k2.5", 4, 8) == (first, second)
+    first, second = verify_options.layer_gemms("qwen3-235b-a22b", 4, 2)
+    assert first == (Gemm("o_proj", 1, 4, 64 * 128 // 2, 4096),)
+    assert [g.name for g in second] == ["experts_gate_up", "experts_down"]  # no shared expert
+    assert second[0] == Gemm("experts_gate_up", 8, 4, 4096, 2 * 1536 // 2)
+    assert verify_options.layer_gemms("llama-3-70b", 1, 3)[0][0].k == -(-8192 // 3)  # rounded up
+    assert verify_options.PRESETS["llama-3-70b"] == (80, 8192) and verify_options.PRESETS["kimi-k2.5"] == (61, 7168)
+
+
+def test_gemms_option() -> None:
+    cfg = _verify_config(["--model", "llama-3-70b", "--gemms", "--fused"])
+    assert cfg.gemms and cfg.norm and plan.make_job(cfg, "ours", (), "/tmp").gemms
+    assert not _verify_config([]).gemms
+
+
+def test_gemms_need_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _verify_config(["--layers", "2", "--hidden", "256", "--gemms"])
+    assert info.value.code == 2 and "--gemms needs a preset" in capsys.readouterr().err
+
+
+def test_gemm_adapter_runs_each_slots_gemms_before_its_collective(monkeypatch) -> None:
+    from bench import gemm_ops
+
+    small = ((verify_options.Gemm("o_proj", 1, 2, 8, 16),),
+             (verify_options.Gemm("gate_up", 1, 2, 16, 8), verify_options.Gemm("experts", 3, 2, 16, 4)))
+    monkeypatch.setattr(gemm_ops, "layer_gemms", lambda model, tokens, world: small)
+    monkeypatch.setattr(gemm_ops, "WEIGHT_BYTES_PER_SLOT", 16 * 8 * 2 * 2)  # slot 0: two weight copies
+    order: list[str] = []
+
+    class Inner:
+        marker = "inner"
+
+        def call(self, bufs, algo):
+            order.append(f"collective {algo}")
+            return bufs
+
+    real_bmm = torch.bmm
+
+    def bmm(a, w, *, out):
+        order.append(f"gemm {tuple(a.shape)}x{tuple(w.shape)}")
+        return real_bmm(a, w, out=out)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    ctx = type("Ctx", (), {"device": torch.device("cpu"), "rank": 0, "world_size": 2})()
+    job = plan.RankJob(backend="ours", dtype="bfloat16", cases=(), max_bytes=64, progress_dir="/tmp", workload=VERIFY,
+                       gemms=True)
+    adapter = gemm_ops.GemmAdapter(Inner(), ctx, job)
+    assert adapter.marker == "inner"  # everything else is the wrapped backend's
+    adapter.begin_case(plan.Case(0, 64, 32, "auto", tokens=2, hidden=16, calls=6, model="qwen3-235b-a22b"))
+    assert [len(slot) for slot in adapter._slots] == [2, 1]
+    for _ in range(4):
+        adapter.call(None, "auto")
+    assert order == ["gemm (1, 2, 8)x(1, 8, 16)", "collective auto",
+                     "gemm (1, 2, 16)x(1, 16, 8)", "gemm (3, 2, 16)x(3, 16, 4)", "collective auto"] * 2
+    first, second = adapter._slots[0][0][0], adapter._slots[0][1][0]
+    assert first[1].data_ptr() != second[1].data_ptr()  # the second layer reads the other weight copy
+    adapter.begin_case(plan.Case(1, 64, 32, "auto", tokens=2, hidden=16, calls=6, model=""))
+    assert adapter._slots == ([], [])
+
+
+def test_verify_report_says_gemms_were_included() -> None:
+    rep = fake_verify_report()
+    rep.config["gemms"] = True
+    text = report.format_report(rep)
+    assert "# GEMMS INCLUDED: pass and call times include the per-rank dense GEMMs" in text
+    assert "APPROXIMATED" in text and "(passes include the model's GEMMs)" in text
+    assert "GEMMS INCLUDED" not in report.format_report(fake_verify_report())
+
+
+def test_verify_rank_loop_with_gemms_on_cpu(monkeypatch) -> None:
+    """The rank loop sets up each case's GEMMs (the real preset's shapes, one layer) and times the pass."""
+    fakes.use_cpu_ranks(monkeypatch)
+    cfg = options.BenchConfig(worlds=(2,), sizes=(8192,), backends=("ours",), workload=VERIFY, gemms=True,
+                              shapes=(options.Shape(1, 4096, layers=1, model="qwen3-235b-a22b"),), eager=True,
+                              iters=2, warmup=0, setup_timeout_s=60.0, case_timeout_s=60.0, retries=0)
+    rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None)
+    (row,) = rep.results
+    assert row.status == OK and row.calls_per_graph == 2 and row.p50_us > 0
