@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from pcie_allreduce import sizes
-from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, FUSED_ALGORITHMS, HOST_ONLY_ALGORITHMS
 from pcie_allreduce.cli import non_negative_int, positive_float, positive_int, typed_arg
 from pcie_allreduce.sizes import DTYPE_SIZES
 from pcie_allreduce.tune import add_world_argument, default_worlds
@@ -32,18 +32,12 @@ MAX_HIDDEN = 16384     # the fused kernel's limit
 DEFAULT_EPS = 1e-6
 DEFAULT_COMPUTE_MS = 5.0
 DEFAULT_FUSED_ALGOS: tuple[str, ...] = ("auto",)
-# The communicator's algo="unfused": our plain all-reduce, then the library's add_rmsnorm kernel.
-UNFUSED = "unfused"
 
 
 def fused_algo_names() -> tuple[str, ...]:
-    """What ``--fused-algos`` accepts: "auto", the library's fused kernels and "unfused".
-
-    Imports the kernels' module (torch, triton), so only when a name other than "auto" is given:
-    parsing the options stays torch-free."""
-    from pcie_allreduce.fused_rmsnorm import FUSED_ALGORITHMS
-
-    return tuple(dict.fromkeys(("auto", *FUSED_ALGORITHMS, UNFUSED)))
+    """What ``--fused-algos`` accepts: "auto", the library's fused kernels and "unfused" (our
+    plain all-reduce, then the library's add_rmsnorm kernel)."""
+    return ("auto", *FUSED_ALGORITHMS)
 
 
 @dataclasses.dataclass(frozen=True)
