@@ -198,6 +198,7 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
         FusedRule("kernel", max_tokens=8, world=(2, 3, 4)),
         FusedRule("oneshot", world=(2,)),
         FusedRule("unfused", max_tokens=32, world=(3, 4)),
+        FusedRule("kernel", world=(3, 4)),
         FusedRule("kernel", max_tokens=4),
         FusedRule("unfused", max_tokens=64),
         FusedRule("kernel"),

@@ -41,8 +41,8 @@ from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting,
-                                            load_acquire_where, next_epoch, now_ns, pick_base, record_error, round_to,
-                                            spin_verdict, store_release)
+                                            load_acquire_where, next_epoch, now_ns, pick_base, record_error,
+                                            release_fence, round_to, spin_verdict, store_flag)
 
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
@@ -145,7 +145,7 @@ def _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols,
                    parity_off, flags_offset, SHARDED: tl.constexpr, ROWS, W: tl.constexpr, ALIGNED: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Push this program's rows of x into our slot of every peer (all rows, or with SHARDED only
-    the rows that peer owns), then release that peer's flag of kind 0."""
+    the rows that peer owns), then release every peer's flag of kind 0 (one fence for all)."""
     for p in tl.static_range(W):
         if p != rank:
             base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
@@ -155,8 +155,20 @@ def _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols,
             else:
                 begin, end = 0, T
             _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
-            tl.debug_barrier()
-            store_release(flag_addr(base, flags_offset, 0, rank, pid), (epoch << 32) | sig64, INTERPRET)
+    _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 0, rank, pid, (epoch << 32) | sig64, W, INTERPRET)
+
+
+@triton.jit
+def _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, kind: tl.constexpr, rank, pid, word,
+                   W: tl.constexpr, INTERPRET: tl.constexpr):
+    """After every thread's pushes: one barrier, one system-scope fence, then our flag of ``kind``
+    in every peer (invariant 2 of csrc/protocol.cuh: data before flag)."""
+    tl.debug_barrier()
+    release_fence(INTERPRET)
+    for p in tl.static_range(W):
+        if p != rank:
+            store_flag(flag_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, kind, rank, pid), word,
+                       INTERPRET)
 
 
 @triton.jit
@@ -307,11 +319,8 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                         base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
                         dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, DT, ALIGNED)
                         tl.store(dst + row_off + cols, nr, mask=mask)
-            tl.debug_barrier()
-            for p in tl.static_range(W):
-                if p != rank:
-                    base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                    store_release(flag_addr(base, flags_offset, 1, rank, pid), (epoch << 32) | sig64, INTERPRET)
+            _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 1, rank, pid, (epoch << 32) | sig64, W,
+                           INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
                                  BLOCK_H, INTERPRET)

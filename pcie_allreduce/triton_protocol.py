@@ -76,6 +76,31 @@ def store_release(ptr, value, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def release_fence(INTERPRET: tl.constexpr):
+    """fence.acq_rel.sys by thread 0 of the program: with the thread's later
+    :func:`store_flag` stores, the release of every flag of one exchange at the price of one
+    system-scope fence (a st.release.sys per peer fences once per peer: W - 1 fences in a row).
+    Called after a tl.debug_barrier, like :func:`store_release`."""
+    if not INTERPRET:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; @p fence.acq_rel.sys; "
+            "mov.u32 $0, 0; }", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_flag(ptr, value, INTERPRET: tl.constexpr):
+    """st.relaxed.sys of a scalar flag by thread 0 of the program, after its :func:`release_fence`
+    (fence then strong store in one thread: a release pattern of the PTX memory model)."""
+    if INTERPRET:
+        tl.store(ptr, value)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p st.relaxed.sys.global.u64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def load_volatile(ptr, mask, INTERPRET: tl.constexpr):
     """Masked ld.volatile.global of the pointer's word (u64 or u32; 0 where masked off). Inline
     asm with side effects, so the compiler can neither hoist a poll out of its loop nor re-load
