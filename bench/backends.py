@@ -95,7 +95,6 @@ class RankBackend(Protocol):
     #   checks_after_timing(bufs, algo) -> bool  False: the last timed output cannot be checked
     #   (raising bench.outcome.CaseSkipped inside a case makes it "skipped" with that message)
     #   capture_context() -> context manager     entered around every CUDA-graph capture
-    #   begin_case(case) -> None         per-case set-up beyond the buffers (verify --gemms' operands)
 
 
 class Backend:

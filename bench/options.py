@@ -85,7 +85,6 @@ class BenchConfig:
     compute_ms: float = DEFAULT_COMPUTE_MS  # verify: model compute per pass, for the projected verify time
     norm: bool = False                      # verify: also the residual add + RMSNorm variants
     fused_algos: tuple[str, ...] = DEFAULT_FUSED_ALGOS  # --fused: our fused call's algo= values, one row each
-    gemms: bool = False                     # verify: the model's dense GEMMs between the collectives
 
     @property
     def mode(self) -> str:

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from pcie_allreduce.ranks import RankContext
 
 from bench import backends, checks, environment, outcome, timing
-from bench.gemm_ops import GemmAdapter
 from bench.norm_ops import NormAdapter
 from bench.plan import Case, RankJob
 from bench.progress import ProgressLog
@@ -42,13 +41,10 @@ def _gather(ctx: RankContext, obj: Any) -> list[Any]:
 
 
 def open_backend(ctx: RankContext, job: RankJob) -> Any:
-    """The job's backend; for ``--fused`` / verify wrapped to offer the residual add + RMSNorm variants,
-    for ``verify --gemms`` also to run the model's GEMMs between the collectives."""
+    """The job's backend; for ``--fused`` / verify wrapped to offer the residual add + RMSNorm variants."""
     backend = backends.open_backend(ctx, job)
     if job.workload in (FUSED, VERIFY):
         backend = NormAdapter(backend, ctx, job)
-    if job.gemms:
-        backend = GemmAdapter(backend, ctx, job)
     return backend
 
 
@@ -90,9 +86,6 @@ def _run_case(ctx: RankContext, job: RankJob, backend: Any, case: Case, check: c
         return skipped
     resolved = ""
     try:
-        begin = getattr(backend, "begin_case", None)
-        if begin is not None:
-            begin(case)
         resolved = backend.resolved_algo(case.size_bytes, dtype, case.algo, **_shape(case))
         bufs = backend.buffers(case.count, dtype, case.algo, **_shape(case))
         problem = _check(backend, bufs, case.algo, check)

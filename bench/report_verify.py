@@ -15,7 +15,6 @@ from bench.results import (
     is_one_kernel_norm, split_norm,
 )
 from bench.table import Column, num, ratio, render, speedup
-from bench.verify_options import GEMMS_NOTE
 
 OURS = "ours"
 
@@ -48,12 +47,8 @@ def timing_line(config: dict[str, Any]) -> str:
     how = "eager launches" if config.get("eager") else "one CUDA graph per pass"
     if config.get("rounds", 1) > 1:
         how += f", {config['rounds']} interleaved rounds (replays pooled)"
-    text = (f"# {how}: 2 x L collectives on [T, H]; pass = p50 / p99 over timed replays of the slowest rank's "
+    return (f"# {how}: 2 x L collectives on [T, H]; pass = p50 / p99 over timed replays of the slowest rank's "
             f"pass time; verify = pass + {config.get('compute_ms', 5.0):g} ms compute")
-    if config.get("gemms"):
-        text += (f"\n# GEMMS INCLUDED: pass and call times include the {GEMMS_NOTE}; --compute-ms is added on top, "
-                 "so it should count only the rest of the model's compute")
-    return text
 
 
 def format_verify_summary(report: Report) -> str:
@@ -92,8 +87,7 @@ def format_verify_summary(report: Report) -> str:
         *[Column(b, 34, lambda e, b=b: cell(e, b)) for b in backends],
         *[Column(f"ours vs {b}", 24, lambda e, b=b: saving(e, b)) for b in others],
     ]
-    gemms = " (passes include the model's GEMMs)" if report.config.get("gemms") else ""
-    parts = [f"# best per backend{gemms}: pass ms / projected verify ms (pass + {compute:g} ms compute) (algo); "
+    parts = [f"# best per backend: pass ms / projected verify ms (pass + {compute:g} ms compute) (algo); "
              "ours vs X: the pass time ours saves per verify (verify speed-up)",
              *render(columns, entries)]
     fused = format_fused_pass_summary(report)

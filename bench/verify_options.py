@@ -10,9 +10,8 @@ time (pass + the model's compute) and the speed-up. Pure (no torch import).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Sequence
+from typing import Sequence
 
 from pcie_allreduce.cli import typed_arg
 
@@ -24,77 +23,13 @@ from bench.results import VERIFY
 DETAILS = ("Projected verify time = pass time + --compute-ms; speed-up = the reference backend's (NCCL where it "
            "runs, else torch symmetric memory) projected verify time / this one's.")
 
-@dataclasses.dataclass(frozen=True)
-class ModelDims:
-    """What a preset's layers are made of, for the pass shape and ``--gemms``. ``attn_out`` =
-    attention heads x (value) head dim: the output projection's input width; ``intermediate``:
-    a dense MLP's (0 for MoE models); ``shared_intermediate``: the MoE shared expert's (0: none);
-    ``expert_intermediate`` and ``active_experts``: the routed experts' (0: dense)."""
-
-    layers: int
-    hidden: int
-    attn_out: int
-    intermediate: int = 0
-    shared_intermediate: int = 0
-    expert_intermediate: int = 0
-    active_experts: int = 0
-    note: str = ""
-
-
-# Kimi-K2.5 is taken with DeepSeek-V3's shape (61 layers, 128 heads x v_head_dim 128, one shared
-# expert and 8 routed experts of intermediate 2048; the first dense layers are counted as MoE).
-_DEEPSEEK = ModelDims(61, 7168, 128 * 128, shared_intermediate=2048, expert_intermediate=2048, active_experts=8)
-MODELS: Mapping[str, ModelDims] = MappingProxyType({
-    "kimi-k2.5": _DEEPSEEK,
-    "deepseek-v3": _DEEPSEEK,
-    "llama-3-70b": ModelDims(80, 8192, 64 * 128, intermediate=28672),
-    "qwen3-235b-a22b": ModelDims(94, 4096, 64 * 128, expert_intermediate=1536, active_experts=8),
+# name -> (layers, hidden). Kimi-K2.5 has DeepSeek-V3's shape.
+PRESETS = MappingProxyType({
+    "kimi-k2.5": (61, 7168),
+    "deepseek-v3": (61, 7168),
+    "llama-3-70b": (80, 8192),
+    "qwen3-235b-a22b": (94, 4096),
 })
-# name -> (layers, hidden): what the collectives see.
-PRESETS: Mapping[str, tuple[int, int]] = MappingProxyType({n: (d.layers, d.hidden) for n, d in MODELS.items()})
-# What --gemms leaves out or approximates, printed with its results.
-GEMMS_NOTE = ("per-rank dense GEMMs of each layer, random bf16/fp16 weights, inside the graph: the attention output "
-              "projection [T, heads*head_dim/W] x [heads*head_dim/W, H] before a layer's first collective, the MLP "
-              "before its second (dense: gate_up [T, H] x [H, 2I/W], down [T, I/W] x [I/W, H]; MoE: the shared "
-              "expert's, and the routed experts APPROXIMATED as one batched GEMM pair over the 8 active experts with "
-              "all T rows each: a lower bound, as T tokens route to up to 8T distinct experts whose weights are "
-              "read); no attention, QKV projections, router, activation or expert parallelism; widths not divisible "
-              "by W rounded up; the GEMM outputs are not the collectives' inputs (those stay the checked pattern)")
-
-
-class Gemm(NamedTuple):
-    """One per-rank GEMM: ``batch`` x ([m, k] @ [k, n])."""
-
-    name: str
-    batch: int
-    m: int
-    k: int
-    n: int
-
-
-def _shard(width: int, world: int) -> int:
-    return -(-width // world)  # tensor parallelism splits the width; round up where W does not divide it
-
-
-def layer_gemms(model: str, tokens: int, world: int) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
-    """(before the first collective, before the second) of one layer of preset ``model`` (a shared
-    row's name, "deepseek-v3/kimi-k2.5", works) at T = ``tokens`` on W = ``world`` ranks."""
-    d = MODELS[model.split("/")[0]]
-    h, t = d.hidden, tokens
-    attention = (Gemm("o_proj", 1, t, _shard(d.attn_out, world), h),)
-    mlp: list[Gemm] = []
-    if d.intermediate:
-        mlp += [Gemm("gate_up", 1, t, h, 2 * _shard(d.intermediate, world)),
-                Gemm("down", 1, t, _shard(d.intermediate, world), h)]
-    if d.shared_intermediate:
-        mlp += [Gemm("shared_gate_up", 1, t, h, 2 * _shard(d.shared_intermediate, world)),
-                Gemm("shared_down", 1, t, _shard(d.shared_intermediate, world), h)]
-    if d.active_experts:
-        mlp += [Gemm("experts_gate_up", d.active_experts, t, h, 2 * _shard(d.expert_intermediate, world)),
-                Gemm("experts_down", d.active_experts, t, _shard(d.expert_intermediate, world), h)]
-    return attention, tuple(mlp)
-
-
 DEFAULT_MODELS: tuple[str, ...] = ("kimi-k2.5", "llama-3-70b", "qwen3-235b-a22b")
 MAX_LAYERS = 512
 # T = batch x draft tokens: 4 (one sequence, the latency case) and 32 (eight sequences) by default.
@@ -127,11 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also time each collective with its residual add + RMSNorm: our fused kernel, and every "
                            "backend's all-reduce + eager torch ops / + one add + RMSNorm kernel (ours, FlashInfer's, "
                            "sgl-kernel's)")
-    what.add_argument("--gemms", action="store_true",
-                      help="put each preset's per-rank dense GEMMs between the collectives inside the graph (the "
-                           "attention output projection before a layer's first collective, the MLP / shared expert "
-                           "and an approximation of the routed experts before its second), so the collectives are "
-                           "timed in context; presets only")
     what.add_argument("--eps", type=options.positive_float, default=options.DEFAULT_EPS, metavar="EPS",
                       help=f"RMSNorm epsilon (default {options.DEFAULT_EPS:g})")
     options.add_timing_arguments(parser, iters=50, calls_per_graph=False)
@@ -156,8 +86,6 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     if (args.layers is None) != (args.hidden is None):
         parser.error("a custom model needs both --layers and --hidden")
     custom = args.layers is not None
-    if args.gemms and custom:
-        parser.error("--gemms needs a preset's layer shapes (--model), not a custom --layers/--hidden model")
     models = options.unique(args.model) if args.model else (() if custom else DEFAULT_MODELS)
     shapes = shapes_from(models, args.layers, args.hidden, options.unique(args.batch),
                          options.unique(args.draft_tokens))
@@ -170,6 +98,6 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         backends=options.unique(args.backends) if args.backends else DEFAULT_BACKENDS,
         backends_explicit=bool(args.backends),
         calls_per_graph=2 * max(s.layers for s in shapes),
-        workload=VERIFY, shapes=shapes, eps=args.eps, compute_ms=args.compute_ms, norm=args.fused, gemms=args.gemms,
+        workload=VERIFY, shapes=shapes, eps=args.eps, compute_ms=args.compute_ms, norm=args.fused,
         **options.common_fields(args, gpu_count),
     )

@@ -7,7 +7,6 @@ import csv
 import io
 
 import pytest
-import torch
 
 from pcie_allreduce.ranks import placement_label
 
@@ -184,96 +183,3 @@ def test_verify_command_end_to_end(monkeypatch, capsys) -> None:
     assert bench_cli.main(["verify", "--model", "kimi-k2.5", "--fused", "--world", "8"]) == 0
     assert seen["cfg"].norm and seen["cfg"].worlds == (8,)
     assert "verify(ms)" in capsys.readouterr().out
-
-
-# ----------------------------------------------------------------------------- --gemms
-
-
-def test_gemm_shapes_per_preset() -> None:
-    Gemm = verify_options.Gemm
-    first, second = verify_options.layer_gemms("llama-3-70b", 32, 4)
-    assert first == (Gemm("o_proj", 1, 32, 64 * 128 // 4, 8192),)
-    assert second == (Gemm("gate_up", 1, 32, 8192, 2 * 28672 // 4), Gemm("down", 1, 32, 28672 // 4, 8192))
-    first, second = verify_options.layer_gemms("deepseek-v3/kimi-k2.5", 4, 8)
-    assert first == (Gemm("o_proj", 1, 4, 128 * 128 // 8, 7168),)
-    assert second == (Gemm("shared_gate_up", 1, 4, 7168, 2 * 2048 // 8), Gemm("shared_down", 1, 4, 2048 // 8, 7168),
-                      Gemm("experts_gate_up", 8, 4, 7168, 2 * 2048 // 8), Gemm("experts_down", 8, 4, 2048 // 8, 7168))
-    assert verify_options.layer_gemms("kimi-k2.5", 4, 8) == (first, second)
-    first, second = verify_options.layer_gemms("qwen3-235b-a22b", 4, 2)
-    assert first == (Gemm("o_proj", 1, 4, 64 * 128 // 2, 4096),)
-    assert [g.name for g in second] == ["experts_gate_up", "experts_down"]  # no shared expert
-    assert second[0] == Gemm("experts_gate_up", 8, 4, 4096, 2 * 1536 // 2)
-    assert verify_options.layer_gemms("llama-3-70b", 1, 3)[0][0].k == -(-8192 // 3)  # rounded up
-    assert verify_options.PRESETS["llama-3-70b"] == (80, 8192) and verify_options.PRESETS["kimi-k2.5"] == (61, 7168)
-
-
-def test_gemms_option() -> None:
-    cfg = _verify_config(["--model", "llama-3-70b", "--gemms", "--fused"])
-    assert cfg.gemms and cfg.norm and plan.make_job(cfg, "ours", (), "/tmp").gemms
-    assert not _verify_config([]).gemms
-
-
-def test_gemms_need_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        _verify_config(["--layers", "2", "--hidden", "256", "--gemms"])
-    assert info.value.code == 2 and "--gemms needs a preset" in capsys.readouterr().err
-
-
-def test_gemm_adapter_runs_each_slots_gemms_before_its_collective(monkeypatch) -> None:
-    from bench import gemm_ops
-
-    small = ((verify_options.Gemm("o_proj", 1, 2, 8, 16),),
-             (verify_options.Gemm("gate_up", 1, 2, 16, 8), verify_options.Gemm("experts", 3, 2, 16, 4)))
-    monkeypatch.setattr(gemm_ops, "layer_gemms", lambda model, tokens, world: small)
-    monkeypatch.setattr(gemm_ops, "WEIGHT_BYTES_PER_SLOT", 16 * 8 * 2 * 2)  # slot 0: two weight copies
-    order: list[str] = []
-
-    class Inner:
-        marker = "inner"
-
-        def call(self, bufs, algo):
-            order.append(f"collective {algo}")
-            return bufs
-
-    real_bmm = torch.bmm
-
-    def bmm(a, w, *, out):
-        order.append(f"gemm {tuple(a.shape)}x{tuple(w.shape)}")
-        return real_bmm(a, w, out=out)
-
-    monkeypatch.setattr(torch, "bmm", bmm)
-    ctx = type("Ctx", (), {"device": torch.device("cpu"), "rank": 0, "world_size": 2})()
-    job = plan.RankJob(backend="ours", dtype="bfloat16", cases=(), max_bytes=64, progress_dir="/tmp", workload=VERIFY,
-                       gemms=True)
-    adapter = gemm_ops.GemmAdapter(Inner(), ctx, job)
-    assert adapter.marker == "inner"  # everything else is the wrapped backend's
-    adapter.begin_case(plan.Case(0, 64, 32, "auto", tokens=2, hidden=16, calls=6, model="qwen3-235b-a22b"))
-    assert [len(slot) for slot in adapter._slots] == [2, 1]
-    for _ in range(4):
-        adapter.call(None, "auto")
-    assert order == ["gemm (1, 2, 8)x(1, 8, 16)", "collective auto",
-                     "gemm (1, 2, 16)x(1, 16, 8)", "gemm (3, 2, 16)x(3, 16, 4)", "collective auto"] * 2
-    first, second = adapter._slots[0][0][0], adapter._slots[0][1][0]
-    assert first[1].data_ptr() != second[1].data_ptr()  # the second layer reads the other weight copy
-    adapter.begin_case(plan.Case(1, 64, 32, "auto", tokens=2, hidden=16, calls=6, model=""))
-    assert adapter._slots == ([], [])
-
-
-def test_verify_report_says_gemms_were_included() -> None:
-    rep = fake_verify_report()
-    rep.config["gemms"] = True
-    text = report.format_report(rep)
-    assert "# GEMMS INCLUDED: pass and call times include the per-rank dense GEMMs" in text
-    assert "APPROXIMATED" in text and "(passes include the model's GEMMs)" in text
-    assert "GEMMS INCLUDED" not in report.format_report(fake_verify_report())
-
-
-def test_verify_rank_loop_with_gemms_on_cpu(monkeypatch) -> None:
-    """The rank loop sets up each case's GEMMs (the real preset's shapes, one layer) and times the pass."""
-    fakes.use_cpu_ranks(monkeypatch)
-    cfg = options.BenchConfig(worlds=(2,), sizes=(8192,), backends=("ours",), workload=VERIFY, gemms=True,
-                              shapes=(options.Shape(1, 4096, layers=1, model="qwen3-235b-a22b"),), eager=True,
-                              iters=2, warmup=0, setup_timeout_s=60.0, case_timeout_s=60.0, retries=0)
-    rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None)
-    (row,) = rep.results
-    assert row.status == OK and row.calls_per_graph == 2 and row.p50_us > 0
