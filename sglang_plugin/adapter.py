@@ -14,13 +14,16 @@ contiguity and the world size, which all ranks share; none looks at pointers or 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import validation
-from sglang_plugin.settings import Settings
+from pcie_allreduce import algo as algo_mod, validation
+from sglang_plugin.settings import ALGO, Settings
+
+logger = logging.getLogger("sglang_plugin")
 
 # What the communicator accepts, so the adapter declines the rest up front.
 DTYPES: tuple[torch.dtype, ...] = validation.SUPPORTED_DTYPES
@@ -63,6 +66,11 @@ class PcieAllReduceAdapter:
         self.world_size: int = self.comm.world_size
         self.max_size: int = self.comm.max_bytes
         self.algo: str = settings.algo
+        #: Largest message :meth:`should_custom_ar` takes: ``max_size``, less where the forced
+        #: algorithm takes less (the capped one-shots and two-shot), 0 where it cannot run on this
+        #: communicator's transport. The communicator would raise for the rest inside the forward
+        #: pass; declined, they take SGLang's own path.
+        self.largest_served: int = self._largest_served()
         self.fused_enabled: bool = settings.fused
         self.disabled = False
 
@@ -77,7 +85,7 @@ class PcieAllReduceAdapter:
         if self.disabled or inp.dtype not in DTYPES or not inp.is_contiguous():
             return False
         nbytes = inp.numel() * inp.element_size()
-        return 0 < nbytes <= self.max_size and inp.device == self.device
+        return 0 < nbytes <= self.largest_served and inp.device == self.device
 
     def custom_all_reduce(self, input: torch.Tensor) -> torch.Tensor | None:  # noqa: A002 - SGLang's name
         """Sum over the group into a NEW tensor; None when :meth:`should_custom_ar` declines.
@@ -157,6 +165,17 @@ class PcieAllReduceAdapter:
         return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps))
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _largest_served(self) -> int:
+        if self.algo == "auto":
+            return self.max_size
+        transport = self.comm.transport
+        if not algo_mod.runs_on(self.algo, transport):
+            logger.warning("pcie_allreduce[sglang]: %s=%s runs on the host transport only and this communicator's "
+                           "transport is %s: every all-reduce stays on SGLang's own path", ALGO, self.algo, transport)
+            return 0
+        limit = algo_mod.capacity_of(self.algo, self.comm.ll_capacity)
+        return self.max_size if limit is None else max(0, min(self.max_size, limit))
 
     def _agree_on_stream_workspace(self) -> None:
         stream = _current_stream_handle(self.device)

@@ -335,6 +335,7 @@ class GlooStandIn:
         self.group, self.device = group, torch.device(device)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.ll_capacity, self.transport = Layout.make(max_bytes, self.world_size).ll_capacity, "p2p"
         self.calls: list[tuple] = []
         self.streams = {0}
         self.closed = False
@@ -602,7 +603,7 @@ def test_adapter_checks_every_workspace_before_each_eager_call() -> None:
     from sglang_plugin.adapter import PcieAllReduceAdapter
 
     class FailedElsewhere:
-        device, rank, world_size, max_bytes = torch.device("cpu"), 0, 2, 1 << 20
+        device, rank, world_size, max_bytes, ll_capacity, transport = torch.device("cpu"), 0, 2, 1 << 20, 1 << 19, "p2p"
 
         def __init__(self, *args, **kwargs) -> None:
             self.launched = 0
@@ -625,6 +626,55 @@ def test_adapter_checks_every_workspace_before_each_eager_call() -> None:
     with pytest.raises(CollectiveTimeout, match="call #7"):
         adapter.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(64, dtype=torch.bfloat16), 1e-6)
     assert adapter.comm.launched == 0
+
+
+class _Capped:
+    """A communicator as the adapter sees it, on ``transport``, raising as the real one does for a
+    forced algorithm the message does not fit."""
+
+    device, rank, world_size, max_bytes = torch.device("cpu"), 0, 2, 8 << 20
+
+    def __init__(self, *args, transport: str = "p2p", **kwargs) -> None:
+        self.transport = transport
+        self.ll_capacity = Layout.make(self.max_bytes, self.world_size).ll_capacity
+        self.launched: list[str] = []
+
+    def check(self) -> None:
+        pass
+
+    def all_reduce(self, x, out=None, algo="auto"):
+        from pcie_allreduce import algo as algo_mod, dispatch
+
+        dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, algo_mod.default_table(),
+                              ll_capacity=self.ll_capacity, algo=algo)  # raises as the communicator would
+        if not algo_mod.runs_on(algo, self.transport):
+            raise ValueError(f"algo={algo!r} runs on the host transport only")
+        self.launched.append(algo)
+        return x.clone()
+
+
+@pytest.mark.parametrize("algo", ["oneshot_ll", "oneshot_full", "twoshot_full", "host_oneshot", "host_twoshot",
+                                  "oneshot", "twoshot", "auto"])
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: str) -> None:
+    """Declined calls take SGLang's own path; the served ones never raise in the forward pass."""
+    from pcie_allreduce import algo as algo_mod
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+
+    adapter = PcieAllReduceAdapter(None, "cpu", Settings(enabled=True, algo=algo),
+                                   communicator_factory=lambda *a, **k: _Capped(transport=transport))
+    ll_capacity = adapter.comm.ll_capacity
+    runs = algo == "auto" or algo_mod.runs_on(algo, transport)
+    limit = min(algo_mod.capacity_of(algo, ll_capacity) or adapter.max_size, adapter.max_size)
+    for nbytes in sorted({16, limit - 16, limit, limit + 16, ll_capacity, ll_capacity + 16, adapter.max_size}):
+        if not 0 < nbytes <= adapter.max_size:
+            continue
+        x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+        served = runs and nbytes <= limit
+        assert adapter.should_custom_ar(x) is served, (algo, transport, nbytes)
+        out = adapter.custom_all_reduce(x)
+        assert (out is not None) is served, (algo, transport, nbytes)
+    assert adapter.comm.launched if runs else not adapter.comm.launched
 
 
 # ---------------------------------------------------------------------------- every forward step
