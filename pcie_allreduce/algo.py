@@ -14,6 +14,12 @@ Rules are tried in order; the first whose ``world`` contains W and whose ``max_b
 unbounded) is >= the message size wins. ``dtype`` may restrict a rule to some dtypes. A
 ``oneshot_ll`` rule is passed over for messages above the communicator's low-latency capacity
 (derived from its agreed ``max_bytes``, so still the same choice on every rank).
+
+Loading checks every field's type strictly (integers are JSON integers, ``world`` is ``"*"``,
+null, an integer or a list of integers from MIN_RANKS to MAX_RANKS, ``dtypes`` null or a list of
+``"float32"``, ``"float16"``, ``"bfloat16"``) and that every world size and dtype has a rule with
+``max_bytes`` null and an uncapped algorithm, so no call finds the table without a rule; any
+problem is a ValueError naming the table's source, the rule's index and the field.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pcie_allreduce.constants import ALGO_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS
+from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS
 
 ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # Algorithms whose messages must fit the workspace's low-latency capacity (Layout.ll_capacity):
@@ -47,6 +53,11 @@ def runs_on(algo: str, transport: str) -> bool:
     """Whether ``algo`` can run on a communicator of ``transport`` ("p2p" or "host")."""
     return transport == "host" or algo not in HOST_ONLY_ALGORITHMS
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
+#: The dtype names a rule's ``dtypes`` may list.
+DTYPE_NAMES: tuple[str, ...] = tuple(sorted(DTYPE_IDS, key=DTYPE_IDS.__getitem__))
+# Sizes in a table are bounded like the C++ side's uint64 byte counts (and so never make the
+# arithmetic of a launch shape overflow).
+_SIZE_LIMIT = (1 << 63) - 1
 
 
 def capacity_of(algo: str, ll_capacity: int | None) -> int | None:
@@ -135,14 +146,10 @@ class Rule:
     max_blocks: int = 16
 
     def __post_init__(self) -> None:
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"algorithm table: unknown algo {self.algo!r}; expected one of {ALGORITHMS}")
-        if self.max_bytes is not None and self.max_bytes < 0:
-            raise ValueError(f"algorithm table: max_bytes must be >= 0 or null, got {self.max_bytes}")
-        if self.bytes_per_block <= 0:
-            raise ValueError(f"algorithm table: bytes_per_block must be positive, got {self.bytes_per_block}")
-        if not 1 <= self.max_blocks <= MAX_LAUNCH_BLOCKS:
-            raise ValueError(f"algorithm table: max_blocks must be in [1, {MAX_LAUNCH_BLOCKS}], got {self.max_blocks}")
+        problem = _rule_problem(self.algo, self.max_bytes, self.world, self.dtypes, self.bytes_per_block,
+                                self.max_blocks)
+        if problem is not None:
+            raise ValueError(f"algorithm table: {problem}")
 
     def matches(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None) -> bool:
         return ((self.world is None or world in self.world)
@@ -152,6 +159,37 @@ class Rule:
 
     def blocks_for(self, nbytes: int) -> int:
         return max(1, min(self.max_blocks, math.ceil(nbytes / self.bytes_per_block)))
+
+
+def _is_int(value: object) -> bool:
+    """A real integer: JSON's 8.0, "8" and true are not."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rule_problem(algo: object, max_bytes: object, world: object, dtypes: object, bytes_per_block: object,
+                  max_blocks: object) -> str | None:
+    """What is wrong with a rule's fields, naming the field, or None."""
+    if not isinstance(algo, str) or algo not in ALGORITHMS:
+        return f"unknown algo {algo!r}; expected one of {ALGORITHMS}"
+    if max_bytes is not None and not (_is_int(max_bytes) and 0 <= max_bytes <= _SIZE_LIMIT):
+        return f"max_bytes must be an integer in [0, {_SIZE_LIMIT}] or null, got {max_bytes!r}"
+    if world is not None:
+        if not isinstance(world, tuple) or not world:
+            return f"world must be '*', null, an integer or a non-empty list of integers, got {world!r}"
+        bad = [w for w in world if not (_is_int(w) and MIN_RANKS <= w <= MAX_RANKS)]
+        if bad:
+            return f"world sizes must be integers in [{MIN_RANKS}, {MAX_RANKS}], got {bad[0]!r}"
+    if dtypes is not None:
+        if not isinstance(dtypes, tuple) or not dtypes:
+            return f"dtypes must be null or a non-empty list of dtype names {DTYPE_NAMES}, got {dtypes!r}"
+        bad = [d for d in dtypes if not isinstance(d, str) or d not in DTYPE_NAMES]
+        if bad:
+            return f"dtypes: unknown dtype {bad[0]!r}; expected names from {DTYPE_NAMES}"
+    if not (_is_int(bytes_per_block) and 1 <= bytes_per_block <= _SIZE_LIMIT):
+        return f"bytes_per_block must be an integer in [1, {_SIZE_LIMIT}], got {bytes_per_block!r}"
+    if not (_is_int(max_blocks) and 1 <= max_blocks <= MAX_LAUNCH_BLOCKS):
+        return f"max_blocks must be an integer in [1, {MAX_LAUNCH_BLOCKS}], got {max_blocks!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -207,8 +245,9 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
 
 @dataclass(frozen=True)
 class AlgoTable:
-    """An ordered list of rules; the last rule should match everything. ``fused``: the fused
-    table (:class:`FusedRule`), tried in order, its last rule matching everything."""
+    """An ordered list of rules; loading one checks that every call has a rule (:meth:`coverage_problem`).
+    ``fused``: the fused table (:class:`FusedRule`), tried in order; a call past its last rule runs
+    unfused."""
 
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     fused: tuple[FusedRule, ...] = field(default_factory=default_fused_rules)
@@ -241,6 +280,21 @@ class AlgoTable:
             candidates = [r for r in self.rules if r.matches(nbytes, world, dtype)] or [Rule(algo)]
         return candidates[0].blocks_for(nbytes)
 
+    def coverage_problem(self) -> str | None:
+        """Why some call would find no rule, or None: every world size and dtype needs a rule
+        with ``max_bytes`` null whose algorithm has no capacity (a capped one is passed over for
+        larger messages), else the first call of an uncovered size fails, perhaps inside a CUDA
+        graph capture."""
+        for world in range(MIN_RANKS, MAX_RANKS + 1):
+            for dtype in DTYPE_NAMES:
+                if not any(r.max_bytes is None and r.algo not in CAPPED_ALGORITHMS
+                           and (r.world is None or world in r.world) and (r.dtypes is None or dtype in r.dtypes)
+                           for r in self.rules):
+                    return (f"no rule covers every message size at world size {world} for {dtype}: the table "
+                            f'needs a last rule with "max_bytes": null and an algorithm other than '
+                            f'{CAPPED_ALGORITHMS} for it (e.g. {{"algo": "twoshot", "world": "*"}})')
+        return None
+
     def transport_problem(self, transport: str) -> str | None:
         """Why this table cannot serve a communicator of ``transport``, or None."""
         wrong = sorted({r.algo for r in self.rules if not runs_on(r.algo, transport)})
@@ -262,9 +316,13 @@ class AlgoTable:
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "algorithm table") -> "AlgoTable":
+        """Parse and check a table; every problem (syntax, a field's type or range, a world size
+        or dtype without a rule for every size) raises ValueError naming ``source``."""
+        if not isinstance(text, str):
+            raise ValueError(f"{source}: expected JSON text, got {type(text).__name__}")
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, an int too long, nesting too deep
             raise ValueError(f"{source}: not valid JSON ({exc})") from None
         if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
             raise ValueError(f'{source}: expected an object {{"rules": [...]}} with at least one rule')
@@ -273,36 +331,51 @@ class AlgoTable:
             raise ValueError(f'{source}: unknown keys {sorted(unknown)}; known: "rules", "fused", "meta"')
         rules = tuple(_rule_from_dict(row, source, i) for i, row in enumerate(data["rules"]))
         if "fused" not in data:
-            return cls(rules)
+            return _checked(cls(rules), source)
         fused = data["fused"]
         if not isinstance(fused, list) or not fused:
             raise ValueError(f'{source}: "fused" must be a list of at least one rule')
-        return cls(rules, tuple(_fused_rule_from_dict(row, source, i) for i, row in enumerate(fused)))
+        return _checked(cls(rules, tuple(_fused_rule_from_dict(row, source, i) for i, row in enumerate(fused))), source)
+
+
+def _checked(table: AlgoTable, source: str) -> AlgoTable:
+    problem = table.coverage_problem()
+    if problem is not None:
+        raise ValueError(f"{source}: {problem}")
+    return table
 
 
 def _rule_from_dict(row: Any, source: str, index: int) -> Rule:
+    where = f"{source}: rule {index}"
     if not isinstance(row, dict):
-        raise ValueError(f"{source}: rule {index} must be an object, got {type(row).__name__}")
+        raise ValueError(f"{where} must be an object, got {type(row).__name__}")
     known = {"algo", "max_bytes", "world", "dtypes", "bytes_per_block", "max_blocks"}
     unknown = set(row) - known
     if unknown:
-        raise ValueError(f"{source}: rule {index} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
     if "algo" not in row:
-        raise ValueError(f"{source}: rule {index} needs an 'algo'")
+        raise ValueError(f"{where} needs an 'algo'")
+    # Only the JSON shapes are converted here (a list becomes a tuple); Rule checks every value.
     world = row.get("world", "*")
     if world == "*" or world is None:
         world_t = None
-    elif isinstance(world, int):
+    elif _is_int(world):
         world_t = (world,)
+    elif isinstance(world, list):
+        world_t = tuple(world)
     else:
-        world_t = tuple(int(w) for w in world)
+        raise ValueError(f"{where}: world must be '*', null, an integer or a list of integers, got {world!r}")
     dtypes = row.get("dtypes")
-    try:
-        return Rule(algo=row["algo"], max_bytes=row.get("max_bytes"), world=world_t,
-                    dtypes=None if dtypes is None else tuple(dtypes),
-                    bytes_per_block=int(row.get("bytes_per_block", 16384)), max_blocks=int(row.get("max_blocks", 16)))
-    except ValueError as exc:
-        raise ValueError(f"{source}: rule {index}: {exc}") from None
+    if dtypes is not None and not isinstance(dtypes, list):
+        raise ValueError(f"{where}: dtypes must be null or a list of dtype names {DTYPE_NAMES}, got {dtypes!r}")
+    fields = {"algo": row["algo"], "max_bytes": row.get("max_bytes"), "world": world_t,
+              "dtypes": None if dtypes is None else tuple(dtypes),
+              "bytes_per_block": row.get("bytes_per_block", Rule.bytes_per_block),
+              "max_blocks": row.get("max_blocks", Rule.max_blocks)}
+    problem = _rule_problem(**fields)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+    return Rule(**fields)
 
 
 def _fused_rule_from_dict(row: Any, source: str, index: int) -> FusedRule:
@@ -315,10 +388,11 @@ def _fused_rule_from_dict(row: Any, source: str, index: int) -> FusedRule:
     world = row.get("world", "*")
     if world == "*" or world is None:
         world_t = None
-    elif isinstance(world, list) and world and all(isinstance(w, int) and not isinstance(w, bool) for w in world):
+    elif isinstance(world, list) and world and all(_is_int(w) and MIN_RANKS <= w <= MAX_RANKS for w in world):
         world_t = tuple(world)
     else:
-        raise ValueError(f'{where}: world must be "*", null or a non-empty list of ints, got {world!r}')
+        raise ValueError(f'{where}: world must be "*", null or a non-empty list of integers in '
+                         f'[{MIN_RANKS}, {MAX_RANKS}], got {world!r}')
     try:
         return FusedRule(algo=row.get("algo", ""), max_tokens=row.get("max_tokens"), world=world_t)
     except ValueError as exc:
@@ -379,9 +453,12 @@ def default_table(transport: str = "p2p") -> AlgoTable:
 
 def load_table(spec: str | os.PathLike[str] | AlgoTable | None = None,
                environ: dict[str, str] | None = None) -> AlgoTable:
-    """Resolve the table: an explicit AlgoTable, a path or inline JSON, else ``$PCIE_AR_ALGO_TABLE``, else the default."""
+    """Resolve the table: an explicit AlgoTable, a path or inline JSON, else ``$PCIE_AR_ALGO_TABLE``, else the default.
+
+    Raises ValueError naming the source when the table cannot be read or used
+    (:meth:`AlgoTable.from_json`, :meth:`AlgoTable.coverage_problem`)."""
     if isinstance(spec, AlgoTable):
-        return spec
+        return _checked(spec, "algo_table")
     if spec is None:
         spec = (os.environ if environ is None else environ).get(TABLE_ENV) or None
         source = TABLE_ENV
@@ -394,6 +471,9 @@ def load_table(spec: str | os.PathLike[str] | AlgoTable | None = None,
         return AlgoTable.from_json(text, source=source)
     try:
         with open(text, encoding="utf-8") as fh:
-            return AlgoTable.from_json(fh.read(), source=f"{source} file {text}")
+            content = fh.read()
     except OSError as exc:
         raise ValueError(f"{source}: cannot read algorithm table file {text!r} ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}: algorithm table file {text!r} is not UTF-8 text ({exc.reason})") from None
+    return AlgoTable.from_json(content, source=f"{source} file {text}")

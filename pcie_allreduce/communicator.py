@@ -416,7 +416,7 @@ class Communicator:
                 try:
                     with open(path, encoding="utf-8") as fh:
                         found = (path, fh.read())
-                except OSError as exc:
+                except (OSError, UnicodeDecodeError) as exc:
                     warnings.warn(f"pcie_allreduce: cannot read tuned table {path} ({exc}); using the default")
         path, text = self._gather({"tuned": found})[0]["tuned"] or (None, None)
         if text is None:

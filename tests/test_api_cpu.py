@@ -299,6 +299,81 @@ def test_table_missing_file() -> None:
         algo.load_table("/nonexistent/table.json")
 
 
+_CATCH_ALL = {"algo": "twoshot"}
+
+
+@pytest.mark.parametrize("rule, match", [
+    ({"algo": "oneshot", "dtypes": "bfloat16"}, "rule 0: dtypes must be null or a list"),
+    ({"algo": "oneshot", "dtypes": ["bfloat17"]}, "rule 0: dtypes: unknown dtype 'bfloat17'"),
+    ({"algo": "oneshot", "dtypes": [2]}, "rule 0: dtypes: unknown dtype 2"),
+    ({"algo": "oneshot", "dtypes": []}, "rule 0: dtypes must be null or a non-empty list"),
+    ({"algo": "oneshot", "world": "28"}, "rule 0: world must be"),
+    ({"algo": "oneshot", "world": 8.0}, "rule 0: world must be"),
+    ({"algo": "oneshot", "world": True}, "rule 0: world must be"),
+    ({"algo": "oneshot", "world": {"2": 1}}, "rule 0: world must be"),
+    ({"algo": "oneshot", "world": []}, "rule 0: world must be"),
+    ({"algo": "oneshot", "world": [2, 8.0]}, r"rule 0: world sizes must be integers in \[2, 8\], got 8.0"),
+    ({"algo": "oneshot", "world": [1]}, r"rule 0: world sizes must be integers in \[2, 8\], got 1"),
+    ({"algo": "oneshot", "world": 9}, "rule 0: world sizes must be integers"),
+    ({"algo": "oneshot", "max_bytes": "64K"}, "rule 0: max_bytes must be an integer"),
+    ({"algo": "oneshot", "max_bytes": 65536.0}, "rule 0: max_bytes must be an integer"),
+    ({"algo": "oneshot", "max_bytes": False}, "rule 0: max_bytes must be an integer"),
+    ({"algo": "oneshot", "max_bytes": -1}, "rule 0: max_bytes must be an integer"),
+    ({"algo": "oneshot", "max_bytes": 1 << 64}, "rule 0: max_bytes must be an integer"),
+    ({"algo": "oneshot", "bytes_per_block": float("inf")}, "rule 0: bytes_per_block must be an integer"),
+    ({"algo": "oneshot", "bytes_per_block": "4096"}, "rule 0: bytes_per_block must be an integer"),
+    ({"algo": "oneshot", "bytes_per_block": 0}, "rule 0: bytes_per_block must be an integer"),
+    ({"algo": "oneshot", "max_blocks": True}, "rule 0: max_blocks must be an integer"),
+    ({"algo": "oneshot", "max_blocks": 4.5}, "rule 0: max_blocks must be an integer"),
+    ({"algo": ["oneshot"]}, r"rule 0: unknown algo \['oneshot'\]"),
+    ({"algo": None}, "rule 0: unknown algo None"),
+])
+def test_table_fields_are_checked_strictly_naming_source_rule_and_field(rule: dict, match: str) -> None:
+    text = json.dumps({"rules": [rule, _CATCH_ALL]})
+    with pytest.raises(ValueError, match="^tuned table t.json: " + match):
+        AlgoTable.from_json(text, source="tuned table t.json")
+    with pytest.raises(ValueError, match="rule 1: "):  # the rule's index, wherever it stands
+        AlgoTable.from_json(json.dumps({"rules": [{"algo": "oneshot", "max_bytes": 1024}, rule, _CATCH_ALL]}))
+
+
+@pytest.mark.parametrize("text", [
+    '{"rules": ' + "[" * 100_000,  # nesting deeper than the parser recurses
+    '{"rules": [{"algo": "twoshot", "max_bytes": 1' + "0" * 5000 + "}]}",  # an integer too long to parse
+])
+def test_unparseable_json_raises_value_error_naming_the_source(text: str) -> None:
+    with pytest.raises(ValueError, match="^algo_table: not valid JSON"):
+        algo.load_table(text)
+
+
+@pytest.mark.parametrize("rules, match", [
+    ([{"algo": "oneshot", "max_bytes": 1 << 20}], "world size 2 for float32"),
+    ([{"algo": "twoshot", "world": [2, 3, 4, 5, 6, 7]}], "world size 8 for float32"),
+    ([{"algo": "twoshot", "dtypes": ["bfloat16", "float16"]}], "world size 2 for float32"),
+    ([{"algo": "oneshot_ll"}], "world size 2 for float32"),  # passed over above its capacity
+    ([{"algo": "oneshot_full", "world": "*"}, {"algo": "twoshot", "world": [2, 3]}], "world size 4"),
+])
+def test_a_table_without_a_rule_for_every_size_is_rejected_when_loaded(rules: list, match: str) -> None:
+    with pytest.raises(ValueError, match=f"^{algo.TABLE_ENV}: no rule covers every message size at {match}"):
+        algo.load_table(environ={algo.TABLE_ENV: json.dumps({"rules": rules})})
+    uncovered = AlgoTable(AlgoTable.from_json(json.dumps({"rules": rules + [_CATCH_ALL]})).rules[:-1])
+    with pytest.raises(ValueError, match="^algo_table: no rule covers every message size"):
+        algo.load_table(uncovered)  # as Communicator(algo_table=...) takes it
+
+
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+def test_the_built_in_tables_cover_every_size(transport: str) -> None:
+    table = algo.default_table(transport)
+    assert table.coverage_problem() is None
+    assert algo.load_table(table) == table == AlgoTable.from_json(table.to_json())
+
+
+def test_a_table_file_that_is_not_text_names_the_file(tmp_path) -> None:
+    path = tmp_path / "table.json"
+    path.write_bytes(b'{"rules": [{"algo": "twoshot"}]}\xff\xfe')
+    with pytest.raises(ValueError, match=f"algo_table: algorithm table file '{path}' is not UTF-8"):
+        algo.load_table(str(path))
+
+
 def test_table_without_matching_rule() -> None:
     table = AlgoTable((Rule("oneshot", max_bytes=10),))
     with pytest.raises(ValueError, match="no rule"):

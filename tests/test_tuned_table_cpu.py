@@ -70,3 +70,24 @@ def test_corrupt_cached_table_warns_and_keeps_the_default(comm) -> None:
         comm._adopt_tuned_table()
     assert comm.table == algo.default_table()
     assert any("ignoring tuned table" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("content", [
+    b'{"rules": [{"algo": "twoshot", "max_bytes": "64K"}]}',
+    b'{"rules": [{"algo": "twoshot", "world": 8.0}]}',
+    b'{"rules": [{"algo": "twoshot", "bytes_per_block": Infinity}]}',
+    b'{"rules": [{"algo": "twoshot", "dtypes": "bfloat16"}]}',
+    b'{"rules": [{"algo": "oneshot", "max_bytes": 65536}]}',
+    b'{"rules": [{"algo": "twoshot"}]}\xff',
+    b"[" * 100_000,
+])
+def test_any_corrupt_cached_table_warns_and_keeps_the_default(comm, content: bytes) -> None:
+    path = _cache_path(comm)
+    tune_cache.write_table(path, json.dumps({"rules": [{"algo": "oneshot"}]}), {})
+    with open(path, "wb") as fh:
+        fh.write(content)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm._adopt_tuned_table()
+    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+    assert any(path in str(w.message) for w in caught), [str(w.message) for w in caught]
