@@ -77,7 +77,8 @@ class PcieAllReduceAdapter:
     # ---- SGLang's ca_comm surface -------------------------------------------------------
 
     def should_custom_ar(self, inp: torch.Tensor) -> bool:
-        """Whether this call is ours: a pure function of dtype, size and contiguity (and W).
+        """Whether this call is ours: a pure function of dtype, size and contiguity (and of what every
+        rank shares: W, and the forced algorithm's reach, :attr:`largest_served`).
 
         SGLang's own kernel also wants ``nbytes % 16 == 0`` and weak contiguity; ours takes any
         size but needs a contiguous tensor, so that is what is checked.

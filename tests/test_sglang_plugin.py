@@ -335,7 +335,8 @@ class GlooStandIn:
         self.group, self.device = group, torch.device(device)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
-        self.ll_capacity, self.transport = Layout.make(max_bytes, self.world_size).ll_capacity, "p2p"
+        self.ll_capacity = Layout.make(max_bytes, self.world_size).ll_capacity
+        self.transport, self.transport_reason = "p2p", "asked for"
         self.calls: list[tuple] = []
         self.streams = {0}
         self.closed = False
