@@ -222,20 +222,23 @@ FUSED_CHOICES: tuple[str, ...] = ("kernel", *FUSED_ALGORITHMS)
 def default_fused_rules() -> tuple[FusedRule, ...]:
     """Where a fused kernel beats the plain all-reduce followed by the one add + RMSNorm kernel,
     and which: measured on one H200 under MPS, hidden 7168 bf16, every fused kernel against that
-    pair in one run (bench/RESULTS.md, "Fused all-reduce + RMSNorm"); W = 3 follows W = 4 and
-    W = 5-7 follow W = 8, unmeasured. ``pcie-allreduce tune`` does not measure these yet: a table
-    in $PCIE_AR_ALGO_TABLE may carry its own ``"fused"`` rules.
+    pair in one run (bench/RESULTS.md, "Fused all-reduce + residual add + RMSNorm"); W = 3
+    follows W = 4 and W = 5-7 follow W = 8, unmeasured. ``pcie-allreduce tune`` does not measure
+    these yet: a table in $PCIE_AR_ALGO_TABLE may carry its own ``"fused"`` rules.
 
     - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
-      8 tokens at W <= 4 and 4 at W >= 5 (W = 8, 4 x 7168: 10.0 us against 12.3 for the pair).
-    - W = 2: the flag-based one-shot beyond (128 tokens: 14.4 against 18.6).
-    - W >= 3: the pair in the middle (W = 8, 32 tokens: 36.5 against 39.8 for the best fused
-      kernel), the fused kernel the plain table's size gives beyond (W = 8, 128 tokens: the
-      token-split two-shot, 72.3 against 83.0)."""
+      8 tokens at W <= 4 and 4 at W >= 5 (W = 8, 4 x 7168: 11.2 us against 12.5 for the pair).
+    - W = 2: the flag-based one-shot beyond (128 tokens: 12.3 against 16.4).
+    - W = 3-4: the pair up to 16 tokens (W = 4, 16 tokens: 9.2 against 9.7 for the flag-based
+      one-shot), then the fused kernel the plain table's size gives (32 tokens: the flag-based
+      one-shot, 10.6 against 11.1; 128: the token-split two-shot, 24.7 against 32.9).
+    - W >= 5: the pair up to 64 tokens (W = 8, 32 tokens: 29.5 against 32.2 for the best fused
+      kernel), then the kernel the plain table's size gives (128 tokens: the token-split
+      two-shot, 48.6 against 62.5)."""
     return (
         FusedRule("kernel", max_tokens=8, world=(2, 3, 4)),
         FusedRule("oneshot", world=(2,)),
-        FusedRule("unfused", max_tokens=32, world=(3, 4)),
+        FusedRule("unfused", max_tokens=16, world=(3, 4)),
         FusedRule("kernel", world=(3, 4)),
         FusedRule("kernel", max_tokens=4),
         FusedRule("unfused", max_tokens=64),

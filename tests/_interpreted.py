@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 INTERPRETER_TESTS = (
     "tests/test_fused_interpreter.py",
     "tests/test_fused_ll_interpreter.py",
+    "tests/test_add_rmsnorm_interpreter.py",
     "tests/test_bench_topo.py::test_push_kernel_copies_a_slice_to_every_peer",
     "tests/test_bench_topo.py::test_pingpong_and_fill_kernels",
 )
