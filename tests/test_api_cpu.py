@@ -397,3 +397,26 @@ def test_torch_library_ops_registered() -> None:
     assert hasattr(torch.ops.pcie_allreduce, "all_reduce_")
     x = torch.zeros(4, device="meta")
     assert torch.ops.pcie_allreduce.all_reduce(x, 1, "auto").shape == x.shape
+
+
+def test_fused_outputs_may_only_alias_their_own_inputs() -> None:
+    """out may be x and residual_out may be residual (in place); any other sharing of memory
+    between the fused call's arguments is refused, naming the pair (a kernel storing a row of one
+    output while later rows of an input are still to be read would corrupt the result)."""
+    from pcie_allreduce.validation import validate_rmsnorm_aliasing
+
+    tokens, hidden = 4, 64
+    buf = torch.randn(8 * tokens * hidden, dtype=torch.bfloat16)
+    x, residual, normed, new_residual = (buf[i * tokens * hidden:(i + 1) * tokens * hidden].view(tokens, hidden)
+                                         for i in range(4))
+    weight = torch.randn(hidden, dtype=torch.bfloat16)
+    validate_rmsnorm_aliasing(x, residual, weight, normed, new_residual)
+    validate_rmsnorm_aliasing(x, residual, weight, x, residual)  # in place
+    shifted = buf[tokens * hidden + hidden:2 * tokens * hidden + hidden].view(tokens, hidden)  # residual, one row on
+    for args, message in (((x, residual, weight, shifted, new_residual), "out overlaps residual"),
+                          ((x, residual, weight, residual, new_residual), "out is residual"),
+                          ((x, residual, weight, normed, x), "residual_out is x"),
+                          ((x, residual, weight, normed, normed), "out is residual_out"),
+                          ((x, residual, normed[0], normed, new_residual), "out overlaps weight")):
+        with pytest.raises(ValueError, match=message):
+            validate_rmsnorm_aliasing(*args)
