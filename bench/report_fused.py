@@ -16,7 +16,7 @@ from bench.results import (
     FORCED_FUSED_PREFIX, FUSED, FUSED_ALGO, NORM_SUFFIX, ONE_KERNEL_NORM_SUFFIX, Report, Result, is_fused_algo,
     is_one_kernel_norm, split_norm,
 )
-from bench.table import WIRE_COLUMNS, Column, num, ratio, render, speedup
+from bench.table import BEST_ONE_KERNEL_WHICH, WIRE_COLUMNS, Column, num, ratio, render, speedup
 
 GOAL_VS_ALLREDUCE = 1.10        # fused / our plain all-reduce alone, for T <= GOAL_SMALL_TOKENS
 GOAL_VS_ALLREDUCE_LARGE = 1.15  # the same above (T = 64, 128)
@@ -114,8 +114,7 @@ def format_fused_summary(report: Report) -> str:
         Column("AR", 9, lambda e: _p50(e["ours_allreduce"])),
         Column("AR+addnorm", 11, lambda e: _p50(e["ours_one_kernel"])),
         Column("best 1-kernel", 14, lambda e: _p50(e["best_one_kernel"])),
-        Column("(which)", 36, lambda e: "-" if e["best_one_kernel"] is None
-               else f"{e['best_one_kernel'].backend}/{e['best_one_kernel'].label}"),
+        BEST_ONE_KERNEL_WHICH,
         Column("AR+norm", 9, lambda e: _p50(e["ours_eager"])),
         Column(f"fused/AR(<={GOAL_VS_ALLREDUCE:.2f}|{GOAL_VS_ALLREDUCE_LARGE:.2f})", 23,
                lambda e: _verdict(e["fused_vs_allreduce"], e["goal_vs_allreduce"])),

@@ -14,7 +14,7 @@ from bench.results import (
     FUSED_ALGO, NORM_SUFFIX, ONE_KERNEL_NORM_SUFFIX, VERIFY, Report, Result, backend_order, is_fused_algo,
     is_one_kernel_norm, split_norm,
 )
-from bench.table import Column, num, ratio, render, speedup
+from bench.table import BEST_ONE_KERNEL_WHICH, Column, num, ratio, render, speedup
 
 OURS = "ours"
 
@@ -139,8 +139,7 @@ def format_fused_pass_summary(report: Report) -> str:
         Column("plain", 8, lambda e: ms(e["plain"])),
         Column("plain+addnorm", 14, lambda e: ms(e["ours_one_kernel"])),
         Column("best 1-kernel", 14, lambda e: ms(e["best_one_kernel"])),
-        Column("(which)", 36, lambda e: "-" if e["best_one_kernel"] is None
-               else f"{e['best_one_kernel'].backend}/{e['best_one_kernel'].label}"),
+        BEST_ONE_KERNEL_WHICH,
         Column("plain+norm", 11, lambda e: ms(e["ours_eager"])),
         Column("fused/plain", 12, lambda e: ratio(e["fused_vs_plain"])),
         Column("fused/(plain+addnorm)", 22, lambda e: ratio(e["fused_vs_ours_one_kernel"])),

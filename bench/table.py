@@ -47,3 +47,9 @@ WIRE_COLUMNS: tuple[Column, ...] = (
     Column("wire(B)", 21, lambda r: "-" if r.wire is None else f"{r.wire.out}/{r.wire.into}"),
     Column("wire(GB/s)", 11, lambda r: num(r.wire_gbps)),
 )
+
+
+#: The fused summaries' "(which)" column: the backend and variant of a summary entry's best
+#: all-reduce + one-kernel add + RMSNorm ("-" when there is none).
+BEST_ONE_KERNEL_WHICH = Column("(which)", 36, lambda e: "-" if e["best_one_kernel"] is None
+                               else f"{e['best_one_kernel'].backend}/{e['best_one_kernel'].label}")
