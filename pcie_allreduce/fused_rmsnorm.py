@@ -94,11 +94,13 @@ def _row_mask(cols_ok, row, end, INTERPRET: tl.constexpr):
 @triton.jit
 def _push_rows(x_ptr, dst, first_row, row_limit, pid, H, cols, cols_ok, ROWS, INTERPRET: tl.constexpr):
     """Copy rows first_row + pid*ROWS + i (i < ROWS, row < row_limit) of x to the same rows at dst."""
-    for i in range(ROWS):
+    i = 0
+    while i < ROWS:  # a while loop: Triton 3.4's interpreter cannot run range() over a tensor
         row = first_row + pid * ROWS + i
         mask = _row_mask(cols_ok, row, row_limit, INTERPRET)
         off = row.to(tl.int64) * H + cols
         tl.store(dst + off, tl.load(x_ptr + off, mask=mask), mask=mask)
+        i += 1
 
 
 @triton.jit
@@ -108,12 +110,14 @@ def _fill_rows_with_nan(normed_ptr, res_out_ptr, first_row, row_limit, pid, H, c
     could pass for a result (invariant 5 of csrc/protocol.cuh). Only the rows this program owns
     (the ones :func:`_push_rows` reads for it): in place, no other program reads them."""
     nan = tl.full(cols.shape, float("nan"), tl.float32).to(normed_ptr.dtype.element_ty)
-    for i in range(ROWS):
+    i = 0
+    while i < ROWS:  # a while loop: Triton 3.4's interpreter cannot run range() over a tensor
         row = first_row + pid * ROWS + i
         mask = _row_mask(cols_ok, row, row_limit, INTERPRET)
         off = row.to(tl.int64) * H + cols
         tl.store(normed_ptr + off, nan, mask=mask)
         tl.store(res_out_ptr + off, nan, mask=mask)
+        i += 1
 
 
 @triton.jit
@@ -271,13 +275,15 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
         if ok == 1:
             w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
             slot0 = typed_pointer(my_base + parity_off, DT, ALIGNED)
-            for i in range(ROWS):
+            i = 0
+            while i < ROWS:  # a while loop: Triton 3.4's interpreter cannot run range() over a tensor
                 row = pid * ROWS + i
                 mask = _row_mask(cols_ok, row, T, INTERPRET)
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
                              INTERPRET)
+                i += 1
             done = 1
     if done == 0:
         _fill_rows_with_nan(normed_ptr, res_out_ptr, 0, T, pid, H, cols, cols_ok, ROWS, INTERPRET)
@@ -307,7 +313,8 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
             # 2. own rows: reduce + residual; push the new residual rows to everyone
             slot0 = typed_pointer(my_base + parity_off, DT, ALIGNED)
             begin, end = _shard(T, W, rank)
-            for i in range(ROWS):
+            i = 0
+            while i < ROWS:  # a while loop: Triton 3.4's interpreter cannot run range() over a tensor
                 row = begin + pid * ROWS + i
                 mask = _row_mask(cols_ok, row, end, INTERPRET)
                 row_off = row.to(tl.int64) * H
@@ -319,6 +326,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                         base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
                         dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, DT, ALIGNED)
                         tl.store(dst + row_off + cols, nr, mask=mask)
+                i += 1
             _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 1, rank, pid, (epoch << 32) | sig64, W,
                            INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
@@ -329,13 +337,15 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                     if sender != rank:
                         src = typed_pointer(my_base + parity_off + sender * slot_bytes.to(tl.int64), DT, ALIGNED)
                         begin, end = _shard(T, W, sender)
-                        for i in range(ROWS):
+                        i = 0
+                        while i < ROWS:  # a while loop: Triton 3.4's interpreter cannot run range() over a tensor
                             row = begin + pid * ROWS + i
                             mask = _row_mask(cols_ok, row, end, INTERPRET)
                             row_off = row.to(tl.int64) * H
                             nr = tl.load(src + row_off + cols, mask=mask, other=0.0, cache_modifier=".cg")
                             _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols,
                                          res_out_ptr + row_off + cols, mask, DT, INTERPRET)
+                            i += 1
                 done = 1
     if done == 0:  # this program's rows of every shard, its own shard's finished rows included
         for owner in range(W):
