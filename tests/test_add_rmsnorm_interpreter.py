@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._interpreted import NOT_INTERPRETED
+from tests._interpreted import interpreted
 
 norm = pytest.importorskip("pcie_allreduce.add_rmsnorm")
 protocol = pytest.importorskip("pcie_allreduce.triton_protocol")
-pytestmark = pytest.mark.skipif(not protocol.interpreting(), reason=NOT_INTERPRETED)
+pytestmark = interpreted
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

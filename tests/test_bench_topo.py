@@ -1,6 +1,6 @@
 """CPU tests of ``python -m bench topo``'s measurements: the matrices from per-rank figures, their
 printed and JSON forms, the command with a fake probe, and the probe kernels under the Triton
-CPU interpreter (in the TRITON_INTERPRET=1 child run of tests/test_interpreter_run.py)."""
+CPU interpreter (in the TRITON_INTERPRET=1 child of tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import torch
 
 from bench import __main__ as bench_cli
 from bench import plot, topo, topo_files, topo_probe
-from pcie_allreduce import triton_protocol
-from tests._interpreted import NOT_INTERPRETED
+from tests._interpreted import interpreted
 
 
 def _per_rank(world: int) -> list[dict]:
@@ -127,7 +126,7 @@ def test_topo_files_from_a_document_without_measurements(tmp_path) -> None:
 
 # ---------------------------------------------------------------------------- kernels, interpreted
 
-needs_interpreter = pytest.mark.skipif(not triton_protocol.interpreting(), reason=NOT_INTERPRETED)
+needs_interpreter = interpreted
 
 
 @needs_interpreter

@@ -13,11 +13,11 @@ import torch
 
 from pcie_allreduce import layout as lay
 from tests import _reference as ref
-from tests._interpreted import NOT_INTERPRETED
+from tests._interpreted import interpreted
 
 fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
 ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
-pytestmark = pytest.mark.skipif(not fused.interpreting(), reason=NOT_INTERPRETED)
+pytestmark = interpreted
 
 MAX_BYTES = 256 << 10
 COMPLETED = 41  # calls already done on the workspace; this call is epoch 42

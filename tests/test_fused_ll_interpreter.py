@@ -15,12 +15,12 @@ from pcie_allreduce import constants
 from pcie_allreduce import layout as lay
 from pcie_allreduce.triton_protocol import line_flag_of
 from tests import _reference as ref
-from tests._interpreted import NOT_INTERPRETED
+from tests._interpreted import interpreted
 from tests.test_fused_interpreter import ONE_SHOT_CASES, FakeRanks, _expected, _inputs
 
 fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
 ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
-pytestmark = pytest.mark.skipif(not fused.interpreting(), reason=NOT_INTERPRETED)
+pytestmark = interpreted
 
 
 def _lines(fake: FakeRanks, owner: int, sender: int) -> torch.Tensor:
