@@ -75,8 +75,9 @@ class Communicator:
     Args:
         group: a CPU (gloo) process group used only for rendezvous (IPC handles) and teardown.
         device: this rank's CUDA device.
-        max_bytes: largest message, in bytes; each rank allocates ``2 * world * max_bytes`` of
-            device memory per stream it uses.
+        max_bytes: largest message, in bytes; each rank allocates about
+            ``2 * world * (max_bytes + 3 * min(max_bytes, 512 KiB))`` of device memory per stream it
+            uses (:class:`~pcie_allreduce.layout.Layout` has the exact figure).
         timeout_s: how long a kernel waits for a peer before giving up and recording a
             :class:`CollectiveTimeout` (default 10 s, or ``$PCIE_AR_TIMEOUT_S``).
         algo_table: an :class:`~pcie_allreduce.algo.AlgoTable`, a JSON path or inline JSON;
