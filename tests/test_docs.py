@@ -53,3 +53,13 @@ def test_the_plugins_example_log_line_is_what_the_code_prints() -> None:
     assert logline.workspace_memory(max_bytes, world) in example
     per_stream = int(re.search(r"W=8: (\d+) MiB per stream", text).group(1))
     assert per_stream == round(layout.total_bytes / 2**20)
+
+
+def test_readme_gives_the_driver_each_runtime_needs() -> None:
+    """README's driver requirements are the ones the extension's loader checks."""
+    from pcie_allreduce import _ext
+
+    readme = (ROOT / "README.md").read_text()
+    for floor, branch in _ext._MIN_DRIVER_FOR_RUNTIME:
+        version = f"{floor // 1000}.{floor % 1000 // 10}"
+        assert re.search(rf"{re.escape(version)} needs\s+(driver\s+)?{branch}", readme), (version, branch)
