@@ -55,3 +55,19 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if outcome != "passed":
         pytest.fail(f"in the interpreter child: {message}", pytrace=False)
     return True
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line on the SGLang plugin's conformance tests: how many ran, and how to run the rest
+    (they skip where SGLang is not importable)."""
+    counts = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        counts[outcome] = sum(1 for report in terminalreporter.stats.get(outcome, [])
+                              if getattr(report, "when", "call") in ("call", "setup")
+                              and "tests/test_sglang" in getattr(report, "nodeid", ""))
+    if not any(counts.values()):
+        return
+    line = "SGLang plugin tests: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
+    if counts["skipped"]:
+        line += " (skipped ones need SGLang's modules, or a GPU: README.md, '# sglang.' one-liner)"
+    terminalreporter.write_line(line)
