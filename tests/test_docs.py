@@ -63,3 +63,14 @@ def test_readme_gives_the_driver_each_runtime_needs() -> None:
     for floor, branch in _ext._MIN_DRIVER_FOR_RUNTIME:
         version = f"{floor // 1000}.{floor % 1000 // 10}"
         assert re.search(rf"{re.escape(version)} needs\s+(driver\s+)?{branch}", readme), (version, branch)
+
+
+def test_bench_readme_gives_the_algos_default_and_the_sleep() -> None:
+    """bench/README.md's `--algos` default is the harness's, and its GPU sleep the timing code's."""
+    from bench import timing
+    from bench.options import DEFAULT_OUR_ALGOS
+
+    text = (ROOT / "bench" / "README.md").read_text()
+    assert f"| `--algos` | `{' '.join(DEFAULT_OUR_ALGOS)}` |" in text
+    sleep_us = round(timing.SLEEP_CYCLES / 2e9 * 1e6, -1)  # cycles at ~2 GHz, as bench/timing.py says
+    assert f"~{sleep_us:.0f} us GPU sleep" in text
