@@ -166,6 +166,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _world_problem(world: object) -> str | None:
+    """What is wrong with a rule's ``world`` (None: any world size, or a tuple of sizes), or None."""
+    if world is None:
+        return None
+    if not isinstance(world, tuple) or not world:
+        return f"world must be '*', null, an integer or a non-empty list of integers, got {world!r}"
+    bad = [w for w in world if not (_is_int(w) and MIN_RANKS <= w <= MAX_RANKS)]
+    if bad:
+        return f"world sizes must be integers in [{MIN_RANKS}, {MAX_RANKS}], got {bad[0]!r}"
+    return None
+
+
 def _rule_problem(algo: object, max_bytes: object, world: object, dtypes: object, bytes_per_block: object,
                   max_blocks: object) -> str | None:
     """What is wrong with a rule's fields, naming the field, or None."""
@@ -173,12 +185,9 @@ def _rule_problem(algo: object, max_bytes: object, world: object, dtypes: object
         return f"unknown algo {algo!r}; expected one of {ALGORITHMS}"
     if max_bytes is not None and not (_is_int(max_bytes) and 0 <= max_bytes <= _SIZE_LIMIT):
         return f"max_bytes must be an integer in [0, {_SIZE_LIMIT}] or null, got {max_bytes!r}"
-    if world is not None:
-        if not isinstance(world, tuple) or not world:
-            return f"world must be '*', null, an integer or a non-empty list of integers, got {world!r}"
-        bad = [w for w in world if not (_is_int(w) and MIN_RANKS <= w <= MAX_RANKS)]
-        if bad:
-            return f"world sizes must be integers in [{MIN_RANKS}, {MAX_RANKS}], got {bad[0]!r}"
+    problem = _world_problem(world)
+    if problem is not None:
+        return problem
     if dtypes is not None:
         if not isinstance(dtypes, tuple) or not dtypes:
             return f"dtypes must be null or a non-empty list of dtype names {DTYPE_NAMES}, got {dtypes!r}"
@@ -210,6 +219,9 @@ class FusedRule:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             raise ValueError(f"fused table: max_tokens must be a positive int or null, got {self.max_tokens!r}")
+        problem = _world_problem(self.world)
+        if problem is not None:
+            raise ValueError(f"fused table: {problem}")
 
     def matches(self, tokens: int, world: int) -> bool:
         return (self.world is None or world in self.world) and (self.max_tokens is None or tokens <= self.max_tokens)
@@ -388,14 +400,14 @@ def _fused_rule_from_dict(row: Any, source: str, index: int) -> FusedRule:
     unknown = set(row) - {"algo", "max_tokens", "world"}
     if unknown:
         raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: algo, max_tokens, world")
+    # Only the JSON shapes are converted here (a list becomes a tuple); FusedRule checks every value.
     world = row.get("world", "*")
     if world == "*" or world is None:
         world_t = None
-    elif isinstance(world, list) and world and all(_is_int(w) and MIN_RANKS <= w <= MAX_RANKS for w in world):
+    elif isinstance(world, list):
         world_t = tuple(world)
     else:
-        raise ValueError(f'{where}: world must be "*", null or a non-empty list of integers in '
-                         f'[{MIN_RANKS}, {MAX_RANKS}], got {world!r}')
+        raise ValueError(f'{where}: world must be "*", null or a non-empty list of integers, got {world!r}')
     try:
         return FusedRule(algo=row.get("algo", ""), max_tokens=row.get("max_tokens"), world=world_t)
     except ValueError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.algo import UNFUSED, DATA_AS_FLAG_ONESHOTS, AlgoTable, Choice, capacity_of, fits_capacity
+from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS, UNFUSED, AlgoTable, Choice, capacity_of, fits_capacity
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 #: torch dtype -> the kernels' dtype id (``constants.DTYPE_IDS`` is keyed by name).
@@ -72,7 +72,7 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
     programs; the flag-based ones take every call)."""
     if algo not in DATA_AS_FLAG_ONESHOTS:
         return True
-    if ll_capacity is not None and tokens * hidden * dtype.itemsize > ll_capacity:
+    if not fits_capacity(algo, tokens * hidden * dtype.itemsize, ll_capacity):
         return False
     from pcie_allreduce import fused_oneshot_ll  # Triton: imported on the first fused call only
 

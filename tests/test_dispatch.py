@@ -123,6 +123,9 @@ def test_fused_rules_round_trip_and_validation() -> None:
                          ('"fast": 1', "unknown keys")):
         with pytest.raises(ValueError, match=message):
             AlgoTable.from_json('{"rules": [{"algo": "twoshot"}], ' + bad + "}", source="t.json")
+    for world in ((1,), (), (2, 99), [2, 4]):  # built in Python: FusedRule checks as Rule does
+        with pytest.raises(ValueError, match="world"):
+            FusedRule("unfused", world=world)
 
 
 @pytest.mark.parametrize("ranks_per_gpu, sms, expected", [
