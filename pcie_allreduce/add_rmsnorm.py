@@ -73,6 +73,17 @@ def rstd_of(sumsq, H, eps):
 
 
 @triton.jit
+def finish_row(nr, w, cols_ok, H, eps, normed_ptrs, res_out_ptrs, mask, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store a row's new residual ``nr`` (of DT) and its RMSNorm times ``w`` (fp32), the statistic
+    over ``cols_ok``: the epilogue of this module's kernel and of every fused kernel, so the exact
+    statistic (and its independence of the register layout) is the same everywhere."""
+    tl.store(res_out_ptrs, nr, mask=mask)
+    v = nr.to(tl.float32)
+    rstd = rstd_of(sum_of_squares(v, cols_ok), H, eps)
+    tl.store(normed_ptrs, round_to(v * rstd * w, DT, INTERPRET), mask=mask)
+
+
+@triton.jit
 def typed_pointer(addr, DT: tl.constexpr, ALIGNED: tl.constexpr):
     """An address (int64) as a pointer to DT; with ALIGNED, known to be 16-byte aligned."""
     ptr = addr.to(tl.pointer_type(DT))
@@ -98,10 +109,7 @@ def _add_rmsnorm_kernel(y_addr, res_addr, w_addr, normed_addr, res_out_addr, eps
     nr = round_to(tl.load(y + off, mask=ok, other=0.0).to(tl.float32)
                   + tl.load(res + off, mask=ok, other=0.0).to(tl.float32), DT, INTERPRET)
     wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(res_out + off, nr, mask=ok)
-    v = nr.to(tl.float32)
-    rstd = rstd_of(sum_of_squares(v, ok), H, eps)
-    tl.store(normed + off, round_to(v * rstd * wv, DT, INTERPRET), mask=ok)
+    finish_row(nr, wv, ok, H, eps, normed + off, res_out + off, ok, DT, INTERPRET)
 
 
 #: torch dtype -> Triton dtype, for kernels that take addresses and a DT constexpr.

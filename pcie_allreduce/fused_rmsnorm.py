@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce import constants, fused_oneshot_ll
-from pcie_allreduce.add_rmsnorm import TRITON_DTYPES, is_aligned, rstd_of, sum_of_squares, typed_pointer
+from pcie_allreduce.add_rmsnorm import TRITON_DTYPES, finish_row, is_aligned, typed_pointer
 from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
@@ -49,16 +49,6 @@ _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
 STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
 STAGE_FUSED_ALL_GATHER = constants.STAGE_FUSED_ALL_GATHER
-
-
-@triton.jit
-def _finish_rows(nr, w, cols_ok, H, eps, normed_ptrs, res_out_ptrs, mask, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Store the new residual and its RMSNorm (the exact row statistic of add_rmsnorm.py, so the
-    bits do not depend on the register layout the tensors' alignment gives)."""
-    tl.store(res_out_ptrs, nr, mask=mask)
-    v = nr.to(tl.float32)
-    rstd = rstd_of(sum_of_squares(v, cols_ok), H, eps)
-    tl.store(normed_ptrs, round_to(v * rstd * w, DT, INTERPRET), mask=mask)
 
 
 @triton.jit
@@ -281,7 +271,7 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                 mask = _row_mask(cols_ok, row, T, INTERPRET)
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
-                _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
+                finish_row(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
                              INTERPRET)
                 i += 1
             done = 1
@@ -319,7 +309,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                 mask = _row_mask(cols_ok, row, end, INTERPRET)
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
-                _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
+                finish_row(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
                              INTERPRET)
                 for p in tl.static_range(W):
                     if p != rank:
@@ -343,7 +333,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                             mask = _row_mask(cols_ok, row, end, INTERPRET)
                             row_off = row.to(tl.int64) * H
                             nr = tl.load(src + row_off + cols, mask=mask, other=0.0, cache_modifier=".cg")
-                            _finish_rows(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols,
+                            finish_row(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols,
                                          res_out_ptr + row_off + cols, mask, DT, INTERPRET)
                             i += 1
                 done = 1
