@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 from pcie_allreduce.constants import TRANSPORT_IDS
 
@@ -27,8 +28,12 @@ TRANSPORTS: tuple[str, ...] = tuple(TRANSPORT_IDS)
 CHOICES: tuple[str, ...] = ("auto", *TRANSPORTS)
 ENV = "PCIE_AR_TRANSPORT"
 SHM_DIR = "/dev/shm"
-# csrc/workspace.cu's kSegmentPrefix, then "-<pid>-<counter>-<random>".
-_SEGMENT = re.compile(r"^pcie_ar-(\d+)-\d+-[0-9a-f]+$")
+# csrc/workspace.cu's kSegmentPrefix, then "-<pid>-<counter>-<random>" (host_segment.cpp). The
+# digit counts are bounded so a name anyone can write into /dev/shm never parses into an integer
+# os.kill or the kernel would refuse.
+_SEGMENT = re.compile(r"^pcie_ar-([1-9][0-9]{0,9})-[0-9]{1,20}-[0-9a-f]{1,16}$")
+# Linux's PID_MAX_LIMIT (2^22): no process id is larger on any configuration.
+_PID_LIMIT = 1 << 22
 
 
 def validate_transport(transport: object, *, source: str = "transport") -> str:
@@ -47,25 +52,43 @@ def requested(transport: str | None) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a process; any doubt (an out-of-range id, an error other than "no
+    such process") counts as alive, so a doubtful segment is kept rather than removed."""
+    if not 0 < pid < _PID_LIMIT:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, another user's
+    except (OSError, OverflowError, ValueError):  # PermissionError: alive, another user's
         return True
     return True
 
 
+def _ours(shm_dir: str, name: str) -> bool:
+    """Whether ``shm_dir/name`` is a regular file this user owns, looked at without following a
+    symlink: another user's file, a link or anything else is never ours to remove."""
+    try:
+        st = os.lstat(os.path.join(shm_dir, name))
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
 def stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Host segments in ``shm_dir`` whose creating process no longer exists."""
+    """Host segments in ``shm_dir`` whose creating process no longer exists.
+
+    Only regular files this user owns whose names parse as a segment's count; anything else in
+    the (world-writable) directory is ignored, whatever its name, so no other user's file can
+    make this fail or make it remove something."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return []
     stale = []
     for name in names:
-        match = _SEGMENT.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        match = _SEGMENT.fullmatch(name)
+        if match and _ours(shm_dir, name) and not _pid_alive(int(match.group(1))):
             stale.append(os.path.join(shm_dir, name))
     return sorted(stale)
 

@@ -373,6 +373,64 @@ def test_stale_segments_are_those_of_dead_processes(tmp_path: Any) -> None:
     assert transport.stale_segments(str(tmp_path / "missing")) == []
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+@pytest.mark.parametrize("name", ["pcie_ar-4294967296-0-a", "pcie_ar-18446744073709551616-0-a",
+                                  "pcie_ar-" + "9" * 200 + "-0-a", "pcie_ar-0-0-a", "pcie_ar--1-0-a",
+                                  "pcie_ar-١٢-0-a", "pcie_ar-12-0-a\n", "pcie_ar-12-0-" + "a" * 200])
+def test_segment_names_anyone_can_write_are_ignored(name: str, tmp_path: Any) -> None:
+    from pcie_allreduce import transport
+
+    (tmp_path / name).write_bytes(b"x")
+    assert transport.stale_segments(str(tmp_path)) == []
+    assert transport.remove_stale_segments(str(tmp_path)) == []
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_another_users_segment_and_symlinks_are_left_alone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pcie_allreduce import transport
+
+    dead = _dead_pid()
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    (tmp_path / f"pcie_ar-{dead}-0-1").symlink_to(target)
+    (tmp_path / f"pcie_ar-{dead}-1-2").mkdir()
+    (tmp_path / f"pcie_ar-{dead}-2-3").write_bytes(b"x")
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(target).st_uid + 1)  # every file is another user's
+    assert transport.stale_segments(str(tmp_path)) == []
+    monkeypatch.undo()
+    assert transport.remove_stale_segments(str(tmp_path)) == [str(tmp_path / f"pcie_ar-{dead}-2-3")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["target", f"pcie_ar-{dead}-0-1",
+                                                                 f"pcie_ar-{dead}-1-2"])
+    assert target.read_bytes() == b"keep"
+
+
+def test_a_host_communicator_is_created_beside_a_segment_name_with_an_absurd_pid() -> None:
+    import secrets
+
+    from pcie_allreduce import transport
+
+    if not os.path.isdir(transport.SHM_DIR):
+        pytest.skip(f"no {transport.SHM_DIR} here")
+    # What any local user can write into the world-writable directory the housekeeping sweeps.
+    planted = os.path.join(transport.SHM_DIR, f"pcie_ar-4294967296-0-{secrets.token_hex(6)}")
+    with open(planted, "wb") as fh:
+        fh.write(b"x")
+    try:
+        for result in ranks.run_ranks(_create, WORLD, "none", 0, "host", gpu=False, timeout_s=120):
+            assert result["error"] is None, result
+            assert result["transport"] == "host"
+        assert os.path.exists(planted)
+    finally:
+        os.unlink(planted)
+
+
 @pytest.mark.parametrize("value", ["nvlink", "", None, 1, "P2P"])
 def test_transport_values(value: object, monkeypatch: pytest.MonkeyPatch) -> None:
     from pcie_allreduce import transport
