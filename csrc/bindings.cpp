@@ -38,8 +38,9 @@ void register_errors(py::module_& m) {
 
 void register_workspace(py::module_& m) {
   py::class_<Workspace>(m, "Workspace")
-      .def(py::init<int, int, int, uint64_t, double, int>(), py::arg("device"), py::arg("rank"), py::arg("world"),
-           py::arg("max_bytes"), py::arg("timeout_s"), py::arg("transport") = 0)
+      .def(py::init<int, int, int, uint64_t, double, int, const std::string&>(), py::arg("device"), py::arg("rank"),
+           py::arg("world"), py::arg("max_bytes"), py::arg("timeout_s"), py::arg("transport") = 0,
+           py::arg("segment_name") = "")
       .def("ipc_handle", [](const Workspace& w) { return py::bytes(w.ipc_handle()); })
       .def("open_peers",
            [](Workspace& w, const std::vector<py::bytes>& handles) {

@@ -6,11 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstring>
-#include <cstdio>
-#include <random>
 #include <stdexcept>
 
 namespace pcie_ar {
@@ -19,23 +17,18 @@ namespace {
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
-std::string fresh_name(const std::string& prefix) {
-  static std::atomic<uint64_t> counter{0};
-  std::random_device entropy;
-  const uint64_t salt = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
-  char tail[40];
-  std::snprintf(tail, sizeof(tail), "%llx", static_cast<unsigned long long>(salt & 0xFFFFFFFFFFFFull));
-  return "/" + prefix + "-" + std::to_string(static_cast<long long>(getpid())) + "-" +
-         std::to_string(counter.fetch_add(1)) + "-" + tail;
-}
-
 }  // namespace
 
 HostSegment::~HostSegment() { close(); }
 
-void HostSegment::create(const std::string& name_prefix, uint64_t bytes) {
+void HostSegment::create(const std::string& name, uint64_t bytes) {
   if (is_open()) throw std::runtime_error("host segment already open");
-  name_ = fresh_name(name_prefix);
+  // One file directly in /dev/shm: a slash would name another directory (or none).
+  if (name.empty() || name.size() > NAME_MAX || name.find('/') != std::string::npos) {
+    throw std::runtime_error("host segment name '" + name + "' must be 1 to " + std::to_string(NAME_MAX) +
+                             " characters without '/'");
+  }
+  name_ = "/" + name;
   bytes_ = bytes;
   const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error("shm_open(" + name_ + ") failed: " + errno_text(errno));

@@ -4,8 +4,9 @@
 // kernel on any GPU of this process reads and writes it through a device pointer and its stores
 // cross that GPU's own PCIe link. The owner creates it under a name the others open; the name is
 // unlinked as soon as every rank has mapped it (release_name), so a rank that dies afterwards
-// leaves nothing in /dev/shm. Names carry the creating process id, so a later communicator can
-// remove segments a killed process left before the unlink (pcie_allreduce/transport.py).
+// leaves nothing in /dev/shm. The caller names the segment (pcie_allreduce/transport.py): the
+// name carries its creator's identity, so a later communicator can remove segments a killed
+// process left before the unlink.
 // Plain C++ with the CUDA runtime only (no kernels), like workspace.h.
 #pragma once
 
@@ -21,10 +22,10 @@ class HostSegment {
   HostSegment(const HostSegment&) = delete;
   HostSegment& operator=(const HostSegment&) = delete;
 
-  // Create and register a zero-filled segment of `bytes` under a fresh name starting with
-  // `name_prefix` (then this process id, a counter and random bits). Throws with the
-  // reason (no space in /dev/shm names its size) and leaves nothing behind on failure.
-  void create(const std::string& name_prefix, uint64_t bytes);
+  // Create and register a zero-filled segment of `bytes` named `name` in /dev/shm (no slash; it
+  // must not exist yet). Throws with the reason (no space in /dev/shm names its size) and
+  // leaves nothing behind on failure.
+  void create(const std::string& name, uint64_t bytes);
   // Map and register a peer's segment; its size must be exactly `bytes` (the layout every rank
   // agreed on), else it is not the segment this communicator expects.
   void open(const std::string& name, uint64_t bytes);

@@ -130,6 +130,7 @@ struct Workspace::State {
   // Host transport: this rank's segment and the peers' (local is own.device_pointer()).
   HostSegment own;
   HostSegment peer_segments[kMaxRanks];
+  std::string segment_name;  // own's name in /dev/shm, made by the caller
   // Host transport: device memory for the local-only words (control, row statistics).
   char* local_only = nullptr;
 
@@ -163,11 +164,15 @@ struct Workspace::State {
   }
 };
 
-Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s, int transport)
+Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s, int transport,
+                     const std::string& segment_name)
     : state_(std::make_unique<State>()), device_(device), rank_(rank), world_(world), max_bytes_(max_bytes) {
   PCIE_AR_HOST_ASSERT(transport == static_cast<int>(Transport::kP2P) || transport == static_cast<int>(Transport::kHost),
                       "unknown transport id " + std::to_string(transport));
   state_->transport = static_cast<Transport>(transport);
+  PCIE_AR_HOST_ASSERT(state_->transport != Transport::kHost || !segment_name.empty(),
+                      "the host transport needs a segment name");
+  state_->segment_name = segment_name;
   PCIE_AR_HOST_ASSERT(world >= kMinRanks && world <= kMaxRanks, "world size must be in [" + std::to_string(kMinRanks) +
                                                                       ", " + std::to_string(kMaxRanks) + "], got " +
                                                                       std::to_string(world));
@@ -188,13 +193,9 @@ Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double
   }
 }
 
-// Name prefix of the host transport's segments in /dev/shm (pcie_allreduce/transport.py removes
-// those a killed process left, by the pid that follows it).
-constexpr const char* kSegmentPrefix = "pcie_ar";
-
 void Workspace::allocate() {
   if (state_->transport == Transport::kHost) {
-    state_->own.create(kSegmentPrefix, state_->layout.total_bytes);  // zero-filled: flags at epoch 0
+    state_->own.create(state_->segment_name, state_->layout.total_bytes);  // zero-filled: flags at epoch 0
     state_->local = state_->own.device_pointer();
     // The host one-shot's buffers start unwritten: poison everywhere (host_oneshot.cuh, H1).
     uint32_t* shared = reinterpret_cast<uint32_t*>(state_->own.host_pointer() + state_->layout.shared_offset +

@@ -25,8 +25,10 @@ struct CallError {
 class Workspace {
  public:
   // transport: a Transport id (protocol_constants.h): device memory shared through CUDA IPC, or
-  // pinned host memory shared through /dev/shm (host_segment.h).
-  Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s, int transport = 0);
+  // pinned host memory shared through /dev/shm (host_segment.h), created under `segment_name`
+  // (the host transport needs one; pcie_allreduce/transport.py makes them).
+  Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s, int transport = 0,
+            const std::string& segment_name = "");
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;

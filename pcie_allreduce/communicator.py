@@ -465,8 +465,11 @@ class Communicator:
             transport_mod.remove_stale_segments()
 
         def allocate() -> dict[str, Any]:
+            # The host transport's segment is named here: its name records who created it, which
+            # the stale-segment sweep reads (transport.py).
+            name = transport_mod.new_segment_name() if self.transport == "host" else ""
             workspace = self._ext.Workspace(self.device.index, self.rank, self.world_size, self.max_bytes,
-                                            self.timeout_s, TRANSPORT_IDS[self.transport])
+                                            self.timeout_s, TRANSPORT_IDS[self.transport], name)
             created.append(workspace)
             return {"index": index, "handle": workspace.ipc_handle(),
                     "layout": (workspace.total_bytes, workspace.max_bytes, workspace.world, workspace.rank)}

@@ -435,7 +435,7 @@ def _transports_agree(ctx: ranks.RankContext) -> dict:
 
     comms = {name: pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30,
                                                transport=name) for name in ("p2p", "host")}
-    leftovers = [p for p in os.listdir(transport.SHM_DIR) if p.startswith(f"pcie_ar-{os.getpid()}-")]
+    leftovers = [p for p in os.listdir(transport.SHM_DIR) if transport.creator_of(p) == transport.current_creator()]
     differ = []
     for dtype in DTYPES:
         for numel in (5, 7168 * 4 + 3, 300_001):

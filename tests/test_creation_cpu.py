@@ -29,8 +29,8 @@ class FakeWorkspace:
 
     instances: list["FakeWorkspace"] = []
 
-    def __init__(self, device: int, rank: int, world: int, max_bytes: int, timeout_s: float, transport: int = 0, *,
-                 fault: str) -> None:
+    def __init__(self, device: int, rank: int, world: int, max_bytes: int, timeout_s: float, transport: int = 0,
+                 segment_name: str = "", *, fault: str) -> None:
         if fault == "alloc":
             raise RuntimeError("CUDA error: out of memory (cudaMalloc)")
         # "open" and "probe" model a platform without usable P2P: the host transport is unaffected.
@@ -38,6 +38,7 @@ class FakeWorkspace:
             fault = "none"
         self.rank, self.world, self.max_bytes, self.fault, self.transport = rank, world, max_bytes, fault, transport
         self.name_released = False
+        self.segment_name = segment_name
         self.total_bytes = 4096 + max_bytes * world * 2 + (256 if fault == "layout" else 0)
         self.closed = self.retired = self.captured = False
         FakeWorkspace.instances.append(self)
@@ -122,6 +123,7 @@ def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int, transport: str
     return {"error": None, "made": len(made), "open": not any(w.closed for w in made),
             "transport": comm.transport, "reason": comm.transport_reason, "repr": repr(comm),
             "workspace_transports": [w.transport for w in made], "names_released": all(w.name_released for w in made),
+            "segment_names": [w.segment_name for w in made],
             "discarded": [(w.transport, w.closed) for w in FakeWorkspace.instances if w not in made]}
 
 
@@ -356,23 +358,6 @@ def test_first_fused_call_problems_raise_on_every_rank_that_meets(case: str, fir
 # ---- the host transport's /dev/shm housekeeping -------------------------------------------
 
 
-def test_stale_segments_are_those_of_dead_processes(tmp_path: Any) -> None:
-    import subprocess
-    import sys
-
-    from pcie_allreduce import transport
-
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    names = [f"pcie_ar-{dead}-0-1f2e3d", f"pcie_ar-{os.getpid()}-3-abc", "pcie_ar-notapid-0-1", "other-1-2-3"]
-    for name in names:
-        (tmp_path / name).write_bytes(b"x")
-    assert transport.stale_segments(str(tmp_path)) == [str(tmp_path / names[0])]
-    assert transport.remove_stale_segments(str(tmp_path)) == [str(tmp_path / names[0])]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
-    assert transport.stale_segments(str(tmp_path / "missing")) == []
-
-
 def _dead_pid() -> int:
     import subprocess
     import sys
@@ -381,12 +366,103 @@ def _dead_pid() -> int:
                               text=True, check=True).stdout)
 
 
+def _segment(creator: Any, counter: int = 0) -> str:
+    """The name a segment of ``creator`` has in /dev/shm."""
+    return (f"pcie_ar-{creator.boot_id}-{creator.pid_namespace}-{creator.pid}-{creator.start_time}-{counter}-"
+            "0123456789ab")
+
+
+def _us() -> Any:
+    from pcie_allreduce import transport
+
+    us = transport.current_creator()
+    if us is None:
+        pytest.skip("/proc cannot say who this process is here")
+    return us
+
+
+def test_a_new_segment_name_records_this_process() -> None:
+    from pcie_allreduce import transport
+
+    us = _us()
+    first, second = transport.new_segment_name(), transport.new_segment_name()
+    assert first != second
+    assert transport.creator_of(first) == transport.creator_of(second) == us
+    assert us.pid == os.getpid() and us.pid_namespace == os.stat("/proc/self/ns/pid").st_ino
+
+
+def test_stale_segments_are_those_of_dead_processes_of_this_namespace_and_boot(tmp_path: Any) -> None:
+    import dataclasses
+
+    from pcie_allreduce import transport
+
+    us = _us()
+    dead = _dead_pid()
+    stale = {
+        "dead": dataclasses.replace(us, pid=dead),
+        "pid reused": dataclasses.replace(us, start_time=us.start_time + 1),
+        "an earlier boot": dataclasses.replace(us, boot_id="0" * 32, pid=dead),
+    }
+    kept = {
+        "alive": us,
+        # Another container's pid namespace sharing /dev/shm: its pids name other processes here.
+        "another namespace, a pid dead here": dataclasses.replace(us, pid_namespace=us.pid_namespace + 1, pid=dead),
+        "another namespace, a pid alive here": dataclasses.replace(us, pid_namespace=us.pid_namespace + 1,
+                                                                   start_time=us.start_time + 1),
+    }
+    names = {what: _segment(creator, i) for i, (what, creator) in enumerate({**stale, **kept}.items())}
+    names["unparseable"] = f"pcie_ar-{dead}-0-1f2e3d"
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    expected = sorted(str(tmp_path / names[what]) for what in stale)
+    assert transport.stale_segments(str(tmp_path)) == expected
+    assert transport.remove_stale_segments(str(tmp_path)) == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[what] for what in [*kept, "unparseable"])
+    assert transport.stale_segments(str(tmp_path / "missing")) == []
+
+
+def test_nothing_is_stale_when_this_process_cannot_tell_who_it_is(tmp_path: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from pcie_allreduce import transport
+
+    name = _segment(dataclasses.replace(_us(), pid=_dead_pid()))
+    (tmp_path / name).write_bytes(b"x")
+    monkeypatch.setattr(transport, "current_creator", lambda: None)
+    assert transport.remove_stale_segments(str(tmp_path)) == []
+    assert transport.creator_of(transport.new_segment_name()) is None
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def _host_segment_names(ctx: ranks.RankContext) -> dict[str, Any]:
+    from pcie_allreduce import transport
+
+    result = _create(ctx, "none", 0, transport="host")
+    result["creators_are_this_rank"] = [transport.creator_of(n) == transport.current_creator()
+                                        for n in result["segment_names"]]
+    return result
+
+
+def test_a_host_communicator_names_its_segment_after_its_creator() -> None:
+    for result in ranks.run_ranks(_host_segment_names, WORLD, gpu=False, timeout_s=120):
+        assert result["error"] is None, result
+        assert result["creators_are_this_rank"] == [True], result["segment_names"]
+
+
 @pytest.mark.parametrize("name", ["pcie_ar-4294967296-0-a", "pcie_ar-18446744073709551616-0-a",
                                   "pcie_ar-" + "9" * 200 + "-0-a", "pcie_ar-0-0-a", "pcie_ar--1-0-a",
-                                  "pcie_ar-١٢-0-a", "pcie_ar-12-0-a\n", "pcie_ar-12-0-" + "a" * 200])
+                                  "pcie_ar-١٢-0-a", "pcie_ar-12-0-a\n", "pcie_ar-12-0-" + "a" * 200,
+                                  "pcie_ar-{boot}-{ns}-4294967296-0-0-0123456789ab",
+                                  "pcie_ar-{boot}-18446744073709551616-1-0-0-0123456789ab",
+                                  "pcie_ar-{boot}-{ns}-1-99999999999999999999-0-0123456789ab",
+                                  "pcie_ar-{boot}-{ns}-1-0-0-0123456789ab\n", "pcie_ar-{boot}-{ns}-1-0-0-0123456789abc",
+                                  "pcie_ar-{boot}-{ns}-01-0-0-0123456789ab"])
 def test_segment_names_anyone_can_write_are_ignored(name: str, tmp_path: Any) -> None:
     from pcie_allreduce import transport
 
+    us = _us()
+    name = name.format(boot=us.boot_id, ns=us.pid_namespace)
     (tmp_path / name).write_bytes(b"x")
     assert transport.stale_segments(str(tmp_path)) == []
     assert transport.remove_stale_segments(str(tmp_path)) == []
@@ -394,20 +470,22 @@ def test_segment_names_anyone_can_write_are_ignored(name: str, tmp_path: Any) ->
 
 
 def test_another_users_segment_and_symlinks_are_left_alone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
     from pcie_allreduce import transport
 
-    dead = _dead_pid()
+    dead = dataclasses.replace(_us(), pid=_dead_pid())
+    link, directory, plain = (_segment(dead, i) for i in range(3))
     target = tmp_path / "target"
     target.write_bytes(b"keep")
-    (tmp_path / f"pcie_ar-{dead}-0-1").symlink_to(target)
-    (tmp_path / f"pcie_ar-{dead}-1-2").mkdir()
-    (tmp_path / f"pcie_ar-{dead}-2-3").write_bytes(b"x")
+    (tmp_path / link).symlink_to(target)
+    (tmp_path / directory).mkdir()
+    (tmp_path / plain).write_bytes(b"x")
     monkeypatch.setattr(os, "getuid", lambda: os.stat(target).st_uid + 1)  # every file is another user's
     assert transport.stale_segments(str(tmp_path)) == []
     monkeypatch.undo()
-    assert transport.remove_stale_segments(str(tmp_path)) == [str(tmp_path / f"pcie_ar-{dead}-2-3")]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["target", f"pcie_ar-{dead}-0-1",
-                                                                 f"pcie_ar-{dead}-1-2"])
+    assert transport.remove_stale_segments(str(tmp_path)) == [str(tmp_path / plain)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["target", link, directory])
     assert target.read_bytes() == b"keep"
 
 
