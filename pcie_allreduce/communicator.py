@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 import warnings
 import weakref
 import zlib
@@ -37,6 +38,9 @@ PROBE_SEED = 0x5EED0000
 # How long a rank waits for the others at the first fused call of a shape, while they compile it
 # (a cold Triton cache on a loaded host takes tens of seconds); past it the ranks' calls must differ.
 FIRST_FUSED_CALL_WAIT_S = 300
+# What a rank that gave up on a meeting leaves in its key (a digest is "<int>:<0|1>").
+ABANDONED_MEETING = "abandoned"
+MEETING_STAGE = "first-call compile meeting"
 
 # Communicators alive in this process, for the fork handler; and workspaces that must never be
 # freed here (a forked child's copies, or those of a communicator dropped without close()).
@@ -115,6 +119,7 @@ class Communicator:
         self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
         self._fused_choices: dict[tuple[int, int, torch.dtype], str] = {}
         self._fused_compiled: set[tuple[Any, ...]] = set()  # fused calls compiled on every rank
+        self._meetings = 0  # meetings this communicator held (_meet): the same count on every rank
         self._views: dict[int, WorkspaceView] = {}
 
         # Creation is all or nothing: each step that can fail on one rank runs on every rank and
@@ -126,6 +131,7 @@ class Communicator:
                                                                     transport))
         for key in ("max_bytes", "timeout_s", "table", "transport"):
             self._check_agreement(agreed, key)
+        self._meeting_id: str = agreed[0]["meeting_id"]  # names this communicator's keys in the group's store
         self.table_source: str = ("algo_table argument" if algo_table is not None
                                   else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
@@ -267,34 +273,33 @@ class Communicator:
         return normed, new_residual
 
     def _compile_everywhere(self, call: tuple[Any, ...], compile_call: Callable[[], None]) -> None:
-        """Compile a fused call's Triton kernels on this rank, then meet every rank on the CPU group
-        before any of them launches it.
+        """Compile a fused call's Triton kernels on this rank, then meet every rank before any of
+        them launches it.
 
         A kernel's waits count from its own start: a peer still compiling (a second or more, far
         more with a cold cache or a loaded CPU) would make the ranks already spinning time out. So
         the first call of each (algorithm, shape, dtypes) compiles, then meets the others; the
         kernels' compile keys do not depend on the tensors' alignment (FUSED_TENSOR_ARGS), so every
         rank meets at the same call. The meeting also checks that every rank makes that same call,
-        and it is bounded: a rank that never comes (its calls differ from ours) raises here."""
+        and it is bounded: a rank that never comes (its calls differ from ours) raises here.
+
+        The meeting is held in the group's key-value store, never as a collective on the group: a
+        collective that timed out would stay posted on the caller's group (SGLang's CPU group) and
+        pair with that group's next collective. A rank that gives up marks its key abandoned, so a
+        rank that arrives later raises too instead of launching a kernel nobody else runs."""
         error: Exception | None = None
         try:
             compile_call()
         except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
             error = exc
         described = "{} [{}] {} (weight {})".format(call[0], ", ".join(map(str, call[1])), *call[2:])
-        mine = torch.tensor([zlib.crc32(described.encode()), int(error is not None)], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        meeting = dist.all_gather(everyone, mine, group=self._group, async_op=True)
-        try:
-            meeting.wait(timeout=datetime.timedelta(seconds=FIRST_FUSED_CALL_WAIT_S))
-        except RuntimeError as exc:
-            raise CollectiveTimeout(
-                f"rank {self.rank}: the other ranks did not reach the first fused all-reduce + RMSNorm of {described} "
-                f"within {FIRST_FUSED_CALL_WAIT_S} s (this rank compiled it and waited for them to compile it too): "
-                "a rank is stuck, or the ranks' calls differ") from exc
+        what = f"the first fused all-reduce + RMSNorm of {described}"
+        mine = f"{zlib.crc32(described.encode())}:{int(error is not None)}"
+        everyone = self._meet(what, mine)
         if error is not None:
             raise error
-        digests, failed = [int(t[0]) for t in everyone], [r for r, t in enumerate(everyone) if int(t[1])]
+        digests = [int(v.split(":")[0]) for v in everyone]
+        failed = [r for r, v in enumerate(everyone) if v.split(":")[1] != "0"]
         differing = [r for r, d in enumerate(digests) if d != digests[self.rank]]
         if differing:
             raise CollectiveMismatch(f"rank {self.rank} calls the fused all-reduce + RMSNorm as {described}; ranks "
@@ -304,6 +309,38 @@ class Communicator:
             raise RuntimeError(f"rank {self.rank}: compiling the fused kernel for {described} failed on rank(s) {failed} "
                                "(their exception says why)")
         self._fused_compiled.add(call)
+
+    def _meet(self, what: str, mine: str) -> list[str]:
+        """Every rank's ``mine`` for this rank's next meeting, once all have posted it, within
+        FIRST_FUSED_CALL_WAIT_S; CollectiveTimeout naming the missing ranks past it (or at once
+        when one of them already gave up on this meeting). Keys are this communicator's (an id
+        agreed at creation) and numbered per meeting; each rank removes its previous key once
+        every rank has posted the next one (so every rank has read the previous one)."""
+        store = dist.distributed_c10d._get_process_group_store(self._group)  # the group's own key prefix
+        number = self._meetings
+        self._meetings += 1
+        key = f"pcie_allreduce/{self._meeting_id}/meeting/{number}/"
+        keys = [key + str(r) for r in range(self.world_size)]
+        store.set(keys[self.rank], mine)
+        try:
+            store.wait(keys, datetime.timedelta(seconds=FIRST_FUSED_CALL_WAIT_S))
+        except Exception as exc:  # noqa: BLE001 - the store's timeout (RuntimeError / DistStoreError)
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            store.set(keys[self.rank], ABANDONED_MEETING)
+            raise CollectiveTimeout(
+                f"rank {self.rank}: ranks {missing} did not reach {what} within {FIRST_FUSED_CALL_WAIT_S} s (this rank "
+                "compiled it and waited for them to compile it too): a rank is stuck, or the ranks' calls differ",
+                rank=self.rank, peer=missing[0] if missing else -1, stage=MEETING_STAGE) from exc
+        values = [store.get(k).decode() for k in keys]
+        gave_up = [r for r, v in enumerate(values) if v == ABANDONED_MEETING]
+        if gave_up:
+            store.set(keys[self.rank], ABANDONED_MEETING)
+            raise CollectiveTimeout(f"rank {self.rank}: ranks {gave_up} gave up waiting for the others at {what} "
+                                    f"before this rank reached it (after {FIRST_FUSED_CALL_WAIT_S} s)", rank=self.rank,
+                                    peer=gave_up[0], stage=MEETING_STAGE)
+        if number:
+            store.delete_key(f"pcie_allreduce/{self._meeting_id}/meeting/{number - 1}/{self.rank}")
+        return values
 
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
         """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: a
@@ -446,7 +483,7 @@ class Communicator:
             raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
         self._sms: int = torch.cuda.get_device_properties(self.device).multi_processor_count
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
-                "table": self.table.to_json(), "transport": requested,
+                "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 
     def _workspace_for(self, stream: int) -> Any:

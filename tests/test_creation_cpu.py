@@ -311,21 +311,23 @@ def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
         if case == "compile_fails" and last:
             raise RuntimeError("ptxas: out of resources")
 
-    if case == "never_comes":
+    if case in ("never_comes", "comes_late"):
         communicator.FIRST_FUSED_CALL_WAIT_S = 2
         if last:  # this rank's calls went another way: it reaches no meeting within the bound
             time.sleep(4.0)
-            # then completes the gather the other rank left behind, so no rank exits with one pending
-            torch.distributed.all_gather([torch.zeros(2, dtype=torch.int64) for _ in range(ctx.world_size)],
-                                         torch.zeros(2, dtype=torch.int64), group=ctx.group)
-            return {"error": None, "message": "", "waited": 0.0, "compiled": []}
     started = time.perf_counter()
-    try:
-        comm._compile_everywhere(call, compile_call)
-        error, message = None, ""
-    except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
-        error, message = type(exc).__name__, str(exc)
-    return {"error": error, "message": message, "waited": time.perf_counter() - started,
+    error, message = None, ""
+    if not (case == "never_comes" and last):
+        try:
+            comm._compile_everywhere(call, compile_call)
+        except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
+            error, message = type(exc).__name__, str(exc)
+    waited = time.perf_counter() - started
+    # The group must be as the caller left it: a collective the meeting left posted would pair with
+    # this one (and give another sum, or hang until the group's timeout).
+    total = torch.tensor([float(10 ** ctx.rank)])
+    torch.distributed.all_reduce(total, group=ctx.group)
+    return {"error": error, "message": message, "waited": waited, "group_sum": float(total),
             "compiled": sorted(map(str, comm._fused_compiled))}
 
 
@@ -342,17 +344,23 @@ def test_first_fused_call_waits_for_every_rank_to_compile() -> None:
     ("shape_differs", "CollectiveMismatch", "CollectiveMismatch"),
     ("compile_fails", "RuntimeError", "RuntimeError"),
     ("never_comes", "CollectiveTimeout", None),
+    ("comes_late", "CollectiveTimeout", "CollectiveTimeout"),
 ])
 def test_first_fused_call_problems_raise_on_every_rank_that_meets(case: str, first: str, last: str | None) -> None:
+    """Every rank that reaches the meeting raises the same kind of error; and the meeting leaves
+    nothing behind on the caller's group: its next collective still sums what it should."""
     results = ranks.run_ranks(_first_fused_call, 2, case, gpu=False, timeout_s=120)
     assert [r["error"] for r in results] == [first, last]
     assert not any(r["compiled"] for r in results)
+    assert [r["group_sum"] for r in results] == [11.0, 11.0]
     if case == "shape_differs":
         assert "oneshot_ll [4, 7168] torch.bfloat16" in results[0]["message"] and "ranks [1]" in results[0]["message"]
     if case == "compile_fails":
         assert "ptxas: out of resources" in results[1]["message"] and "rank(s) [1]" in results[0]["message"]
-    if case == "never_comes":
-        assert "within 2 s" in results[0]["message"] and "rank 0" in results[0]["message"]
+    if case in ("never_comes", "comes_late"):
+        assert "within 2 s" in results[0]["message"] and "rank 0: ranks [1] did not reach" in results[0]["message"]
+    if case == "comes_late":  # it raises at once: rank 0 gave up on this meeting before it came
+        assert "ranks [0] gave up" in results[1]["message"] and results[1]["waited"] < 1.0
 
 
 # ---- the host transport's /dev/shm housekeeping -------------------------------------------
