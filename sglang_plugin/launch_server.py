@@ -69,9 +69,9 @@ def sglang_missing() -> str | None:
 
 def _attaches(settings: settings_mod.Settings) -> bool:
     """Whether the hooks will reach SGLang's processes with these settings."""
-    from sglang_plugin import import_hook
+    from sglang_plugin import import_hook, plugin
 
-    if settings.attach != "import" and import_hook.plugin_framework_present():
+    if settings.attach != "import" and plugin.plugin_framework_present():
         return True
     return os.path.exists(import_hook.pth_path())
 

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from sglang_plugin import patching, settings as settings_mod, surface
+from sglang_plugin import import_watch, patching, settings as settings_mod, surface
 from sglang_plugin.hooks import TARGETS, HookTarget
 from sglang_plugin.registry import REGISTRY, PluginState
 from sglang_plugin.settings import Settings
@@ -69,9 +69,7 @@ def install(settings: Settings, *, attach: str, apply: bool = False,
             elif target.module in sys.modules:
                 attach_target(state, target)
         if attach == "import" or any(t.lazy and t.target not in state.targets for t in TARGETS):
-            from sglang_plugin import import_hook
-
-            import_hook.watch()  # attaches the rest as their modules are imported
+            import_watch.watch(on_module_loaded)  # attaches the rest as their modules are imported
         if attach == "plugin" and apply:
             from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -114,10 +112,37 @@ def unregister() -> bool:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         HookRegistry.apply_hooks()  # other plugins' hooks on the same targets, on the originals
-    from sglang_plugin import import_hook
-
-    import_hook.unwatch()
+    import_watch.unwatch()
     return True
+
+
+# ---- the import-hook path --------------------------------------------------------------------
+
+
+def on_module_loaded(name: str) -> None:
+    """Attach the hooks defined in module ``name`` (it has just executed)."""
+    state = REGISTRY.state
+    if state is None:
+        settings = settings_mod.from_env(os.environ)
+        if not settings.enabled or settings.attach == "plugin" or (
+                settings.attach == "auto" and plugin_framework_present()):
+            return
+        state = install(settings, attach="import")
+    for target in import_watch.watched_modules().get(name, []):
+        if target.fused and not state.settings.fused:
+            continue
+        if state.attach == "import" or target.lazy:  # SGLang's HookRegistry attaches the others
+            attach_target(state, target)
+
+
+def plugin_framework_present() -> bool:
+    """SGLang has ``sglang.srt.plugins`` and our entry point is installed: the plugin path runs."""
+    import importlib.util
+    from importlib.metadata import entry_points
+
+    if importlib.util.find_spec("sglang.srt.plugins") is None:
+        return False
+    return any(ep.name == PLUGIN_NAME for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
 # ---- HookRegistry bookkeeping ---------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from pcie_allreduce import ranks
 from pcie_allreduce.layout import Layout
-from sglang_plugin import hooks, patching, settings as settings_mod, surface
+from sglang_plugin import hooks, import_watch, patching, settings as settings_mod, surface
 from sglang_plugin.eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
 from tests._sglang import ensure_entry_point, fake_model_runner_module, sglang_skip_reason
@@ -108,7 +108,7 @@ def test_pyproject_declares_the_entry_point() -> None:
 def test_import_hook_watches_exactly_the_hook_modules() -> None:
     from sglang_plugin import import_hook
 
-    assert set(import_hook.watched_modules()) == import_hook._WATCHED_NAMES
+    assert set(import_watch.watched_modules()) == import_watch._WATCHED_NAMES
 
 
 def test_launcher_turns_the_plugin_on_and_extends_the_allow_list() -> None:
@@ -719,7 +719,7 @@ def test_every_forward_step_raises_a_recorded_failure_first(monkeypatch: pytest.
         state = plugin.install(Settings(enabled=True, fused=False), attach=attach)
         if not loaded_first:
             assert module.ModelRunner.forward is original, "hooked before its module was imported"
-            assert any(isinstance(f, import_hook._Finder) for f in sys.meta_path), "nothing watches for it"
+            assert any(isinstance(f, import_watch._Finder) for f in sys.meta_path), "nothing watches for it"
             monkeypatch.setitem(sys.modules, name, module)
             import_hook.on_module_loaded(name)  # what the finder's loader does after the module ran
         assert hooks.FORWARD_STEP in state.targets
@@ -732,7 +732,7 @@ def test_every_forward_step_raises_a_recorded_failure_first(monkeypatch: pytest.
     finally:
         plugin.unregister()
     assert module.ModelRunner.forward is original and REGISTRY.state is None
-    assert not any(isinstance(f, import_hook._Finder) for f in sys.meta_path)
+    assert not any(isinstance(f, import_watch._Finder) for f in sys.meta_path)
 
 
 # ---------------------------------------------------------------------------- torch.compile
