@@ -119,6 +119,7 @@ void register_constants(py::module_& m) {
   m.attr("MAX_FLAG_BLOCKS") = pcie_ar::kMaxFlagBlocks;
   m.attr("THREADS_PER_BLOCK") = pcie_ar::kThreadsPerBlock;
   m.attr("FLAG_KINDS") = pcie_ar::kFlagKinds;
+  m.attr("NOTICE_KIND") = pcie_ar::kNoticeKind;
   m.attr("ALIGN") = pcie_ar::kAlign;
   m.attr("LOW_LATENCY_MAX_BYTES") = pcie_ar::kLowLatencyMaxBytes;
   m.attr("ROW_STATS_SLOTS") = pcie_ar::kRowStatsSlots;

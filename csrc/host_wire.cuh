@@ -108,7 +108,7 @@ template <typename T, typename Unit>
 __device__ __forceinline__ bool await_unit(const KernelArgs& a, const Unit* p, Unit& v, int peer, uint32_t epoch,
                                            Stage stage, uint32_t& spins, uint64_t& started) {
   while (!has_arrived<T, Unit>(v)) {
-    const SpinVerdict verdict = spin_verdict(a, ++spins, started);
+    const SpinVerdict verdict = spin_verdict(a, ++spins, started, epoch, stage);
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
     v = load_wire(p);
@@ -172,7 +172,7 @@ static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const 
       record_error(a, ErrorKind::kMismatch, peer, stage, epoch, observed);
       return false;
     }
-    const SpinVerdict verdict = spin_verdict(a, spins, started);
+    const SpinVerdict verdict = spin_verdict(a, spins, started, epoch, stage);
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
   }
@@ -204,7 +204,7 @@ __device__ __forceinline__ bool gather_unit(const KernelArgs& a, int world, Wher
       if (p < world && (pending & (1u << p)) && has_arrived<T, Unit>(got[p].unit)) pending &= ~(1u << p);
     }
     if (pending == 0u) return true;
-    const SpinVerdict verdict = spin_verdict(a, ++spins, started);
+    const SpinVerdict verdict = spin_verdict(a, ++spins, started, epoch, stage);
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, __ffs(pending) - 1, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
 #pragma unroll

@@ -26,6 +26,10 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* addr) {
   return value;
 }
 
+__device__ __forceinline__ void store_relaxed_sys(uint64_t* addr, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ uint32_t load_volatile(const uint32_t* addr) {
   return *reinterpret_cast<const volatile uint32_t*>(addr);
 }

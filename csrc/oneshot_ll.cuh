@@ -101,7 +101,7 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
       }
     }
     if (pending == 0u) return true;
-    const SpinVerdict verdict = spin_verdict(a, spins, started);
+    const SpinVerdict verdict = spin_verdict(a, spins, started, epoch, Stage::kLowLatencyGather);
     if (verdict == SpinVerdict::kTimedOut) {
       record_error(a, ErrorKind::kTimeout, __ffs(pending) - 1, Stage::kLowLatencyGather, epoch, 0);
     }

@@ -33,6 +33,17 @@
 //     failed call, eager or replayed from a graph, never leaves data that could pass for a sum.
 //  6. Deterministic sums: every element is reduced in fp32 as ((x0 + x1) + x2) + ... in rank order
 //     0..W-1 and rounded once to the output dtype, in every algorithm and launch shape.
+//  7. Call notices. Each kernel's wire format has its own way to see a peer's different call (a
+//     flag, a line flag or a header of this epoch with another signature), but a peer running
+//     another KIND of kernel (another size class, algorithm or transport format: plain one-shot
+//     against full-payload, fused against plain) writes where this kernel never looks. So every
+//     kernel, CUDA and Triton, also posts (epoch << 32 | signature) into every peer's notice word
+//     for (itself, epoch parity) when it starts (block 0, one relaxed store per peer, nothing
+//     waits for it), and every bounded wait reads its own peers' notices whenever it checks its
+//     bound (every 64th spin): a notice of this epoch with another signature is a mismatch, named
+//     with that peer, within the first exchange instead of a timeout. Parity keeps it exact: a
+//     peer is at most one epoch ahead (invariant 4), so the notice of this parity is this call's
+//     or an older one's, and every call rewrites it (no slot idles long enough to alias).
 #pragma once
 
 #include <cstdint>
@@ -76,6 +87,11 @@ __device__ __forceinline__ uint64_t* flag_slot(const KernelArgs& a, int owner, i
   return flags + (static_cast<uint64_t>(kind) * kMaxRanks + sender) * kMaxFlagBlocks + block;
 }
 
+// `sender`'s call notice of `epoch`'s parity in `owner`'s workspace (invariant 7).
+__device__ __forceinline__ uint64_t* notice_slot(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
+  return flag_slot(a, owner, kNoticeKind, sender, static_cast<int>(epoch & 1u));
+}
+
 // Where `sender`'s data lands inside `owner`'s workspace for this call's parity.
 __device__ __forceinline__ char* slot_of(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
   return a.bases[owner] + (epoch & 1u) * a.layout.parity_bytes + static_cast<uint64_t>(sender) * a.layout.slot_bytes;
@@ -111,12 +127,29 @@ __device__ __forceinline__ void signal_peer(const KernelArgs& a, int peer, int k
 
 enum class SpinVerdict { kSpin, kAborted, kTimedOut };
 
+// A peer's call notice of this epoch with another signature (invariant 7): recorded as a mismatch
+// in `stage`, named with that peer. Out of line: it runs once per 64 spins, off the fast path.
+static __device__ __noinline__ bool foreign_notice(const KernelArgs& a, uint32_t epoch, Stage stage) {
+  for (int p = 0; p < a.world; ++p) {
+    if (p == a.rank) continue;
+    const uint64_t word = load_relaxed_sys(notice_slot(a, a.rank, p, epoch));
+    if (static_cast<uint32_t>(word >> 32) == epoch && static_cast<uint32_t>(word) != a.signature) {
+      record_error(a, ErrorKind::kMismatch, p, stage, epoch, static_cast<uint32_t>(word));
+      return true;
+    }
+  }
+  return false;
+}
+
 // The bound of every spin, checked every 64th spin: kAborted once any wait of this workspace
-// failed (the abort flag), kTimedOut after timeout_ns of spinning (the clock starts at the first
+// failed (the abort flag) or a peer's notice shows it makes another call (recorded here as a
+// mismatch in `stage`), kTimedOut after timeout_ns of spinning (the clock starts at the first
 // check), else kSpin. The caller records the timeout with its own peer and stage.
-__device__ __forceinline__ SpinVerdict spin_verdict(const KernelArgs& a, uint32_t spins, uint64_t& started) {
+__device__ __forceinline__ SpinVerdict spin_verdict(const KernelArgs& a, uint32_t spins, uint64_t& started,
+                                                    uint32_t epoch, Stage stage) {
   if ((spins & 63u) != 63u) return SpinVerdict::kSpin;
   if (load_volatile(&control_of(a)->abort)) return SpinVerdict::kAborted;
+  if (foreign_notice(a, epoch, stage)) return SpinVerdict::kAborted;
   const uint64_t now = global_timer_ns();
   if (started == 0) {
     started = now;
@@ -140,7 +173,7 @@ static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int
       }
       return true;  // the next epoch: the peer already moved on to the next call, so it finished this one
     }
-    const SpinVerdict verdict = spin_verdict(a, spins, started);
+    const SpinVerdict verdict = spin_verdict(a, spins, started, epoch, stage);
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
   }
@@ -164,7 +197,12 @@ __device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, ui
 __device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborted) {
   const Control* ctl = control_of(a);
   *aborted = __ldcg(&ctl->abort) != 0;
-  return next_epoch(__ldcg(&ctl->epochs[blockIdx.x]));
+  const uint32_t epoch = next_epoch(__ldcg(&ctl->epochs[blockIdx.x]));
+  const int peer = static_cast<int>(threadIdx.x);
+  if (blockIdx.x == 0 && peer < a.world && peer != a.rank) {  // this call's notice (invariant 7)
+    store_relaxed_sys(notice_slot(a, peer, a.rank, epoch), flag_word(epoch, a.signature));
+  }
+  return epoch;
 }
 
 // Publish the epoch for the next kernel on this stream (see Control). Kernel completion makes

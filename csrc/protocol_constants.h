@@ -21,7 +21,10 @@ constexpr int kMaxRanks = 8;
 constexpr int kMaxFlagBlocks = 128;  // flag slots per (kind, sender); CUDA kernels use <= kMaxLaunchBlocks
 constexpr int kMaxLaunchBlocks = 64;
 constexpr int kThreadsPerBlock = 512;
-constexpr int kFlagKinds = 2;        // 0: first exchange (one-shot push, two-shot reduce-scatter), 1: all-gather
+// Rows of the flag array: 0: first exchange (one-shot push, two-shot reduce-scatter), 1: all-gather,
+// 2 (kNoticeKind): call notices, one word per (sender, epoch parity) (invariant 7 of protocol.cuh).
+constexpr int kFlagKinds = 3;
+constexpr int kNoticeKind = 2;
 constexpr uint64_t kAlign = 256;
 // The low-latency line (ll_line.cuh): 8 bytes of payload travel as one 16-byte line whose flag is
 // signature ^ (epoch * kLineFlagMix). Odd: epochs e and e + 2 never share a flag.

@@ -24,7 +24,8 @@ MIRROR: dict[str, Any] = {
     "MAX_LAUNCH_BLOCKS": 64,   # CUDA blocks (or Triton programs) of one call
     "MAX_FLAG_BLOCKS": 128,    # flag slots per (kind, sender)
     "THREADS_PER_BLOCK": 512,
-    "FLAG_KINDS": 2,           # 0: first exchange, 1: all-gather
+    "FLAG_KINDS": 3,           # 0: first exchange, 1: all-gather, 2: call notices ...
+    "NOTICE_KIND": 2,          # ... one word per (sender, epoch parity)
     "ALIGN": 256,              # workspace regions start on this many bytes
     "LOW_LATENCY_MAX_BYTES": 512 * 1024,  # payload cap of the low-latency line slots
     "ROW_STATS_SLOTS": 1024,   # uint64 words for the fused one-shot's per-row statistics
@@ -81,6 +82,7 @@ MAX_LAUNCH_BLOCKS: int = _VALUES["MAX_LAUNCH_BLOCKS"]
 MAX_FLAG_BLOCKS: int = _VALUES["MAX_FLAG_BLOCKS"]
 THREADS_PER_BLOCK: int = _VALUES["THREADS_PER_BLOCK"]
 FLAG_KINDS: int = _VALUES["FLAG_KINDS"]
+NOTICE_KIND: int = _VALUES["NOTICE_KIND"]
 ALIGN: int = _VALUES["ALIGN"]
 LOW_LATENCY_MAX_BYTES: int = _VALUES["LOW_LATENCY_MAX_BYTES"]
 ROW_STATS_SLOTS: int = _VALUES["ROW_STATS_SLOTS"]

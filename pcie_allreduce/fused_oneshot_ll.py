@@ -47,7 +47,7 @@ from pcie_allreduce import constants
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.layout import Layout, WorkspaceView
 from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, line_flag, load_volatile, now_ns,
-                                            pause_ns, pick_base, record_error, round_to, spin_verdict,
+                                            pause_ns, pick_base, post_notices, record_error, round_to, spin_verdict,
                                             store_volatile)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
@@ -110,7 +110,8 @@ def _word_states(live, words, headers, flag, epoch, sig, FULL: tl.constexpr):
 
 @triton.jit
 def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_addr, epoch, sig, timeout_ns, rank,
-                pid, FULL: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
+                pid, my_base, flags_offset, W: tl.constexpr, FULL: tl.constexpr, BACKOFF: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """(words, ok): bounded wait until every live word of the tile has arrived (_word_states); 0
     on mismatch/timeout/abort (``aborted``: this thread found the workspace aborted at the start),
     the same in every thread. ``headers_ptr``: with FULL, each element's sender's header word
@@ -128,7 +129,8 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
     start = now_ns(INTERPRET)
     while state == NOT_YET:
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig, rank, err_addr, STAGE,
+                               pid, W, INTERPRET)
         pause_ns(BACKOFF, INTERPRET)
         words = load_volatile(words_ptr, live, INTERPRET)
         headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
@@ -190,8 +192,9 @@ def _post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid,
-                        C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
+def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid, my_base, flags_offset,
+                        W: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr,
+                        INTERPRET: tl.constexpr):
     """(sum over the row's C chunks of their sums of squares, ok) once every program of the row
     has posted its partial; the same value in every program of the row.
 
@@ -210,7 +213,8 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
     start = now_ns(INTERPRET)
     while state == NOT_YET:
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig, rank, err_addr,
+                               STAGE_ROW_STATS, pid, W, INTERPRET)
         pause_ns(BACKOFF, INTERPRET)
         got = load_volatile(mine, q_ok, INTERPRET)
         state = tl.max(tl.maximum(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED), verdict_state(verdict)))
@@ -240,12 +244,12 @@ def _wire_word(lo, hi, flag, FULL: tl.constexpr):
 
 @triton.jit(do_not_specialize=["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H",
                                   "sig", "timeout_ns", "slot_stride", "slots_offset", "headers_offset", "control_offset",
-                                  "stats_offset"],
+                                  "stats_offset", "flags_offset"],
             do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
 def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                              rank, T, H, eps, sig, timeout_ns, slot_stride, slots_offset, headers_offset,
-                             control_offset, stats_offset,
+                             control_offset, stats_offset, flags_offset,
                              C: tl.constexpr, CW: tl.constexpr, BLOCK_W: tl.constexpr,
                              W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, PAIRED: tl.constexpr,
                              FULL: tl.constexpr, INTERPRET: tl.constexpr, BACKOFF: tl.constexpr = 0):
@@ -274,6 +278,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
     epoch, aborted = begin_call(ctrl, pid)
     sig64 = sig.to(tl.uint64)
+    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
     flag = line_flag(epoch, sig64)
     parity = (epoch & 1).to(tl.int64)
     parity_off = parity * W * slot_stride
@@ -327,7 +332,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     headers = (my_base + headers_offset + ((parity * _MAX_RANKS + peers) * _MAX_FLAG_BLOCKS + pid) * 8
                + word[None, :] * 0).to(tl.pointer_type(tl.uint64))
     words, ok = _poll_words(lines, headers, live, peers, flag, aborted, ctrl, err_addr, epoch, sig64, timeout_ns,
-                            rank, pid, FULL, BACKOFF, INTERPRET)
+                            rank, pid, my_base, flags_offset, W, FULL, BACKOFF, INTERPRET)
     if ok == 1:
         lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
         hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
@@ -358,8 +363,8 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             store_volatile(lines, tl.full(words.shape, _POISON, tl.uint32), live, INTERPRET)  # F1: re-poisoned
         else:
             store_volatile(lines, tl.zeros_like(words), live, INTERPRET)  # L2: cleared
-        sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid,
-                                        C, BLOCK_W, BACKOFF, INTERPRET)
+        sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid, my_base,
+                                        flags_offset, W, C, BLOCK_W, BACKOFF, INTERPRET)
         # 4. normalise
         if ok == 1:
             rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)
@@ -477,7 +482,7 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
     args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
             view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks, full),
             view.timeout_ns, *_slots(view.layout, full), view.local_offset(view.layout.control_offset),
-            view.local_offset(view.layout.stats_offset))
+            view.local_offset(view.layout.stats_offset), view.layout.flags_offset)
     constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
                       PUSH=min(PUSH_WORDS, block_w), FULL=full, INTERPRET=interpret, num_warps=num_warps,
                       **({"BACKOFF": backoff_ns} if backoff_ns else {}))

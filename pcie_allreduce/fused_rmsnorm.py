@@ -41,7 +41,7 @@ from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting,
-                                            load_acquire_where, next_epoch, now_ns, pick_base, record_error,
+                                            load_acquire_where, next_epoch, now_ns, pick_base, post_notices, record_error,
                                             release_fence, round_to, spin_verdict, store_flag)
 
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
@@ -198,7 +198,8 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
     start = now_ns(INTERPRET)
     while state == NOT_YET:
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET)
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig64, rank, err_addr,
+                               stage, pid, W, INTERPRET)
         fresh = load_acquire_where(flags, live & (states == NOT_YET), INTERPRET)  # arrived ones stay arrived
         words = tl.where(states == NOT_YET, fresh, words)
         states = _flag_states(live, words, epoch, following, sig64)
@@ -252,6 +253,7 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                                                                DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
+    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
     aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
     done = 0
     if aborted == 0:
@@ -290,6 +292,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                                                                DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
+    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
     aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
     done = 0
     if aborted == 0:

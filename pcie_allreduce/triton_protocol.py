@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, LINE_FLAG_MIX
+from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, LINE_FLAG_MIX, NOTICE_KIND
 
 INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
 
@@ -31,6 +31,7 @@ _EPOCH_WORDS: tl.constexpr = tl.constexpr(EPOCH_WORDS)
 _ABORT: tl.constexpr = tl.constexpr(ABORT_WORD)
 _CLAIM: tl.constexpr = tl.constexpr(CLAIM_WORD)
 _MIX: tl.constexpr = tl.constexpr(LINE_FLAG_MIX)
+_NOTICE_KIND: tl.constexpr = tl.constexpr(NOTICE_KIND)
 _SPIN_LIMIT: tl.constexpr = tl.constexpr(INTERPRETER_SPIN_LIMIT)
 
 
@@ -314,17 +315,50 @@ def end_call(ctrl, epoch, pid):
 
 
 @triton.jit
-def spin_verdict(ctrl, start, spins, timeout_ns, INTERPRET: tl.constexpr):
+def notice_addr(base, flags_offset, sender, epoch):
+    """``sender``'s call notice of ``epoch``'s parity in the workspace at ``base`` (invariant 7
+    of csrc/protocol.cuh): the notice row of the flag array, one word per (sender, parity)."""
+    return flag_addr(base, flags_offset, _NOTICE_KIND, sender, (epoch & 1).to(tl.int32))
+
+
+@triton.jit
+def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """This call's notice (epoch << 32 | signature) in every peer, from thread 0 of program 0 (one
+    relaxed store per peer; nothing waits for it)."""
+    if pid == 0:
+        for p in tl.static_range(W):
+            if p != rank:
+                store_flag(notice_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, rank, epoch),
+                           (epoch << 32) | sig64, INTERPRET)
+
+
+@triton.jit
+def spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig64, rank, err_addr, stage, pid,
+                 W: tl.constexpr, INTERPRET: tl.constexpr):
     """For a bounded spin, checked every 64th spin: 1 if the workspace was aborted (another wait
-    failed), 2 if this wait has timed out, else 0."""
+    failed) or a peer's call notice of this epoch carries another signature (a different call,
+    whichever kernel it runs: recorded here as a mismatch in ``stage``, naming that peer), 2 if
+    this wait has timed out, else 0. Per thread and barrier-free (scalar loads, per-thread record)."""
     verdict = 0
     if spins % 64 == 0:
         aborted = tl.load(ctrl + _ABORT, volatile=True)
+        culprit = -1
+        observed = tl.zeros((), tl.uint64)
+        for p in tl.static_range(W):
+            word = load_volatile(notice_addr(my_base, flags_offset, p, epoch), p != rank, INTERPRET)
+            foreign = (culprit < 0) & (p != rank) & (((word >> 32) & 0xFFFFFFFF) == epoch) & \
+                ((word & 0xFFFFFFFF) != sig64)
+            culprit = tl.where(foreign, p, culprit)
+            observed = tl.where(foreign, word & 0xFFFFFFFF, observed)
         if INTERPRET:
             expired = spins > _SPIN_LIMIT
         else:
             expired = (now_ns(INTERPRET) - start) > timeout_ns
         if aborted != 0:
+            verdict = 1
+        elif culprit >= 0:
+            record_error(ctrl, err_addr, 2, rank, culprit, stage, pid, epoch, sig64, observed, INTERPRET)
             verdict = 1
         elif expired:
             verdict = 2

@@ -302,6 +302,79 @@ def test_mismatched_sizes_across_ranks_raise_mismatch(algo: str) -> None:
     assert [r["kind"] for r in results] == [("mismatch", 1), ("mismatch", 0)]
 
 
+def _different_kernels(ctx: ranks.RankContext, transport: str, cases: list) -> list:
+    """For each case, rank r makes the call cases[i][r] on a new communicator: ("plain", numel,
+    algo) or ("fused", tokens, algo), bf16, hidden 7168. Every fused call of a case is made
+    first by every rank (its kernels compile, and the ranks meet, before any rank runs it)."""
+    import time
+
+    hidden = 7168
+    outcomes = []
+    for calls in cases:
+        comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0,
+                                           transport=transport)
+        gen = torch.Generator(device=ctx.device).manual_seed(1000 + ctx.rank)
+        weight = torch.randn(hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen)
+        for kind, size, algo in calls:
+            if kind == "fused":
+                x = torch.randn(size, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen)
+                comm.all_reduce_rmsnorm(x, torch.randn_like(x), weight, 1e-6, algo=algo)
+        torch.cuda.synchronize()
+        comm.check()
+        kind, size, algo = calls[ctx.rank]
+        x = torch.randn(size * (hidden if kind == "fused" else 1), device=ctx.device, dtype=torch.bfloat16,
+                        generator=gen)
+        torch.distributed.barrier(group=ctx.group)
+        started = time.perf_counter()
+        outcome = None
+        try:
+            if kind == "fused":
+                x = x.view(size, hidden)
+                comm.all_reduce_rmsnorm(x, torch.randn_like(x), weight, 1e-6, algo=algo)
+            else:
+                comm.all_reduce(x, algo=algo)
+            torch.cuda.synchronize()
+            comm.check()
+        except CollectiveMismatch as exc:
+            outcome = ("mismatch", exc.peer)
+        except CollectiveTimeout:
+            outcome = ("timeout", None)
+        outcomes.append((outcome, time.perf_counter() - started))
+        comm.close()
+    return outcomes
+
+
+# Ranks whose calls take different KINDS of kernel (another size class, algorithm, wire format, or
+# fused against plain) poll where the other never writes: their call notices say so at once.
+DIFFERENT_KERNELS = {
+    "p2p": [
+        (("plain", 1000, "auto"), ("plain", 300_000, "auto")),           # both sides of a size boundary
+        (("plain", 4096, "oneshot_ll"), ("plain", 4096, "oneshot")),
+        (("plain", 20_000, "oneshot_full"), ("plain", 20_000, "twoshot")),
+        (("plain", 20_000, "twoshot_full"), ("plain", 20_000, "oneshot_ll")),
+        (("plain", 20_000, "staged"), ("plain", 20_000, "oneshot_full")),
+        (("fused", 4, "auto"), ("plain", 4 * 7168, "twoshot")),          # fused against plain
+        (("fused", 4, "oneshot"), ("fused", 4, "oneshot_full")),         # flags against data as flag
+    ],
+    "host": [
+        (("plain", 1000, "auto"), ("plain", 300_000, "auto")),
+        (("plain", 20_000, "host_oneshot"), ("plain", 20_000, "host_twoshot")),
+        (("plain", 20_000, "host_oneshot"), ("plain", 20_000, "oneshot")),
+        (("fused", 4, "oneshot"), ("plain", 4 * 7168, "host_oneshot")),
+    ],
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ranks_running_different_kinds_of_kernel_raise_mismatch(transport: str) -> None:
+    cases = DIFFERENT_KERNELS[transport]
+    results = ranks.run_ranks(_different_kernels, 2, transport, cases, timeout_s=400)
+    for i, calls in enumerate(cases):
+        got = [r[i][0] for r in results]
+        assert got == [("mismatch", 1), ("mismatch", 0)], f"{calls}: {got}"
+        assert all(r[i][1] < 2.5 for r in results), f"{calls}: found after {[r[i][1] for r in results]} s"
+
+
 def _compiled(ctx: ranks.RankContext) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pcie_allreduce import layout as lay
+from pcie_allreduce.constants import NOTICE_KIND
 from tests import _reference as ref
 from tests._interpreted import interpreted
 
@@ -214,6 +215,31 @@ def test_mismatched_peer_call_records_mismatch() -> None:
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
     fused.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
+
+
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll", "oneshot_full"])
+def test_a_peer_running_another_kind_of_kernel_is_a_mismatch(algo: str) -> None:
+    """A peer that runs another kind of kernel at this epoch never writes where this kernel polls
+    (its flags, lines or headers); its call notice (invariant 7 of csrc/protocol.cuh) says it
+    makes another call: a mismatch naming it, never a timeout. And this rank posts its own notice
+    of the call in every peer."""
+    world, rank = 3, 1
+    fake = FakeRanks(world, rank)
+    xs, residual, weight = _inputs(world, 2, 64, torch.bfloat16, seed=5)
+    other = 0x5EED5EED
+    stale = 0x0BAD0BAD
+    word = (fake.epoch << 32) | other
+    fake.flags(rank)[NOTICE_KIND, 2, fake.epoch & 1] = word - (1 << 64) if word >= 1 << 63 else word
+    # peer 0's notice of the call before last (the same parity): old news, never a mismatch
+    fake.flags(rank)[NOTICE_KIND, 0, fake.epoch & 1] = ((fake.epoch - 2) << 32) | stale
+    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    fused.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+    kind, _, peer, _, _, epoch, _, observed = (int(v) & 0xFFFFFFFF for v in fake.error)
+    assert (kind, peer, epoch, observed) == (2, 2, fake.epoch, other)
+    assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
+    for peer in (0, 2):
+        posted = int(fake.flags(peer)[NOTICE_KIND, rank, fake.epoch & 1]) & 0xFFFFFFFFFFFFFFFF
+        assert posted >> 32 == fake.epoch and posted & 0xFFFFFFFF != 0, f"no notice of this call in rank {peer}"
 
 
 @pytest.mark.parametrize("completed", [0xFFFFFFFF, 0x7FFFFFFF])
