@@ -243,7 +243,36 @@ std::string Workspace::ipc_handle() const {
   if (state_->transport == Transport::kHost) return state_->own.name();
   cudaIpcMemHandle_t handle;
   PCIE_AR_CUDA_CHECK(cudaIpcGetMemHandle(&handle, state_->local));
-  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  return p2p_export(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)), state_->layout.total_bytes);
+}
+
+static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes, "the p2p export's handle size");
+
+std::string p2p_export(const std::string& ipc_handle, uint64_t bytes) {
+  PCIE_AR_HOST_ASSERT(ipc_handle.size() == kIpcHandleBytes,
+                      "an IPC handle is " + std::to_string(kIpcHandleBytes) + " bytes, got " +
+                          std::to_string(ipc_handle.size()));
+  std::string blob = ipc_handle;
+  blob.append(reinterpret_cast<const char*>(&bytes), sizeof(bytes));
+  return blob;
+}
+
+std::string p2p_import(const std::string& blob, uint64_t expected_bytes, int rank, int peer) {
+  const std::string who = "rank " + std::to_string(rank) + " refuses the workspace of rank " + std::to_string(peer);
+  const uint64_t export_bytes = kIpcHandleBytes + sizeof(uint64_t);
+  if (blob.size() != export_bytes) {
+    throw std::runtime_error(who + ": its export is " + std::to_string(blob.size()) + " bytes, this build's are " +
+                             std::to_string(export_bytes) + "; every rank must run the same pcie_allreduce build");
+  }
+  uint64_t bytes = 0;
+  std::memcpy(&bytes, blob.data() + kIpcHandleBytes, sizeof(bytes));
+  if (bytes != expected_bytes) {
+    throw std::runtime_error(who + ": it is " + std::to_string(bytes) + " bytes, this rank's layout needs " +
+                             std::to_string(expected_bytes) + " (a smaller one would let the kernels write past its "
+                             "end); every rank must run the same pcie_allreduce build with the same max_bytes and "
+                             "world size");
+  }
+  return blob.substr(0, kIpcHandleBytes);
 }
 
 void Workspace::open_peers(const std::vector<std::string>& handles) {
@@ -268,9 +297,10 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
   }
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    PCIE_AR_HOST_ASSERT(handles[r].size() == sizeof(cudaIpcMemHandle_t), "IPC handle of rank " + std::to_string(r) + " has the wrong size");
+    // Checked before mapping: a peer's allocation of another size is never mapped at all.
+    const std::string raw = p2p_import(handles[r], state_->layout.total_bytes, rank_, r);
     cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, handles[r].data(), sizeof(handle));
+    std::memcpy(&handle, raw.data(), sizeof(handle));
     void* ptr = nullptr;
     const cudaError_t err = cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {

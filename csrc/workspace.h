@@ -33,10 +33,11 @@ class Workspace {
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 
-  // What peers need to map the local buffer, to be all-gathered: the 64-byte cudaIpcMemHandle_t
-  // (p2p) or the shared-memory segment's name (host).
+  // What peers need to map the local buffer, to be all-gathered: the IPC handle and the
+  // allocation's size (p2p, see p2p_export) or the shared-memory segment's name (host).
   std::string ipc_handle() const;
-  // Map every peer's buffer; handles[rank] is ignored.
+  // Map every peer's buffer; handles[rank] is ignored. Refuses a peer whose workspace is not
+  // exactly this rank's total_bytes (the segment's size on host, the exported size on p2p).
   void open_peers(const std::vector<std::string>& handles);
   // Host transport: remove the segment's name from /dev/shm once every rank has mapped it (the
   // memory stays), so a rank killed later leaves nothing there. No-op for p2p.
@@ -114,6 +115,18 @@ class Workspace {
   int device_, rank_, world_;
   uint64_t max_bytes_;
 };
+
+// The p2p transport's export of a workspace (what Workspace::ipc_handle returns there): its
+// kIpcHandleBytes of cudaIpcMemHandle_t, then the allocation's byte size (8 bytes, host order:
+// every rank runs on this host). A mapping does not tell its size, so without it a peer whose
+// workspace is smaller (another build, another max_bytes) would let the kernels write past its
+// end. Plain byte handling, no CUDA call: usable without a GPU.
+constexpr uint64_t kIpcHandleBytes = 64;
+std::string p2p_export(const std::string& ipc_handle, uint64_t bytes);
+// The IPC handle in `blob`, rank `peer`'s export as rank `rank` received it. Throws, naming both
+// ranks and both sizes, unless it is an export (of this build's format) of exactly
+// `expected_bytes`, the size this rank's layout gives every rank's workspace.
+std::string p2p_import(const std::string& blob, uint64_t expected_bytes, int rank, int peer);
 
 // Runtime facts, each safe to call on a machine without a GPU or driver.
 int device_count();             // 0 when no driver / no GPU

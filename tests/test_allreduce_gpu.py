@@ -379,6 +379,37 @@ def test_creation_failing_on_one_rank_raises_on_every_rank(world: int) -> None:
         assert "max_bytes must be in [1, " in r["bounds"][0] and "timeout must be" in r["bounds"][1], r
 
 
+def _peer_of_another_size(ctx: ranks.RankContext) -> dict:
+    """The last rank's workspace is larger (another max_bytes, as another build or setting would
+    make it): no rank maps a peer's workspace of another size than its own layout's."""
+    import torch.distributed as dist
+
+    ext = pcie_allreduce._ext.require()
+    last = ctx.world_size - 1
+    max_bytes = MAX_BYTES + (4096 if ctx.rank == last else 0)
+    workspace = ext.Workspace(ctx.device.index, ctx.rank, ctx.world_size, max_bytes, 5.0)
+    exported = [None] * ctx.world_size
+    dist.all_gather_object(exported, (workspace.ipc_handle(), workspace.total_bytes), group=ctx.group)
+    try:
+        workspace.open_peers([handle for handle, _ in exported])
+        outcome = None
+    except RuntimeError as exc:
+        outcome = str(exc)
+    dist.barrier(group=ctx.group)  # every rank is done mapping before any frees its memory
+    workspace.close()
+    return {"outcome": outcome, "sizes": [size for _, size in exported]}
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_a_peer_workspace_of_another_size_is_refused(world: int) -> None:
+    last = world - 1
+    for rank, r in enumerate(ranks.run_ranks(_peer_of_another_size, world, timeout_s=300)):
+        peer = 0 if rank == last else last
+        assert r["outcome"] is not None, f"rank {rank} mapped a workspace of another size: {r}"
+        assert (f"rank {rank} refuses the workspace of rank {peer}: it is {r['sizes'][peer]} bytes, this rank's "
+                f"layout needs {r['sizes'][rank]}") in r["outcome"], r
+
+
 def _replay_after_close(ctx: ranks.RankContext) -> dict:
     """A graph of plain and fused calls, replayed once while the communicator is open and once
     after close(): the second replay must touch no freed memory (the workspace is retired, not
