@@ -85,6 +85,10 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("max_bytes", &Workspace::max_bytes)
       .def("debug_set_epoch", &Workspace::debug_set_epoch)
       .def("debug_epoch", &Workspace::debug_epoch)
+      .def("debug_delay_probes", &Workspace::debug_delay_probes, py::arg("seconds"),
+           "Test hook: write_probes' kernel then waits this long (GPU clock) before its stores; 0: no wait.")
+      .def_property_readonly("abandoned", &Workspace::abandoned,
+                             "close() left the memory allocated: a transfer test's kernel was still running.")
       .def("note_capture", &Workspace::note_capture, py::arg("stream"),
            "Whether `stream` is being captured into a CUDA graph (remembered: see `captured`).")
       .def_property_readonly("captured", &Workspace::captured,

@@ -47,7 +47,9 @@ class Workspace {
   // (kProbeBytes, from `seed` and this rank) into this rank's data slot of every peer with SM
   // stores, as the kernels do, and waits for them; after every rank has written,
   // probe_failures reads the local slots and returns the ranks whose pattern did not arrive
-  // (then clears the slots). Host-synchronous; never called while kernels run.
+  // (then clears the slots). Host-synchronous; never called while kernels run. write_probes waits
+  // at most the timeout; when its kernel has not ended by then it throws, and close() / retire()
+  // release nothing while that kernel may still run (see abandoned()).
   void write_probes(uint32_t seed);
   std::vector<int> probe_failures(uint32_t seed);
 
@@ -87,13 +89,20 @@ class Workspace {
   // Collective in spirit: every rank must call it with the same value before the next call.
   void debug_set_epoch(uint32_t completed);
   uint32_t debug_epoch() const;
+  // Test hook: from now on write_probes' kernel waits `seconds` (on the GPU clock, so it ends by
+  // itself) before its stores, as a platform whose peer writes stall would hold it; 0: no wait.
+  void debug_delay_probes(double seconds);
+  // Whether close() (or retire()) left this workspace's memory and mappings allocated, leaked on
+  // purpose, because a transfer test's kernel that write_probes gave up on was still running.
+  bool abandoned() const;
 
   // Whether `stream` is being captured into a CUDA graph; once one is seen, captured() stays
   // true. all_reduce notes it itself; the Triton kernels' launcher calls this.
   bool note_capture(uint64_t stream);
   bool captured() const;
 
-  // Free everything. Only when no CUDA graph can replay a call on this workspace any more.
+  // Free everything. Only when no CUDA graph can replay a call on this workspace any more. After
+  // a write_probes that timed out, while its kernel still runs: free nothing (abandoned()).
   void close();
   // close() for a workspace a captured graph may still replay: raise the abort word (a replayed
   // kernel then touches no peer memory and fills its output with NaN), unmap the peers, and keep
@@ -109,6 +118,7 @@ class Workspace {
   void allocate();  // the workspace memory (device or shared host) and the error record
   void allocate_device_memory();
   void unmap_peers();
+  bool abandon_if_probes_run();
 
   struct State;
   std::unique_ptr<State> state_;
