@@ -85,6 +85,10 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("max_bytes", &Workspace::max_bytes)
       .def("debug_set_epoch", &Workspace::debug_set_epoch)
       .def("debug_epoch", &Workspace::debug_epoch)
+      .def("debug_delay_probes", &Workspace::debug_delay_probes, py::arg("seconds"),
+           "Test hook: write_probes' kernel then waits this long (GPU clock) before its stores; 0: no wait.")
+      .def_property_readonly("abandoned", &Workspace::abandoned,
+                             "close() left the memory allocated: a transfer test's kernel was still running.")
       .def("note_capture", &Workspace::note_capture, py::arg("stream"),
            "Whether `stream` is being captured into a CUDA graph (remembered: see `captured`).")
       .def_property_readonly("captured", &Workspace::captured,
@@ -92,6 +96,20 @@ void register_workspace(py::module_& m) {
       .def("retire", &Workspace::retire,
            "close() for a workspace a graph may replay: abort word raised, peers unmapped, own memory kept.")
       .def("close", &Workspace::close);
+  m.def(
+      "p2p_export",
+      [](const py::bytes& ipc_handle, uint64_t bytes) {
+        return py::bytes(pcie_ar::p2p_export(std::string(ipc_handle), bytes));
+      },
+      py::arg("ipc_handle"), py::arg("bytes"),
+      "What Workspace.ipc_handle() returns on p2p: the 64-byte CUDA IPC handle, then the workspace's size.");
+  m.def(
+      "p2p_import",
+      [](const py::bytes& blob, uint64_t expected_bytes, int rank, int peer) {
+        return py::bytes(pcie_ar::p2p_import(std::string(blob), expected_bytes, rank, peer));
+      },
+      py::arg("blob"), py::arg("expected_bytes"), py::arg("rank"), py::arg("peer"),
+      "The IPC handle in rank `peer`'s p2p export; raises unless it names a workspace of exactly expected_bytes.");
 }
 
 // {name: id} (or {id: name} with by_id) from one of protocol_constants.h's name tables.

@@ -55,17 +55,40 @@ uint64_t seconds_to_ns(double seconds) {
 uint64_t full_slots_offset(const Layout& l) { return l.full_offset + kFullHeaderBytes; }
 uint64_t full_slots_bytes(const Layout& l, int world) { return 2 * static_cast<uint64_t>(world) * l.ll_capacity; }
 
+// A non-blocking stream of our own, destroyed on every path (a throw included). Destroying a
+// stream whose work still runs does not wait for it: the driver releases it when that work ends.
+class PrivateStream {
+ public:
+  PrivateStream() { PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~PrivateStream() { cudaStreamDestroy(stream_); }
+  PrivateStream(const PrivateStream&) = delete;
+  PrivateStream& operator=(const PrivateStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 // Enqueue work on a private non-blocking stream and wait for it: the legacy stream would
 // synchronize with a stream the caller may be capturing. `enqueue(stream)` returns its first error.
 template <typename Enqueue>
 void run_on_private_stream(Enqueue enqueue) {
-  cudaStream_t stream;
-  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const cudaError_t queued = enqueue(stream);
-  const cudaError_t done = cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
+  PrivateStream stream;
+  const cudaError_t queued = enqueue(stream.get());
+  const cudaError_t done = cudaStreamSynchronize(stream.get());
   PCIE_AR_CUDA_CHECK(queued);
   PCIE_AR_CUDA_CHECK(done);
+}
+
+// Poll `event` until it completes or `timeout_ns` pass; cudaErrorNotReady when it did not.
+cudaError_t wait_for_event(cudaEvent_t event, uint64_t timeout_ns) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+  cudaError_t done = cudaEventQuery(event);
+  while (done == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    done = cudaEventQuery(event);
+  }
+  return done;
 }
 
 __global__ void fill_words_kernel(uint32_t* words, uint64_t n, uint32_t value) {
@@ -87,8 +110,17 @@ struct ProbeTargets {
   char* peers[kMaxRanks];
 };
 
-// One thread per (peer, word): the same kind of posted SM store the algorithms make.
-__global__ void write_probes_kernel(ProbeTargets targets, uint64_t offset, uint32_t seed, int rank, int world) {
+// One thread per (peer, word): the same kind of posted SM store the algorithms make. It waits for
+// no flag, so it needs no timeout of its own: only `delay_ns` (a test hook, 0 otherwise; bounded
+// by the GPU clock) holds it before its stores. What can hold it longer is the platform, a store
+// or the fence stalled in hardware, which no code on the GPU can interrupt; so write_probes
+// bounds its wait on the host, and close() never waits for a kernel that may never end.
+__global__ void write_probes_kernel(ProbeTargets targets, uint64_t offset, uint32_t seed, int rank, int world,
+                                    uint64_t delay_ns) {
+  if (delay_ns != 0) {
+    const uint64_t started = global_timer_ns();
+    while (global_timer_ns() - started < delay_ns) __nanosleep(1000);
+  }
   const int peer = threadIdx.x / kProbeWords;
   const int word = threadIdx.x % kProbeWords;
   if (peer >= world || peer == rank) return;
@@ -145,6 +177,11 @@ struct Workspace::State {
   bool peers_open = false;
   bool captured = false;  // a graph capture recorded a call: retire(), never close()
   bool retired = false;
+  // The transfer test's end, recorded after its kernel, while write_probes gave up waiting for it
+  // (abandon_if_probes_run); null otherwise.
+  cudaEvent_t probes_pending = nullptr;
+  bool abandoned = false;  // close() left the memory allocated for such a kernel
+  uint64_t debug_probe_delay_ns = 0;
   // Every field of a launch's arguments that is not the call's own (bases, layout, error record,
   // timeout, rank, world), kept current by open_peers and set_timeout: a call copies it and fills
   // in its pointers, size and signature instead of rebuilding the rest each time.
@@ -243,7 +280,36 @@ std::string Workspace::ipc_handle() const {
   if (state_->transport == Transport::kHost) return state_->own.name();
   cudaIpcMemHandle_t handle;
   PCIE_AR_CUDA_CHECK(cudaIpcGetMemHandle(&handle, state_->local));
-  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  return p2p_export(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)), state_->layout.total_bytes);
+}
+
+static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes, "the p2p export's handle size");
+
+std::string p2p_export(const std::string& ipc_handle, uint64_t bytes) {
+  PCIE_AR_HOST_ASSERT(ipc_handle.size() == kIpcHandleBytes,
+                      "an IPC handle is " + std::to_string(kIpcHandleBytes) + " bytes, got " +
+                          std::to_string(ipc_handle.size()));
+  std::string blob = ipc_handle;
+  blob.append(reinterpret_cast<const char*>(&bytes), sizeof(bytes));
+  return blob;
+}
+
+std::string p2p_import(const std::string& blob, uint64_t expected_bytes, int rank, int peer) {
+  const std::string who = "rank " + std::to_string(rank) + " refuses the workspace of rank " + std::to_string(peer);
+  const uint64_t export_bytes = kIpcHandleBytes + sizeof(uint64_t);
+  if (blob.size() != export_bytes) {
+    throw std::runtime_error(who + ": its export is " + std::to_string(blob.size()) + " bytes, this build's are " +
+                             std::to_string(export_bytes) + "; every rank must run the same pcie_allreduce build");
+  }
+  uint64_t bytes = 0;
+  std::memcpy(&bytes, blob.data() + kIpcHandleBytes, sizeof(bytes));
+  if (bytes != expected_bytes) {
+    throw std::runtime_error(who + ": it is " + std::to_string(bytes) + " bytes, this rank's layout needs " +
+                             std::to_string(expected_bytes) + " (a smaller one would let the kernels write past its "
+                             "end); every rank must run the same pcie_allreduce build with the same max_bytes and "
+                             "world size");
+  }
+  return blob.substr(0, kIpcHandleBytes);
 }
 
 void Workspace::open_peers(const std::vector<std::string>& handles) {
@@ -268,9 +334,10 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
   }
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    PCIE_AR_HOST_ASSERT(handles[r].size() == sizeof(cudaIpcMemHandle_t), "IPC handle of rank " + std::to_string(r) + " has the wrong size");
+    // Checked before mapping: a peer's allocation of another size is never mapped at all.
+    const std::string raw = p2p_import(handles[r], state_->layout.total_bytes, rank_, r);
     cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, handles[r].data(), sizeof(handle));
+    std::memcpy(&handle, raw.data(), sizeof(handle));
     void* ptr = nullptr;
     const cudaError_t err = cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
@@ -293,31 +360,68 @@ static uint64_t probe_offset(const Layout& layout, int sender) {
 
 void Workspace::write_probes(uint32_t seed) {
   PCIE_AR_HOST_ASSERT(state_->peers_open, "write_probes before open_peers");
+  PCIE_AR_HOST_ASSERT(state_->probes_pending == nullptr, "write_probes after a transfer test that did not complete");
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device_);
   ProbeTargets targets{};
   for (int r = 0; r < world_; ++r) targets.peers[r] = state_->peers[r];
-  cudaStream_t stream;
-  PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  write_probes_kernel<<<1, kMaxRanks * kProbeWords, 0, stream>>>(targets, probe_offset(state_->layout, rank_), seed,
-                                                                   rank_, world_);
-  const cudaError_t launched = cudaGetLastError();
+  PrivateStream stream;
+  cudaEvent_t done;
+  PCIE_AR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  write_probes_kernel<<<1, kMaxRanks * kProbeWords, 0, stream.get()>>>(
+      targets, probe_offset(state_->layout, rank_), seed, rank_, world_, state_->debug_probe_delay_ns);
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) err = cudaEventRecord(done, stream.get());
   // Bounded like every other wait: a platform that stalls peer writes makes this rank report it
   // within the timeout (its peers learn it from the creation step's gather) instead of hanging.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(state_->timeout_ns);
-  cudaError_t done = cudaStreamQuery(stream);
-  while (done == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-    done = cudaStreamQuery(stream);
-  }
-  if (done == cudaErrorNotReady) {
+  if (err == cudaSuccess) err = wait_for_event(done, state_->timeout_ns);
+  if (err == cudaErrorNotReady) {
+    state_->probes_pending = done;  // close() asks it before releasing anything the kernel writes
+    const char* writes = state_->transport == Transport::kHost ? "writes into the shared pinned host memory"
+                                                              : "peer-to-peer writes";
     throw std::runtime_error("rank " + std::to_string(rank_) + ": the creation-time transfer test's writes into the "
-                             "peers' workspaces did not complete within " + std::to_string(timeout()) +
-                             " s: peer-to-peer writes stall on this platform");
+                             "peers' workspaces did not complete within " + std::to_string(timeout()) + " s: " +
+                             writes + " stall on this platform. That kernel may never end, so closing this "
+                             "workspace leaves its memory and its mappings of the peers' workspaces allocated "
+                             "until the process exits (releasing them would wait for the kernel)");
   }
-  cudaStreamDestroy(stream);
-  PCIE_AR_CUDA_CHECK(launched);
-  PCIE_AR_CUDA_CHECK(done);
+  cudaEventDestroy(done);
+  PCIE_AR_CUDA_CHECK(err);
+}
+
+void Workspace::debug_delay_probes(double seconds) {
+  PCIE_AR_HOST_ASSERT(seconds == 0 || (seconds > 0 && seconds <= static_cast<double>(kMaxTimeoutSeconds)),
+                      "the probe delay must be 0 or positive seconds, at most " + std::to_string(kMaxTimeoutSeconds));
+  state_->debug_probe_delay_ns = seconds == 0 ? 0 : seconds_to_ns(seconds);
+}
+
+bool Workspace::abandoned() const { return state_->abandoned; }
+
+// cudaFree and cudaFreeHost wait for the device's running kernels, and cudaIpcCloseMemHandle and
+// cudaHostUnregister may. After write_probes gave up on its kernel, one stalled in the platform
+// would make them, and so the caller's cleanup after the failed creation, hang forever. So while that
+// kernel runs, this workspace releases nothing it maps or owns: the whole state is leaked on
+// purpose (the driver reclaims it when the process exits) and replaced by a closed one. Only the
+// host segment's /dev/shm name goes, which takes no CUDA call. True when it did so.
+bool Workspace::abandon_if_probes_run() {
+  cudaEvent_t pending = state_->probes_pending;
+  if (pending == nullptr) return false;
+  state_->probes_pending = nullptr;
+  const cudaError_t status = cudaEventQuery(pending);
+  cudaEventDestroy(pending);  // never waits: a pending event is released once it completes
+  if (status != cudaErrorNotReady) {
+    if (status != cudaSuccess) cudaGetLastError();  // the release that follows reports its own errors
+    return false;  // the kernel ended since: release as usual
+  }
+  state_->own.release_name();
+  auto closed = std::make_unique<State>();
+  closed->transport = state_->transport;
+  closed->layout = state_->layout;
+  closed->timeout_ns = state_->timeout_ns;
+  closed->abandoned = true;
+  static_cast<void>(state_.release());  // deliberately leaked, see above
+  state_ = std::move(closed);
+  return true;
 }
 
 std::vector<int> Workspace::probe_failures(uint32_t seed) {
@@ -494,6 +598,7 @@ bool Workspace::note_capture(uint64_t stream) {
 bool Workspace::captured() const { return state_->captured; }
 
 void Workspace::retire() {
+  if (abandon_if_probes_run()) return;
   if (state_->local == nullptr || state_->retired) return;
   RelaxedCaptureMode relaxed;
   DeviceGuard guard(device_);
@@ -507,6 +612,7 @@ void Workspace::retire() {
 }
 
 void Workspace::close() {
+  if (abandon_if_probes_run()) return;
   if (state_->local == nullptr) {
     state_->own.close();  // a construction that failed between the segment and the rest
     return;

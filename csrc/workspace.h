@@ -33,10 +33,11 @@ class Workspace {
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 
-  // What peers need to map the local buffer, to be all-gathered: the 64-byte cudaIpcMemHandle_t
-  // (p2p) or the shared-memory segment's name (host).
+  // What peers need to map the local buffer, to be all-gathered: the IPC handle and the
+  // allocation's size (p2p, see p2p_export) or the shared-memory segment's name (host).
   std::string ipc_handle() const;
-  // Map every peer's buffer; handles[rank] is ignored.
+  // Map every peer's buffer; handles[rank] is ignored. Refuses a peer whose workspace is not
+  // exactly this rank's total_bytes (the segment's size on host, the exported size on p2p).
   void open_peers(const std::vector<std::string>& handles);
   // Host transport: remove the segment's name from /dev/shm once every rank has mapped it (the
   // memory stays), so a rank killed later leaves nothing there. No-op for p2p.
@@ -46,7 +47,9 @@ class Workspace {
   // (kProbeBytes, from `seed` and this rank) into this rank's data slot of every peer with SM
   // stores, as the kernels do, and waits for them; after every rank has written,
   // probe_failures reads the local slots and returns the ranks whose pattern did not arrive
-  // (then clears the slots). Host-synchronous; never called while kernels run.
+  // (then clears the slots). Host-synchronous; never called while kernels run. write_probes waits
+  // at most the timeout; when its kernel has not ended by then it throws, and close() / retire()
+  // release nothing while that kernel may still run (see abandoned()).
   void write_probes(uint32_t seed);
   std::vector<int> probe_failures(uint32_t seed);
 
@@ -86,13 +89,20 @@ class Workspace {
   // Collective in spirit: every rank must call it with the same value before the next call.
   void debug_set_epoch(uint32_t completed);
   uint32_t debug_epoch() const;
+  // Test hook: from now on write_probes' kernel waits `seconds` (on the GPU clock, so it ends by
+  // itself) before its stores, as a platform whose peer writes stall would hold it; 0: no wait.
+  void debug_delay_probes(double seconds);
+  // Whether close() (or retire()) left this workspace's memory and mappings allocated, leaked on
+  // purpose, because a transfer test's kernel that write_probes gave up on was still running.
+  bool abandoned() const;
 
   // Whether `stream` is being captured into a CUDA graph; once one is seen, captured() stays
   // true. all_reduce notes it itself; the Triton kernels' launcher calls this.
   bool note_capture(uint64_t stream);
   bool captured() const;
 
-  // Free everything. Only when no CUDA graph can replay a call on this workspace any more.
+  // Free everything. Only when no CUDA graph can replay a call on this workspace any more. After
+  // a write_probes that timed out, while its kernel still runs: free nothing (abandoned()).
   void close();
   // close() for a workspace a captured graph may still replay: raise the abort word (a replayed
   // kernel then touches no peer memory and fills its output with NaN), unmap the peers, and keep
@@ -108,12 +118,25 @@ class Workspace {
   void allocate();  // the workspace memory (device or shared host) and the error record
   void allocate_device_memory();
   void unmap_peers();
+  bool abandon_if_probes_run();
 
   struct State;
   std::unique_ptr<State> state_;
   int device_, rank_, world_;
   uint64_t max_bytes_;
 };
+
+// The p2p transport's export of a workspace (what Workspace::ipc_handle returns there): its
+// kIpcHandleBytes of cudaIpcMemHandle_t, then the allocation's byte size (8 bytes, host order:
+// every rank runs on this host). A mapping does not tell its size, so without it a peer whose
+// workspace is smaller (another build, another max_bytes) would let the kernels write past its
+// end. Plain byte handling, no CUDA call: usable without a GPU.
+constexpr uint64_t kIpcHandleBytes = 64;
+std::string p2p_export(const std::string& ipc_handle, uint64_t bytes);
+// The IPC handle in `blob`, rank `peer`'s export as rank `rank` received it. Throws, naming both
+// ranks and both sizes, unless it is an export (of this build's format) of exactly
+// `expected_bytes`, the size this rank's layout gives every rank's workspace.
+std::string p2p_import(const std::string& blob, uint64_t expected_bytes, int rank, int peer);
 
 // Runtime facts, each safe to call on a machine without a GPU or driver.
 int device_count();             // 0 when no driver / no GPU

@@ -452,6 +452,105 @@ def test_creation_failing_on_one_rank_raises_on_every_rank(world: int) -> None:
         assert "max_bytes must be in [1, " in r["bounds"][0] and "timeout must be" in r["bounds"][1], r
 
 
+def _peer_of_another_size(ctx: ranks.RankContext) -> dict:
+    """The last rank's workspace is larger (another max_bytes, as another build or setting would
+    make it): no rank maps a peer's workspace of another size than its own layout's."""
+    import torch.distributed as dist
+
+    ext = pcie_allreduce._ext.require()
+    last = ctx.world_size - 1
+    max_bytes = MAX_BYTES + (4096 if ctx.rank == last else 0)
+    workspace = ext.Workspace(ctx.device.index, ctx.rank, ctx.world_size, max_bytes, 5.0)
+    exported = [None] * ctx.world_size
+    dist.all_gather_object(exported, (workspace.ipc_handle(), workspace.total_bytes), group=ctx.group)
+    try:
+        workspace.open_peers([handle for handle, _ in exported])
+        outcome = None
+    except RuntimeError as exc:
+        outcome = str(exc)
+    dist.barrier(group=ctx.group)  # every rank is done mapping before any frees its memory
+    workspace.close()
+    return {"outcome": outcome, "sizes": [size for _, size in exported]}
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_a_peer_workspace_of_another_size_is_refused(world: int) -> None:
+    last = world - 1
+    for rank, r in enumerate(ranks.run_ranks(_peer_of_another_size, world, timeout_s=300)):
+        peer = 0 if rank == last else last
+        assert r["outcome"] is not None, f"rank {rank} mapped a workspace of another size: {r}"
+        assert (f"rank {rank} refuses the workspace of rank {peer}: it is {r['sizes'][peer]} bytes, this rank's "
+                f"layout needs {r['sizes'][rank]}") in r["outcome"], r
+
+
+def _mapped_workspace(ctx: ranks.RankContext, transport: str, timeout_s: float):
+    """One ``_C.Workspace`` per rank with every peer mapped, as creation makes it before its probes."""
+    import torch.distributed as dist
+    from pcie_allreduce import constants, transport as transport_mod
+
+    ext = pcie_allreduce._ext.require()
+    name = transport_mod.new_segment_name() if transport == "host" else ""
+    workspace = ext.Workspace(ctx.device.index, ctx.rank, ctx.world_size, MAX_BYTES, timeout_s,
+                              constants.TRANSPORT_IDS[transport], name)
+    handles = [None] * ctx.world_size
+    dist.all_gather_object(handles, workspace.ipc_handle(), group=ctx.group)
+    workspace.open_peers(handles)
+    dist.barrier(group=ctx.group)
+    workspace.release_name()
+    return workspace
+
+
+PROBE_TIMEOUT_S = 0.25
+PROBE_STALL_S = 4.0
+
+
+def _stalled_transfer_test(ctx: ranks.RankContext, transport: str) -> dict:
+    """Rank 0's creation-time transfer test is held past its timeout (the test hook delays its
+    kernel, as peer writes stalled in the platform would): write_probes raises within about the
+    timeout, and close() returns at once instead of waiting for that kernel, leaving the memory
+    allocated; a kernel that ended before close() is freed as usual."""
+    import torch.distributed as dist
+
+    result = {}
+    for case, delay in (("running at close", PROBE_STALL_S), ("ended before close", 1.0)):
+        workspace = _mapped_workspace(ctx, transport, PROBE_TIMEOUT_S)
+        if ctx.rank == 0:
+            workspace.debug_delay_probes(delay)
+            start = time.monotonic()
+            try:
+                workspace.write_probes(1)
+                raised = None
+            except RuntimeError as exc:
+                raised = str(exc)
+            gave_up_s = time.monotonic() - start
+            if case == "ended before close":
+                torch.cuda.synchronize(ctx.device)  # the hook's delay is bounded: the kernel ends by itself
+            start = time.monotonic()
+            workspace.close()
+            result[case] = {"raised": raised, "gave_up_s": gave_up_s, "close_s": time.monotonic() - start,
+                            "abandoned": workspace.abandoned}
+            torch.cuda.synchronize(ctx.device)  # the delayed kernel ends within its delay
+        else:
+            workspace.write_probes(1)
+        dist.barrier(group=ctx.group)  # rank 0's kernel has written into the peers: only now may they free
+        if ctx.rank != 0:
+            workspace.close()
+    return result
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_transfer_test_that_times_out_never_blocks_close(transport: str) -> None:
+    rank0 = ranks.run_ranks(_stalled_transfer_test, 2, transport, timeout_s=300)[0]
+    stalled, ended = rank0["running at close"], rank0["ended before close"]
+    for r in (stalled, ended):
+        assert r["raised"] is not None and "did not complete within 0.25" in r["raised"], r
+        assert "until the process exits" in r["raised"], r
+        assert PROBE_TIMEOUT_S <= r["gave_up_s"] < PROBE_TIMEOUT_S + 1.5, r
+    # Releasing its memory would have waited the rest of PROBE_STALL_S for the kernel.
+    assert stalled["close_s"] < 1.0 and stalled["abandoned"], stalled
+    assert not ended["abandoned"], ended
+
+
 def _replay_after_close(ctx: ranks.RankContext) -> dict:
     """A graph of plain and fused calls, replayed once while the communicator is open and once
     after close(): the second replay must touch no freed memory (the workspace is retired, not

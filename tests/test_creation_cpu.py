@@ -200,6 +200,32 @@ def test_differing_layouts_are_refused() -> None:
         assert result["all_closed"]
 
 
+def test_a_p2p_peer_workspace_of_another_size_is_never_mapped() -> None:
+    """A p2p export carries its workspace's size; open_peers refuses one that is not exactly this
+    rank's (a smaller one would let the kernels write past its end), and an export of another
+    format (a bare 64-byte handle, as earlier builds made). No GPU: pure byte handling."""
+    from pcie_allreduce import _ext
+
+    ext = _ext.load()
+    if ext is None:
+        pytest.skip(f"extension not built: {_ext.unavailable_reason()}")
+    handle = bytes(range(64))
+    blob = ext.p2p_export(handle, 3 << 20)
+    assert len(blob) == 72 and ext.p2p_import(blob, 3 << 20, 1, 0) == handle
+    with pytest.raises(RuntimeError, match=r"rank 1 refuses the workspace of rank 0: it is 3145728 bytes, this "
+                                           r"rank's layout needs 3145729"):
+        ext.p2p_import(blob, (3 << 20) + 1, 1, 0)
+    with pytest.raises(RuntimeError, match=r"rank 2 refuses the workspace of rank 3: it is 3145728 bytes, this "
+                                           r"rank's layout needs 3145727"):
+        ext.p2p_import(blob, (3 << 20) - 1, 2, 3)
+    for wrong in (handle, blob + b"\0", b""):
+        with pytest.raises(RuntimeError, match=rf"rank 1 refuses the workspace of rank 0: its export is {len(wrong)} "
+                                               r"bytes, this build's are 72"):
+            ext.p2p_import(wrong, 3 << 20, 1, 0)
+    with pytest.raises(RuntimeError, match="an IPC handle is 64 bytes, got 63"):
+        ext.p2p_export(handle[:63], 1)
+
+
 def test_timeout_is_agreed() -> None:
     for result in ranks.run_ranks(_create, WORLD, "timeout_differs", 1, gpu=False, timeout_s=120):
         assert result["error"] == "ValueError" and "ranks disagree on timeout_s" in result["message"]
