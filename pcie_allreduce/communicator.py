@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import secrets
+import time
 import warnings
 import weakref
 import zlib
@@ -120,6 +121,9 @@ class Communicator:
         self._fused_choices: dict[tuple[int, int, torch.dtype], str] = {}
         self._fused_compiled: set[tuple[Any, ...]] = set()  # fused calls compiled on every rank
         self._meetings = 0  # meetings this communicator held (_meet): the same count on every rank
+        #: Seconds this rank spent compiling the Triton kernels of each fused call shape (its first
+        #: call), by the call's description: "<algo> [tokens, hidden] <dtype> (weight <dtype>)".
+        self.fused_compile_seconds: dict[str, float] = {}
         self._views: dict[int, WorkspaceView] = {}
 
         # Creation is all or nothing: each step that can fail on one rank runs on every rank and
@@ -288,11 +292,13 @@ class Communicator:
         pair with that group's next collective. A rank that gives up marks its key abandoned, so a
         rank that arrives later raises too instead of launching a kernel nobody else runs."""
         error: Exception | None = None
+        started = time.perf_counter()
         try:
             compile_call()
         except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
             error = exc
         described = "{} [{}] {} (weight {})".format(call[0], ", ".join(map(str, call[1])), *call[2:])
+        self.fused_compile_seconds[described] = time.perf_counter() - started
         what = f"the first fused all-reduce + RMSNorm of {described}"
         mine = f"{zlib.crc32(described.encode())}:{int(error is not None)}"
         everyone = self._meet(what, mine)

@@ -426,3 +426,13 @@ def test_the_transport_reaches_the_communicator() -> None:
     assert _parse([]).transport == "auto" and _parse(["--transport", "host"]).transport == "host"
     with pytest.raises(SystemExit):
         _parse(["--transport", "nvlink"])
+
+
+def test_summary_lists_each_fused_variant_compile_time_of_the_slowest_rank() -> None:
+    cfg = soak.SoakConfig(world=2, calls=2000, minutes=0.5)
+    variant, other = "oneshot [4, 7168] torch.bfloat16 (weight torch.bfloat16)", "twoshot [1, 96] torch.float16 (weight x)"
+    results = [_rank_result(0, warmup={"calls": 2, "seconds": 9.0, "compile_s": {variant: 1.5, other: 0.4}}),
+               _rank_result(1, warmup={"calls": 2, "seconds": 9.5, "compile_s": {variant: 2.25, other: 12.0}})]
+    text = soak.format_summary(soak.summarize(cfg, results))
+    assert "2 variants, longest 12.0 s (over 10.0 s)" in text
+    assert f"compile {variant}" in text and "2.25 s" in text and "1.50 s" not in text
