@@ -114,7 +114,7 @@ def _check_legal(call: Call, params: ScheduleParams) -> None:
     assert call.count == call.tokens * call.hidden and 1 <= call.tokens <= MAX_TOKENS
     assert call.hidden in FUSED_HIDDENS and call.dtype in ("bfloat16", "float16")
     assert call.weight_dtype in (call.dtype, "float32") and 0 <= call.w_offset <= weight_elements() - call.hidden
-    assert call.algo in ("auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full")
+    assert call.algo in ("auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
     if call.algo in ("oneshot_ll", "oneshot_full"):
         assert call.tokens * call.hidden * size <= params.ll_capacity
         assert fused_oneshot_ll.launch_shape(call.tokens, call.hidden, params.world, params.block_cap) is not None
@@ -133,7 +133,7 @@ def test_schedule_draws_legal_and_varied_calls() -> None:
     host = [c for c in steps(3, dataclasses.replace(PARAMS, transport="host"), 5000)
             if isinstance(c, Call) and c.kind == "plain"]
     assert "host_oneshot" in {c.algo for c in host}
-    assert {c.algo for c in fused} == {"auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full"}
+    assert {c.algo for c in fused} == {"auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused"}
     assert any(c.count % 2 for c in plain) and any(c.hidden % 2 for c in fused) and any(c.inplace for c in plain)
     assert any(c.in_offset % 2 for c in eager) and any(c.in_offset % 8 == 4 for c in eager)  # misaligned views
     assert any(c.nbytes > PARAMS.ll_capacity for c in plain) and any(c.count < 16 for c in plain)
