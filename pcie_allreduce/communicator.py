@@ -25,7 +25,6 @@ from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE
 from pcie_allreduce.dispatch import DTYPE_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
 from pcie_allreduce.layout import Layout, WorkspaceView
-from pcie_allreduce.validation import common_call_nbytes
 
 DEFAULT_MAX_BYTES = 8 << 20
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
@@ -194,12 +193,7 @@ class Communicator:
         """
         if self._closed:
             raise RuntimeError(self._closed_reason)
-        nbytes = common_call_nbytes(x, out, self.device, self.max_bytes)
-        if nbytes < 0:  # anything else: the full checks raise the precise error, or accept the call
-            self._validate_tensors(x, out)
-            nbytes = x.numel() * x.element_size()
-        if algo != "auto":
-            validation.validate_algo(algo)
+        nbytes = validation.plain_call(x, out, algo, device=self.device, max_bytes=self.max_bytes)
         if out is None:
             out = torch.empty_like(x)
         if nbytes == 0:
@@ -231,18 +225,14 @@ class Communicator:
         """
         if self._closed:
             raise RuntimeError(self._closed_reason)
-        validation.validate_rmsnorm_args(x, residual, weight, eps, device=self.device, max_bytes=self.max_bytes)
-        validation.validate_out(x, out, name="out")
-        validation.validate_out(residual, residual_out, name="residual_out")
-        if algo != "auto" and algo not in algo_mod.FUSED_ALGORITHMS:
-            raise ValueError(f"unknown fused algo {algo!r}; expected 'auto' or one of {algo_mod.FUSED_ALGORITHMS}")
+        tokens, hidden = validation.fused_call(x, residual, weight, eps, out, residual_out, algo, device=self.device,
+                                               max_bytes=self.max_bytes)
         normed = torch.empty_like(x) if out is None else out
         new_residual = torch.empty_like(residual) if residual_out is None else residual_out
-        validation.validate_rmsnorm_aliasing(x, residual, weight, normed, new_residual)
         if x.numel() == 0:
             return normed, new_residual
         if algo == "auto":
-            key = (x.shape[0], x.shape[1], x.dtype)
+            key = (tokens, hidden, x.dtype)
             algo = self._fused_choices.get(key)
             if algo is None:
                 algo = self.select_fused_algo(*key)
@@ -421,11 +411,6 @@ class Communicator:
             raise self._error_of(workspace)
 
     # ---- internals -----------------------------------------------------------------------
-
-    def _validate_tensors(self, x: object, out: object) -> None:
-        """The full checks of ``all_reduce``'s tensors, with the precise error messages."""
-        validation.validate_tensor(x, name="input", device=self.device, max_bytes=self.max_bytes)
-        validation.validate_out(x, out)  # type: ignore[arg-type]
 
     def _choice(self, nbytes: int, dtype: torch.dtype, algo: str) -> tuple[int, int]:
         key = (nbytes, dtype, algo)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pcie_allreduce.algo import ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, FUSED_ALGORITHMS
 from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 #: The dtypes the kernels take (those with a kernel dtype id), in id order.
@@ -78,6 +78,22 @@ def common_call_nbytes(x: object, out: object, device: torch.device, max_bytes: 
     return -1 if a != b and a < b + nbytes and b < a + nbytes else nbytes
 
 
+def plain_call(x: object, out: object, algo: object, *, device: torch.device, max_bytes: int) -> int:
+    """The one check of an ``all_reduce(x, out, algo)`` call: ``x``, ``out`` (and their overlap)
+    and the algorithm name; returns the message size in bytes, what dispatch needs. The common
+    call costs :func:`common_call_nbytes`; anything else runs the full checks, which raise the
+    precise error or accept the call."""
+    nbytes = common_call_nbytes(x, out, device, max_bytes)
+    if nbytes < 0:
+        validate_tensor(x, name="input", device=device, max_bytes=max_bytes)
+        assert isinstance(x, torch.Tensor)
+        validate_out(x, out)
+        nbytes = x.numel() * x.element_size()
+    if algo != "auto":
+        validate_algo(algo)
+    return nbytes
+
+
 def validate_max_bytes(max_bytes: object) -> int:
     """``max_bytes`` of a communicator: an int in [1, MAX_MESSAGE_BYTES]."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1 <= max_bytes <= MAX_MESSAGE_BYTES:
@@ -132,17 +148,34 @@ def validate_rmsnorm_args(x: object, residual: object, weight: object, eps: obje
         raise ValueError(f"eps must be a positive float, got {eps!r}")
 
 
+def fused_call(x: object, residual: object, weight: object, eps: object, out: object, residual_out: object,
+               algo: object, *, device: torch.device, max_bytes: int) -> tuple[int, int]:
+    """The one check of an ``all_reduce_rmsnorm`` call: every tensor, both outputs against their
+    inputs, every pair of arguments for shared memory, the algorithm name; returns ``(tokens,
+    hidden)``, what dispatch needs."""
+    validate_rmsnorm_args(x, residual, weight, eps, device=device, max_bytes=max_bytes)
+    assert isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
+    validate_out(x, out, name="out")
+    validate_out(residual, residual_out, name="residual_out")
+    if algo != "auto" and algo not in FUSED_ALGORITHMS:
+        raise ValueError(f"unknown fused algo {algo!r}; expected 'auto' or one of {FUSED_ALGORITHMS}")
+    validate_rmsnorm_aliasing(x, residual, weight, out, residual_out)  # type: ignore[arg-type]
+    return x.shape[0], x.shape[1]
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
 
 
-def validate_rmsnorm_aliasing(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor,
-                              new_residual: torch.Tensor) -> None:
+def validate_rmsnorm_aliasing(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              normed: torch.Tensor | None, new_residual: torch.Tensor | None) -> None:
     """The outputs of the fused all-reduce + RMSNorm may be their own inputs (``out`` is ``x``,
     ``residual_out`` is ``residual``: in place) and must share memory with nothing else: the
     kernels store a row of one output while other rows of the inputs are still to be read, so any
-    other overlap would corrupt a result without an error."""
+    other overlap would corrupt a result without an error. An output left None is a new tensor."""
+    normed = torch.empty(0) if normed is None else normed
+    new_residual = torch.empty(0) if new_residual is None else new_residual
     operands = (("x", x), ("residual", residual), ("weight", weight), ("out", normed), ("residual_out", new_residual))
     in_place = {("out", "x"), ("residual_out", "residual")}
     spans = {name: _span(t) for name, t in operands}

@@ -420,3 +420,27 @@ def test_fused_outputs_may_only_alias_their_own_inputs() -> None:
                           ((x, residual, normed[0], normed, new_residual), "out overlaps weight")):
         with pytest.raises(ValueError, match=message):
             validate_rmsnorm_aliasing(*args)
+
+
+def test_one_validation_pass_per_call_checks_everything_dispatch_needs() -> None:
+    """validation.plain_call / fused_call are each call's only check: every tensor, every pair for
+    shared memory and the algorithm name, returning what dispatch needs (bytes; tokens and hidden)."""
+    cpu, big = torch.device("cpu"), 1 << 20
+    x = torch.zeros(8)
+    assert validation.plain_call(x, None, "auto", device=cpu, max_bytes=big) == 32
+    assert validation.plain_call(x, x, "oneshot", device=cpu, max_bytes=big) == 32
+    with pytest.raises(ValueError, match="unknown algo 'nope'"):
+        validation.plain_call(x, None, "nope", device=cpu, max_bytes=big)
+    buf = torch.zeros(16)
+    with pytest.raises(ValueError, match="partially overlaps"):
+        validation.plain_call(buf[0:8], buf[4:12], "auto", device=cpu, max_bytes=big)
+    with pytest.raises(ValueError, match="max_bytes"):
+        validation.plain_call(x, None, "auto", device=cpu, max_bytes=16)
+    rows = torch.zeros(3, 64, dtype=torch.bfloat16)
+    res, w = torch.zeros_like(rows), torch.ones(64, dtype=torch.bfloat16)
+    assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", device=cpu, max_bytes=big) == (3, 64)
+    assert validation.fused_call(rows, res, w, 1e-6, rows, res, "unfused", device=cpu, max_bytes=big) == (3, 64)
+    with pytest.raises(ValueError, match="unknown fused algo"):
+        validation.fused_call(rows, res, w, 1e-6, None, None, "staged", device=cpu, max_bytes=big)
+    with pytest.raises(ValueError, match="residual_out is x"):
+        validation.fused_call(rows, res, w, 1e-6, None, rows, "auto", device=cpu, max_bytes=big)
