@@ -26,8 +26,10 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* addr) {
   return value;
 }
 
-__device__ __forceinline__ void store_relaxed_sys(uint64_t* addr, uint64_t value) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+// A store that orders nothing (no "memory" clobber): the compiler may move ordinary loads and
+// stores across it, so a kernel's first input loads need not wait behind it (call notices).
+__device__ __forceinline__ void store_relaxed_sys_unordered(uint64_t* addr, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value));
 }
 
 __device__ __forceinline__ uint32_t load_volatile(const uint32_t* addr) {

@@ -200,7 +200,7 @@ __device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborte
   const uint32_t epoch = next_epoch(__ldcg(&ctl->epochs[blockIdx.x]));
   const int peer = static_cast<int>(threadIdx.x);
   if (blockIdx.x == 0 && peer < a.world && peer != a.rank) {  // this call's notice (invariant 7)
-    store_relaxed_sys(notice_slot(a, peer, a.rank, epoch), flag_word(epoch, a.signature));
+    store_relaxed_sys_unordered(notice_slot(a, peer, a.rank, epoch), flag_word(epoch, a.signature));
   }
   return epoch;
 }

@@ -47,8 +47,8 @@ from pcie_allreduce import constants
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.layout import Layout, WorkspaceView
 from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, line_flag, load_volatile, now_ns,
-                                            pause_ns, pick_base, post_notices, record_error, round_to, spin_verdict,
-                                            store_volatile)
+                                            foreign_notice, my_notices, pause_ns, pick_base, post_notices, record_error,
+                                            round_to, spin_verdict, store_volatile)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
 STAGE_FULL_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_FULL_GATHER)
@@ -83,8 +83,9 @@ FOREIGN: tl.constexpr = tl.constexpr(4)
 
 @triton.jit
 def verdict_state(verdict):
-    """spin_verdict's 0 / 1 (aborted) / 2 (timed out) as a wait state."""
-    return tl.where(verdict == 1, ABORTED, tl.where(verdict == 2, TIMED_OUT, ARRIVED))
+    """spin_verdict's 0 / 1 (aborted) / 2 (timed out) / 3 (a peer's notice of another call) as a
+    wait state."""
+    return tl.where(verdict == 1, ABORTED, tl.where(verdict == 2, TIMED_OUT, tl.where(verdict == 3, FOREIGN, ARRIVED)))
 
 
 @triton.jit
@@ -110,8 +111,7 @@ def _word_states(live, words, headers, flag, epoch, sig, FULL: tl.constexpr):
 
 @triton.jit
 def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_addr, epoch, sig, timeout_ns, rank,
-                pid, my_base, flags_offset, W: tl.constexpr, FULL: tl.constexpr, BACKOFF: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                pid, notices, W: tl.constexpr, FULL: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
     """(words, ok): bounded wait until every live word of the tile has arrived (_word_states); 0
     on mismatch/timeout/abort (``aborted``: this thread found the workspace aborted at the start),
     the same in every thread. ``headers_ptr``: with FULL, each element's sender's header word
@@ -129,8 +129,7 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
     start = now_ns(INTERPRET)
     while state == NOT_YET:
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig, rank, err_addr, STAGE,
-                               pid, W, INTERPRET)
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, notices, epoch, sig, rank, W, INTERPRET)
         pause_ns(BACKOFF, INTERPRET)
         words = load_volatile(words_ptr, live, INTERPRET)
         headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
@@ -138,11 +137,14 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
         state = tl.max(tl.maximum(states, verdict_state(verdict)))
     if state == FOREIGN:
         culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
-        if FULL:
-            their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), headers & 0xFFFFFFFF, 0))
-        else:
-            observed = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words >> 32, 0))
-            their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+        if culprit >= 0:  # a word of another call (uniform: a block-wide max)
+            if FULL:
+                their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), headers & 0xFFFFFFFF, 0))
+            else:
+                observed = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words >> 32, 0))
+                their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
+        else:  # a peer's notice of another call (spin_verdict): it runs another kind of kernel
+            culprit, their_sig = foreign_notice(notices, epoch, sig, rank, W, INTERPRET)
         record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig, INTERPRET)
     elif state == TIMED_OUT:
         late = tl.max(tl.where(states == NOT_YET, peers, -1))
@@ -192,7 +194,7 @@ def _post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid, my_base, flags_offset,
+def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid, notices,
                         W: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr,
                         INTERPRET: tl.constexpr):
     """(sum over the row's C chunks of their sums of squares, ok) once every program of the row
@@ -213,13 +215,15 @@ def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, r
     start = now_ns(INTERPRET)
     while state == NOT_YET:
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig, rank, err_addr,
-                               STAGE_ROW_STATS, pid, W, INTERPRET)
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, notices, epoch, sig, rank, W, INTERPRET)
         pause_ns(BACKOFF, INTERPRET)
         got = load_volatile(mine, q_ok, INTERPRET)
         state = tl.max(tl.maximum(tl.where(q_ok & ((got >> 32) != tag), NOT_YET, ARRIVED), verdict_state(verdict)))
     if state == TIMED_OUT:
         record_error(ctrl, err_addr, 1, rank, rank, STAGE_ROW_STATS, pid, epoch, sig, 0, INTERPRET)
+    elif state == FOREIGN:
+        culprit, their_sig = foreign_notice(notices, epoch, sig, rank, W, INTERPRET)
+        record_error(ctrl, err_addr, 2, rank, culprit, STAGE_ROW_STATS, pid, epoch, sig, their_sig, INTERPRET)
     tl.debug_barrier()  # every thread has its final copy before any slot is cleared
     store_volatile(mine, tl.zeros([BLOCK], tl.uint64), q_ok, INTERPRET)
     partials = (got & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
@@ -278,7 +282,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
     epoch, aborted = begin_call(ctrl, pid)
     sig64 = sig.to(tl.uint64)
-    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
+    notices = my_notices(my_base, flags_offset, epoch)
     flag = line_flag(epoch, sig64)
     parity = (epoch & 1).to(tl.int64)
     parity_off = parity * W * slot_stride
@@ -323,6 +327,10 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                     store_volatile(dst + k, payload, m, INTERPRET)
             off += PUSH
 
+    # this call's notice in every peer (invariant 7 of csrc/protocol.cuh): after the push, which
+    # the peers wait for, so that it never delays it (before it, it cost W = 8 0.4 us)
+    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
+
     # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
     #    reduced in rank order
     peers = tl.arange(0, WP)[:, None]
@@ -332,7 +340,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     headers = (my_base + headers_offset + ((parity * _MAX_RANKS + peers) * _MAX_FLAG_BLOCKS + pid) * 8
                + word[None, :] * 0).to(tl.pointer_type(tl.uint64))
     words, ok = _poll_words(lines, headers, live, peers, flag, aborted, ctrl, err_addr, epoch, sig64, timeout_ns,
-                            rank, pid, my_base, flags_offset, W, FULL, BACKOFF, INTERPRET)
+                            rank, pid, notices, W, FULL, BACKOFF, INTERPRET)
     if ok == 1:
         lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
         hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
@@ -363,8 +371,8 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
             store_volatile(lines, tl.full(words.shape, _POISON, tl.uint32), live, INTERPRET)  # F1: re-poisoned
         else:
             store_volatile(lines, tl.zeros_like(words), live, INTERPRET)  # L2: cleared
-        sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid, my_base,
-                                        flags_offset, W, C, BLOCK_W, BACKOFF, INTERPRET)
+        sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid, notices,
+                                        W, C, BLOCK_W, BACKOFF, INTERPRET)
         # 4. normalise
         if ok == 1:
             rstd = 1.0 / tl.sqrt_rn(sumsq / H + eps)

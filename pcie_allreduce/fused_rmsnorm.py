@@ -41,7 +41,7 @@ from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting,
-                                            load_acquire_where, next_epoch, now_ns, pick_base, post_notices, record_error,
+                                            foreign_notice, load_acquire_where, my_notices, next_epoch, now_ns, pick_base, post_notices, record_error,
                                             release_fence, round_to, spin_verdict, store_flag)
 
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
@@ -190,6 +190,7 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
     peers = tl.arange(0, BLOCK)
     live = (peers < W) & (peers != rank)
     flags = flag_addr(my_base, flags_offset, kind, peers, pid)
+    notices = my_notices(my_base, flags_offset, epoch)
     following = next_epoch(epoch)
     words = load_acquire_where(flags, live, INTERPRET)
     states = _flag_states(live, words, epoch, following, sig64)
@@ -198,15 +199,17 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
     start = now_ns(INTERPRET)
     while state == NOT_YET:
         spins += 1
-        verdict = spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig64, rank, err_addr,
-                               stage, pid, W, INTERPRET)
+        verdict = spin_verdict(ctrl, start, spins, timeout_ns, notices, epoch, sig64, rank, W, INTERPRET)
         fresh = load_acquire_where(flags, live & (states == NOT_YET), INTERPRET)  # arrived ones stay arrived
         words = tl.where(states == NOT_YET, fresh, words)
         states = _flag_states(live, words, epoch, following, sig64)
         state = tl.max(tl.maximum(states, verdict_state(verdict)))
     if state == FOREIGN:
         culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
-        their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words & 0xFFFFFFFF, 0))
+        if culprit >= 0:  # a flag of another call (uniform: a block-wide max)
+            their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words & 0xFFFFFFFF, 0))
+        else:  # a peer's notice of another call (spin_verdict): it runs another kind of kernel
+            culprit, their_sig = foreign_notice(notices, epoch, sig64, rank, W, INTERPRET)
         record_error(ctrl, err_addr, 2, rank, culprit, stage, pid, epoch, sig64, their_sig, INTERPRET)
     elif state == TIMED_OUT:
         late = tl.max(tl.where(states == NOT_YET, peers, -1))
@@ -253,13 +256,13 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                                                                DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
-    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
     aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
     done = 0
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                        parity_off, flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
+        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)  # after the push
         # 2. wait for every peer's rows
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
                              BLOCK_H, INTERPRET)
@@ -292,13 +295,13 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                                                                DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
         x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
-    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
     aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
     done = 0
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                        parity_off, flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
+        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)  # after the push
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
                              BLOCK_H, INTERPRET)
         w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)

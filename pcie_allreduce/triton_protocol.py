@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, LINE_FLAG_MIX, NOTICE_KIND
+from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, LINE_FLAG_MIX, MAX_FLAG_BLOCKS, NOTICE_KIND
 
 INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
 
@@ -32,6 +32,7 @@ _ABORT: tl.constexpr = tl.constexpr(ABORT_WORD)
 _CLAIM: tl.constexpr = tl.constexpr(CLAIM_WORD)
 _MIX: tl.constexpr = tl.constexpr(LINE_FLAG_MIX)
 _NOTICE_KIND: tl.constexpr = tl.constexpr(NOTICE_KIND)
+_MAX_FLAG_BLOCKS: tl.constexpr = tl.constexpr(MAX_FLAG_BLOCKS)
 _SPIN_LIMIT: tl.constexpr = tl.constexpr(INTERPRETER_SPIN_LIMIT)
 
 
@@ -321,11 +322,12 @@ def notice_addr(base, flags_offset, sender, epoch):
     return flag_addr(base, flags_offset, _NOTICE_KIND, sender, (epoch & 1).to(tl.int32))
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """This call's notice (epoch << 32 | signature) in every peer, from thread 0 of program 0 (one
-    relaxed store per peer; nothing waits for it)."""
+    relaxed store per peer; nothing waits for it). Out of line, like :func:`foreign_notice`: W
+    branches on the runtime rank inlined into the widest programs cost registers they lack."""
     if pid == 0:
         for p in tl.static_range(W):
             if p != rank:
@@ -334,23 +336,40 @@ def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch,
 
 
 @triton.jit
-def spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, sig64, rank, err_addr, stage, pid,
-                 W: tl.constexpr, INTERPRET: tl.constexpr):
+def my_notices(my_base, flags_offset, epoch):
+    """The notices the peers post here for ``epoch``'s parity: sender p's word at ``[p * 128]``
+    (one pointer held across a wait instead of the offsets it is made of: registers are what the
+    widest fused programs run short of)."""
+    return notice_addr(my_base, flags_offset, 0, epoch)
+
+
+@triton.jit(noinline=True)
+def foreign_notice(notices, epoch, sig64, rank, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """(the lowest peer whose notice of this epoch carries another signature, or -1; that
+    signature): a peer making a different call, whichever kernel it runs. Scalar loads, no barrier.
+    Out of line: inlined into the poll loops it cost the fused one-shot at W = 8, 4 tokens (32
+    warps, at the 64-register cap) 0.2-0.3 us per call though it runs every 64th spin only."""
+    culprit = -1
+    observed = tl.zeros((), tl.uint64)
+    for p in tl.static_range(W):
+        word = load_volatile(notices + p * _MAX_FLAG_BLOCKS, p != rank, INTERPRET)
+        foreign = (culprit < 0) & (p != rank) & (((word >> 32) & 0xFFFFFFFF) == epoch) & ((word & 0xFFFFFFFF) != sig64)
+        culprit = tl.where(foreign, p, culprit)
+        observed = tl.where(foreign, word & 0xFFFFFFFF, observed)
+    return culprit, observed
+
+
+@triton.jit
+def spin_verdict(ctrl, start, spins, timeout_ns, notices, epoch, sig64, rank, W: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """For a bounded spin, checked every 64th spin: 1 if the workspace was aborted (another wait
-    failed) or a peer's call notice of this epoch carries another signature (a different call,
-    whichever kernel it runs: recorded here as a mismatch in ``stage``, naming that peer), 2 if
-    this wait has timed out, else 0. Per thread and barrier-free (scalar loads, per-thread record)."""
+    failed), 2 if this wait has timed out, 3 if a peer's call notice (``notices``: my_notices)
+    says it makes another call (the caller records the mismatch: :func:`foreign_notice` names the
+    peer), else 0. Per thread and barrier-free."""
     verdict = 0
     if spins % 64 == 0:
         aborted = tl.load(ctrl + _ABORT, volatile=True)
-        culprit = -1
-        observed = tl.zeros((), tl.uint64)
-        for p in tl.static_range(W):
-            word = load_volatile(notice_addr(my_base, flags_offset, p, epoch), p != rank, INTERPRET)
-            foreign = (culprit < 0) & (p != rank) & (((word >> 32) & 0xFFFFFFFF) == epoch) & \
-                ((word & 0xFFFFFFFF) != sig64)
-            culprit = tl.where(foreign, p, culprit)
-            observed = tl.where(foreign, word & 0xFFFFFFFF, observed)
+        culprit, _ = foreign_notice(notices, epoch, sig64, rank, W, INTERPRET)
         if INTERPRET:
             expired = spins > _SPIN_LIMIT
         else:
@@ -358,8 +377,7 @@ def spin_verdict(ctrl, start, spins, timeout_ns, my_base, flags_offset, epoch, s
         if aborted != 0:
             verdict = 1
         elif culprit >= 0:
-            record_error(ctrl, err_addr, 2, rank, culprit, stage, pid, epoch, sig64, observed, INTERPRET)
-            verdict = 1
+            verdict = 3
         elif expired:
             verdict = 2
     return verdict
