@@ -105,53 +105,114 @@ def _graph(ctx: ranks.RankContext, captured: int, replays: int, transport: str) 
     with torch.cuda.graph(graph):  # the capture stream's workspace is created inside the capture
         for i in range(captured):
             comm.all_reduce(static_in[i % 8], out=outs[i], algo=shapes[i % 8][2])
-    checked = 0
+    # Every replay's every output is compared bitwise on the GPU with the rank-order sum (one op
+    # per input shape, no synchronization; counts read at the end); every 20th is also checked
+    # against fp64 on the CPU, with messages naming the call.
+    bad = torch.zeros(replays, 8, dtype=torch.int64, device=ctx.device)
     for rep in range(replays):
         inputs = [ref.all_inputs(1000 + rep, ctx.world_size, n, d) for n, d, _ in shapes]
+        wants = [ref.exact(per_rank).to(ctx.device) for per_rank in inputs]
         for buf, per_rank in zip(static_in, inputs):
             buf.copy_(per_rank[ctx.rank])
         for out in outs:
             out.fill_(float("nan"))
         graph.replay()
+        for k in range(8):
+            got = torch.stack(outs[k::8])
+            bad[rep, k] = ref.bitwise_mismatches(got, wants[k]).sum()
         if rep % 20 == 0 or rep == replays - 1:
             torch.cuda.synchronize()
             for i, out in enumerate(outs):
                 ref.check(out, inputs[i % 8], f"graph replay {rep} call {i}")
-                checked += 1
+    torch.cuda.synchronize()
     comm.check()
+    bad = bad.cpu()
+    failed = bad.nonzero().tolist()
+    assert not failed, (f"W={ctx.world_size} rank {ctx.rank}: wrong elements in {len(failed)} (replay, shape) pairs; "
+                        f"first: replay {failed[0][0]}, the calls on input {failed[0][1]} {shapes[failed[0][1]]}: "
+                        f"{int(bad[failed[0][0], failed[0][1]])} elements differ from the rank-order fp32 sum")
     comm.close()
-    return {"checked": checked}
+    return {"checked": replays * captured}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_graph_128_calls_replayed_100_times(world: int, transport: str) -> None:
     results = ranks.run_ranks(_graph, world, 128, 100, transport, timeout_s=600)
-    assert all(r["checked"] > 0 for r in results)
+    assert all(r["checked"] == 128 * 100 for r in results)
+
+
+# Rounds of the back-to-back test between two checks: each size has a ring of this many outputs.
+RING = 8
 
 
 def _back_to_back(ctx: ranks.RankContext, calls: int) -> dict:
+    """``calls`` all-reduces of alternating sizes, issued in groups of RING rounds with no
+    synchronization, every call checked: each has fresh integer inputs whose exact sum the rank
+    computes with one tensor op (``ref.AffinePools``); the outputs of RING rounds sit in a ring per
+    size, poisoned (NaN) before each reuse and compared on the GPU with the sums after the group,
+    the mismatch counts accumulating on the GPU and read once at the end."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     if not ctx.mps and ctx.shared_gpu:
         calls = min(calls, 500)  # time-sliced contexts: milliseconds per call
     sizes = [1, 4 * 7168, 7168 * 3 + 5, 262_143, 1 << 19]
-    inputs = [ref.all_inputs(7, ctx.world_size, n, torch.bfloat16) for n in sizes]
-    xs = [i[ctx.rank].to(ctx.device) for i in inputs]
-    outs = [torch.empty_like(x) for x in xs]
-    for i in range(calls):
-        k = i % len(sizes)
-        comm.all_reduce(xs[k], out=outs[k])
+    dtype = torch.bfloat16
+    rounds = -(-calls // len(sizes))
+    groups = -(-rounds // RING)
+    pools = [ref.AffinePools(7, ctx.world_size, n, dtype) for n in sizes]
+    mine = [p.pools[ctx.rank].to(ctx.device) for p in pools]
+    totals = [p.total.to(ctx.device) for p in pools]
+
+    def ring(n: int) -> torch.Tensor:  # RING rows of n, each 16-byte aligned like a tensor of its own
+        return torch.empty(RING, -(-n // 8) * 8, dtype=dtype, device=ctx.device)[:, :n]
+
+    ins, outs = [ring(n) for n in sizes], [ring(n) for n in sizes]
+    wants = [torch.empty(RING, n, dtype=dtype, device=ctx.device) for n in sizes]
+    bad = torch.zeros(groups, len(sizes), dtype=torch.int64, device=ctx.device)
+    rng = random.Random(11)  # the same draws on every rank
+    made = 0
+    for g in range(groups):
+        count = min(RING, rounds - g * RING)
+        for k, n in enumerate(sizes):
+            outs[k].fill_(float("nan"))
+            for j in range(count):
+                params = pools[k].draw(rng)
+                ref.AffinePools.apply(mine[k], n, params, out=ins[k][j])
+                ref.AffinePools.apply(totals[k], n, params, ctx.world_size, out=wants[k][j])
+        for j in range(count):
+            for k in range(len(sizes)):
+                comm.all_reduce(ins[k][j], out=outs[k][j])
+        made += count * len(sizes)
+        for k in range(len(sizes)):
+            bad[g, k] = ref.value_mismatches(outs[k][:count], wants[k][:count])
     torch.cuda.synchronize()
-    for k, out in enumerate(outs):
-        ref.check(out, inputs[k], f"after {calls} back-to-back calls, size {sizes[k]}")
+    comm.check()
+    bad = bad.cpu()
+    failed = bad.nonzero().tolist()
+    if failed:
+        g, k = failed[0]
+        raise AssertionError(f"W={ctx.world_size} rank {ctx.rank}: {len(failed)} of {groups * len(sizes)} checks "
+                             f"(RING={RING} calls of one size each) found wrong elements ({int(bad.sum())} in all); "
+                             f"first: size {sizes[k]}, rounds {g * RING}..{g * RING + RING - 1}: {int(bad[g, k])} "
+                             f"elements differ from the exact sum")
+    # After the run, one more round with random normal inputs: bitwise the rank-order fp32 sum.
+    inputs = [ref.all_inputs(7, ctx.world_size, n, dtype) for n in sizes]
+    finals = []
+    for per_rank in inputs:
+        x = per_rank[ctx.rank].to(ctx.device)
+        finals.append(comm.all_reduce(x, out=torch.full_like(x, float("nan"))))
+    torch.cuda.synchronize()
+    for n, out, per_rank in zip(sizes, finals, inputs):
+        ref.check(out, per_rank, f"after {made} back-to-back calls, size {n}")
     comm.check()
     comm.close()
-    return {"calls": calls}
+    return {"calls": made}
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_10000_back_to_back_calls_of_alternating_sizes(world: int) -> None:
-    ranks.run_ranks(_back_to_back, world, 10_000, timeout_s=600)
+    results = ranks.run_ranks(_back_to_back, world, 10_000, timeout_s=600)
+    assert all(r["calls"] == results[0]["calls"] >= 500 for r in results)
 
 
 def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
