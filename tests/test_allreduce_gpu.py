@@ -232,13 +232,16 @@ def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
         x = inputs[ctx.rank].to(ctx.device)
         if i % 4 == 3:
             residual = ref.rank_input(900 + i, 0, 4 * hidden, torch.bfloat16).view(4, hidden)
-            weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
-            _, new_residual = comm.all_reduce_rmsnorm(x.view(4, hidden), residual.to(ctx.device), weight, 1e-6,
-                                                      algo=fused_algos[(i // 4) % 3])
+            weight = (1 + 0.1 * ref.rank_input(901 + i, 0, hidden, torch.float32)).to(torch.bfloat16).to(ctx.device)
+            normed, new_residual = (torch.full((4, hidden), float("nan"), dtype=torch.bfloat16, device=ctx.device)
+                                    for _ in range(2))
+            comm.all_reduce_rmsnorm(x.view(4, hidden), residual.to(ctx.device), weight, 1e-6, out=normed,
+                                    residual_out=new_residual, algo=fused_algos[(i // 4) % 3])
             want = residual + ref.exact(inputs).view(4, hidden)
             assert torch.equal(new_residual.cpu(), want), f"fused call {i} across epoch {completed:#x}"
+            ref.check_rmsnorm(normed, new_residual, weight, 1e-6, f"fused call {i} across epoch {completed:#x}")
         else:
-            out = comm.all_reduce(x, algo=ALGOS[i % len(ALGOS)])
+            out = comm.all_reduce(x, out=torch.full_like(x, float("nan")), algo=ALGOS[i % len(ALGOS)])
             ref.check(out, inputs, f"call {i} ({ALGOS[i % len(ALGOS)]}) across epoch {completed:#x}")
     epoch = comm.workspace().debug_epoch()
     comm.close()
@@ -382,14 +385,15 @@ def _compiled(ctx: ranks.RankContext) -> dict:
     fused_inputs = ref.all_inputs(10, ctx.world_size, 4 * hidden, torch.bfloat16)
     x = fused_inputs[ctx.rank].to(ctx.device).view(4, hidden)
     residual = ref.rank_input(11, 0, 4 * hidden, torch.bfloat16).to(ctx.device).view(4, hidden)
-    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+    weight = (1 + 0.1 * ref.rank_input(12, 0, hidden, torch.float32)).to(torch.bfloat16).to(ctx.device)
 
-    def fused_step(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        normed, new_residual = torch.ops.pcie_allreduce.all_reduce_rmsnorm(x, residual, weight, 1e-6, comm.handle)
-        return new_residual
+    def fused_step(x: torch.Tensor, residual: torch.Tensor,
+                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.pcie_allreduce.all_reduce_rmsnorm(x, residual, weight, 1e-6, comm.handle)
 
-    got = torch.compile(fused_step, backend="aot_eager", fullgraph=True)(x, residual, weight)
+    normed, got = torch.compile(fused_step, backend="aot_eager", fullgraph=True)(x, residual, weight)
     assert torch.equal(got.cpu(), residual.cpu() + ref.exact(fused_inputs).view(4, hidden))
+    ref.check_rmsnorm(normed, got, weight, 1e-6, "fused custom op under torch.compile")
     comm.close()
     return {}
 
@@ -449,7 +453,7 @@ def _replay_after_close(ctx: ranks.RankContext) -> dict:
     inputs = ref.all_inputs(21, ctx.world_size, 4 * hidden, torch.bfloat16)
     x = inputs[ctx.rank].to(ctx.device)
     residual = ref.rank_input(22, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
-    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+    weight = (1 + 0.1 * ref.rank_input(23, 0, hidden, torch.float32)).to(torch.bfloat16).to(ctx.device)
     plain_algos = ("oneshot", "twoshot", "oneshot_ll", "staged", "oneshot_full", "twoshot_full")
     outs = [torch.full_like(x, 7.0) for _ in plain_algos]
     normed, new_residual = torch.full_like(residual, 7.0), torch.full_like(residual, 7.0)
@@ -464,11 +468,15 @@ def _replay_after_close(ctx: ranks.RankContext) -> dict:
             comm.all_reduce_rmsnorm(x.view(4, hidden), residual, weight, 1e-6, out=normed, residual_out=new_residual)
     eager = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
     ref.check(eager.all_reduce(x), inputs, "eager communicator")
+    torch.cuda.synchronize()  # the eager calls on `stream` wrote outs[0], normed and new_residual
+    for t in (*outs, normed, new_residual):
+        t.fill_(float("nan"))  # so only the replay can have written them
     graph.replay()
     torch.cuda.synchronize()
     for out, algo in zip(outs, plain_algos):
         ref.check(out, inputs, f"{algo} in the graph")
     assert torch.equal(new_residual.cpu(), residual.cpu() + ref.exact(inputs).view(4, hidden))
+    ref.check_rmsnorm(normed, new_residual, weight, 1e-6, "fused call in the graph")
     comm.close()
     eager.close()
     for t in (*outs, normed, new_residual):
