@@ -544,34 +544,45 @@ def test_p2p_and_host_transports_give_bitwise_equal_results(world: int) -> None:
 
 
 def _wire_edge_values(ctx: ranks.RankContext) -> dict:
-    """The data-as-flag algorithms (write-once on the host transport, and the full-payload
-    one-shot, run here over host memory) send data as its own flag: -0.0, NaN, +-Inf and the fp32 word of the poison
-    pattern must all arrive, never be waited for forever or taken for the poison, and sum as the
-    other algorithms sum them (up to the sign of a zero)."""
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=10, transport="host")
+    """-0.0, NaN, +-Inf and the poison pattern as data (``ref.edge_inputs``: the bf16/fp16 lane
+    0x8000 is -0.0; the fp32 word 0x80008000 a negative subnormal), on every rank at once and
+    mixed, through every algorithm and ``auto`` on each transport, at a small and a medium odd
+    size. Each call must deliver every element (data taken for the poison would be waited for
+    until the timeout) and give, bitwise, what README documents: the rank-order fp32 sum, and for
+    the full-payload algorithms the sum of what they send (-0.0 as +0.0 in bf16/fp16, the fp32
+    poison word as -0.0); NaN where the sum is NaN. Outputs are poisoned first with a finite value
+    no sum here takes, so an element left unwritten shows, NaN positions included."""
     mismatches = []
-    for dtype in DTYPES:
-        special = [-0.0, 0.0, float("nan"), float("inf"), float("-inf"), 1.5, -2.25]
-        base = torch.tensor(special * 40, dtype=torch.float32)
-        if dtype == torch.float32:  # the poison word as data: a negative subnormal
-            base[:8] = torch.tensor([0x80008000] * 8, dtype=torch.int64).to(torch.int32).view(torch.float32)
-        x = base.roll(ctx.rank * 3).to(dtype).to(ctx.device)
-        for algo in (*algo_mod.HOST_ONLY_ALGORITHMS, "oneshot_full", "twoshot_full", "oneshot"):
-            out = comm.all_reduce(x, algo=algo)
-            torch.cuda.synchronize()
-            got, want = out.cpu().float(), torch.stack([base.roll(r * 3).to(dtype).float()
-                                                        for r in range(ctx.world_size)]).sum(0)
-            same = (got == want) | (torch.isnan(got) & torch.isnan(want)) | ((got == 0) & (want == 0))
-            # The poison word travels as -0.0: a subnormal of 1e-38 may vanish from a sum.
-            same |= (dtype == torch.float32) & ((got - want).abs() <= 2e-38)
-            if not bool(same.all()):
-                mismatches.append(f"{dtype} {algo}: {int((~same).sum())} elements")
-    comm.check()
-    comm.close()
+    for transport in TRANSPORTS:
+        comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=10,
+                                           transport=transport)
+        for dtype in DTYPES:
+            es = torch.empty((), dtype=dtype).element_size()
+            for numel in (283, 40_001):
+                inputs = ref.edge_inputs(numel, ctx.world_size, numel, dtype)
+                x = inputs[ctx.rank].to(ctx.device)
+                algos = [a for a in _algos_of(comm) if algo_mod.fits_capacity(a, numel * es, comm.ll_capacity)]
+                results = {}
+                for algo in (*algos, "auto"):
+                    results[algo] = comm.all_reduce(x, out=torch.full_like(x, 30000.0), algo=algo)
+                torch.cuda.synchronize()
+                for algo, out in results.items():
+                    runs = comm.select_algo(numel * es, dtype) if algo == "auto" else algo
+                    want = ref.expected_sum(inputs, runs)
+                    got = out.cpu()
+                    bad = ref.bitwise_mismatches(got, want).nonzero().view(-1)
+                    if len(bad):
+                        i, mask = int(bad[0]), (1 << 8 * es) - 1
+                        mismatches.append(f"{transport} {dtype} numel={numel} {algo} ({runs}): {len(bad)} elements "
+                                          f"differ, first at {i}: got {got[i].item()!r} "
+                                          f"(bits {ref.bits(got)[i].item() & mask:#x}), want {want[i].item()!r} "
+                                          f"(bits {ref.bits(want)[i].item() & mask:#x})")
+        comm.check()
+        comm.close()
     return {"mismatches": mismatches}
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
-def test_host_algorithms_carry_zeros_nan_inf_and_the_poison_word(world: int) -> None:
+def test_every_algorithm_carries_zeros_nan_inf_and_the_poison_word(world: int) -> None:
     for rank, r in enumerate(ranks.run_ranks(_wire_edge_values, world, timeout_s=300)):
         assert r["mismatches"] == [], f"rank {rank}: {r['mismatches']}"
