@@ -220,10 +220,9 @@ def ulp(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of ``dtype``'s numbers at |value| (fp64, on value's device): 2^(e - mantissa
     bits) for |value| in [2^e, 2^(e+1)), the subnormal spacing below the smallest normal and at 0."""
     mantissa, emin = _FORMATS[dtype]
-    value = value.double()
-    _, exp = torch.frexp(value)  # |value| in [2^(exp-1), 2^exp)
-    e = torch.where(value == 0, torch.full_like(exp, emin), exp - 1).clamp_min(emin)
-    return torch.exp2((e - mantissa).double())
+    # the binary exponent from the fp64 bits (exact; 0 and fp64 subnormals give -1023, below emin)
+    e = ((value.double().view(torch.int64) >> 52) & 0x7FF) - 1023
+    return torch.exp2((e.clamp_min(emin) - mantissa).double())
 
 
 def rmsnorm_fp64(new_residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
