@@ -105,53 +105,114 @@ def _graph(ctx: ranks.RankContext, captured: int, replays: int, transport: str) 
     with torch.cuda.graph(graph):  # the capture stream's workspace is created inside the capture
         for i in range(captured):
             comm.all_reduce(static_in[i % 8], out=outs[i], algo=shapes[i % 8][2])
-    checked = 0
+    # Every replay's every output is compared bitwise on the GPU with the rank-order sum (one op
+    # per input shape, no synchronization; counts read at the end); every 20th is also checked
+    # against fp64 on the CPU, with messages naming the call.
+    bad = torch.zeros(replays, 8, dtype=torch.int64, device=ctx.device)
     for rep in range(replays):
         inputs = [ref.all_inputs(1000 + rep, ctx.world_size, n, d) for n, d, _ in shapes]
+        wants = [ref.exact(per_rank).to(ctx.device) for per_rank in inputs]
         for buf, per_rank in zip(static_in, inputs):
             buf.copy_(per_rank[ctx.rank])
         for out in outs:
             out.fill_(float("nan"))
         graph.replay()
+        for k in range(8):
+            got = torch.stack(outs[k::8])
+            bad[rep, k] = ref.bitwise_mismatches(got, wants[k]).sum()
         if rep % 20 == 0 or rep == replays - 1:
             torch.cuda.synchronize()
             for i, out in enumerate(outs):
                 ref.check(out, inputs[i % 8], f"graph replay {rep} call {i}")
-                checked += 1
+    torch.cuda.synchronize()
     comm.check()
+    bad = bad.cpu()
+    failed = bad.nonzero().tolist()
+    assert not failed, (f"W={ctx.world_size} rank {ctx.rank}: wrong elements in {len(failed)} (replay, shape) pairs; "
+                        f"first: replay {failed[0][0]}, the calls on input {failed[0][1]} {shapes[failed[0][1]]}: "
+                        f"{int(bad[failed[0][0], failed[0][1]])} elements differ from the rank-order fp32 sum")
     comm.close()
-    return {"checked": checked}
+    return {"checked": replays * captured}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_graph_128_calls_replayed_100_times(world: int, transport: str) -> None:
     results = ranks.run_ranks(_graph, world, 128, 100, transport, timeout_s=600)
-    assert all(r["checked"] > 0 for r in results)
+    assert all(r["checked"] == 128 * 100 for r in results)
+
+
+# Rounds of the back-to-back test between two checks: each size has a ring of this many outputs.
+RING = 8
 
 
 def _back_to_back(ctx: ranks.RankContext, calls: int) -> dict:
+    """``calls`` all-reduces of alternating sizes, issued in groups of RING rounds with no
+    synchronization, every call checked: each has fresh integer inputs whose exact sum the rank
+    computes with one tensor op (``ref.AffinePools``); the outputs of RING rounds sit in a ring per
+    size, poisoned (NaN) before each reuse and compared on the GPU with the sums after the group,
+    the mismatch counts accumulating on the GPU and read once at the end."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     if not ctx.mps and ctx.shared_gpu:
         calls = min(calls, 500)  # time-sliced contexts: milliseconds per call
     sizes = [1, 4 * 7168, 7168 * 3 + 5, 262_143, 1 << 19]
-    inputs = [ref.all_inputs(7, ctx.world_size, n, torch.bfloat16) for n in sizes]
-    xs = [i[ctx.rank].to(ctx.device) for i in inputs]
-    outs = [torch.empty_like(x) for x in xs]
-    for i in range(calls):
-        k = i % len(sizes)
-        comm.all_reduce(xs[k], out=outs[k])
+    dtype = torch.bfloat16
+    rounds = -(-calls // len(sizes))
+    groups = -(-rounds // RING)
+    pools = [ref.AffinePools(7, ctx.world_size, n, dtype) for n in sizes]
+    mine = [p.pools[ctx.rank].to(ctx.device) for p in pools]
+    totals = [p.total.to(ctx.device) for p in pools]
+
+    def ring(n: int) -> torch.Tensor:  # RING rows of n, each 16-byte aligned like a tensor of its own
+        return torch.empty(RING, -(-n // 8) * 8, dtype=dtype, device=ctx.device)[:, :n]
+
+    ins, outs = [ring(n) for n in sizes], [ring(n) for n in sizes]
+    wants = [torch.empty(RING, n, dtype=dtype, device=ctx.device) for n in sizes]
+    bad = torch.zeros(groups, len(sizes), dtype=torch.int64, device=ctx.device)
+    rng = random.Random(11)  # the same draws on every rank
+    made = 0
+    for g in range(groups):
+        count = min(RING, rounds - g * RING)
+        for k, n in enumerate(sizes):
+            outs[k].fill_(float("nan"))
+            for j in range(count):
+                params = pools[k].draw(rng)
+                ref.AffinePools.apply(mine[k], n, params, out=ins[k][j])
+                ref.AffinePools.apply(totals[k], n, params, ctx.world_size, out=wants[k][j])
+        for j in range(count):
+            for k in range(len(sizes)):
+                comm.all_reduce(ins[k][j], out=outs[k][j])
+        made += count * len(sizes)
+        for k in range(len(sizes)):
+            bad[g, k] = ref.value_mismatches(outs[k][:count], wants[k][:count])
     torch.cuda.synchronize()
-    for k, out in enumerate(outs):
-        ref.check(out, inputs[k], f"after {calls} back-to-back calls, size {sizes[k]}")
+    comm.check()
+    bad = bad.cpu()
+    failed = bad.nonzero().tolist()
+    if failed:
+        g, k = failed[0]
+        raise AssertionError(f"W={ctx.world_size} rank {ctx.rank}: {len(failed)} of {groups * len(sizes)} checks "
+                             f"(RING={RING} calls of one size each) found wrong elements ({int(bad.sum())} in all); "
+                             f"first: size {sizes[k]}, rounds {g * RING}..{g * RING + RING - 1}: {int(bad[g, k])} "
+                             f"elements differ from the exact sum")
+    # After the run, one more round with random normal inputs: bitwise the rank-order fp32 sum.
+    inputs = [ref.all_inputs(7, ctx.world_size, n, dtype) for n in sizes]
+    finals = []
+    for per_rank in inputs:
+        x = per_rank[ctx.rank].to(ctx.device)
+        finals.append(comm.all_reduce(x, out=torch.full_like(x, float("nan"))))
+    torch.cuda.synchronize()
+    for n, out, per_rank in zip(sizes, finals, inputs):
+        ref.check(out, per_rank, f"after {made} back-to-back calls, size {n}")
     comm.check()
     comm.close()
-    return {"calls": calls}
+    return {"calls": made}
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_10000_back_to_back_calls_of_alternating_sizes(world: int) -> None:
-    ranks.run_ranks(_back_to_back, world, 10_000, timeout_s=600)
+    results = ranks.run_ranks(_back_to_back, world, 10_000, timeout_s=600)
+    assert all(r["calls"] == results[0]["calls"] >= 500 for r in results)
 
 
 def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
@@ -171,13 +232,16 @@ def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
         x = inputs[ctx.rank].to(ctx.device)
         if i % 4 == 3:
             residual = ref.rank_input(900 + i, 0, 4 * hidden, torch.bfloat16).view(4, hidden)
-            weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
-            _, new_residual = comm.all_reduce_rmsnorm(x.view(4, hidden), residual.to(ctx.device), weight, 1e-6,
-                                                      algo=fused_algos[(i // 4) % 3])
+            weight = (1 + 0.1 * ref.rank_input(901 + i, 0, hidden, torch.float32)).to(torch.bfloat16).to(ctx.device)
+            normed, new_residual = (torch.full((4, hidden), float("nan"), dtype=torch.bfloat16, device=ctx.device)
+                                    for _ in range(2))
+            comm.all_reduce_rmsnorm(x.view(4, hidden), residual.to(ctx.device), weight, 1e-6, out=normed,
+                                    residual_out=new_residual, algo=fused_algos[(i // 4) % 3])
             want = residual + ref.exact(inputs).view(4, hidden)
             assert torch.equal(new_residual.cpu(), want), f"fused call {i} across epoch {completed:#x}"
+            ref.check_rmsnorm(normed, new_residual, weight, 1e-6, f"fused call {i} across epoch {completed:#x}")
         else:
-            out = comm.all_reduce(x, algo=ALGOS[i % len(ALGOS)])
+            out = comm.all_reduce(x, out=torch.full_like(x, float("nan")), algo=ALGOS[i % len(ALGOS)])
             ref.check(out, inputs, f"call {i} ({ALGOS[i % len(ALGOS)]}) across epoch {completed:#x}")
     epoch = comm.workspace().debug_epoch()
     comm.close()
@@ -394,14 +458,15 @@ def _compiled(ctx: ranks.RankContext) -> dict:
     fused_inputs = ref.all_inputs(10, ctx.world_size, 4 * hidden, torch.bfloat16)
     x = fused_inputs[ctx.rank].to(ctx.device).view(4, hidden)
     residual = ref.rank_input(11, 0, 4 * hidden, torch.bfloat16).to(ctx.device).view(4, hidden)
-    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+    weight = (1 + 0.1 * ref.rank_input(12, 0, hidden, torch.float32)).to(torch.bfloat16).to(ctx.device)
 
-    def fused_step(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        normed, new_residual = torch.ops.pcie_allreduce.all_reduce_rmsnorm(x, residual, weight, 1e-6, comm.handle)
-        return new_residual
+    def fused_step(x: torch.Tensor, residual: torch.Tensor,
+                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.pcie_allreduce.all_reduce_rmsnorm(x, residual, weight, 1e-6, comm.handle)
 
-    got = torch.compile(fused_step, backend="aot_eager", fullgraph=True)(x, residual, weight)
+    normed, got = torch.compile(fused_step, backend="aot_eager", fullgraph=True)(x, residual, weight)
     assert torch.equal(got.cpu(), residual.cpu() + ref.exact(fused_inputs).view(4, hidden))
+    ref.check_rmsnorm(normed, got, weight, 1e-6, "fused custom op under torch.compile")
     comm.close()
     return {}
 
@@ -560,7 +625,7 @@ def _replay_after_close(ctx: ranks.RankContext) -> dict:
     inputs = ref.all_inputs(21, ctx.world_size, 4 * hidden, torch.bfloat16)
     x = inputs[ctx.rank].to(ctx.device)
     residual = ref.rank_input(22, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
-    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
+    weight = (1 + 0.1 * ref.rank_input(23, 0, hidden, torch.float32)).to(torch.bfloat16).to(ctx.device)
     plain_algos = ("oneshot", "twoshot", "oneshot_ll", "staged", "oneshot_full", "twoshot_full")
     outs = [torch.full_like(x, 7.0) for _ in plain_algos]
     normed, new_residual = torch.full_like(residual, 7.0), torch.full_like(residual, 7.0)
@@ -575,11 +640,15 @@ def _replay_after_close(ctx: ranks.RankContext) -> dict:
             comm.all_reduce_rmsnorm(x.view(4, hidden), residual, weight, 1e-6, out=normed, residual_out=new_residual)
     eager = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
     ref.check(eager.all_reduce(x), inputs, "eager communicator")
+    torch.cuda.synchronize()  # the eager calls on `stream` wrote outs[0], normed and new_residual
+    for t in (*outs, normed, new_residual):
+        t.fill_(float("nan"))  # so only the replay can have written them
     graph.replay()
     torch.cuda.synchronize()
     for out, algo in zip(outs, plain_algos):
         ref.check(out, inputs, f"{algo} in the graph")
     assert torch.equal(new_residual.cpu(), residual.cpu() + ref.exact(inputs).view(4, hidden))
+    ref.check_rmsnorm(normed, new_residual, weight, 1e-6, "fused call in the graph")
     comm.close()
     eager.close()
     for t in (*outs, normed, new_residual):
@@ -647,34 +716,45 @@ def test_p2p_and_host_transports_give_bitwise_equal_results(world: int) -> None:
 
 
 def _wire_edge_values(ctx: ranks.RankContext) -> dict:
-    """The data-as-flag algorithms (write-once on the host transport, and the full-payload
-    one-shot, run here over host memory) send data as its own flag: -0.0, NaN, +-Inf and the fp32 word of the poison
-    pattern must all arrive, never be waited for forever or taken for the poison, and sum as the
-    other algorithms sum them (up to the sign of a zero)."""
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=10, transport="host")
+    """-0.0, NaN, +-Inf and the poison pattern as data (``ref.edge_inputs``: the bf16/fp16 lane
+    0x8000 is -0.0; the fp32 word 0x80008000 a negative subnormal), on every rank at once and
+    mixed, through every algorithm and ``auto`` on each transport, at a small and a medium odd
+    size. Each call must deliver every element (data taken for the poison would be waited for
+    until the timeout) and give, bitwise, what README documents: the rank-order fp32 sum, and for
+    the full-payload algorithms the sum of what they send (-0.0 as +0.0 in bf16/fp16, the fp32
+    poison word as -0.0); NaN where the sum is NaN. Outputs are poisoned first with a finite value
+    no sum here takes, so an element left unwritten shows, NaN positions included."""
     mismatches = []
-    for dtype in DTYPES:
-        special = [-0.0, 0.0, float("nan"), float("inf"), float("-inf"), 1.5, -2.25]
-        base = torch.tensor(special * 40, dtype=torch.float32)
-        if dtype == torch.float32:  # the poison word as data: a negative subnormal
-            base[:8] = torch.tensor([0x80008000] * 8, dtype=torch.int64).to(torch.int32).view(torch.float32)
-        x = base.roll(ctx.rank * 3).to(dtype).to(ctx.device)
-        for algo in (*algo_mod.HOST_ONLY_ALGORITHMS, "oneshot_full", "twoshot_full", "oneshot"):
-            out = comm.all_reduce(x, algo=algo)
-            torch.cuda.synchronize()
-            got, want = out.cpu().float(), torch.stack([base.roll(r * 3).to(dtype).float()
-                                                        for r in range(ctx.world_size)]).sum(0)
-            same = (got == want) | (torch.isnan(got) & torch.isnan(want)) | ((got == 0) & (want == 0))
-            # The poison word travels as -0.0: a subnormal of 1e-38 may vanish from a sum.
-            same |= (dtype == torch.float32) & ((got - want).abs() <= 2e-38)
-            if not bool(same.all()):
-                mismatches.append(f"{dtype} {algo}: {int((~same).sum())} elements")
-    comm.check()
-    comm.close()
+    for transport in TRANSPORTS:
+        comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=10,
+                                           transport=transport)
+        for dtype in DTYPES:
+            es = torch.empty((), dtype=dtype).element_size()
+            for numel in (283, 40_001):
+                inputs = ref.edge_inputs(numel, ctx.world_size, numel, dtype)
+                x = inputs[ctx.rank].to(ctx.device)
+                algos = [a for a in _algos_of(comm) if algo_mod.fits_capacity(a, numel * es, comm.ll_capacity)]
+                results = {}
+                for algo in (*algos, "auto"):
+                    results[algo] = comm.all_reduce(x, out=torch.full_like(x, 30000.0), algo=algo)
+                torch.cuda.synchronize()
+                for algo, out in results.items():
+                    runs = comm.select_algo(numel * es, dtype) if algo == "auto" else algo
+                    want = ref.expected_sum(inputs, runs)
+                    got = out.cpu()
+                    bad = ref.bitwise_mismatches(got, want).nonzero().view(-1)
+                    if len(bad):
+                        i, mask = int(bad[0]), (1 << 8 * es) - 1
+                        mismatches.append(f"{transport} {dtype} numel={numel} {algo} ({runs}): {len(bad)} elements "
+                                          f"differ, first at {i}: got {got[i].item()!r} "
+                                          f"(bits {ref.bits(got)[i].item() & mask:#x}), want {want[i].item()!r} "
+                                          f"(bits {ref.bits(want)[i].item() & mask:#x})")
+        comm.check()
+        comm.close()
     return {"mismatches": mismatches}
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
-def test_host_algorithms_carry_zeros_nan_inf_and_the_poison_word(world: int) -> None:
+def test_every_algorithm_carries_zeros_nan_inf_and_the_poison_word(world: int) -> None:
     for rank, r in enumerate(ranks.run_ranks(_wire_edge_values, world, timeout_s=300)):
         assert r["mismatches"] == [], f"rank {rank}: {r['mismatches']}"

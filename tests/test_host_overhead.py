@@ -38,11 +38,16 @@ import pcie_allreduce  # noqa: E402
 from pcie_allreduce import algo as algo_mod, ranks  # noqa: E402
 from pcie_allreduce import communicator  # noqa: E402
 from pcie_allreduce.communicator import Communicator  # noqa: E402
+from tests import _reference as ref  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN = 7168  # one decode token of DeepSeek-V3 / Kimi-K2.5, bf16: 14 KiB
 ROUNDS, WARMUP_ROUNDS, SYNC_EVERY = 300, 30, 32
+# The goal, recorded in each benchmark's extra_info next to the timings; informational only, never
+# asserted: a time limit in a test would fail on a busy host, and speed claims come from bench/.
 GOAL_US = 10.0
+# Each rank's input: random integers (tests/_reference.py, integer_input), so the sum is exact.
+INPUT_SEED = 41
 
 
 # ---------------------------------------------------------------------------- CPU: the Python path
@@ -104,13 +109,15 @@ _PEER = textwrap.dedent("""
     from datetime import timedelta
     import torch, torch.distributed as dist
     import pcie_allreduce
-    init_file, count = sys.argv[1], int(sys.argv[2])
+    from tests import _reference
+    init_file, count, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=1, world_size=2,
                             timeout=timedelta(seconds=120))
     device = torch.device("cuda", 1 % torch.cuda.device_count())
     torch.cuda.set_device(device)
     comm = pcie_allreduce.Communicator(dist.group.WORLD, device, max_bytes=count * 2)
-    x = torch.ones(count, dtype=torch.bfloat16, device=device)
+    bound = _reference.integer_bound(2, torch.bfloat16)
+    x = _reference.integer_input(seed, 1, count, torch.bfloat16, bound).to(device)
     out = torch.empty_like(x)
     n = torch.zeros(1, dtype=torch.int64)
     while True:
@@ -172,7 +179,7 @@ def test_host_cost_eager_call(benchmark, tmp_path, path: str, shared_gpu_mps: An
 
     benchmark.extra_info.update(sharing=shared_gpu_mps or "distinct GPUs")
     init_file = str(tmp_path / "rendezvous")
-    peer = subprocess.Popen([sys.executable, "-c", _PEER, init_file, str(HIDDEN)], cwd=REPO,
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, init_file, str(HIDDEN), str(INPUT_SEED)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         dist.init_process_group("gloo", init_method="file://" + init_file, rank=0, world_size=2,
@@ -197,8 +204,8 @@ def test_host_cost_reference_torch_launch(benchmark, shared_gpu_mps: Any) -> Non
     if problem is not None:
         pytest.skip(problem)
     device = torch.device("cuda", 0)
-    x = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
-    out = torch.empty_like(x)
+    x = ref.integer_input(INPUT_SEED, 0, HIDDEN, torch.bfloat16, 100).to(device)
+    out = torch.full_like(x, float("nan"))
     rounds = [0]
 
     def setup() -> None:
@@ -210,7 +217,7 @@ def test_host_cost_reference_torch_launch(benchmark, shared_gpu_mps: Any) -> Non
                                 bytes=x.numel() * 2, sharing=shared_gpu_mps or "own GPU")
     benchmark.pedantic(lambda: torch.add(x, x, out=out), setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS)
     torch.cuda.synchronize(device)
-    assert torch.equal(out, torch.full_like(out, 2))
+    assert torch.equal(out, x + x)
 
 
 def _peer_queues(dist, calls: int) -> None:
@@ -224,8 +231,10 @@ def _measure(benchmark, path: str, dist) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     comm = Communicator(dist.group.WORLD, device, max_bytes=HIDDEN * 2)
-    x = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
-    out = torch.empty_like(x)
+    bound = ref.integer_bound(2, torch.bfloat16)
+    inputs = [ref.integer_input(INPUT_SEED, r, HIDDEN, torch.bfloat16, bound) for r in range(2)]
+    x = inputs[0].to(device)
+    out = torch.full_like(x, float("nan"))
     made, queued_by_peer = [0], [0]
 
     def setup() -> None:  # called once before every call pytest-benchmark makes
@@ -256,5 +265,7 @@ def _measure(benchmark, path: str, dist) -> None:
         dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)  # the peer stops
         torch.cuda.synchronize(device)
     comm.check()
-    torch.testing.assert_close(out.float(), torch.full_like(out, 2).float())
+    # the last call's result: the exact sum of two different random integer inputs (a kernel that
+    # returned twice its own input, or its input, would fail; all-ones inputs could not tell)
+    assert torch.equal(out.cpu(), inputs[0] + inputs[1])
     comm.close()
