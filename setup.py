@@ -219,6 +219,46 @@ def forget_stale_cache(build_dir: Path, cmake: str, ninja: str | None) -> None:
         cache.unlink()
 
 
+def stable_pybind11(cmake_dir: Path, dest: Path) -> Path:
+    """pybind11's CMake config directory, from a copy kept under ``dest`` whose name is its content hash.
+
+    Under build isolation pybind11 lives in pip's temporary build environment
+    (/tmp/pip-build-env-*/overlay/...), deleted after each build. Its include directory is in
+    every compile command and its headers in every object's recorded dependencies, so each
+    re-install changed every compile command and found those headers gone: ninja recompiled
+    everything. The copy (``include`` and ``share`` of the pybind11 package, 1.3 MB) stays at the
+    same path for the same pybind11 and is never rewritten, so unchanged units are skipped; a
+    different pybind11 gets a copy of its own. A pybind11 laid out otherwise (a system install)
+    is used where it is.
+    """
+    cmake_dir = Path(cmake_dir)
+    root = cmake_dir.parents[2] if len(cmake_dir.parts) > 3 else cmake_dir
+    if cmake_dir.parts[-3:] != ("share", "cmake", "pybind11") or not (root / "include" / "pybind11").is_dir():
+        return cmake_dir
+    # The bytecode pip compiles for share/'s __init__.py files differs per install: not copied.
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    digest = hashlib.sha1()
+    for sub in ("include", "share"):
+        for path in sorted((root / sub).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
+                digest.update(path.read_bytes())
+                digest.update(b"\0")
+    copy = Path(dest) / f"pybind11-{digest.hexdigest()[:12]}"
+    if not copy.is_dir():
+        partial = Path(dest) / f".{copy.name}.{os.getpid()}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        for sub in ("include", "share"):
+            shutil.copytree(root / sub, partial / sub, ignore=skip)
+        try:
+            partial.rename(copy)
+        except OSError:  # another build made it first
+            shutil.rmtree(partial, ignore_errors=True)
+            if not copy.is_dir():
+                raise
+    return copy / "share" / "cmake" / "pybind11"
+
+
 class CMakeExtension(Extension):
     """An extension whose sources CMake finds by itself (csrc/)."""
 
@@ -270,6 +310,7 @@ class CMakeBuild(build_ext):
         build_dir = base / f"cmake-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         forget_stale_cache(build_dir, cmake, ninja)
+        pybind11_dir = stable_pybind11(Path(pybind11.get_cmake_dir()), base)
 
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_dir),
@@ -277,7 +318,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_CUDA_COMPILER={nvcc}",
             f"-DCMAKE_CUDA_ARCHITECTURES={archs_mod.cmake_architectures(archs)}",
             f"-DPython_EXECUTABLE={sys.executable}",
-            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-Dpybind11_DIR={pybind11_dir}",
             f"-DPCIE_AR_OUTPUT_DIR={out_file.parent}",
             f"-DPCIE_AR_EXT_SUFFIX={suffix}",
             f"-DPCIE_AR_NVCC_THREADS={threads}",

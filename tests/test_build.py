@@ -271,3 +271,81 @@ def test_extension_loads_without_gpu() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code, str(so)], capture_output=True, text=True)
     assert result.returncode == 0 and "loaded _C" in result.stdout, result.stderr
+
+
+# --------------------------------------------------------------------------- setup.py helpers
+
+
+def _load_setup() -> ModuleType:
+    """setup.py as a module, with stand-ins for setuptools: its helpers run, nothing is built."""
+    names = ("setuptools", "setuptools.command", "setuptools.command.build_ext")
+    stubs = {name: ModuleType(name) for name in names}
+    stubs["setuptools"].Extension = type("Extension", (), {"__init__": lambda self, *args, **kwargs: None})
+    stubs["setuptools"].setup = lambda **kwargs: None
+    stubs["setuptools.command.build_ext"].build_ext = type("build_ext", (), {})
+    saved = {name: sys.modules.get(name) for name in names}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location("_pcie_ar_setup_under_test", ROOT / "setup.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for name, module_before in saved.items():
+            if module_before is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module_before
+    return module
+
+
+@pytest.fixture(scope="module")
+def setup_py() -> ModuleType:
+    return _load_setup()
+
+
+def _fake_pybind11(root: Path, header: str = "// v1\n") -> Path:
+    """A pybind11 package laid out as its wheel installs it; returns its CMake config dir."""
+    (root / "include" / "pybind11").mkdir(parents=True)
+    (root / "include" / "pybind11" / "pybind11.h").write_text(header)
+    cmake_dir = root / "share" / "cmake" / "pybind11"
+    cmake_dir.mkdir(parents=True)
+    (cmake_dir / "pybind11Config.cmake").write_text('set(pybind11_INCLUDE_DIR "${PACKAGE_PREFIX_DIR}/include")\n')
+    # pip compiles share/__init__.py at install: bytecode that differs from one install to the next.
+    (root / "share" / "__init__.py").write_text("")
+    (root / "share" / "__pycache__").mkdir()
+    (root / "share" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(os.urandom(16))
+    return cmake_dir
+
+
+def test_stable_pybind11_copy_outlives_the_build_env(setup_py: ModuleType, tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    build.mkdir()
+    first = setup_py.stable_pybind11(_fake_pybind11(tmp_path / "env1" / "pybind11"), build)
+    assert first.parts[-3:] == ("share", "cmake", "pybind11") and build in first.parents
+    prefix = first.parents[2]
+    assert (prefix / "include" / "pybind11" / "pybind11.h").read_text() == "// v1\n"
+    stamp = (prefix / "include" / "pybind11" / "pybind11.h").stat().st_mtime_ns
+    shutil.rmtree(tmp_path / "env1")  # pip deletes its build environment
+    # The next isolated build: same pybind11 in another temporary directory, same copy, untouched.
+    again = setup_py.stable_pybind11(_fake_pybind11(tmp_path / "env2" / "pybind11"), build)
+    assert again == first
+    assert (prefix / "include" / "pybind11" / "pybind11.h").stat().st_mtime_ns == stamp
+    # Another pybind11 gets a copy of its own.
+    other = setup_py.stable_pybind11(_fake_pybind11(tmp_path / "env3" / "pybind11", "// v2\n"), build)
+    assert other != first and (other.parents[2] / "include" / "pybind11" / "pybind11.h").read_text() == "// v2\n"
+    assert not [p for p in build.iterdir() if p.name.endswith(".partial")]
+    assert not list(build.rglob("__pycache__"))
+
+
+def test_stable_pybind11_leaves_other_layouts_alone(setup_py: ModuleType, tmp_path: Path) -> None:
+    system = tmp_path / "usr" / "lib" / "cmake" / "pybind11"
+    system.mkdir(parents=True)
+    assert setup_py.stable_pybind11(system, tmp_path) == system
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["usr"]
+
+
+def test_stable_pybind11_of_the_installed_pybind11(setup_py: ModuleType, tmp_path: Path) -> None:
+    pybind11 = pytest.importorskip("pybind11")
+    copy = setup_py.stable_pybind11(Path(pybind11.get_cmake_dir()), tmp_path)
+    assert (copy / "pybind11Config.cmake").is_file()
+    assert (copy.parents[2] / "include" / "pybind11" / "pybind11.h").is_file()
