@@ -349,3 +349,142 @@ def test_stable_pybind11_of_the_installed_pybind11(setup_py: ModuleType, tmp_pat
     copy = setup_py.stable_pybind11(Path(pybind11.get_cmake_dir()), tmp_path)
     assert (copy / "pybind11Config.cmake").is_file()
     assert (copy.parents[2] / "include" / "pybind11" / "pybind11.h").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "level"),
+    [
+        (["pip", "install", "-e", "."], {}, 0),
+        (["python", "-m", "pip", "install", "-v", "."], {}, 1),
+        (["pip", "wheel", "-vv", "--no-deps", "."], {}, 2),
+        (["pip", "install", "--quiet", "."], {}, -1),
+        (["pip", "install", "-qv", "."], {}, 0),
+        (["pip", "install", "--verbose", "-q", "-q", "."], {}, -1),
+        (["pip", "install", "-e", "."], {"PIP_VERBOSE": "1"}, 1),
+        (["pip", "install", "-e", "."], {"PIP_VERBOSE": "yes", "PIP_QUIET": "0"}, 1),
+        (["pip", "install", "-e", "."], {"PIP_QUIET": "true"}, -1),
+        (["pip", "install", "-r", "-v.txt"], {}, 0),  # an argument, not an option
+        (["pip", "install", "--", "-v"], {}, 0),
+    ],
+)
+def test_frontend_verbosity(setup_py: ModuleType, argv: list[str], env: dict[str, str], level: int) -> None:
+    assert setup_py.frontend_verbosity(argv, env) == level
+
+
+def _fake_proc(root: Path, *, parent_fd1: str, holds_pipe: bool = True, cmdline: str = "pip\0install\0.\0") -> Path:
+    """A /proc with this process's stdout a pipe and a parent (pid 42) whose fds are given."""
+    (root / "self" / "fd").mkdir(parents=True)
+    (root / "self" / "fd" / "1").symlink_to("pipe:[777]")
+    (root / "42" / "fd").mkdir(parents=True)
+    (root / "42" / "fd" / "1").symlink_to(parent_fd1)
+    (root / "42" / "fd" / "4").symlink_to("pipe:[777]" if holds_pipe else "pipe:[778]")
+    (root / "42" / "cmdline").write_bytes(cmdline.encode())
+    return root
+
+
+@pytest.fixture
+def pty_pair():
+    master, slave = os.openpty()
+    yield master, os.ttyname(slave)
+    os.close(master)
+    os.close(slave)
+
+
+def test_progress_terminal_is_the_capturing_frontends_terminal(setup_py: ModuleType, tmp_path: Path, pty_pair) -> None:
+    master, tty = pty_pair
+    proc = _fake_proc(tmp_path, parent_fd1=tty)
+    terminal = setup_py.open_progress_terminal(env={}, ppid=42, proc=proc)
+    assert terminal is not None
+    terminal.write("hello\n")
+    terminal.close()
+    assert b"hello" in os.read(master, 1024)
+
+
+@pytest.mark.parametrize(
+    ("case", "env"),
+    [("not captured by the parent", {}), ("pip -v", {}), ("pip -q", {}), ("log file", {}),
+     ("turned off", {"PCIE_AR_BUILD_PROGRESS": "0"})],
+)
+def test_no_progress_terminal(setup_py: ModuleType, tmp_path: Path, pty_pair, case: str, env: dict[str, str]) -> None:
+    _, tty = pty_pair
+    log = tmp_path / "pip.log"
+    log.touch()
+    kwargs = {
+        "not captured by the parent": {"parent_fd1": tty, "holds_pipe": False},  # e.g. a shell's `| tee`
+        "pip -v": {"parent_fd1": tty, "cmdline": "pip\0install\0-v\0.\0"},
+        "pip -q": {"parent_fd1": tty, "cmdline": "pip\0install\0-q\0.\0"},
+        "log file": {"parent_fd1": str(log)},  # CI: pip's stdout is a file
+        "turned off": {"parent_fd1": tty},
+    }[case]
+    proc = _fake_proc(tmp_path / "proc", **kwargs)
+    assert setup_py.open_progress_terminal(env=env, ppid=42, proc=proc) is None
+
+
+def test_no_progress_terminal_without_proc(setup_py: ModuleType, tmp_path: Path) -> None:
+    assert setup_py.open_progress_terminal(env={}, ppid=42, proc=tmp_path / "missing") is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_build_progress_lines(setup_py: ModuleType, capsys) -> None:
+    import io
+
+    terminal, clock = io.StringIO(), _Clock()
+    progress = setup_py.BuildProgress(terminal, clock=clock, quiet_after=30)
+    progress.note("compiling")
+    for text, later in [("[0/2] Re-checking globbed directories...\n", 1), ("nvcc warning : something\n", 1),
+                        ("[1/6] Building CXX object CMakeFiles/_C.dir/csrc/bindings.cpp.o\n", 10)]:
+        clock.now += later
+        progress.line(text)
+    clock.now += 29
+    progress.tick()  # 29 s quiet: nothing yet
+    clock.now += 1
+    progress.tick()
+    clock.now += 65
+    progress.line("[6/6] Linking CXX shared module /tmp/tmpab12.build-lib/pcie_allreduce/_C.cpython-311-x86_64-linux-gnu.so\n")
+    progress.line("ninja: no work to do.\n")
+    assert capsys.readouterr().out == "pcie_allreduce: compiling\n"  # stdout: notes only
+    assert terminal.getvalue().split("\n") == [
+        "",  # below pip's "Building ... (pyproject.toml) ... " line
+        "  pcie_allreduce: compiling",
+        "\r  pcie_allreduce: [0/2] Re-checking globbed directories... (1s)",
+        "\r  pcie_allreduce: [1/6] compiled csrc/bindings.cpp (12s)",
+        "\r  pcie_allreduce: still compiling: 42s so far, 1/6 steps done",
+        "\r  pcie_allreduce: [6/6] linked _C.cpython-311-x86_64-linux-gnu.so (1m47s)",
+        "\r  pcie_allreduce: ninja: no work to do. (1m47s)",
+        "",
+    ]
+
+
+def test_build_progress_without_terminal(setup_py: ModuleType, capsys) -> None:
+    progress = setup_py.BuildProgress(None)
+    progress.note("configure took 1.0s")
+    progress.line("[1/2] Linking\n")
+    progress.tick()
+    assert capsys.readouterr().out == "pcie_allreduce: configure took 1.0s\n"
+
+
+def test_run_forwarding_copies_everything_shows_ninja_lines(setup_py: ModuleType) -> None:
+    import io
+
+    terminal, out = io.StringIO(), io.StringIO()
+    progress = setup_py.BuildProgress(terminal)
+    code = (
+        "import sys\n"
+        "print('[1/2] Building CUDA object a.cu.o', flush=True)\n"
+        "print('a.cu(3): warning: something', file=sys.stderr, flush=True)\n"
+        "sys.stdout.buffer.write(b'bytes \\xff\\n')\n"
+        "print('[2/2] Linking', flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    assert setup_py.run_forwarding([sys.executable, "-c", code], dict(os.environ), progress, out=out) == 3
+    assert out.getvalue() == "[1/2] Building CUDA object a.cu.o\na.cu(3): warning: something\nbytes \ufffd\n[2/2] Linking\n"
+    shown = terminal.getvalue()
+    assert "[1/2] Building CUDA object a.cu.o" in shown and "[2/2] Linking" in shown
+    assert "warning" not in shown and "bytes" not in shown
