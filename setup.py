@@ -485,6 +485,9 @@ class CMakeBuild(build_ext):
         build_dir.mkdir(parents=True, exist_ok=True)
         forget_stale_cache(build_dir, cmake, ninja)
         pybind11_dir = stable_pybind11(Path(pybind11.get_cmake_dir()), base)
+        # Linked inside the build dir, then copied where setuptools wants it: editable installs
+        # want it in a new temporary directory each time, and a new output path would relink.
+        linked = build_dir / "lib" / out_file.name
 
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_dir),
@@ -493,7 +496,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_CUDA_ARCHITECTURES={archs_mod.cmake_architectures(archs)}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11_dir}",
-            f"-DPCIE_AR_OUTPUT_DIR={out_file.parent}",
+            f"-DPCIE_AR_OUTPUT_DIR={linked.parent}",
             f"-DPCIE_AR_EXT_SUFFIX={suffix}",
             f"-DPCIE_AR_NVCC_THREADS={threads}",
         ]
@@ -526,8 +529,9 @@ class CMakeBuild(build_ext):
             if returncode != 0:
                 _fail(f"CMake {step} failed (exit {returncode}); see the output above")
             progress.note(f"{step} took {time.monotonic() - start:.1f}s")
-        if not out_file.is_file():
-            _fail(f"CMake finished but {out_file} was not produced")
+        if not linked.is_file():
+            _fail(f"CMake finished but {linked} was not produced")
+        shutil.copy2(linked, out_file)
 
 
 setup(
