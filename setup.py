@@ -183,16 +183,24 @@ def cmake_executable() -> str:
 
 
 def ninja_dir() -> str | None:
-    """Directory holding a ninja binary (PATH or the `ninja` pip package), else None."""
-    on_path = shutil.which("ninja")
-    if on_path:
-        return str(Path(on_path).parent)
+    """Directory holding a ninja binary (the `ninja` pip package, else PATH), else None.
+
+    The package first, as for cmake: it is a build requirement, so a non-isolated build in an
+    environment that has it runs the ninja an isolated build runs, not whatever PATH finds.
+    Ninjas of other versions discard each other's build log ("build log version is too old;
+    starting over", 1.11 and 1.13) and then recompile everything.
+    """
     try:
         import ninja  # type: ignore[import-not-found]
 
-        return ninja.BIN_DIR
-    except ImportError:
-        return None
+        if (Path(ninja.BIN_DIR) / "ninja").is_file():
+            return str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    on_path = shutil.which("ninja")
+    if on_path:
+        return str(Path(on_path).parent)
+    return None
 
 
 def forget_stale_cache(build_dir: Path, cmake: str, ninja: str | None) -> None:

@@ -351,6 +351,19 @@ def test_stable_pybind11_of_the_installed_pybind11(setup_py: ModuleType, tmp_pat
     assert (copy.parents[2] / "include" / "pybind11" / "pybind11.h").is_file()
 
 
+def test_ninja_of_the_pip_package_before_path(setup_py: ModuleType, tmp_path: Path, monkeypatch) -> None:
+    for name in ("package", "path"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ninja").write_text("#!/bin/sh\n")
+        (tmp_path / name / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.setitem(sys.modules, "ninja", ModuleType("ninja"))
+    sys.modules["ninja"].BIN_DIR = str(tmp_path / "package")
+    assert setup_py.ninja_dir() == str(tmp_path / "package")
+    sys.modules["ninja"].BIN_DIR = str(tmp_path / "missing")  # a package without its binary
+    assert setup_py.ninja_dir() == str(tmp_path / "path")
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "level"),
     [
