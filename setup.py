@@ -400,7 +400,7 @@ class BuildProgress:
         text = text.rstrip()
         if not NINJA_LINE.match(text):
             return
-        if text.startswith("["):
+        if text.startswith("[") and not text.startswith("[0/"):  # [0/2]: ninja's glob check
             self.steps = text[1:text.index("]")]
         step = NINJA_STEP.match(text)
         if step and step.group(2):

@@ -475,6 +475,17 @@ def test_build_progress_lines(setup_py: ModuleType, capsys) -> None:
     ]
 
 
+def test_build_progress_heartbeat_before_the_first_step(setup_py: ModuleType) -> None:
+    import io
+
+    terminal, clock = io.StringIO(), _Clock()
+    progress = setup_py.BuildProgress(terminal, clock=clock, quiet_after=30)
+    progress.line("[0/2] Re-checking globbed directories...\n")  # not a step of the build
+    clock.now += 34
+    progress.tick()
+    assert terminal.getvalue().endswith("\r  pcie_allreduce: still compiling: 34s so far\n")
+
+
 def test_build_progress_without_terminal(setup_py: ModuleType, capsys) -> None:
     progress = setup_py.BuildProgress(None)
     progress.note("configure took 1.0s")
