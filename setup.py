@@ -9,6 +9,8 @@ extension. Knobs (environment variables):
   MAX_JOBS / CMAKE_BUILD_PARALLEL_LEVEL   parallel compile jobs (default: all CPUs)
   PCIE_AR_NVCC_THREADS   nvcc --threads per .cu file (default: ~2 x jobs / files)
   PCIE_AR_CMAKE_ARGS     extra arguments for the CMake configure step
+  PCIE_AR_BUILD_PROGRESS 0: no progress lines on the terminal of a pip that hides the
+                         build's output (open_progress_terminal)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -180,16 +183,24 @@ def cmake_executable() -> str:
 
 
 def ninja_dir() -> str | None:
-    """Directory holding a ninja binary (PATH or the `ninja` pip package), else None."""
-    on_path = shutil.which("ninja")
-    if on_path:
-        return str(Path(on_path).parent)
+    """Directory holding a ninja binary (the `ninja` pip package, else PATH), else None.
+
+    The package first, as for cmake: it is a build requirement, so a non-isolated build in an
+    environment that has it runs the ninja an isolated build runs, not whatever PATH finds.
+    Ninjas of other versions discard each other's build log ("build log version is too old;
+    starting over", 1.11 and 1.13) and then recompile everything.
+    """
     try:
         import ninja  # type: ignore[import-not-found]
 
-        return ninja.BIN_DIR
-    except ImportError:
-        return None
+        if (Path(ninja.BIN_DIR) / "ninja").is_file():
+            return str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    on_path = shutil.which("ninja")
+    if on_path:
+        return str(Path(on_path).parent)
+    return None
 
 
 def forget_stale_cache(build_dir: Path, cmake: str, ninja: str | None) -> None:
@@ -217,6 +228,217 @@ def forget_stale_cache(build_dir: Path, cmake: str, ninja: str | None) -> None:
         print(f"pcie_allreduce: reconfiguring {build_dir.name}: its cache names other tools ({', '.join(stale)})",
               flush=True)
         cache.unlink()
+
+
+def stable_pybind11(cmake_dir: Path, dest: Path) -> Path:
+    """pybind11's CMake config directory, from a copy kept under ``dest`` whose name is its content hash.
+
+    Under build isolation pybind11 lives in pip's temporary build environment
+    (/tmp/pip-build-env-*/overlay/...), deleted after each build. Its include directory is in
+    every compile command and its headers in every object's recorded dependencies, so each
+    re-install changed every compile command and found those headers gone: ninja recompiled
+    everything. The copy (``include`` and ``share`` of the pybind11 package, 1.3 MB) stays at the
+    same path for the same pybind11 and is never rewritten, so unchanged units are skipped; a
+    different pybind11 gets a copy of its own. A pybind11 laid out otherwise (a system install)
+    is used where it is.
+    """
+    cmake_dir = Path(cmake_dir)
+    root = cmake_dir.parents[2] if len(cmake_dir.parts) > 3 else cmake_dir
+    if cmake_dir.parts[-3:] != ("share", "cmake", "pybind11") or not (root / "include" / "pybind11").is_dir():
+        return cmake_dir
+    # The bytecode pip compiles for share/'s __init__.py files differs per install: not copied.
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    digest = hashlib.sha1()
+    for sub in ("include", "share"):
+        for path in sorted((root / sub).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
+                digest.update(path.read_bytes())
+                digest.update(b"\0")
+    copy = Path(dest) / f"pybind11-{digest.hexdigest()[:12]}"
+    if not copy.is_dir():
+        partial = Path(dest) / f".{copy.name}.{os.getpid()}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        for sub in ("include", "share"):
+            shutil.copytree(root / sub, partial / sub, ignore=skip)
+        try:
+            partial.rename(copy)
+        except OSError:  # another build made it first
+            shutil.rmtree(partial, ignore_errors=True)
+            if not copy.is_dir():
+                raise
+    return copy / "share" / "cmake" / "pybind11"
+
+
+PROGRESS_ENV = "PCIE_AR_BUILD_PROGRESS"
+NINJA_LINE = re.compile(r"^(\[\d+/\d+\] |ninja: )")
+# Without a terminal ninja prints "[n/m] <description>" as each step finishes (CMake's
+# descriptions: "Building CUDA object CMakeFiles/_C.dir/csrc/launch.cu.o", "Linking CXX shared
+# module <path>"); the terminal gets them as "[n/m] compiled csrc/launch.cu".
+NINJA_STEP = re.compile(r"^(\[\d+/\d+\]) (?:Building \S+ object \S*?CMakeFiles/[^/]+\.dir/(\S+)\.o"
+                        r"|Linking \S+ shared module (\S+))$")
+
+
+def _count_option(value: str) -> int:
+    """A PIP_VERBOSE / PIP_QUIET value as pip reads it: a count, or yes / no."""
+    value = value.strip().lower()
+    if value.isdigit():
+        return int(value)
+    return 1 if value in ("y", "yes", "t", "true", "on") else 0
+
+
+def frontend_verbosity(argv: list[str], env: dict[str, str]) -> int:
+    """pip's (or uv's) verbosity: one up per -v / --verbose, one down per -q / --quiet.
+
+    Read from the frontend's command line and PIP_VERBOSE / PIP_QUIET; short options count
+    only in tokens made of v and q alone (``-vv``, ``-qq``).
+    """
+    level = _count_option(env.get("PIP_VERBOSE", "")) - _count_option(env.get("PIP_QUIET", ""))
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        if arg == "--verbose":
+            level += 1
+        elif arg == "--quiet":
+            level -= 1
+        elif re.fullmatch(r"-[vq]+", arg):
+            level += arg.count("v") - arg.count("q")
+    return level
+
+
+def open_progress_terminal(env: dict[str, str] | None = None, ppid: int | None = None,
+                           proc: Path = Path("/proc")):
+    """The terminal of the frontend that captures this build's output, open for writing; else None.
+
+    pip runs a build backend with stdout and stderr piped into itself and shows that output
+    only with -v or when the build fails; meanwhile it draws a spinner on its own stdout when
+    that is a terminal. Progress lines written to that terminal reach the person waiting, and
+    the captured output (pip's log, the failure report) keeps every line as before. None, so
+    nothing is written anywhere but stdout, unless the parent process holds the read end of
+    this process's stdout pipe (it captures it) and its own stdout is a terminal (not a CI
+    log, not ``| tee``), and it was given neither -v (it shows the output itself) nor -q;
+    ``PCIE_AR_BUILD_PROGRESS=0`` turns it off.
+    """
+    env = os.environ if env is None else env
+    if env.get(PROGRESS_ENV, "").strip().lower() in ("0", "no", "off", "false"):
+        return None
+    ppid = os.getppid() if ppid is None else ppid
+    parent = proc / str(ppid)
+    try:
+        ours = os.readlink(proc / "self" / "fd" / "1")
+        if not ours.startswith("pipe:"):
+            return None
+        if not any(os.readlink(fd) == ours for fd in (parent / "fd").iterdir()):
+            return None
+        argv = (parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if frontend_verbosity([a for a in argv if a], dict(env)) != 0:
+        return None
+    try:
+        fd = os.open(parent / "fd" / "1", os.O_WRONLY | os.O_NOCTTY | os.O_APPEND)
+    except OSError:
+        return None
+    if not os.isatty(fd):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "w", buffering=1, errors="replace")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def build_time_hint(n_archs: int) -> str:
+    """How long the build takes (measured on 2 cores, CUDA 13.0) and how to make it shorter."""
+    hint = ("A first build takes about 1 minute per arch on 2 cores (5 minutes for the six default "
+            "archs), less with more cores; a re-install of an unchanged checkout compiles nothing.")
+    if n_archs > 1:
+        hint += " PCIE_AR_CUDA_ARCHS=90 (your GPUs' arch) builds one arch."
+    return hint
+
+
+class BuildProgress:
+    """Progress lines: ``note`` to stdout and the terminal, ``show`` to the terminal only.
+
+    The terminal (``open_progress_terminal``) is pip's: its line "Building ... for
+    pcie-allreduce (pyproject.toml) ... " ends in the spinner, which pip redraws with
+    backspaces as the build prints. The first line here starts below it; each later one starts
+    with a carriage return, over the spinner character pip drew at the start of the empty line
+    below the last one, so pip's final "done" lands on a line of its own.
+    """
+
+    def __init__(self, terminal=None, clock=time.monotonic, quiet_after: float = 30.0) -> None:
+        self.terminal = terminal
+        self.clock = clock
+        self.start = self.last = clock()
+        self.quiet_after = quiet_after
+        self.steps = ""
+        self._lock = threading.Lock()
+        self._first = True
+
+    def note(self, text: str) -> None:
+        print(f"pcie_allreduce: {text}", flush=True)
+        self.show(text)
+
+    def show(self, text: str) -> None:
+        with self._lock:
+            if self.terminal is None:
+                return
+            try:
+                lead = "\n" if self._first else "\r"
+                self.terminal.write(f"{lead}  pcie_allreduce: {text}\n")
+                self.terminal.flush()
+            except (OSError, ValueError):
+                self.terminal = None
+            self._first = False
+            self.last = self.clock()
+
+    def line(self, text: str) -> None:
+        """One line of CMake's output: ninja's progress and result lines go to the terminal."""
+        text = text.rstrip()
+        if not NINJA_LINE.match(text):
+            return
+        if text.startswith("[") and not text.startswith("[0/"):  # [0/2]: ninja's glob check
+            self.steps = text[1:text.index("]")]
+        step = NINJA_STEP.match(text)
+        if step and step.group(2):
+            text = f"{step.group(1)} compiled {step.group(2)}"
+        elif step:
+            text = f"{step.group(1)} linked {Path(step.group(3)).name}"
+        self.show(f"{text} ({_duration(self.clock() - self.start)})")
+
+    def tick(self) -> None:
+        """After ``quiet_after`` seconds without a line: say the build is still going."""
+        if self.terminal is not None and self.clock() - self.last >= self.quiet_after:
+            done = f", {self.steps} steps done" if self.steps else ""
+            self.show(f"still compiling: {_duration(self.clock() - self.start)} so far{done}")
+
+
+def run_forwarding(cmd: list[str], env: dict[str, str], progress: BuildProgress, out=None) -> int:
+    """Run cmd with its output copied line by line to stdout and shown to ``progress``."""
+    out = sys.stdout if out is None else out
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    finished = threading.Event()
+
+    def heartbeat() -> None:
+        while not finished.wait(1.0):
+            progress.tick()
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    try:
+        for raw in proc.stdout:
+            text = raw.decode(errors="replace")
+            out.write(text)
+            out.flush()
+            progress.line(text)
+    finally:
+        finished.set()
+        beat.join()
+        proc.stdout.close()
+    return proc.wait()
 
 
 class CMakeExtension(Extension):
@@ -270,6 +492,10 @@ class CMakeBuild(build_ext):
         build_dir = base / f"cmake-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         forget_stale_cache(build_dir, cmake, ninja)
+        pybind11_dir = stable_pybind11(Path(pybind11.get_cmake_dir()), base)
+        # Linked inside the build dir, then copied where setuptools wants it: editable installs
+        # want it in a new temporary directory each time, and a new output path would relink.
+        linked = build_dir / "lib" / out_file.name
 
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_dir),
@@ -277,8 +503,8 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_CUDA_COMPILER={nvcc}",
             f"-DCMAKE_CUDA_ARCHITECTURES={archs_mod.cmake_architectures(archs)}",
             f"-DPython_EXECUTABLE={sys.executable}",
-            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-            f"-DPCIE_AR_OUTPUT_DIR={out_file.parent}",
+            f"-Dpybind11_DIR={pybind11_dir}",
+            f"-DPCIE_AR_OUTPUT_DIR={linked.parent}",
             f"-DPCIE_AR_EXT_SUFFIX={suffix}",
             f"-DPCIE_AR_NVCC_THREADS={threads}",
         ]
@@ -289,21 +515,31 @@ class CMakeBuild(build_ext):
         configure += shlex.split(os.environ.get("PCIE_AR_CMAKE_ARGS", ""))
         build = [cmake, "--build", str(build_dir), "--parallel", str(jobs)]
 
+        progress = BuildProgress(open_progress_terminal())
         print(
             f"pcie_allreduce: nvcc {version[0]}.{version[1]} ({nvcc}), archs "
             f"{';'.join(map(str, archs))}, {jobs} jobs, nvcc --threads {threads}, "
             f"generator {generator or 'default'}",
             flush=True,
         )
+        progress.note(
+            f"compiling the CUDA extension for sm_{', sm_'.join(map(str, archs))} with nvcc "
+            f"{version[0]}.{version[1]}, {jobs} jobs. {build_time_hint(len(archs))}"
+        )
         for step, cmd in (("configure", configure), ("build", build)):
             start = time.monotonic()
             print("pcie_allreduce:", shlex.join(cmd), flush=True)
-            result = subprocess.run(cmd, cwd=ROOT, env=env)
-            if result.returncode != 0:
-                _fail(f"CMake {step} failed (exit {result.returncode}); see the output above")
-            print(f"pcie_allreduce: {step} took {time.monotonic() - start:.1f}s", flush=True)
-        if not out_file.is_file():
-            _fail(f"CMake finished but {out_file} was not produced")
+            if progress.terminal is None:
+                returncode = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+            else:
+                progress.show("running CMake ..." if step == "configure" else f"compiling with {generator or 'the default generator'} ...")
+                returncode = run_forwarding(cmd, env, progress)
+            if returncode != 0:
+                _fail(f"CMake {step} failed (exit {returncode}); see the output above")
+            progress.note(f"{step} took {time.monotonic() - start:.1f}s")
+        if not linked.is_file():
+            _fail(f"CMake finished but {linked} was not produced")
+        shutil.copy2(linked, out_file)
 
 
 setup(
