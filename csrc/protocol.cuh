@@ -199,7 +199,9 @@ __device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborte
   *aborted = __ldcg(&ctl->abort) != 0;
   const uint32_t epoch = next_epoch(__ldcg(&ctl->epochs[blockIdx.x]));
   const int peer = static_cast<int>(threadIdx.x);
-  if (blockIdx.x == 0 && peer < a.world && peer != a.rank) {  // this call's notice (invariant 7)
+  // This call's notice (invariant 7), unless the workspace is aborted: an aborted call touches no
+  // peer memory (after close() the peers may be unmapped while a captured graph still replays).
+  if (!*aborted && blockIdx.x == 0 && peer < a.world && peer != a.rank) {
     store_relaxed_sys_unordered(notice_slot(a, peer, a.rank, epoch), flag_word(epoch, a.signature));
   }
   return epoch;

@@ -329,7 +329,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
 
     # this call's notice in every peer (invariant 7 of csrc/protocol.cuh): after the push, which
     # the peers wait for, so that it never delays it (before it, it cost W = 8 0.4 us)
-    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)
+    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, aborted, W, INTERPRET)
 
     # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
     #    reduced in rank order

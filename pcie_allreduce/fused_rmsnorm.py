@@ -262,7 +262,8 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
         # 1. push our rows into our slot of every peer, then flag that peer
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                        parity_off, flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
-        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)  # after the push
+        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, 0, W,
+                     INTERPRET)  # after the push; aborted == 0 in this branch
         # 2. wait for every peer's rows
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
                              BLOCK_H, INTERPRET)
@@ -301,7 +302,8 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
         # 1. reduce-scatter: the rows each owner owns go to that owner
         _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                        parity_off, flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
-        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W, INTERPRET)  # after the push
+        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, 0, W,
+                     INTERPRET)  # after the push; aborted == 0 in this branch
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
                              BLOCK_H, INTERPRET)
         w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)

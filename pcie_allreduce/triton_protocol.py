@@ -323,12 +323,14 @@ def notice_addr(base, flags_offset, sender, epoch):
 
 
 @triton.jit(noinline=True)
-def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, W: tl.constexpr,
+def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, aborted, W: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """This call's notice (epoch << 32 | signature) in every peer, from thread 0 of program 0 (one
     relaxed store per peer; nothing waits for it). Out of line, like :func:`foreign_notice`: W
-    branches on the runtime rank inlined into the widest programs cost registers they lack."""
-    if pid == 0:
+    branches on the runtime rank inlined into the widest programs cost registers they lack.
+    Nothing when ``aborted`` (this thread's reading): an aborted call touches no peer memory
+    (after close() the peers may be unmapped while a captured graph still replays)."""
+    if (pid == 0) & (aborted == 0):
         for p in tl.static_range(W):
             if p != rank:
                 store_flag(notice_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, rank, epoch),
