@@ -16,8 +16,11 @@
 //     that was never written); every rank's n-th call uses the same epoch because every rank's
 //     counter advances once per call, inside the kernel (graph replays advance it too). A waiter
 //     accepts exactly its own epoch, or the next one (invariant 4): a slot that was not rewritten
-//     for many calls (slots only wide launches or the two-shot use) is never taken for a go, even
-//     after 2^31 or 2^32 calls. A flag with the same epoch but a different signature
+//     for many calls (slots only wide launches or the two-shot use) is not taken for a go while
+//     fewer than 2^32 - 3 calls separate its last write from its next read. Past that, the epochs
+//     have cycled and its stale epoch is this call's or the next one with probability about
+//     2 / 2^32 at that read (a slot idle through one whole cycle: about 12 hours of calls every
+//     10 us without that kind or launch width). A flag with the same epoch but a different signature
 //     (size/dtype/algorithm/launch shape) means the ranks issued different calls: that is
 //     recorded as a mismatch, never reduced.
 //  4. Double buffering by epoch parity. Call e writes into parity e%2 of the peer's data region.
