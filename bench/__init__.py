@@ -25,4 +25,6 @@ Modules, one idea each (parent side first, then what runs inside the ranks):
 - ``soak``         ``soak``: random collectives for a number of calls and minutes, every result
   checked (command, rank loop, report); ``soak_schedule``: its calls from a seed (pure)
 - ``wheels``       trimmed copies of third-party wheels for an offline GPU machine
+- ``fabric_model`` estimated all-reduce times on a PCIe fabric from its description, calibrated on
+  published figures (pure; ``python -m bench.fabric_model``)
 """
