@@ -38,7 +38,8 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 DOCS: dict[str, tuple[str, str]] = {
     ENABLE: ("0", "1 turns the plugin on (it is installed but inert by default)"),
     MAX_BYTES: ("8MiB", "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
-                        "SGLang's next backend. Each rank allocates 2 x W x this per CUDA stream"),
+                        "SGLang's next backend. Each rank allocates about 2 x W x (this + 3 x min(this, 512 KiB)) "
+                        "per CUDA stream"),
     ALGO: ("auto", "force one algorithm: " + " | ".join(a for a in ALGOS if a not in HOST_ONLY_ALGORITHMS)
                    + " (" + " | ".join(HOST_ONLY_ALGORITHMS) + " on the host transport)"),
     MODE: ("pcie", "pcie: serve only GPUs without full NVLink (leave NVLink to SGLang's own kernels); "

@@ -1,5 +1,7 @@
-"""The figures the READMEs give that the code computes: the workspace memory formula and the
-SGLang plugin's example log line, checked against the layout and the log line's own code."""
+"""What the READMEs say that the code computes or reads, checked against that code: the workspace
+memory formula, the SGLang plugin's example log line and settings table, the environment
+variables they name, README's default-table ranges, limits and "Measured" rows (against
+bench/RESULTS.md), the soak's schedule, and the package data pyproject.toml lists."""
 
 from __future__ import annotations
 
@@ -74,3 +76,116 @@ def test_bench_readme_gives_the_algos_default_and_the_sleep() -> None:
     assert f"| `--algos` | `{' '.join(DEFAULT_OUR_ALGOS)}` |" in text
     sleep_us = round(timing.SLEEP_CYCLES / 2e9 * 1e6, -1)  # cycles at ~2 GHz, as bench/timing.py says
     assert f"~{sleep_us:.0f} us GPU sleep" in text
+
+
+# ------------------------------------------------------------------ environment variables
+
+ENV_NAME = re.compile(r"\bPCIE_AR_[A-Z0-9_]*[A-Z0-9]\b")
+SOURCE_DIRS = ("pcie_allreduce", "sglang_plugin", "bench")
+TEST_ONLY_PREFIXES = ("PCIE_AR_TEST_", "PCIE_AR_REQUIRE_")
+
+
+def _doc(path: str) -> str:
+    return (ROOT / path).read_text()
+
+
+def _flat(text: str) -> str:
+    """Markdown text with its line breaks and runs of spaces as single spaces."""
+    return re.sub(r"\s+", " ", text)
+
+
+def _name_literals(files) -> set[str]:
+    """String constants that are exactly an environment variable's name (keys the code reads or
+    sets; a name inside a message or docstring does not count)."""
+    import ast
+
+    names: set[str] = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value):
+                names.add(node.value)
+    return names
+
+
+def _code_variables() -> set[str]:
+    from sglang_plugin import settings
+
+    files = [ROOT / "setup.py"] + [p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")]
+    return _name_literals(files) | set(settings.DOCS)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "bench/README.md", "sglang_plugin/README.md"])
+def test_every_variable_a_readme_names_is_read_by_the_code(doc: str) -> None:
+    """Each PCIE_AR_* name in the READMEs is a key the library, the plugin, the harness or
+    setup.py uses (the test suites' own switches: a key the tests use)."""
+    named = set(ENV_NAME.findall(_doc(doc)))
+    in_code = _code_variables()
+    in_tests = _name_literals((ROOT / "tests").rglob("*.py"))
+    unknown = sorted(n for n in named if n not in in_code
+                     and not (n.startswith(TEST_ONLY_PREFIXES) and n in in_tests))
+    assert not unknown, f"{doc} names variables no code reads: {unknown}"
+
+
+def test_every_library_setting_is_documented() -> None:
+    """The variables the library reads at run time are each named in README.md or bench/README.md."""
+    from pcie_allreduce import _archs, algo, communicator, transport, tune_cache
+
+    docs = _doc("README.md") + _doc("bench/README.md")
+    for name in (transport.ENV, algo.TABLE_ENV, communicator.TIMEOUT_ENV, tune_cache.CACHE_ENV, _archs.ENV_VAR):
+        assert f"`{name}" in docs or f"${name}" in docs, name
+
+
+def _plugin_settings_rows() -> dict[str, tuple[str, str]]:
+    """sglang_plugin/README.md's settings table: name -> (default, meaning)."""
+    text = _doc("sglang_plugin/README.md")
+    section = text[text.index("## Settings"):text.index("\n## ", text.index("## Settings") + 1)]
+    rows = {}
+    for line in section.splitlines():
+        match = re.match(r"\| `(PCIE_AR_\w+)` \| `([^`]*)` \| (.*) \|$", line)
+        if match:
+            rows[match.group(1)] = (match.group(2), match.group(3))
+    return rows
+
+
+def test_plugin_settings_table_is_settings_py() -> None:
+    """Every PCIE_AR_SGLANG_* setting in the table, with its default, and no other; the table's
+    other rows are the library's variables, and the text says so."""
+    from sglang_plugin import settings
+
+    rows = _plugin_settings_rows()
+    ours = {n: d for n, (d, _) in rows.items() if n.startswith(settings.PREFIX)}
+    assert ours == {n: d for n, (d, _) in settings.DOCS.items()}
+    assert settings.from_env(dict(ours)) == settings.Settings(), "a documented default is not the code's"
+    library = sorted(set(rows) - set(ours))
+    intro = _flat(_doc("sglang_plugin/README.md"))
+    for name in library:
+        assert name in _code_variables(), name
+        assert f"`{name}` is the library's" in intro, f"the settings text must say {name} is the library's"
+
+
+def test_plugin_settings_limits_are_the_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+    from pcie_allreduce.transport import requested
+    from sglang_plugin import settings
+
+    rows = _plugin_settings_rows()
+    assert f"at most `{MAX_MESSAGE_BYTES >> 20}MiB`" in rows[settings.MAX_BYTES][1]
+    assert f"at most {MAX_TIMEOUT_S}" in rows[settings.TIMEOUT_S][1]
+    assert f"{LOW_LATENCY_MAX_BYTES >> 10} KiB" in rows[settings.ALGO][1]
+    for algo in settings.ALGOS:
+        assert f"`{algo}`" in rows[settings.ALGO][1], algo
+    monkeypatch.delenv("PCIE_AR_TRANSPORT", raising=False)
+    assert rows["PCIE_AR_TRANSPORT"][0] == requested(None)
+    # "`1MiB` covers decode and verify with 40 MiB": the layout at W = 8.
+    small = int(re.search(r"`1MiB` covers decode and verify with (\d+) MiB", rows[settings.MAX_BYTES][1]).group(1))
+    assert small == round(Layout.make(1 << 20, 8).total_bytes / 2**20)
+
+
+def test_plugin_memory_fraction_example() -> None:
+    """'456 MiB of a 96 GB card is about 0.005': three streams of the W = 8, 8 MiB workspace."""
+    logline = pytest.importorskip("sglang_plugin.logline")
+    text = _flat(_doc("sglang_plugin/README.md"))
+    match = re.search(r"\((\d+) MiB of a (\d+) GB card is about ([0-9.]+)\)", text)
+    total = logline.TYPICAL_STREAMS * Layout.make(8 << 20, 8).total_bytes
+    assert int(match.group(1)) == round(total / 2**20)
+    assert float(match.group(3)) == round(total / (int(match.group(2)) * 1e9), 3)
