@@ -189,3 +189,57 @@ def test_plugin_memory_fraction_example() -> None:
     total = logline.TYPICAL_STREAMS * Layout.make(8 << 20, 8).total_bytes
     assert int(match.group(1)) == round(total / 2**20)
     assert float(match.group(3)) == round(total / (int(match.group(2)) * 1e9), 3)
+
+
+# ------------------------------------------------------------------ README.md
+
+def test_readme_gives_the_default_full_payload_range() -> None:
+    """'by default above 4 KiB up to 512 KiB at W <= 4, 192 KiB above': the built-in table."""
+    import torch
+
+    table = default_table()
+
+    def picks(world: int) -> list[int]:
+        capacity = Layout.make(8 << 20, world).ll_capacity
+        return [k for k in range(1, 1025) if dispatch.plain_choice(
+            k << 10, world, torch.bfloat16, table, ll_capacity=capacity).algo == "oneshot_full"]
+
+    ranges = {w: (min(picks(w)) - 1, max(picks(w))) for w in range(2, 9)}
+    low = {lo for lo, _ in ranges.values()}
+    small = {hi for w, (_, hi) in ranges.items() if w <= 4}
+    large = {hi for w, (_, hi) in ranges.items() if w > 4}
+    assert len(low) == len(small) == len(large) == 1, ranges
+    expected = f"by default above {low.pop()} KiB up to {small.pop()} KiB at W <= 4, {large.pop()} KiB above"
+    assert expected in _flat(_doc("README.md"))
+
+
+def test_readme_gives_the_communicators_limits() -> None:
+    from pcie_allreduce import communicator
+    from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+
+    text = _flat(_doc("README.md"))
+    assert f"`max_bytes` up to {MAX_MESSAGE_BYTES >> 20} MiB" in text
+    assert MAX_TIMEOUT_S == 24 * 3600 and "`timeout_s` / `PCIE_AR_TIMEOUT_S` up to a day" in text
+    assert f"after `timeout_s` (default {communicator.DEFAULT_TIMEOUT_S:g} s)" in text
+    assert f"reaches that meeting within {communicator.FIRST_FUSED_CALL_WAIT_S} s" in text
+
+
+def test_readme_measured_figures_are_in_results() -> None:
+    """Every row of README's "Measured" tables has its figures on one row of bench/RESULTS.md
+    (the same run's row), and each RESULTS.md section it names exists there."""
+    readme = _doc("README.md")
+    measured = readme[readme.index("## Measured"):readme.index("\n## ", readme.index("## Measured") + 1)]
+    results = _doc("bench/RESULTS.md")
+
+    def figures(line: str) -> set[str]:
+        return set(re.findall(r"(?<![\d.])\d+\.\d+(?![\d.])", line))
+
+    rows = [figures(line) for line in measured.splitlines() if line.startswith("|")]
+    rows = [row for row in rows if row]
+    assert len(rows) >= 6, "the Measured tables have no figures"
+    result_rows = [figures(line) for line in results.splitlines() if line.startswith("|")]
+    missing = [sorted(row) for row in rows if not any(row <= other for other in result_rows)]
+    assert not missing, f"README rows whose figures are on no one row of bench/RESULTS.md: {missing}"
+    headings = {h.strip() for h in re.findall(r"^#+ (.*)$", results, flags=re.MULTILINE)}
+    for name in re.findall(r'RESULTS\.md, "([^"]+)"', _flat(measured)):
+        assert name in headings, name
