@@ -58,7 +58,8 @@ class ScheduleParams:
 
     ``ll_capacity`` and ``block_cap`` are the communicator's (agreed at creation): they decide
     where ``oneshot_ll`` is legal. The rates are per call (a straggler before about 1 call in
-    ``1 / host_rate``); ``late_rate`` about once a minute at ~1700 calls/s."""
+    ``1 / host_rate``); ``late_rate`` every ~40 s at the 2,570 calls/s of the W = 8 soak in
+    bench/RESULTS.md (one H200 under MPS, 2026-12-01)."""
 
     world: int
     max_bytes: int

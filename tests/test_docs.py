@@ -243,3 +243,40 @@ def test_readme_measured_figures_are_in_results() -> None:
     headings = {h.strip() for h in re.findall(r"^#+ (.*)$", results, flags=re.MULTILINE)}
     for name in re.findall(r'RESULTS\.md, "([^"]+)"', _flat(measured)):
         assert name in headings, name
+
+
+# ------------------------------------------------------------------ bench/README.md
+
+def test_bench_readme_soak_schedule_figures() -> None:
+    """The soak's straggler rates, late time, shapes and summary line as the code has them."""
+    from bench import soak, soak_schedule
+
+    params = soak_schedule.ScheduleParams(world=8, max_bytes=2 << 20, ll_capacity=512 << 10, block_cap=16)
+    text = _flat(_doc("bench/README.md"))
+    assert params.host_rate == params.stream_rate == 1 / 400 and "about 1 call in 400 each" in text
+    assert f"about 1 call in {round(1 / params.late_rate):,}" in text
+    low, high = soak_schedule.LATE_S
+    assert f"a rank is {low:g}-{high:g} s late" in text and f"at least twice that ({2 * high:g} s)" in text
+    assert f"on {soak_schedule.FUSED_SHAPES} shapes per seed" in text
+    schedule = soak_schedule.Schedule(0, params)
+    always, decode = schedule._fused_algos(64, 7168, "bfloat16"), schedule._fused_algos(4, 7168, "bfloat16")
+    fused = re.search(r"Fused calls \(`all_reduce_rmsnorm`\): (.*?) where their launch shape exists", text).group(1)
+    named = re.findall(r"`(\w+)`", fused)
+    assert set(named) == {"auto", *decode}, "the soak's fused algorithms"
+    assert all(a in fused.split(", and ")[0] for a in always), "the ones every shape takes come first"
+    assert f"tokens 1..{soak_schedule.MAX_TOKENS}" in text
+    assert f"`--max-bytes` ({soak.DEFAULT_MAX_BYTES})" in text
+    # The example summary line is the W = 8 soak's in RESULTS.md, in format_summary's format.
+    line = re.search(r"`(soak: W=\d+ calls=[^`]+)`", text).group(1)
+    assert line in _flat(_doc("bench/RESULTS.md"))
+    numbers = dict(re.findall(r"(\w+)[= ](\d+)", line))
+    summary = {"world": int(numbers["W"]), "calls": int(numbers["calls"]), "plain": int(numbers["plain"]),
+               "fused": int(numbers["fused"]), "in_graphs": int(re.search(r"in graphs (\d+)", line).group(1)),
+               "calls_per_s": float(re.search(r"calls/s=(\d+)", line).group(1)), "wrong": int(numbers["wrong"]),
+               "hung": int(numbers["hung"]), "elapsed_s": float(numbers["elapsed"]), "targets_met": True,
+               "graphs": 0, "stragglers": 0, "counts": {}, "errors": [], "wrong_calls": []}
+    assert soak.format_summary(summary).splitlines()[0] == line
+    rate = int(re.search(r"at the ([\d,]+) calls/s", text).group(1).replace(",", ""))
+    assert f"calls/s={rate}" in line
+    every = int(re.search(r"every ~(\d+) s at the", text).group(1))
+    assert every == round(1 / params.late_rate / rate, -1)
