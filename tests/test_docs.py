@@ -280,3 +280,17 @@ def test_bench_readme_soak_schedule_figures() -> None:
     assert f"calls/s={rate}" in line
     every = int(re.search(r"every ~(\d+) s at the", text).group(1))
     assert every == round(1 / params.late_rate / rate, -1)
+
+
+# ------------------------------------------------------------------ packaging
+
+def test_package_data_files_exist() -> None:
+    """Every file pyproject.toml lists as package data by name exists (py.typed: PEP 561)."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_data = config["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in package_data["pcie_allreduce"]
+    for package, patterns in package_data.items():
+        for pattern in patterns:
+            if not any(c in pattern for c in "*?["):
+                assert (ROOT / package.replace(".", "/") / pattern).is_file(), f"{package}/{pattern}"
