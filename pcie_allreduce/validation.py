@@ -173,12 +173,11 @@ def validate_rmsnorm_aliasing(x: torch.Tensor, residual: torch.Tensor, weight: t
     """The outputs of the fused all-reduce + RMSNorm may be their own inputs (``out`` is ``x``,
     ``residual_out`` is ``residual``: in place) and must share memory with nothing else: the
     kernels store a row of one output while other rows of the inputs are still to be read, so any
-    other overlap would corrupt a result without an error. An output left None is a new tensor."""
-    normed = torch.empty(0) if normed is None else normed
-    new_residual = torch.empty(0) if new_residual is None else new_residual
+    other overlap would corrupt a result without an error. An output left None is a new tensor
+    (an empty span, which overlaps nothing)."""
     operands = (("x", x), ("residual", residual), ("weight", weight), ("out", normed), ("residual_out", new_residual))
     in_place = {("out", "x"), ("residual_out", "residual")}
-    spans = {name: _span(t) for name, t in operands}
+    spans = {name: (0, 0) if t is None else _span(t) for name, t in operands}
     for written in ("out", "residual_out"):
         a0, a1 = spans[written]
         for name, _ in operands:
