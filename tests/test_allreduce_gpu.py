@@ -341,18 +341,23 @@ def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str) -> None:
         assert r["all_nan"] == [True, True], f"rank {rank}: a call that gave up left data in its output: {r}"
 
 
-def _mismatched_sizes(ctx: ranks.RankContext, algo: str) -> dict:
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
-    x = torch.randn(1000 + ctx.rank, device=ctx.device)
-    kind = None
+def _failure_of(comm: pcie_allreduce.Communicator, call) -> tuple | None:
+    """Run ``call``, wait for it and check: ("mismatch", peer), ("timeout", None), or None."""
     try:
-        comm.all_reduce(x, algo=algo)
+        call()
         torch.cuda.synchronize()
         comm.check()
     except CollectiveMismatch as exc:
-        kind = ("mismatch", exc.peer)
+        return ("mismatch", exc.peer)
     except CollectiveTimeout:
-        kind = ("timeout", None)
+        return ("timeout", None)
+    return None
+
+
+def _mismatched_sizes(ctx: ranks.RankContext, algo: str) -> dict:
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
+    x = torch.randn(1000 + ctx.rank, device=ctx.device)
+    kind = _failure_of(comm, lambda: comm.all_reduce(x, algo=algo))
     comm.close()
     return {"kind": kind}
 
@@ -389,20 +394,17 @@ def _different_kernels(ctx: ranks.RankContext, transport: str, cases: list) -> l
         x = torch.randn(size * (hidden if kind == "fused" else 1), device=ctx.device, dtype=torch.bfloat16,
                         generator=gen)
         torch.distributed.barrier(group=ctx.group)
-        started = time.perf_counter()
-        outcome = None
-        try:
-            if kind == "fused":
-                x = x.view(size, hidden)
-                comm.all_reduce_rmsnorm(x, torch.randn_like(x), weight, 1e-6, algo=algo)
-            else:
+        if kind == "fused":
+            x = x.view(size, hidden)
+            residual = torch.randn_like(x)
+
+            def call() -> None:
+                comm.all_reduce_rmsnorm(x, residual, weight, 1e-6, algo=algo)
+        else:
+            def call() -> None:
                 comm.all_reduce(x, algo=algo)
-            torch.cuda.synchronize()
-            comm.check()
-        except CollectiveMismatch as exc:
-            outcome = ("mismatch", exc.peer)
-        except CollectiveTimeout:
-            outcome = ("timeout", None)
+        started = time.perf_counter()
+        outcome = _failure_of(comm, call)
         outcomes.append((outcome, time.perf_counter() - started))
         comm.close()
     return outcomes
