@@ -281,19 +281,22 @@ class Communicator:
         collective that timed out would stay posted on the caller's group (SGLang's CPU group) and
         pair with that group's next collective. A rank that gives up marks its key abandoned, so a
         rank that arrives later raises too instead of launching a kernel nobody else runs."""
-        error: Exception | None = None
+        described = "{} [{}] {} (weight {})".format(call[0], ", ".join(map(str, call[1])), *call[2:])
+        what = f"the first fused all-reduce + RMSNorm of {described}"
+        digest = zlib.crc32(described.encode())
         started = time.perf_counter()
         try:
             compile_call()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
-            error = exc
-        described = "{} [{}] {} (weight {})".format(call[0], ", ".join(map(str, call[1])), *call[2:])
+        except Exception:
+            # Every rank hears of it before this one raises its own exception. Raised from inside
+            # the handler, never kept in a local: a frame holding its own exception is a reference
+            # cycle that keeps this communicator (and its group) alive until a cyclic collection,
+            # perhaps at interpreter exit, after the group was destroyed.
+            self.fused_compile_seconds[described] = time.perf_counter() - started
+            self._meet(what, f"{digest}:1")
+            raise
         self.fused_compile_seconds[described] = time.perf_counter() - started
-        what = f"the first fused all-reduce + RMSNorm of {described}"
-        mine = f"{zlib.crc32(described.encode())}:{int(error is not None)}"
-        everyone = self._meet(what, mine)
-        if error is not None:
-            raise error
+        everyone = self._meet(what, f"{digest}:0")
         digests = [int(v.split(":")[0]) for v in everyone]
         failed = [r for r, v in enumerate(everyone) if v.split(":")[1] != "0"]
         differing = [r for r, d in enumerate(digests) if d != digests[self.rank]]
@@ -550,23 +553,15 @@ class Communicator:
         raises: that rank its own exception, the others UnavailableError naming it and why. So no
         rank is left waiting in a later rendezvous for one that gave up (gloo would hold it for the
         process group's timeout, 30 minutes by default)."""
-        error: Exception | None = None
         try:
-            payload: dict[str, Any] = {"ok": local()}
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
-            error = exc
-            payload = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
-        gathered = self._gather(payload)
+            result = local()
+        except Exception as exc:
+            # Raised from inside the handler, never kept in a local (see _compile_everywhere).
+            self._gather({"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"})
+            raise
+        gathered = self._gather({"ok": result})
         failed = {r: g["error"] for r, g in enumerate(gathered) if "error" in g}
         if failed:
-            if error is not None:
-                try:
-                    raise error
-                finally:
-                    # Break the exception -> traceback -> this frame -> exception cycle, which would
-                    # keep this communicator (and its process group) alive until a cyclic
-                    # collection, possibly at interpreter exit, after the group was destroyed.
-                    error = None
             reasons = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
             raise UnavailableError(f"rank {self.rank}: creating the communicator failed on another rank in {step} "
                                    f"({reasons})")

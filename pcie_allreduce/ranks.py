@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import multiprocessing.connection
 import os
 import pickle
@@ -258,7 +259,12 @@ def _rank_main(spec: _RunSpec, rank: int, conn: multiprocessing.connection.Conne
     conn.send_bytes(reply)
     conn.close()
     if ok:
-        # Only on success: after an error peers may still be blocked in a collective with us.
+        # Only on success: after an error peers may still be blocked in a collective with us. What
+        # fn left in reference cycles (a communicator holding the group) is freed first, while the
+        # group and the interpreter are whole: freed at interpreter exit, after the group was
+        # destroyed, gloo's teardown can abort the process.
+        del fn, args, kwargs, result, ctx
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -424,10 +430,11 @@ class _Run:
             else:
                 raise self._died(rank)
         if proc.exitcode != 0:
-            raise self._fail(
-                {rank: f"rank {rank} returned, then {_describe_exit(proc.exitcode)}"},
-                f"rank {rank} {_describe_exit(proc.exitcode)} after returning",
-            )
+            text = f"rank {rank} returned, then {_describe_exit(proc.exitcode)}"
+            stacks = _read_text(self.spec.stack_file(rank))
+            if stacks:
+                text += f"\nits last Python stacks:\n{stacks}"
+            raise self._fail({rank: text}, f"rank {rank} {_describe_exit(proc.exitcode)} after returning")
 
     def _timeout(self, elapsed: float) -> RankFailed:
         results_done = len(self.results) == self.spec.world_size

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -112,12 +113,19 @@ def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int, transport: str
     timeout_s = 3.0 if fault == "timeout_differs" and ctx.rank == faulty_rank else 5.0
     if fault == "transport_differs" and ctx.rank == faulty_rank:
         transport = "host"
+    failure = None
+    gc.disable()  # a failed creation must leave nothing behind that only a cyclic collection frees
     try:
         comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=max_bytes, timeout_s=timeout_s,
                                            algo_table=pcie_allreduce.default_table(), transport=transport)
     except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
-        return {"error": type(exc).__name__, "message": str(exc),
-                "all_closed": all(w.closed for w in FakeWorkspace.instances), "made": len(FakeWorkspace.instances)}
+        failure = {"error": type(exc).__name__, "message": str(exc),
+                   "all_closed": all(w.closed for w in FakeWorkspace.instances), "made": len(FakeWorkspace.instances)}
+    if failure is not None:
+        failure["left_alive"] = sum(isinstance(o, pcie_allreduce.Communicator) for o in gc.get_objects())
+    gc.enable()
+    if failure is not None:
+        return failure
     made = list(comm._workspaces.values())
     comm._closed = True  # no CUDA here: skip close()'s synchronize
     return {"error": None, "made": len(made), "open": not any(w.closed for w in made),
@@ -185,6 +193,7 @@ def test_one_rank_failing_makes_every_rank_raise(fault: str, faulty_error: str, 
     assert "rank 1" in peer["message"] and needle in peer["message"]
     for result in results:
         assert result["all_closed"], f"a failed creation kept its workspace: {result}"
+        assert result["left_alive"] == 0, f"a failed creation left its communicator in a reference cycle: {result}"
 
 
 def test_probes_that_do_not_arrive_refuse_the_group() -> None:
@@ -353,8 +362,19 @@ def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
     # this one (and give another sum, or hang until the group's timeout).
     total = torch.tensor([float(10 ** ctx.rank)])
     torch.distributed.all_reduce(total, group=ctx.group)
+    compiled = sorted(map(str, comm._fused_compiled))
+    # A failed call must not leave the communicator in a reference cycle (its exception's traceback
+    # holding a frame that holds the exception): it would then outlive the caller's references,
+    # and be torn down with its group at interpreter exit, which can abort the process.
+    gc.disable()
+    try:
+        alive = weakref.ref(comm)
+        del comm
+        freed = alive() is None
+    finally:
+        gc.enable()
     return {"error": error, "message": message, "waited": waited, "group_sum": float(total),
-            "compiled": sorted(map(str, comm._fused_compiled))}
+            "compiled": compiled, "freed": freed}
 
 
 def test_first_fused_call_waits_for_every_rank_to_compile() -> None:
@@ -364,6 +384,7 @@ def test_first_fused_call_waits_for_every_rank_to_compile() -> None:
     assert [r["error"] for r in results] == [None] * 3
     assert all(r["waited"] >= 2.5 for r in results), [r["waited"] for r in results]
     assert all(len(r["compiled"]) == 1 for r in results)
+    assert all(r["freed"] for r in results)
 
 
 @pytest.mark.parametrize("case, first, last", [
@@ -377,6 +398,7 @@ def test_first_fused_call_problems_raise_on_every_rank_that_meets(case: str, fir
     nothing behind on the caller's group: its next collective still sums what it should."""
     results = ranks.run_ranks(_first_fused_call, 2, case, gpu=False, timeout_s=120)
     assert [r["error"] for r in results] == [first, last]
+    assert [r["freed"] for r in results] == [True, True]
     assert not any(r["compiled"] for r in results)
     assert [r["group_sum"] for r in results] == [11.0, 11.0]
     if case == "shape_differs":

@@ -71,6 +71,30 @@ def _exit_on_rank_1(ctx: RankContext) -> int:
     return ctx.rank
 
 
+def _abort_at_exit_on_rank_1(ctx: RankContext) -> int:
+    if ctx.rank == 1:
+        import atexit
+
+        atexit.register(os.abort)
+    return ctx.rank
+
+
+class _NotesTeardown:
+    """Writes whether the process group was still up when it was freed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.cycle = self
+
+    def __del__(self) -> None:
+        Path(self.path).write_text(str(torch.distributed.is_initialized()))
+
+
+def _leave_a_cycle(ctx: RankContext, out_dir: str) -> int:
+    _NotesTeardown(os.path.join(out_dir, f"{ctx.rank}.txt"))  # only a cyclic collection frees it
+    return ctx.rank
+
+
 def _mps_view(ctx: RankContext) -> tuple[bool, bool, str | None]:
     return ctx.mps, ranks.mps_active(), os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
 
@@ -191,6 +215,19 @@ def test_rank_that_exits_without_reporting() -> None:
     msg = str(info.value)
     assert "rank 1 exited with code 3 without reporting a result" in msg
     assert list(info.value.failures) == [1]
+
+
+def test_rank_that_dies_after_returning_fails_the_run_with_its_stacks() -> None:
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_abort_at_exit_on_rank_1, 2, gpu=False, timeout_s=60)
+    msg = str(info.value)
+    assert "rank 1 returned, then was killed by SIGABRT" in msg
+    assert "its last Python stacks:" in msg and "Fatal Python error: Aborted" in msg
+
+
+def test_what_a_rank_left_in_reference_cycles_is_freed_before_its_group_is_destroyed(tmp_path: Path) -> None:
+    assert run_ranks(_leave_a_cycle, 2, str(tmp_path), gpu=False, timeout_s=60) == [0, 1]
+    assert [(tmp_path / f"{r}.txt").read_text() for r in range(2)] == ["True", "True"]
 
 
 # ----------------------------------------------------------------------------- MPS
