@@ -138,13 +138,15 @@ void register_constants(py::module_& m) {
   m.attr("THREADS_PER_BLOCK") = pcie_ar::kThreadsPerBlock;
   m.attr("FLAG_KINDS") = pcie_ar::kFlagKinds;
   m.attr("NOTICE_KIND") = pcie_ar::kNoticeKind;
+  m.attr("FLAG_ROWS") = pcie_ar::kFlagRows;
   m.attr("ALIGN") = pcie_ar::kAlign;
   m.attr("LOW_LATENCY_MAX_BYTES") = pcie_ar::kLowLatencyMaxBytes;
   m.attr("ROW_STATS_SLOTS") = pcie_ar::kRowStatsSlots;
   m.attr("LINE_PAYLOAD_BYTES") = pcie_ar::kLinePayloadBytes;
   m.attr("LINE_BYTES") = pcie_ar::kLineBytes;
   m.attr("LINE_FLAG_MIX") = pcie_ar::kLineFlagMix;
-  m.attr("EPOCH_WORDS") = pcie_ar::kEpochWords;
+  m.attr("WRAP_SEAL_MIX") = pcie_ar::kWrapSealMix;
+  m.attr("EPOCH_COPIES") = pcie_ar::kEpochCopies;
   m.attr("ABORT_WORD") = pcie_ar::kAbortWord;
   m.attr("CLAIM_WORD") = pcie_ar::kClaimWord;
   m.attr("SHARED_STATE_WORDS") = pcie_ar::kSharedStateWords;

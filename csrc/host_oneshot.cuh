@@ -12,7 +12,7 @@ namespace pcie_ar {
 // Sum every rank's units [r) in rank order: ours from our input as it travels (H1), the peers'
 // from their input areas, polled until each unit arrived. False (this thread) on timeout or abort.
 template <typename T, typename Unit>
-__device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buffer, uint32_t epoch, const Unit* in,
+__device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buffer, Epoch epoch, const Unit* in,
                                               Unit* out, Range r) {
   const auto theirs = [&](int p) -> const Unit* { return shared_area<Unit>(a, p, buffer, SharedArea::kInput); };
   uint64_t started = 0;
@@ -27,7 +27,7 @@ __device__ __forceinline__ bool reduce_inputs(const KernelArgs& a, uint32_t buff
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) host_oneshot_kernel(const __grid_constant__ KernelArgs a) {
-  write_once_call<T>(a, false, [&](uint32_t buffer, uint32_t epoch) {
+  write_once_call<T>(a, false, [&](uint32_t buffer, Epoch epoch) {
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
     publish_header(a, buffer, epoch);

@@ -17,7 +17,7 @@ namespace pcie_ar {
 // Our shard [r): every rank's units from their input areas, summed in rank order, as it will
 // travel; into our output and, once, into our result area. False (this thread) on timeout or abort.
 template <typename T, typename Unit>
-__device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffer, uint32_t epoch, const Unit* in,
+__device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffer, Epoch epoch, const Unit* in,
                                              Unit* out, Range r) {
   Unit* result = shared_area<Unit>(a, a.rank, buffer, SharedArea::kResult);
   const auto inputs = [&](int p) -> const Unit* { return shared_area<Unit>(a, p, buffer, SharedArea::kInput); };
@@ -35,7 +35,7 @@ __device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffe
 
 // `owner`'s reduced shard [r) from its result area into our output.
 template <typename T, typename Unit>
-__device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffer, uint32_t epoch, int owner, Unit* out,
+__device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffer, Epoch epoch, int owner, Unit* out,
                                              Range r) {
   const Unit* result = shared_area<Unit>(a, owner, buffer, SharedArea::kResult);
   uint64_t started = 0;
@@ -50,7 +50,7 @@ __device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffe
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) host_twoshot_kernel(const __grid_constant__ KernelArgs a) {
-  write_once_call<T>(a, true, [&](uint32_t buffer, uint32_t epoch) {
+  write_once_call<T>(a, true, [&](uint32_t buffer, Epoch epoch) {
     const Unit* in = static_cast<const Unit*>(a.input);
     Unit* out = static_cast<Unit*>(a.output);
     const T* in_t = static_cast<const T*>(a.input);

@@ -20,11 +20,11 @@
 //      s - 1 (H4), written by a kernel that started after the peer's call s - 2 (which
 //      re-poisoned buffer s % 3 and fenced) had completed; so in call s the reader finds poison
 //      or call s's data there, never call s - 3's.
-//  H4. Headers catch mismatches. With its data, block k of each rank writes a header word
-//      (epoch << 32 | signature) for (buffer, block) in its own segment; threads 0..W-1 of the
-//      reader's block k wait for each peer's header of this epoch, in parallel with the data.
-//      The same epoch with another signature (size, dtype, algorithm, blocks) is a mismatch,
-//      recorded and never reduced.
+//  H4. Headers vouch for the call. With its data, block k of each rank writes the call's sealed
+//      word (invariant 3 of protocol.cuh) for (buffer, block) in its own segment; threads 0..W-1
+//      of the reader's block k wait for exactly that word from each peer, in parallel with the
+//      data. A peer that issued another call (size, dtype, algorithm, blocks) never writes it: its
+//      call notice names it as a mismatch while the reader waits, and nothing is reduced.
 //  H5. Blocks agree on what they cover: messages are cut in 16-byte granules (partition.cuh),
 //      whatever unit a rank moves, so block k of every rank covers the same bytes.
 #pragma once
@@ -105,7 +105,7 @@ __device__ __forceinline__ Unit load_wire(const Unit* p) {
 // Poll one unit until it arrived (bounded); false on timeout (recorded against `peer` in
 // `stage`) or abort.
 template <typename T, typename Unit>
-__device__ __forceinline__ bool await_unit(const KernelArgs& a, const Unit* p, Unit& v, int peer, uint32_t epoch,
+__device__ __forceinline__ bool await_unit(const KernelArgs& a, const Unit* p, Unit& v, int peer, Epoch epoch,
                                            Stage stage, uint32_t& spins, uint64_t& started) {
   while (!has_arrived<T, Unit>(v)) {
     const SpinVerdict verdict = spin_verdict(a, ++spins, started, epoch, stage);
@@ -141,7 +141,7 @@ __device__ __forceinline__ uint32_t shared_state_word(uint64_t nbytes, uint32_t 
 // ---- the steps -------------------------------------------------------------------------------
 
 // This block's header of this call (H4): thread 0, before its data.
-__device__ __forceinline__ void publish_header(const KernelArgs& a, uint32_t buffer, uint32_t epoch) {
+__device__ __forceinline__ void publish_header(const KernelArgs& a, uint32_t buffer, Epoch epoch) {
   if (threadIdx.x == 0) {
     *reinterpret_cast<volatile uint64_t*>(shared_header(a, a.rank, buffer, blockIdx.x)) = flag_word(epoch, a.signature);
   }
@@ -155,23 +155,18 @@ __device__ __forceinline__ void publish_input(const KernelArgs& a, uint32_t buff
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) mine[i] = to_wire<T, Unit>(load_unit(in + i));
 }
 
-// Bounded wait (one thread) for the header word of `peer` at `header` to hold this call (H4):
-// false on mismatch (the same epoch with another signature), timeout or abort, recorded in `stage`.
+// Bounded wait (one thread) for the header word of `peer` at `header` to hold this call's sealed
+// word (H4): false on mismatch (a peer's notice), timeout or abort, recorded in `stage`.
 // kAcquire: the write-once kernels read data areas whose re-poisoning the header vouches for
 // (H3), so they load it with acquire; the full-payload push kernels use it for mismatches only
 // (their slots are re-poisoned by the reader itself) and load it relaxed, off the data's path.
 template <bool kAcquire>
 static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const uint64_t* header, int peer,
-                                                     uint32_t epoch, Stage stage) {
+                                                     Epoch epoch, Stage stage) {
+  const uint64_t want = flag_word(epoch, a.signature);
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
-    const uint64_t word = kAcquire ? load_acquire_sys(header) : load_relaxed_sys(header);
-    if (static_cast<uint32_t>(word >> 32) == epoch) {
-      const uint32_t observed = static_cast<uint32_t>(word);
-      if (observed == a.signature) return true;
-      record_error(a, ErrorKind::kMismatch, peer, stage, epoch, observed);
-      return false;
-    }
+    if ((kAcquire ? load_acquire_sys(header) : load_relaxed_sys(header)) == want) return true;
     const SpinVerdict verdict = spin_verdict(a, spins, started, epoch, stage);
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
@@ -191,7 +186,7 @@ static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const 
 // False (this thread) on timeout or abort.
 template <typename T, typename Unit, typename Where>
 __device__ __forceinline__ bool gather_unit(const KernelArgs& a, int world, Where where, const Unit* in, uint64_t i,
-                                            uint32_t epoch, Stage stage, uint32_t& spins, uint64_t& started,
+                                            Epoch epoch, Stage stage, uint32_t& spins, uint64_t& started,
                                             Pack<T, Unit>* got) {
   uint32_t pending = ((1u << world) - 1u) & ~(1u << a.rank);
 #pragma unroll
@@ -216,7 +211,7 @@ __device__ __forceinline__ bool gather_unit(const KernelArgs& a, int world, Wher
 
 // Threads 0..W-1 each wait for one peer's header; the others go on (callers join with
 // __syncthreads_and before anything depends on every header).
-__device__ __forceinline__ bool wait_headers(const KernelArgs& a, uint32_t buffer, uint32_t epoch) {
+__device__ __forceinline__ bool wait_headers(const KernelArgs& a, uint32_t buffer, Epoch epoch) {
   const int peer = static_cast<int>(threadIdx.x);
   return peer >= a.world || peer == a.rank ||
          wait_header_word<true>(a, shared_header(a, peer, buffer, blockIdx.x), peer, epoch, Stage::kHostGather);
@@ -259,7 +254,7 @@ __device__ __forceinline__ void advance_shared_state(Control* ctl, uint32_t next
 template <typename T, typename Exchange>
 __device__ __forceinline__ void write_once_call(const KernelArgs& a, bool writes_result, Exchange exchange) {
   bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
+  const Epoch epoch = begin_call(a, &aborted);
   Control* ctl = control_of(a);
   const uint32_t state = __ldcg(&ctl->shared_state[blockIdx.x]);
   const uint32_t buffer = state & 3u;

@@ -9,20 +9,20 @@
 namespace pcie_ar {
 
 template <typename Unit>
-__device__ __forceinline__ Unit* slot_units(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
+__device__ __forceinline__ Unit* slot_units(const KernelArgs& a, int owner, int sender, Epoch epoch) {
   return reinterpret_cast<Unit*>(slot_of(a, owner, sender, epoch));
 }
 
 // Posted writes of src[r] into `peer`'s slot for us.
 template <typename Unit>
-__device__ __forceinline__ void push_to_peer(const KernelArgs& a, int peer, uint32_t epoch, const Unit* src, Range r) {
+__device__ __forceinline__ void push_to_peer(const KernelArgs& a, int peer, Epoch epoch, const Unit* src, Range r) {
   Unit* dst = slot_units<Unit>(a, peer, a.rank, epoch);
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) dst[i] = load_unit(src + i);
 }
 
 // One load, W-1 posted writes: every peer's slot for us at once (the unstaged one-shot).
 template <typename Unit>
-__device__ __forceinline__ void push_to_all_peers(const KernelArgs& a, uint32_t epoch, const Unit* src, Range r) {
+__device__ __forceinline__ void push_to_all_peers(const KernelArgs& a, Epoch epoch, const Unit* src, Range r) {
   Unit* dst[kMaxRanks];
 #pragma unroll
   for (int s = 1; s < kMaxRanks; ++s) {
@@ -40,7 +40,7 @@ __device__ __forceinline__ void push_to_all_peers(const KernelArgs& a, uint32_t 
 // out[r] = sum over ranks (own input + peers' pushes in our slots), in rank order. When
 // `forward` is set, also push the result into every peer's slot for us (two-shot all-gather).
 template <typename T, typename Unit, bool kForward>
-__device__ __forceinline__ void reduce_range(const KernelArgs& a, uint32_t epoch, const Unit* own, Unit* out, Range r) {
+__device__ __forceinline__ void reduce_range(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r) {
   const Unit* slot0 = slot_units<Unit>(a, a.rank, 0, epoch);
   const uint64_t per_slot = a.layout.slot_bytes / sizeof(Unit);
   Unit* dst[kMaxRanks];
@@ -64,13 +64,13 @@ __device__ __forceinline__ void reduce_range(const KernelArgs& a, uint32_t epoch
 
 // out[r] = what `peer` pushed into its slot in our workspace.
 template <typename Unit>
-__device__ __forceinline__ void copy_from_slot(const KernelArgs& a, int peer, uint32_t epoch, Unit* out, Range r) {
+__device__ __forceinline__ void copy_from_slot(const KernelArgs& a, int peer, Epoch epoch, Unit* out, Range r) {
   const Unit* src = slot_units<Unit>(a, a.rank, peer, epoch);
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) out[i] = load_pushed(src + i);
 }
 
 // Signal every peer (threads 0..W-1 each store one flag). Call after __syncthreads().
-__device__ __forceinline__ void signal_all_peers(const KernelArgs& a, int kind, uint32_t epoch) {
+__device__ __forceinline__ void signal_all_peers(const KernelArgs& a, int kind, Epoch epoch) {
   const int peer = static_cast<int>(threadIdx.x);
   if (peer < a.world && peer != a.rank) signal_peer(a, peer, kind, epoch);
 }

@@ -22,7 +22,7 @@ namespace pcie_ar {
 template <typename T, typename Unit, bool kStaged>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
+  const Epoch epoch = begin_call(a, &aborted);
   bool done = false;
   const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
   const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};

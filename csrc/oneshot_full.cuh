@@ -12,11 +12,12 @@
 //      in the same kernel, in its own memory. A peer writes this parity again only in call
 //      e + 2, after it saw our data of call e + 1, which we send after this kernel finished, so
 //      a re-poison never erases newer data and nothing stale is taken for data.
-//  F2. Headers catch mismatches: block k of each sender also stores (epoch << 32 | signature)
-//      into its header slot (parity, sender, k) in every peer's workspace; lanes 0..W-1 of the
-//      last warp of the receiver's block k wait for each peer's, in parallel with the data. The same epoch with
-//      another signature is recorded as a mismatch, never reduced; a peer whose data never
-//      arrives is a timeout.
+//  F2. Headers vouch for the call: block k of each sender also stores the call's sealed word
+//      (invariant 3 of protocol.cuh) into its header slot (parity, sender, k) in every peer's
+//      workspace; lanes 0..W-1 of the last warp of the receiver's block k wait for exactly that
+//      word from each peer, in parallel with the data. A peer that issued another call never
+//      writes it: its call notice names the mismatch while the lane waits, and the block's output
+//      is NaN, never its reduction; a peer whose data never arrives is a timeout.
 //  F3. Every unit is reduced by the thread that pushed it, from the input it loads again before
 //      writing that unit's output: in place (output == input) is safe. Blocks cover 16-byte
 //      granules (partition.cuh), so ranks that move vectors and ranks that move elements
@@ -51,14 +52,14 @@ __device__ __forceinline__ int header_peer(const KernelArgs& a) {
 }
 
 // Our header of this call into `peer`'s workspace (F2); nothing for -1.
-__device__ __forceinline__ void publish_full_header(const KernelArgs& a, int peer, uint32_t parity, uint32_t epoch) {
+__device__ __forceinline__ void publish_full_header(const KernelArgs& a, int peer, uint32_t parity, Epoch epoch) {
   if (peer < 0) return;
   *reinterpret_cast<volatile uint64_t*>(full_header(a, peer, parity, a.rank, blockIdx.x)) = flag_word(epoch, a.signature);
 }
 
-// `peer`'s header of this call in our workspace (F2): true once it is there with our signature,
-// false on mismatch, timeout or abort; true for -1. Relaxed loads: the header carries no data.
-__device__ __forceinline__ bool await_full_header(const KernelArgs& a, int peer, uint32_t parity, uint32_t epoch,
+// `peer`'s header of this call in our workspace (F2): true once it holds this call's word, false
+// on mismatch, timeout or abort; true for -1. Relaxed loads: the header carries no data.
+__device__ __forceinline__ bool await_full_header(const KernelArgs& a, int peer, uint32_t parity, Epoch epoch,
                                                   Stage stage) {
   return peer < 0 || wait_header_word<false>(a, full_header(a, a.rank, parity, peer, blockIdx.x), peer, epoch, stage);
 }
@@ -79,7 +80,7 @@ __device__ __forceinline__ void push_units(const KernelArgs& a, uint32_t parity,
 // Reduce our units [r) from every peer's slot in our memory as each arrived (ours from our input
 // as it travels), then re-poison what we consumed (F1). False (this thread) on timeout or abort.
 template <typename T, typename Unit, int kWorld>
-__device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity, uint32_t epoch, const Unit* in,
+__device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity, Epoch epoch, const Unit* in,
                                             Unit* out, Range r) {
   // Every peer's slot from one base and a stride (see gather_unit on registers).
   Unit* const slots = full_slot<Unit>(a, a.rank, parity, 0);
@@ -106,7 +107,7 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
 template <typename T, typename Exchange>
 __device__ __forceinline__ void full_payload_call(const KernelArgs& a, Exchange exchange) {
   bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
+  const Epoch epoch = begin_call(a, &aborted);
   const bool done = __syncthreads_and(!aborted && exchange(epoch)) != 0;  // the block's verdict (begin_call)
   if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
@@ -116,8 +117,8 @@ __device__ __forceinline__ void full_payload_call(const KernelArgs& a, Exchange 
 // oneshot_ll: every loop over peers unrolls to exactly W copies.
 template <typename T, typename Unit, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
-  full_payload_call<T>(a, [&](uint32_t epoch) {
-    const uint32_t parity = epoch & 1u;
+  full_payload_call<T>(a, [&](Epoch epoch) {
+    const uint32_t parity = parity_of(epoch);
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
     const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
     const int peer = header_peer(a);

@@ -31,8 +31,8 @@
 namespace pcie_ar {
 
 // Line 0 of `sender`'s line slot in `owner`'s workspace for this call's parity.
-__device__ __forceinline__ uint4* line_slot(const KernelArgs& a, int world, int owner, int sender, uint32_t epoch) {
-  const uint64_t parity = static_cast<uint64_t>(epoch & 1u) * a.layout.ll_slot_bytes * static_cast<uint64_t>(world);
+__device__ __forceinline__ uint4* line_slot(const KernelArgs& a, int world, int owner, int sender, Epoch epoch) {
+  const uint64_t parity = static_cast<uint64_t>(parity_of(epoch)) * a.layout.ll_slot_bytes * static_cast<uint64_t>(world);
   return reinterpret_cast<uint4*>(a.bases[owner] + a.layout.ll_offset + parity +
                                   static_cast<uint64_t>(sender) * a.layout.ll_slot_bytes);
 }
@@ -76,7 +76,7 @@ __device__ __forceinline__ void store_payload(void* base, uint64_t unit, uint64_
 // got[peer]. False (error recorded, or another thread's) on mismatch, timeout or abort.
 template <int kWorld>
 __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* lines0, uint64_t stride, uint64_t i,
-                                             uint32_t flag, uint32_t epoch, uint2 (&got)[kMaxRanks]) {
+                                             uint32_t flag, Epoch epoch, uint2 (&got)[kMaxRanks]) {
   uint32_t pending = ((1u << kWorld) - 1u) & ~(1u << a.rank);
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
@@ -95,7 +95,7 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
           pending &= ~(1u << r);
         } else if ((v[r].y != 0u && v[r].y != flag) || (v[r].w != 0u && v[r].w != flag)) {
           const uint32_t seen = (v[r].y != 0u && v[r].y != flag) ? v[r].y : v[r].w;
-          record_error(a, ErrorKind::kMismatch, r, Stage::kLowLatencyGather, epoch, line_signature(seen, epoch));
+          record_error(a, ErrorKind::kMismatch, r, Stage::kLowLatencyGather, epoch, line_signature(seen, low_epoch(epoch)));
           return false;
         }
       }
@@ -115,8 +115,8 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
 template <typename T, bool kAligned, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
-  const uint32_t flag = line_flag(epoch, a.signature);
+  const Epoch epoch = begin_call(a, &aborted);
+  const uint32_t flag = line_flag(low_epoch(epoch), a.signature);
   const uint64_t units = (a.nbytes + kLinePayloadBytes - 1) / kLinePayloadBytes;
   // A thread that saw the abort flag (begin_call) moves nothing and fails its block below.
   const Range mine = aborted ? Range{0, 0} : split(units, gridDim.x, blockIdx.x);

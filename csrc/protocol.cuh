@@ -11,23 +11,26 @@
 //     but the system-scope release is a fence on the critical path. Small messages can instead
 //     take the data-as-flag exchange of oneshot_ll.cuh (flag words inside every 16-byte line, no
 //     sentinel values, no fence), which keeps invariants 1 and 3-6; its own invariants are there.
-//  3. Flags carry (epoch << 32 | signature). The epoch is the call number of this workspace
-//     (next_epoch below: 1, 2, ..., 2^32-1, then 2, 3, ...: never 0, the value of a flag slot
-//     that was never written); every rank's n-th call uses the same epoch because every rank's
-//     counter advances once per call, inside the kernel (graph replays advance it too). A waiter
-//     accepts exactly its own epoch, or the next one (invariant 4): a slot that was not rewritten
-//     for many calls (slots only wide launches or the two-shot use) is not taken for a go while
-//     fewer than 2^32 - 3 calls separate its last write from its next read. Past that, the epochs
-//     have cycled and its stale epoch is this call's or the next one with probability about
-//     2 / 2^32 at that read (a slot idle through one whole cycle: about 12 hours of calls every
-//     10 us without that kind or launch width). A flag with the same epoch but a different signature
-//     (size/dtype/algorithm/launch shape) means the ranks issued different calls: that is
-//     recorded as a mismatch, never reduced.
-//  4. Double buffering by epoch parity. Call e writes into parity e%2 of the peer's data region.
-//     A rank reaches call e only after it saw every peer's flags of call e-1, i.e. after every peer
-//     STARTED call e-1, i.e. after every peer FINISHED call e-2 (kernels on one stream run in
-//     order): so nobody is still reading the parity we overwrite. A sender is therefore at most one
-//     epoch ahead of any receiver, which is why "this epoch or the next" is all a waiter accepts.
+//  3. Flags carry this call's sealed word. The epoch is the call number of this workspace, 64 bits
+//     (next_epoch below): its low 32 bits run 1, 2, ..., 2^32-1, then 2, 3, ... (never 0, the value
+//     of a flag slot that was never written), its high 32 bits count those wraps. Every rank's
+//     n-th call has the same epoch because every rank's counter advances once per call, inside
+//     the kernel (graph replays advance it too). The word a waiter matches (flags, and the headers
+//     of the full-payload and host kernels) is (low << 32 | signature ^ wraps * kWrapSealMix),
+//     and a waiter takes exactly its own call's word: anything else is "not yet". So a slot left
+//     unwritten for any number of calls (slots only wide launches or the two-shot use) is not
+//     taken for a go: its word can equal this call's only if it sat unwritten for a whole number
+//     of cycles of the low word AND its call's signature differs from this one's by exactly the
+//     difference of the two seals (odds about 2^-32 even then), or after 2^32 wraps. A word of this call's
+//     epoch with another signature is not read as a mismatch either (it may be a slot's word from
+//     a wrap ago): the call notices of invariant 7 name a peer that issued another call
+//     (size/dtype/algorithm/launch shape); nothing of such a call is ever reduced.
+//  4. Double buffering by epoch parity. Call e writes into parity e%2 of the peer's data region
+//     and of its flag rows. A rank reaches call e only after it saw every peer's flags of call
+//     e-1, i.e. after every peer STARTED call e-1, i.e. after every peer FINISHED call e-2
+//     (kernels on one stream run in order): so nobody still reads the parity we overwrite. A
+//     sender is therefore at most one epoch ahead of any receiver, and writes the other parity's
+//     rows then: the flag a waiter reads is this call's or an older one, never a newer one.
 //  5. Bounded spins. Every wait checks the global timer; past the timeout it records
 //     (kind, rank, peer, stage, block, epoch) in host-mapped memory, raises the workspace's local
 //     abort flag, and leaves. Kernels that find the abort flag set skip all work, so a queue of
@@ -36,17 +39,18 @@
 //     failed call, eager or replayed from a graph, never leaves data that could pass for a sum.
 //  6. Deterministic sums: every element is reduced in fp32 as ((x0 + x1) + x2) + ... in rank order
 //     0..W-1 and rounded once to the output dtype, in every algorithm and launch shape.
-//  7. Call notices. Each kernel's wire format has its own way to see a peer's different call (a
-//     flag, a line flag or a header of this epoch with another signature), but a peer running
-//     another KIND of kernel (another size class, algorithm or transport format: plain one-shot
-//     against full-payload, fused against plain) writes where this kernel never looks. So every
-//     kernel, CUDA and Triton, also posts (epoch << 32 | signature) into every peer's notice word
-//     for (itself, epoch parity) when it starts (block 0, one relaxed store per peer, nothing
-//     waits for it), and every bounded wait reads its own peers' notices whenever it checks its
-//     bound (every 64th spin): a notice of this epoch with another signature is a mismatch, named
-//     with that peer, within the first exchange instead of a timeout. Parity keeps it exact: a
-//     peer is at most one epoch ahead (invariant 4), so the notice of this parity is this call's
-//     or an older one's, and every call rewrites it (no slot idles long enough to alias).
+//  7. Call notices. Each kernel's wire format has its own way to catch some of a peer's
+//     different calls (a line flag of this epoch with another signature; a sealed word that
+//     never matches and so times out), but a peer running another KIND of kernel (another size
+//     class, algorithm or transport format: plain one-shot against full-payload, fused against
+//     plain) writes where this kernel never looks. So every kernel, CUDA and Triton, also posts
+//     (low epoch << 32 | signature) into every peer's notice word for (itself, epoch parity)
+//     when it starts (block 0, one relaxed store per peer, nothing waits for it), and every
+//     bounded wait reads its own peers' notices whenever it checks its bound (every 64th spin): a
+//     notice of this epoch with another signature is a mismatch, named with that peer, within
+//     the first exchange instead of a timeout. Parity keeps it exact: a peer is at most one epoch
+//     ahead (invariant 4), so the notice of this parity is this call's or an older one's, and
+//     every call rewrites it (no notice idles long enough to alias, so notices are not sealed).
 #pragma once
 
 #include <cstdint>
@@ -77,34 +81,53 @@ struct KernelArgs {
   int world;
 };
 
-// The epoch after `e` (invariant 3). Past 2^32-1 it goes to 2, not 0 (never-written flags) or 1
-// (which would repeat the odd parity of 2^32-1 and break the double buffering of invariant 4).
-__device__ __forceinline__ uint32_t next_epoch(uint32_t e) { return e == 0xFFFFFFFFu ? 2u : e + 1u; }
+// A call's number (invariant 3): the low 32 bits go on the wire, the high 32 bits count wraps.
+using Epoch = uint64_t;
+
+__device__ __forceinline__ uint32_t low_epoch(Epoch e) { return static_cast<uint32_t>(e); }
+
+// The epoch after `e` (invariant 3). Past low 2^32-1 the low word goes to 2, not 0 (never-written
+// flags) or 1 (which would repeat the odd parity of 2^32-1 and break the double buffering of
+// invariant 4), and the wrap count advances.
+__device__ __forceinline__ Epoch next_epoch(Epoch e) {
+  return low_epoch(e) == 0xFFFFFFFFu ? (((e >> 32) + 1u) << 32) | 2u : e + 1u;
+}
+
+__device__ __forceinline__ uint32_t parity_of(Epoch e) { return static_cast<uint32_t>(e) & 1u; }
 
 __device__ __forceinline__ Control* control_of(const KernelArgs& a) {
   return reinterpret_cast<Control*>(a.local + a.layout.control_offset);
 }
 
-__device__ __forceinline__ uint64_t* flag_slot(const KernelArgs& a, int owner, int kind, int sender, int block) {
+// `sender`'s flag of `kind` for `block` and `epoch`'s parity in `owner`'s workspace (invariant 4).
+__device__ __forceinline__ uint64_t* flag_slot(const KernelArgs& a, int owner, int kind, int sender, int block, Epoch epoch) {
   uint64_t* flags = reinterpret_cast<uint64_t*>(a.bases[owner] + a.layout.flags_offset);
-  return flags + (static_cast<uint64_t>(kind) * kMaxRanks + sender) * kMaxFlagBlocks + block;
+  const uint64_t row = 2u * static_cast<uint64_t>(kind) + parity_of(epoch);
+  return flags + (row * kMaxRanks + sender) * kMaxFlagBlocks + block;
 }
 
 // `sender`'s call notice of `epoch`'s parity in `owner`'s workspace (invariant 7).
-__device__ __forceinline__ uint64_t* notice_slot(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
-  return flag_slot(a, owner, kNoticeKind, sender, static_cast<int>(epoch & 1u));
+__device__ __forceinline__ uint64_t* notice_slot(const KernelArgs& a, int owner, int sender, Epoch epoch) {
+  return flag_slot(a, owner, kNoticeKind, sender, 0, epoch);
 }
 
 // Where `sender`'s data lands inside `owner`'s workspace for this call's parity.
-__device__ __forceinline__ char* slot_of(const KernelArgs& a, int owner, int sender, uint32_t epoch) {
-  return a.bases[owner] + (epoch & 1u) * a.layout.parity_bytes + static_cast<uint64_t>(sender) * a.layout.slot_bytes;
+__device__ __forceinline__ char* slot_of(const KernelArgs& a, int owner, int sender, Epoch epoch) {
+  return a.bases[owner] + parity_of(epoch) * a.layout.parity_bytes + static_cast<uint64_t>(sender) * a.layout.slot_bytes;
 }
 
-__device__ __forceinline__ uint64_t flag_word(uint32_t epoch, uint32_t signature) {
-  return (static_cast<uint64_t>(epoch) << 32) | signature;
+// The word a waiter matches for the call of `epoch` and `signature` (invariant 3).
+__device__ __forceinline__ uint64_t flag_word(Epoch epoch, uint32_t signature) {
+  const uint32_t seal = static_cast<uint32_t>(epoch >> 32) * kWrapSealMix;
+  return (static_cast<uint64_t>(low_epoch(epoch)) << 32) | (signature ^ seal);
 }
 
-static __device__ __noinline__ void record_error(const KernelArgs& a, ErrorKind kind, int peer, Stage stage, uint32_t epoch,
+// The call notice of `epoch` and `signature` (invariant 7: not sealed).
+__device__ __forceinline__ uint64_t notice_word(Epoch epoch, uint32_t signature) {
+  return (static_cast<uint64_t>(low_epoch(epoch)) << 32) | signature;
+}
+
+static __device__ __noinline__ void record_error(const KernelArgs& a, ErrorKind kind, int peer, Stage stage, Epoch epoch,
                                           uint32_t observed_signature) {
   Control* ctl = control_of(a);
   atomicExch(&ctl->abort, 1u);  // local memory: an ordinary device atomic
@@ -114,7 +137,7 @@ static __device__ __noinline__ void record_error(const KernelArgs& a, ErrorKind 
     rec->peer = peer;
     rec->stage = static_cast<uint32_t>(stage);
     rec->block = static_cast<int32_t>(blockIdx.x);
-    rec->epoch = epoch;
+    rec->epoch = low_epoch(epoch);
     rec->expected_signature = a.signature;
     rec->observed_signature = observed_signature;
     __threadfence_system();
@@ -124,19 +147,19 @@ static __device__ __noinline__ void record_error(const KernelArgs& a, ErrorKind 
 }
 
 // Tell `peer` that this block's data for `kind` has landed. Call after __syncthreads().
-__device__ __forceinline__ void signal_peer(const KernelArgs& a, int peer, int kind, uint32_t epoch) {
-  store_release_sys(flag_slot(a, peer, kind, a.rank, blockIdx.x), flag_word(epoch, a.signature));
+__device__ __forceinline__ void signal_peer(const KernelArgs& a, int peer, int kind, Epoch epoch) {
+  store_release_sys(flag_slot(a, peer, kind, a.rank, blockIdx.x, epoch), flag_word(epoch, a.signature));
 }
 
 enum class SpinVerdict { kSpin, kAborted, kTimedOut };
 
 // A peer's call notice of this epoch with another signature (invariant 7): recorded as a mismatch
 // in `stage`, named with that peer. Out of line: it runs once per 64 spins, off the fast path.
-static __device__ __noinline__ bool foreign_notice(const KernelArgs& a, uint32_t epoch, Stage stage) {
+static __device__ __noinline__ bool foreign_notice(const KernelArgs& a, Epoch epoch, Stage stage) {
   for (int p = 0; p < a.world; ++p) {
     if (p == a.rank) continue;
     const uint64_t word = load_relaxed_sys(notice_slot(a, a.rank, p, epoch));
-    if (static_cast<uint32_t>(word >> 32) == epoch && static_cast<uint32_t>(word) != a.signature) {
+    if (static_cast<uint32_t>(word >> 32) == low_epoch(epoch) && static_cast<uint32_t>(word) != a.signature) {
       record_error(a, ErrorKind::kMismatch, p, stage, epoch, static_cast<uint32_t>(word));
       return true;
     }
@@ -149,7 +172,7 @@ static __device__ __noinline__ bool foreign_notice(const KernelArgs& a, uint32_t
 // mismatch in `stage`), kTimedOut after timeout_ns of spinning (the clock starts at the first
 // check), else kSpin. The caller records the timeout with its own peer and stage.
 __device__ __forceinline__ SpinVerdict spin_verdict(const KernelArgs& a, uint32_t spins, uint64_t& started,
-                                                    uint32_t epoch, Stage stage) {
+                                                    Epoch epoch, Stage stage) {
   if ((spins & 63u) != 63u) return SpinVerdict::kSpin;
   if (load_volatile(&control_of(a)->abort)) return SpinVerdict::kAborted;
   if (foreign_notice(a, epoch, stage)) return SpinVerdict::kAborted;
@@ -161,21 +184,14 @@ __device__ __forceinline__ SpinVerdict spin_verdict(const KernelArgs& a, uint32_
   return now - started > a.timeout_ns ? SpinVerdict::kTimedOut : SpinVerdict::kSpin;
 }
 
-// Bounded wait for `peer`'s flag in our own workspace. False on timeout, mismatch or abort.
-static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int kind, uint32_t epoch, Stage stage) {
-  const uint64_t* flag = flag_slot(a, a.rank, kind, peer, blockIdx.x);
+// Bounded wait for `peer`'s flag of this call in our own workspace (exactly this call's word:
+// invariant 3). False on timeout, mismatch (a peer's notice) or abort.
+static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int kind, Epoch epoch, Stage stage) {
+  const uint64_t* flag = flag_slot(a, a.rank, kind, peer, blockIdx.x, epoch);
+  const uint64_t want = flag_word(epoch, a.signature);
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
-    const uint64_t word = load_acquire_sys(flag);
-    const uint32_t seen = static_cast<uint32_t>(word >> 32);
-    if (seen == epoch || seen == next_epoch(epoch)) {
-      const uint32_t observed = static_cast<uint32_t>(word);
-      if (seen == epoch && observed != a.signature) {
-        record_error(a, ErrorKind::kMismatch, peer, stage, epoch, observed);
-        return false;
-      }
-      return true;  // the next epoch: the peer already moved on to the next call, so it finished this one
-    }
+    if (load_acquire_sys(flag) == want) return true;
     const SpinVerdict verdict = spin_verdict(a, spins, started, epoch, stage);
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, peer, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
@@ -183,7 +199,7 @@ static __device__ __noinline__ bool wait_peer(const KernelArgs& a, int peer, int
 }
 
 // Threads 0..W-1 each wait for one peer; true for the whole block only if every wait succeeded.
-__device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, uint32_t epoch, Stage stage) {
+__device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, Epoch epoch, Stage stage) {
   bool ok = true;
   const int peer = static_cast<int>(threadIdx.x);
   if (peer < a.world && peer != a.rank) ok = wait_peer(a, peer, kind, epoch, stage);
@@ -197,22 +213,22 @@ __device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, ui
 // block: a thread that saw it skips its own work, and the kernel takes the block's verdict at the
 // first barrier it has anyway (__syncthreads_or / __syncthreads_and), before any flag is sent or
 // any branch holds a barrier. (A barrier here for the verdict cost 0.1-0.2 us per call.)
-__device__ __forceinline__ uint32_t begin_call(const KernelArgs& a, bool* aborted) {
+__device__ __forceinline__ Epoch begin_call(const KernelArgs& a, bool* aborted) {
   const Control* ctl = control_of(a);
   *aborted = __ldcg(&ctl->abort) != 0;
-  const uint32_t epoch = next_epoch(__ldcg(&ctl->epochs[blockIdx.x]));
+  const Epoch epoch = next_epoch(__ldcg(reinterpret_cast<const unsigned long long*>(&ctl->epochs[blockIdx.x])));
   const int peer = static_cast<int>(threadIdx.x);
   // This call's notice (invariant 7), unless the workspace is aborted: an aborted call touches no
   // peer memory (after close() the peers may be unmapped while a captured graph still replays).
   if (!*aborted && blockIdx.x == 0 && peer < a.world && peer != a.rank) {
-    store_relaxed_sys_unordered(notice_slot(a, peer, a.rank, epoch), flag_word(epoch, a.signature));
+    store_relaxed_sys_unordered(notice_slot(a, peer, a.rank, epoch), notice_word(epoch, a.signature));
   }
   return epoch;
 }
 
 // Publish the epoch for the next kernel on this stream (see Control). Kernel completion makes
 // the stores visible to the next kernel; nothing in this call reads them.
-__device__ __forceinline__ void end_call(const KernelArgs& a, uint32_t epoch) {
+__device__ __forceinline__ void end_call(const KernelArgs& a, Epoch epoch) {
   __syncthreads();  // every thread of this block has read epochs[blockIdx.x]
   Control* ctl = control_of(a);
   for (uint32_t i = blockIdx.x + threadIdx.x * gridDim.x; i < kMaxFlagBlocks; i += blockDim.x * gridDim.x) {

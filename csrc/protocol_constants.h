@@ -21,16 +21,23 @@ constexpr int kMaxRanks = 8;
 constexpr int kMaxFlagBlocks = 128;  // flag slots per (kind, sender); CUDA kernels use <= kMaxLaunchBlocks
 constexpr int kMaxLaunchBlocks = 64;
 constexpr int kThreadsPerBlock = 512;
-// Rows of the flag array: 0: first exchange (one-shot push, two-shot reduce-scatter), 1: all-gather,
-// 2 (kNoticeKind): call notices, one word per (sender, epoch parity) (invariant 7 of protocol.cuh).
+// Kinds of flag: 0: first exchange (one-shot push, two-shot reduce-scatter), 1: all-gather,
+// 2 (kNoticeKind): call notices, word 0 of each (sender, parity) (invariant 7 of protocol.cuh).
+// Every kind has a row per epoch parity (invariant 4), so the flag array has kFlagRows rows of
+// kMaxRanks x kMaxFlagBlocks words: row 2 * kind + parity.
 constexpr int kFlagKinds = 3;
 constexpr int kNoticeKind = 2;
+constexpr int kFlagRows = 2 * kFlagKinds;
 constexpr uint64_t kAlign = 256;
 // The low-latency line (ll_line.cuh): 8 bytes of payload travel as one 16-byte line whose flag is
 // signature ^ (epoch * kLineFlagMix). Odd: epochs e and e + 2 never share a flag.
 constexpr uint64_t kLinePayloadBytes = 8;
 constexpr uint64_t kLineBytes = 16;
 constexpr uint32_t kLineFlagMix = 0x9E3779B9u;
+// The words a waiter matches (flags and headers) carry the low 32 bits of the 64-bit epoch and the
+// signature XOR (wraps * kWrapSealMix), wraps being the epoch's high 32 bits (invariant 3 of
+// protocol.cuh). Odd: consecutive wrap counts never share a seal; wrap 0 seals nothing.
+constexpr uint32_t kWrapSealMix = 0x85EBCA6Bu;
 
 enum class Algo : int {
   kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5, kOneShotFull = 6,
@@ -86,12 +93,13 @@ struct ErrorRecord {
 };
 
 // Local-only state at the end of each rank's workspace (peers never touch it).
-// The epoch (calls completed) is kept once per block slot, all copies equal between calls: block b
-// of a call reads epochs[b] and, when done, writes every slot i with i % gridDim.x == b. No block
-// reads a slot another block of the same call writes, so advancing needs no atomics, no fence and
-// no "last block" detection, whatever the grid size of the previous or next call.
+// The epoch (the last completed call's, 64-bit: invariant 3 of protocol.cuh) is kept once per block
+// slot, all copies equal between calls: block b of a call reads epochs[b] and, when done, writes
+// every slot i with i % gridDim.x == b. No block reads a slot another block of the same call
+// writes, so advancing needs no atomics, no fence and no "last block" detection, whatever the grid
+// size of the previous or next call.
 struct Control {
-  uint32_t epochs[kMaxFlagBlocks];
+  uint64_t epochs[kMaxFlagBlocks];
   uint32_t abort;        // set once any wait failed; every later call skips its work
   uint32_t error_claim;  // first failing thread wins the right to fill the ErrorRecord
   // The write-once host algorithms' state, one copy per block slot like the epochs, advanced by
@@ -99,8 +107,9 @@ struct Control {
   uint32_t shared_state[kMaxFlagBlocks];
 };
 
-// The same records as arrays of 32-bit words (how the Triton kernels address them).
-constexpr uint64_t kEpochWords = kMaxFlagBlocks;
+// The same records as arrays of 32-bit words (how the Triton kernels address them); the epochs
+// are kEpochCopies 64-bit words at the start.
+constexpr uint64_t kEpochCopies = kMaxFlagBlocks;
 constexpr uint64_t kAbortWord = offsetof(Control, abort) / sizeof(uint32_t);
 constexpr uint64_t kClaimWord = offsetof(Control, error_claim) / sizeof(uint32_t);
 constexpr uint64_t kSharedStateWords = offsetof(Control, shared_state) / sizeof(uint32_t);
@@ -170,7 +179,7 @@ struct Layout {
     l.ll_slot_bytes = l.ll_capacity / kLinePayloadBytes * kLineBytes;  // ll_capacity is a multiple of kAlign
     l.ll_offset = 2 * l.parity_bytes;
     l.flags_offset = l.ll_offset + 2 * l.ll_slot_bytes * static_cast<uint64_t>(world);
-    l.control_offset = l.flags_offset + round_up(sizeof(uint64_t) * kFlagKinds * kMaxRanks * kMaxFlagBlocks, kAlign);
+    l.control_offset = l.flags_offset + round_up(sizeof(uint64_t) * kFlagRows * kMaxRanks * kMaxFlagBlocks, kAlign);
     l.stats_offset = l.control_offset + round_up(sizeof(Control), kAlign);
     l.shared_offset = l.stats_offset + round_up(sizeof(uint64_t) * kRowStatsSlots, kAlign);
     l.shared_bytes = transport == Transport::kHost ? kSharedHeaderBytes + kSharedBuffers * kSharedAreas * l.slot_bytes : 0;

@@ -24,7 +24,7 @@ namespace pcie_ar {
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
-  const uint32_t epoch = begin_call(a, &aborted);
+  const Epoch epoch = begin_call(a, &aborted);
   bool done = false;
   const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
   const Unit* in = static_cast<const Unit*>(a.input);

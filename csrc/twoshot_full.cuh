@@ -16,9 +16,10 @@
 //      the slots of a parity are written again only two calls later, after every writer saw our
 //      data of the call between (here: a sender's part needs the owner's all-gather of the call
 //      before; an owner's sum needs the receiver's part of this call).
-//  F2. Block k of each rank stores its header (epoch << 32 | signature) into every peer; lanes
-//      0..W-1 of the last warp of the receiver's block k wait for each peer's beside the data. A header of
-//      this epoch with another signature (size, dtype, algorithm, blocks) is a mismatch.
+//  F2. Block k of each rank stores its header (the call's sealed word, invariant 3 of
+//      protocol.cuh) into every peer; lanes 0..W-1 of the last warp of the receiver's block k wait
+//      for exactly that word from each peer beside the data. A peer that issued another call
+//      (size, dtype, algorithm, blocks) never writes it: its call notice names the mismatch.
 //  F3. Every unit is reduced (owner) or copied (all-gather) by one thread, which reads its own
 //      input before writing that unit's output: in place is safe.
 // Layout: each parity of the full slots (W x ll_capacity bytes) is cut into 2W inboxes of
@@ -72,7 +73,7 @@ __device__ __forceinline__ void push_shards(const KernelArgs& a, uint32_t parity
 // in rank order; the sum as it travels into our output and every peer's all-gather inbox; the
 // inboxes re-poisoned (F1). False (this thread) on timeout or abort.
 template <typename T, typename Unit>
-__device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t parity, uint32_t epoch, const Unit* in,
+__device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t parity, Epoch epoch, const Unit* in,
                                                  Unit* out, bool tail) {
   const Range r = full_shard_units<T, Unit>(a, a.rank, tail);
   const Unit poison = poison_unit<Unit>();
@@ -103,7 +104,7 @@ __device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t p
 
 // All-gather: every other shard from our inboxes into our output, re-poisoned after use (F1).
 template <typename T, typename Unit>
-__device__ __forceinline__ bool gather_shards(const KernelArgs& a, uint32_t parity, uint32_t epoch, Unit* out,
+__device__ __forceinline__ bool gather_shards(const KernelArgs& a, uint32_t parity, Epoch epoch, Unit* out,
                                               bool tail) {
   const Unit poison = poison_unit<Unit>();
   uint64_t started = 0;
@@ -124,8 +125,8 @@ __device__ __forceinline__ bool gather_shards(const KernelArgs& a, uint32_t pari
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) twoshot_full_kernel(const __grid_constant__ KernelArgs a) {
-  full_payload_call<T>(a, [&](uint32_t epoch) {
-    const uint32_t parity = epoch & 1u;
+  full_payload_call<T>(a, [&](Epoch epoch) {
+    const uint32_t parity = parity_of(epoch);
     const Unit* in = static_cast<const Unit*>(a.input);
     Unit* out = static_cast<Unit*>(a.output);
     const T* in_t = static_cast<const T*>(a.input);

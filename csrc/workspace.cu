@@ -546,19 +546,19 @@ uint64_t Workspace::full_offset() const { return state_->layout.full_offset; }
 uint64_t Workspace::full_bytes() const { return state_->layout.full_bytes; }
 uint64_t Workspace::total_bytes() const { return state_->layout.total_bytes; }
 
-void Workspace::debug_set_epoch(uint32_t completed) {
+void Workspace::debug_set_epoch(uint64_t completed) {
   // The local counter only: flag slots keep what they hold (zeros, or older calls' flags), as they
   // would after that many real calls, so a test across the wrap sees what production would.
   DeviceGuard guard(device_);
   Control ctl{};
   PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
   PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->control(), sizeof(ctl), cudaMemcpyDeviceToHost));
-  for (uint32_t& e : ctl.epochs) e = completed;  // abort, error claim and the host one-shot's state stay
+  for (uint64_t& e : ctl.epochs) e = completed;  // abort, error claim and the host one-shot's state stay
   PCIE_AR_CUDA_CHECK(cudaMemcpy(state_->control(), &ctl, sizeof(ctl), cudaMemcpyHostToDevice));
   PCIE_AR_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-uint32_t Workspace::debug_epoch() const {
+uint64_t Workspace::debug_epoch() const {
   DeviceGuard guard(device_);
   Control ctl{};
   PCIE_AR_CUDA_CHECK(cudaMemcpy(&ctl, state_->control(), sizeof(ctl), cudaMemcpyDeviceToHost));

@@ -87,8 +87,8 @@ class Workspace {
 
   // Test hook: make this workspace believe `completed` calls already happened (wrap-around tests).
   // Collective in spirit: every rank must call it with the same value before the next call.
-  void debug_set_epoch(uint32_t completed);
-  uint32_t debug_epoch() const;
+  void debug_set_epoch(uint64_t completed);
+  uint64_t debug_epoch() const;
   // Test hook: from now on write_probes' kernel waits `seconds` (on the GPU clock, so it ends by
   // itself) before its stores, as a platform whose peer writes stall would hold it; 0: no wait.
   void debug_delay_probes(double seconds);

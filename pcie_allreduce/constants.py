@@ -24,20 +24,22 @@ MIRROR: dict[str, Any] = {
     "MAX_LAUNCH_BLOCKS": 64,   # CUDA blocks (or Triton programs) of one call
     "MAX_FLAG_BLOCKS": 128,    # flag slots per (kind, sender)
     "THREADS_PER_BLOCK": 512,
-    "FLAG_KINDS": 3,           # 0: first exchange, 1: all-gather, 2: call notices ...
-    "NOTICE_KIND": 2,          # ... one word per (sender, epoch parity)
+    "FLAG_KINDS": 3,           # 0: first exchange, 1: all-gather, 2: call notices (word 0 of each row) ...
+    "NOTICE_KIND": 2,
+    "FLAG_ROWS": 6,            # ... each with a row per epoch parity: row 2 * kind + parity
     "ALIGN": 256,              # workspace regions start on this many bytes
     "LOW_LATENCY_MAX_BYTES": 512 * 1024,  # payload cap of the low-latency line slots
     "ROW_STATS_SLOTS": 1024,   # uint64 words for the fused one-shot's per-row statistics
     "LINE_PAYLOAD_BYTES": 8,   # a low-latency line carries this much payload ...
     "LINE_BYTES": 16,          # ... in this many bytes
     "LINE_FLAG_MIX": 0x9E3779B9,  # line flag = signature ^ (epoch * LINE_FLAG_MIX), never 0
-    # Control words (uint32): one epoch copy per flag block, then abort, then error_claim.
-    "EPOCH_WORDS": 128,
-    "ABORT_WORD": 128,
-    "CLAIM_WORD": 129,
-    "SHARED_STATE_WORDS": 130,  # then one host one-shot state per flag block
-    "CONTROL_WORDS": 258,
+    "WRAP_SEAL_MIX": 0x85EBCA6B,  # a flag's low word = signature ^ (wraps * WRAP_SEAL_MIX)
+    # Control: one 64-bit epoch copy per flag block, then (as uint32 words) abort, error_claim, ...
+    "EPOCH_COPIES": 128,
+    "ABORT_WORD": 256,
+    "CLAIM_WORD": 257,
+    "SHARED_STATE_WORDS": 258,  # ... then one host one-shot state per flag block
+    "CONTROL_WORDS": 386,
     "SHARED_BUFFERS": 3,        # the host transport's write-once buffers, each of ...
     "SHARED_AREAS": 2,          # ... two areas (what a rank sends, its reduced shard), ...
     "SHARED_HEADER_BYTES": 3072,  # ... after one header word per (buffer, block)
@@ -83,13 +85,15 @@ MAX_FLAG_BLOCKS: int = _VALUES["MAX_FLAG_BLOCKS"]
 THREADS_PER_BLOCK: int = _VALUES["THREADS_PER_BLOCK"]
 FLAG_KINDS: int = _VALUES["FLAG_KINDS"]
 NOTICE_KIND: int = _VALUES["NOTICE_KIND"]
+FLAG_ROWS: int = _VALUES["FLAG_ROWS"]
 ALIGN: int = _VALUES["ALIGN"]
 LOW_LATENCY_MAX_BYTES: int = _VALUES["LOW_LATENCY_MAX_BYTES"]
 ROW_STATS_SLOTS: int = _VALUES["ROW_STATS_SLOTS"]
 LINE_PAYLOAD_BYTES: int = _VALUES["LINE_PAYLOAD_BYTES"]
 LINE_BYTES: int = _VALUES["LINE_BYTES"]
 LINE_FLAG_MIX: int = _VALUES["LINE_FLAG_MIX"]
-EPOCH_WORDS: int = _VALUES["EPOCH_WORDS"]
+WRAP_SEAL_MIX: int = _VALUES["WRAP_SEAL_MIX"]
+EPOCH_COPIES: int = _VALUES["EPOCH_COPIES"]
 ABORT_WORD: int = _VALUES["ABORT_WORD"]
 CLAIM_WORD: int = _VALUES["CLAIM_WORD"]
 CONTROL_WORDS: int = _VALUES["CONTROL_WORDS"]

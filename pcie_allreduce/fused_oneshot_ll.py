@@ -7,11 +7,11 @@ as 8-byte words {4 payload bytes, 32-bit flag}; a word has arrived when its flag
 that is not ours means a peer issued a different call (mismatch, never reduced).
 Full payload: the slots, headers and invariants of csrc/oneshot_full.cuh (F1-F2): 4-byte words of
 two elements, -0.0 sent as +0.0 so that no 16-bit lane is ever the poison pattern 0x8000; a word
-has arrived when no lane is poison and its sender's header for this program carries this epoch
-(a header of this epoch with another signature is a mismatch); the receiver re-poisons every
-word it consumed. Either way fused and plain calls of the same format interleave on one
-workspace, and there is no fence and no flag round trip: the fused call costs about what the
-plain all-reduce costs.
+has arrived when no lane is poison and its sender's header for this program is exactly this
+call's sealed word (triton_protocol.sealed_word; any other header is "not yet": a peer's call
+notice names a mismatch); the receiver re-poisons every word it consumed. Either way fused and
+plain calls of the same format interleave on one workspace, and there is no fence and no flag
+round trip: the fused call costs about what the plain all-reduce costs.
 
 Grid: T rows x C column chunks, one program each.
  1. Push: every program pushes its own chunk to every peer (chunks are near-equal, so all
@@ -46,9 +46,10 @@ import triton.language as tl
 from pcie_allreduce import constants
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.layout import Layout, WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, line_flag, load_volatile, now_ns,
-                                            foreign_notice, my_notices, pause_ns, pick_base, post_notices, record_error,
-                                            round_to, spin_verdict, store_volatile)
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, foreign_notice, line_flag,
+                                            line_signature, load_volatile, my_notices, now_ns, pause_ns, pick_base,
+                                            post_notices, record_error, round_to, sealed_word, spin_verdict,
+                                            store_volatile)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
 STAGE_FULL_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_FULL_GATHER)
@@ -89,24 +90,23 @@ def verdict_state(verdict):
 
 
 @triton.jit
-def _word_states(live, words, headers, flag, epoch, sig, FULL: tl.constexpr):
+def _word_states(live, words, headers, flag, FULL: tl.constexpr):
     """Per word of the [peers, words] tile: ARRIVED (or not ours to wait for), NOT_YET, or
     FOREIGN (a mismatch, never reduced).
 
     Lines (L1, L3): a word has arrived when its flag is ours; a non-zero flag that is not ours is
-    foreign. Full payload (F1, F2 of csrc/oneshot_full.cuh): a word has arrived when neither of
-    its 16-bit lanes is the poison pattern AND its sender's header of this program carries this
-    epoch; a header of this epoch with another signature is foreign."""
+    foreign (lines are cleared after use, so none is left from an earlier call). Full payload (F1,
+    F2 of csrc/oneshot_full.cuh): a word has arrived when neither of its 16-bit lanes is the
+    poison pattern AND its sender's header of this program is ``flag``, this call's sealed word;
+    any other header is not yet ours, never foreign (it may be a slot left from an earlier wrap):
+    only the peers' call notices name a mismatch then."""
     if FULL:
         poisoned = ((words & 0xFFFF) == 0x8000) | ((words >> 16) == 0x8000)
-        header_epoch = headers >> 32
-        foreign = (header_epoch == epoch) & ((headers & 0xFFFFFFFF) != sig)
-        waiting = poisoned | (header_epoch != epoch)
+        states = tl.where(poisoned | (headers != flag), NOT_YET, ARRIVED)
     else:
         seen = words >> 32
-        foreign = (seen != 0) & (seen != flag)
-        waiting = seen == 0
-    return tl.where(live, tl.where(foreign, FOREIGN, tl.where(waiting, NOT_YET, ARRIVED)), ARRIVED)
+        states = tl.where((seen != 0) & (seen != flag), FOREIGN, tl.where(seen == 0, NOT_YET, ARRIVED))
+    return tl.where(live, states, ARRIVED)
 
 
 @triton.jit
@@ -115,7 +115,8 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
     """(words, ok): bounded wait until every live word of the tile has arrived (_word_states); 0
     on mismatch/timeout/abort (``aborted``: this thread found the workspace aborted at the start),
     the same in every thread. ``headers_ptr``: with FULL, each element's sender's header word
-    (the same address along a peer's row), else unused.
+    (the same address along a peer's row), else unused. ``flag``: the line flag of this call, or
+    with FULL its sealed header word.
 
     One block-wide reduction per spin (the worst state): each reduction is a block barrier, and
     the first version's two per spin (waiting?, foreign?) made 16-warp programs notice the last
@@ -123,7 +124,7 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
     STAGE: tl.constexpr = STAGE_FULL_GATHER if FULL else STAGE_LOW_LATENCY_GATHER
     words = load_volatile(words_ptr, live, INTERPRET)
     headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
-    states = _word_states(live, words, headers, flag, epoch, sig, FULL)
+    states = _word_states(live, words, headers, flag, FULL)
     state = tl.max(tl.maximum(states, tl.where(aborted != 0, ABORTED, ARRIVED)))
     spins = 0
     start = now_ns(INTERPRET)
@@ -133,18 +134,18 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
         pause_ns(BACKOFF, INTERPRET)
         words = load_volatile(words_ptr, live, INTERPRET)
         headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
-        states = _word_states(live, words, headers, flag, epoch, sig, FULL)
+        states = _word_states(live, words, headers, flag, FULL)
         state = tl.max(tl.maximum(states, verdict_state(verdict)))
     if state == FOREIGN:
-        culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
-        if culprit >= 0:  # a word of another call (uniform: a block-wide max)
-            if FULL:
-                their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), headers & 0xFFFFFFFF, 0))
-            else:
-                observed = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words >> 32, 0))
-                their_sig = (observed ^ ((epoch * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF
-        else:  # a peer's notice of another call (spin_verdict): it runs another kind of kernel
+        if FULL:  # headers never read as foreign: the peer's notice of another call (spin_verdict)
             culprit, their_sig = foreign_notice(notices, epoch, sig, rank, W, INTERPRET)
+        else:
+            culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
+            if culprit >= 0:  # a line of another call (uniform: a block-wide max)
+                observed = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words >> 32, 0))
+                their_sig = line_signature(observed, epoch)
+            else:  # a peer's notice of another call (spin_verdict): it runs another kind of kernel
+                culprit, their_sig = foreign_notice(notices, epoch, sig, rank, W, INTERPRET)
         record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig, INTERPRET)
     elif state == TIMED_OUT:
         late = tl.max(tl.where(states == NOT_YET, peers, -1))
@@ -283,7 +284,9 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     epoch, aborted = begin_call(ctrl, pid)
     sig64 = sig.to(tl.uint64)
     notices = my_notices(my_base, flags_offset, epoch)
-    flag = line_flag(epoch, sig64)
+    # what marks this call's words: the line flag inside every line, or with FULL the sealed word
+    # of the headers (F2)
+    flag = sealed_word(epoch, sig64) if FULL else line_flag(epoch, sig64)
     parity = (epoch & 1).to(tl.int64)
     parity_off = parity * W * slot_stride
     done = 0
@@ -298,7 +301,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         # One store per peer, from the thread holding word 0: a scalar store would be issued by
         # every thread (a transaction per warp and peer on the link, 32x the header's bytes).
         only_first = (j == 0) & sending
-        header_word = tl.zeros([BLOCK_W], tl.uint64) + ((epoch << 32) | sig64)
+        header_word = tl.zeros([BLOCK_W], tl.uint64) + flag
         for p in tl.static_range(W):
             if p != rank:
                 base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)

@@ -4,11 +4,13 @@
     normed       = new_residual * rsqrt(mean(new_residual^2) + eps) * weight   (fp32 math)
 
 Same protocol as csrc/protocol.cuh, so fused and plain calls interleave on one workspace:
-push into peers' slots, then a release store of (epoch << 32 | signature) into the peer's flag
-for this program; spin only on our own flags with acquire loads, bounded by the timeout; the
-epoch lives in the workspace's control words and the last program to finish advances it (CUDA
-graph safe). Reduction: fp32, rank order 0..W-1, rounded once to the dtype, exactly like the
-CUDA kernels; then the residual add is rounded once more, exactly like ``residual + y`` in torch.
+push into peers' slots, then a release store of this call's sealed word (the epoch's low 32 bits
+over the signature sealed with the wrap count: triton_protocol.sealed_word) into the peer's flag
+for this program and epoch parity; spin only on our own flags with acquire loads until each holds
+exactly that word, bounded by the timeout; the epoch lives in the workspace's control words, one
+copy per program slot, and each program advances the copies it owns (CUDA graph safe).
+Reduction: fp32, rank order 0..W-1, rounded once to the dtype, exactly like the CUDA kernels;
+then the residual add is rounded once more, exactly like ``residual + y`` in torch.
 
 Two kernels here:
 - one-shot: each program pushes its rows of x to every peer, waits, reduces its rows and
@@ -41,8 +43,8 @@ from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting,
-                                            foreign_notice, load_acquire_where, my_notices, next_epoch, now_ns, pick_base, post_notices, record_error,
-                                            release_fence, round_to, spin_verdict, store_flag)
+                                            foreign_notice, load_acquire_where, my_notices, now_ns, pick_base, post_notices, record_error,
+                                            release_fence, round_to, sealed_word, spin_verdict, store_flag)
 
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
@@ -149,20 +151,22 @@ def _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols,
             else:
                 begin, end = 0, T
             _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
-    _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 0, rank, pid, (epoch << 32) | sig64, W, INTERPRET)
+    _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
 
 
 @triton.jit
-def _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, kind: tl.constexpr, rank, pid, word,
+def _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, kind: tl.constexpr, rank, pid, epoch, sig64,
                    W: tl.constexpr, INTERPRET: tl.constexpr):
     """After every thread's pushes: one barrier, one system-scope fence, then our flag of ``kind``
-    in every peer (invariant 2 of csrc/protocol.cuh: data before flag)."""
+    (this call's sealed word, in the row of its parity) in every peer (invariant 2 of
+    csrc/protocol.cuh: data before flag)."""
     tl.debug_barrier()
     release_fence(INTERPRET)
+    word = sealed_word(epoch, sig64)
     for p in tl.static_range(W):
         if p != rank:
-            store_flag(flag_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, kind, rank, pid), word,
-                       INTERPRET)
+            store_flag(flag_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, kind, epoch & 1, rank,
+                                 pid), word, INTERPRET)
 
 
 @triton.jit
@@ -178,9 +182,11 @@ def _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, ra
 @triton.jit
 def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid,
                     stage: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """1 once every peer's flag of ``kind`` for this program carries our epoch or the next one
-    (invariant 3 of csrc/protocol.cuh); 0 on a mismatch (a peer's flag of this epoch with another
-    signature), a timeout or an abort, the same in every thread of the program.
+    """1 once every peer's flag of ``kind`` for this program holds exactly this call's sealed word
+    (invariant 3 of csrc/protocol.cuh); 0 on a mismatch (a peer's call notice of this epoch with
+    another signature), a timeout or an abort, the same in every thread of the program. Any other
+    flag word is "not yet": one of another signature may be a slot left from an earlier wrap, so
+    only the notices name a mismatch.
 
     Every pending peer's flag is loaded in each spin, one peer per thread (a BLOCK-wide tensor
     masked to the W - 1 peers: each slot is polled by exactly one thread), so a peer whose flag
@@ -189,11 +195,11 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
     same spin."""
     peers = tl.arange(0, BLOCK)
     live = (peers < W) & (peers != rank)
-    flags = flag_addr(my_base, flags_offset, kind, peers, pid)
+    flags = flag_addr(my_base, flags_offset, kind, epoch & 1, peers, pid)
     notices = my_notices(my_base, flags_offset, epoch)
-    following = next_epoch(epoch)
+    expected = sealed_word(epoch, sig64)
     words = load_acquire_where(flags, live, INTERPRET)
-    states = _flag_states(live, words, epoch, following, sig64)
+    states = _flag_states(live, words, expected)
     state = tl.max(states)
     spins = 0
     start = now_ns(INTERPRET)
@@ -202,14 +208,10 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
         verdict = spin_verdict(ctrl, start, spins, timeout_ns, notices, epoch, sig64, rank, W, INTERPRET)
         fresh = load_acquire_where(flags, live & (states == NOT_YET), INTERPRET)  # arrived ones stay arrived
         words = tl.where(states == NOT_YET, fresh, words)
-        states = _flag_states(live, words, epoch, following, sig64)
+        states = _flag_states(live, words, expected)
         state = tl.max(tl.maximum(states, verdict_state(verdict)))
-    if state == FOREIGN:
-        culprit = tl.max(tl.where(states == FOREIGN, peers, -1))
-        if culprit >= 0:  # a flag of another call (uniform: a block-wide max)
-            their_sig = tl.max(tl.where((states == FOREIGN) & (peers == culprit), words & 0xFFFFFFFF, 0))
-        else:  # a peer's notice of another call (spin_verdict): it runs another kind of kernel
-            culprit, their_sig = foreign_notice(notices, epoch, sig64, rank, W, INTERPRET)
+    if state == FOREIGN:  # a peer's notice of another call (spin_verdict): name it from there
+        culprit, their_sig = foreign_notice(notices, epoch, sig64, rank, W, INTERPRET)
         record_error(ctrl, err_addr, 2, rank, culprit, stage, pid, epoch, sig64, their_sig, INTERPRET)
     elif state == TIMED_OUT:
         late = tl.max(tl.where(states == NOT_YET, peers, -1))
@@ -218,14 +220,11 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
 
 
 @triton.jit
-def _flag_states(live, words, epoch, following, sig64):
-    """Per peer: ARRIVED (its flag carries this epoch with our signature, or the next epoch: it
-    has finished this call and begun the next), FOREIGN (this epoch, another signature: a
-    different call) or NOT_YET; ARRIVED where not live."""
-    seen = (words >> 32) & 0xFFFFFFFF
-    foreign = (seen == epoch) & ((words & 0xFFFFFFFF) != sig64)
-    arrived = (seen == epoch) | (seen == following)
-    return tl.where(live, tl.where(foreign, FOREIGN, tl.where(arrived, ARRIVED, NOT_YET)), ARRIVED)
+def _flag_states(live, words, expected):
+    """Per peer: ARRIVED (its flag is this call's sealed word ``expected``: a peer one call ahead
+    writes the other parity's row, so that word stays until this call has read it) or NOT_YET;
+    ARRIVED where not live."""
+    return tl.where(live & (words != expected), NOT_YET, ARRIVED)
 
 
 # ---- kernels -----------------------------------------------------------------------------
@@ -325,8 +324,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                         dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, DT, ALIGNED)
                         tl.store(dst + row_off + cols, nr, mask=mask)
                 i += 1
-            _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 1, rank, pid, (epoch << 32) | sig64, W,
-                           INTERPRET)
+            _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 1, rank, pid, epoch, sig64, W, INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
                                  BLOCK_H, INTERPRET)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pcie_allreduce.constants import (ALIGN, CONTROL_WORDS, FLAG_KINDS, LINE_BYTES, LINE_PAYLOAD_BYTES,
+from pcie_allreduce.constants import (ALIGN, CONTROL_WORDS, FLAG_ROWS, LINE_BYTES, LINE_PAYLOAD_BYTES,
                                       LOW_LATENCY_MAX_BYTES, MAX_FLAG_BLOCKS, MAX_RANKS, ROW_STATS_SLOTS,
                                       FULL_HEADER_BYTES, SHARED_AREAS, SHARED_BUFFERS, SHARED_HEADER_BYTES)
 # The word indices of the control and error records, next to the offsets they index from (the
 # interpreter tests' fake workspace reads them here); defined in pcie_allreduce.constants.
-from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, ERROR_WORDS  # noqa: F401
+from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_COPIES, ERROR_WORDS  # noqa: F401
 
 _U64, _U32 = 8, 4  # bytes of the flag / statistics words and of the control words
 
@@ -53,7 +53,7 @@ class Layout:
         ll_slot = ll_capacity // LINE_PAYLOAD_BYTES * LINE_BYTES
         ll_offset = 2 * parity
         flags = ll_offset + 2 * ll_slot * world
-        control = flags + _round_up(_U64 * FLAG_KINDS * MAX_RANKS * MAX_FLAG_BLOCKS, ALIGN)
+        control = flags + _round_up(_U64 * FLAG_ROWS * MAX_RANKS * MAX_FLAG_BLOCKS, ALIGN)
         stats = control + _round_up(_U32 * CONTROL_WORDS, ALIGN)
         shared = stats + _round_up(_U64 * ROW_STATS_SLOTS, ALIGN)
         shared_bytes = SHARED_HEADER_BYTES + SHARED_BUFFERS * SHARED_AREAS * slot if transport == "host" else 0

@@ -2,6 +2,11 @@
 for Triton kernels on the same workspace: epochs per program, flags, bounded spins that record
 (kind, rank, peer, stage, program, epoch) and raise the abort flag, and the line flag.
 
+Epochs are 64-bit (invariant 3 of csrc/protocol.cuh): the low 32 bits are the call number that
+words carry, the high 32 bits count its wraps. Every word a waiter matches (flags, full-payload
+headers) is :func:`sealed_word`, matched exactly; flags live in a row per epoch parity
+(:func:`flag_addr`), so a peer one call ahead never overwrites the word this call waits for.
+
 Memory ordering without inline PTX where possible: the CPU interpreter (TRITON_INTERPRET=1)
 runs programs one after another and cannot execute inline assembly, so the acquire load,
 release store and global timer have an interpreter path (volatile load, plain store, a spin
@@ -17,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_WORDS, LINE_FLAG_MIX, MAX_FLAG_BLOCKS, NOTICE_KIND
+from pcie_allreduce.constants import (ABORT_WORD, CLAIM_WORD, EPOCH_COPIES, LINE_FLAG_MIX, MAX_FLAG_BLOCKS, MAX_RANKS,
+                                      NOTICE_KIND, WRAP_SEAL_MIX)
 
 INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
 
@@ -27,10 +33,12 @@ INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags ar
 # (Communicator.all_reduce_rmsnorm). Their element offsets are runtime values, so an aligned base
 # could not widen an access anyway.
 FUSED_TENSOR_ARGS = ("x_ptr", "res_ptr", "w_ptr", "normed_ptr", "res_out_ptr")
-_EPOCH_WORDS: tl.constexpr = tl.constexpr(EPOCH_WORDS)
+_EPOCH_COPIES: tl.constexpr = tl.constexpr(EPOCH_COPIES)
 _ABORT: tl.constexpr = tl.constexpr(ABORT_WORD)
 _CLAIM: tl.constexpr = tl.constexpr(CLAIM_WORD)
 _MIX: tl.constexpr = tl.constexpr(LINE_FLAG_MIX)
+_SEAL: tl.constexpr = tl.constexpr(WRAP_SEAL_MIX)
+_MAX_RANKS: tl.constexpr = tl.constexpr(MAX_RANKS)
 _NOTICE_KIND: tl.constexpr = tl.constexpr(NOTICE_KIND)
 _MAX_FLAG_BLOCKS: tl.constexpr = tl.constexpr(MAX_FLAG_BLOCKS)
 _SPIN_LIMIT: tl.constexpr = tl.constexpr(INTERPRETER_SPIN_LIMIT)
@@ -231,7 +239,8 @@ def record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, obser
         tl.atomic_xchg(ctrl + _ABORT, 1)
         claim = tl.atomic_cas(ctrl + _CLAIM, 0, 1)
         if claim == 0:
-            # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits.
+            # uint32 fields go through int32 stores: the implicit cast keeps the low 32 bits (of the
+            # 64-bit epoch too: the record holds the low word, as csrc/protocol.cuh's does).
             err = err_addr.to(tl.pointer_type(tl.int32))
             tl.store(err + 1, rank)
             tl.store(err + 2, peer)
@@ -259,21 +268,39 @@ def record_error(ctrl, err_addr, kind, rank, peer, stage, pid, epoch, sig, obser
 
 
 @triton.jit
-def flag_addr(base, flags_offset, kind: tl.constexpr, sender, pid):
-    index = (kind * 8 + sender) * 128 + pid
-    return (base + flags_offset + index.to(tl.int64) * 8).to(tl.pointer_type(tl.uint64))
+def flag_addr(base, flags_offset, kind: tl.constexpr, parity, sender, pid):
+    """The flag word of (``kind``, epoch ``parity``, ``sender``, program ``pid``) in the workspace
+    at ``base``: row 2 * kind + parity of the flag array (csrc/protocol.cuh's flag_slot)."""
+    index = ((2 * kind + parity.to(tl.int64)) * _MAX_RANKS + sender) * _MAX_FLAG_BLOCKS + pid
+    return (base + flags_offset + index * 8).to(tl.pointer_type(tl.uint64))
 
 
 def next_epoch_of(epoch: int) -> int:
-    """``next_epoch`` of protocol.cuh on the host (tests): after 2^32-1 comes 2."""
-    return 2 if epoch == 0xFFFFFFFF else epoch + 1
+    """``next_epoch`` of protocol.cuh on the host (tests): after low word 2^32-1 the wrap count
+    goes up and the low word restarts at 2."""
+    return (((epoch >> 32) + 1) << 32) | 2 if epoch & 0xFFFFFFFF == 0xFFFFFFFF else epoch + 1
+
+
+def sealed_word_of(epoch: int, signature: int) -> int:
+    """Host mirror of :func:`sealed_word` (tests encode peers' flags and headers with it)."""
+    return ((epoch & 0xFFFFFFFF) << 32) | ((signature ^ ((epoch >> 32) * WRAP_SEAL_MIX)) & 0xFFFFFFFF)
 
 
 @triton.jit
 def next_epoch(epoch):
-    """The epoch after ``epoch`` (uint64 holding a uint32): ``next_epoch`` of protocol.cuh."""
-    following = (epoch + 1) & 0xFFFFFFFF
-    return tl.where(following == 0, 2, following).to(tl.uint64)
+    """The epoch after ``epoch`` (uint64): ``next_epoch`` of protocol.cuh. The low word skips 0
+    (never-written slots) and 1 (it would repeat the odd parity of 2^32-1) when it wraps."""
+    wrapped = (((epoch >> 32) + 1) << 32) | 2
+    return tl.where((epoch & 0xFFFFFFFF) == 0xFFFFFFFF, wrapped, epoch + 1).to(tl.uint64)
+
+
+@triton.jit
+def sealed_word(epoch, sig64):
+    """The word a waiter matches for this call (invariant 3 of csrc/protocol.cuh): the low 32
+    bits of the epoch over the signature sealed with the wrap count, so a slot left idle since
+    an earlier wrap never equals this call's word (wrap 0 seals nothing)."""
+    seal = ((epoch >> 32) * _SEAL) & 0xFFFFFFFF
+    return ((epoch & 0xFFFFFFFF) << 32) | ((sig64 ^ seal) & 0xFFFFFFFF)
 
 
 @triton.jit
@@ -297,44 +324,48 @@ def block_any(flag, INTERPRET: tl.constexpr):
 
 @triton.jit
 def begin_call(ctrl, pid):
-    """(epoch of this call, aborted): this program's copy of the epoch (see Control in protocol.cuh),
-    and whether THIS THREAD found the workspace aborted (see :func:`block_any` before branching
-    around a barrier on it)."""
-    epoch = next_epoch(tl.load(ctrl + pid, cache_modifier=".cg").to(tl.uint64) & 0xFFFFFFFF)
+    """(epoch of this call (uint64), aborted): this program's 64-bit copy of the epoch (see Control
+    in protocol.cuh; ``ctrl`` addresses the control record as 32-bit words), and whether THIS
+    THREAD found the workspace aborted (see :func:`block_any` before branching around a barrier
+    on it)."""
+    epochs = ctrl.to(tl.pointer_type(tl.uint64))
+    epoch = next_epoch(tl.load(epochs + pid, cache_modifier=".cg"))
     aborted = tl.load(ctrl + _ABORT, cache_modifier=".cg")
     return epoch, aborted
 
 
 @triton.jit
 def end_call(ctrl, epoch, pid):
-    """Publish the epoch: this program writes every copy i with i % programs == pid, so no
+    """Publish the epoch: this program writes every 64-bit copy i with i % programs == pid, so no
     program of this call overwrites a copy another one still has to read."""
     tl.debug_barrier()
-    idx = tl.arange(0, _EPOCH_WORDS)
-    value = tl.zeros(idx.shape, tl.uint32) + epoch.to(tl.uint32)
-    tl.store(ctrl + idx, value, mask=(idx % tl.num_programs(0)) == pid)
+    idx = tl.arange(0, _EPOCH_COPIES)
+    value = tl.zeros(idx.shape, tl.uint64) + epoch
+    tl.store(ctrl.to(tl.pointer_type(tl.uint64)) + idx, value, mask=(idx % tl.num_programs(0)) == pid)
 
 
 @triton.jit
 def notice_addr(base, flags_offset, sender, epoch):
     """``sender``'s call notice of ``epoch``'s parity in the workspace at ``base`` (invariant 7
-    of csrc/protocol.cuh): the notice row of the flag array, one word per (sender, parity)."""
-    return flag_addr(base, flags_offset, _NOTICE_KIND, sender, (epoch & 1).to(tl.int32))
+    of csrc/protocol.cuh): word 0 of the sender's notice row of that parity."""
+    return flag_addr(base, flags_offset, _NOTICE_KIND, epoch & 1, sender, 0)
 
 
 @triton.jit(noinline=True)
 def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, aborted, W: tl.constexpr,
                  INTERPRET: tl.constexpr):
-    """This call's notice (epoch << 32 | signature) in every peer, from thread 0 of program 0 (one
-    relaxed store per peer; nothing waits for it). Out of line, like :func:`foreign_notice`: W
-    branches on the runtime rank inlined into the widest programs cost registers they lack.
+    """This call's notice (the epoch's low 32 bits << 32 | signature, unsealed: every call
+    rewrites its parity's notice, so none is left from an earlier wrap) in every peer, from thread
+    0 of program 0 (one relaxed store per peer; nothing waits for it). Out of line, like
+    :func:`foreign_notice`: W branches on the runtime rank inlined into the widest programs cost
+    registers they lack.
     Nothing when ``aborted`` (this thread's reading): an aborted call touches no peer memory
     (after close() the peers may be unmapped while a captured graph still replays)."""
     if (pid == 0) & (aborted == 0):
         for p in tl.static_range(W):
             if p != rank:
                 store_flag(notice_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, rank, epoch),
-                           (epoch << 32) | sig64, INTERPRET)
+                           ((epoch & 0xFFFFFFFF) << 32) | sig64, INTERPRET)
 
 
 @triton.jit
@@ -348,14 +379,17 @@ def my_notices(my_base, flags_offset, epoch):
 @triton.jit(noinline=True)
 def foreign_notice(notices, epoch, sig64, rank, W: tl.constexpr, INTERPRET: tl.constexpr):
     """(the lowest peer whose notice of this epoch carries another signature, or -1; that
-    signature): a peer making a different call, whichever kernel it runs. Scalar loads, no barrier.
+    signature): a peer making a different call, whichever kernel it runs. The only evidence of a
+    mismatch a flag-based wait has: a flag or header of another signature may be a slot left from
+    an earlier wrap, so it only ever reads "not yet". Scalar loads, no barrier.
     Out of line: inlined into the poll loops it cost the fused one-shot at W = 8, 4 tokens (32
     warps, at the 64-register cap) 0.2-0.3 us per call though it runs every 64th spin only."""
     culprit = -1
     observed = tl.zeros((), tl.uint64)
+    low = epoch & 0xFFFFFFFF
     for p in tl.static_range(W):
         word = load_volatile(notices + p * _MAX_FLAG_BLOCKS, p != rank, INTERPRET)
-        foreign = (culprit < 0) & (p != rank) & (((word >> 32) & 0xFFFFFFFF) == epoch) & ((word & 0xFFFFFFFF) != sig64)
+        foreign = (culprit < 0) & (p != rank) & (((word >> 32) & 0xFFFFFFFF) == low) & ((word & 0xFFFFFFFF) != sig64)
         culprit = tl.where(foreign, p, culprit)
         observed = tl.where(foreign, word & 0xFFFFFFFF, observed)
     return culprit, observed
@@ -393,6 +427,15 @@ def line_flag_of(epoch: int, signature: int) -> int:
 
 @triton.jit
 def line_flag(epoch, sig):
-    """csrc/ll_line.cuh's flag of this call (uint64 holding 32 bits): never 0, differs per signature."""
+    """csrc/ll_line.cuh's flag of this call (uint64 holding 32 bits): never 0, differs per signature.
+    Only the epoch's low word counts (the product is kept mod 2^32) and nothing is sealed: lines
+    are cleared after use, so none is left from an earlier wrap."""
     flag = (sig.to(tl.uint64) ^ ((epoch * _MIX) & 0xFFFFFFFF)) & 0xFFFFFFFF
     return tl.where(flag == 0, _MIX, flag).to(tl.uint64)
+
+
+@triton.jit
+def line_signature(flag, epoch):
+    """The signature a peer's line flag of ``epoch`` stands for (``line_signature`` of
+    csrc/ll_line.cuh; the mismatch report)."""
+    return (flag ^ ((epoch * _MIX) & 0xFFFFFFFF)) & 0xFFFFFFFF

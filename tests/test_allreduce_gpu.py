@@ -215,11 +215,17 @@ def test_10000_back_to_back_calls_of_alternating_sizes(world: int) -> None:
     assert all(r["calls"] == results[0]["calls"] >= 500 for r in results)
 
 
+def _next_epoch(epoch: int) -> int:
+    """next_epoch of csrc/protocol.cuh: the low 32 bits skip 0 and 1 when they wrap, the high 32
+    bits count the wraps."""
+    return (((epoch >> 32) + 1) << 32) | 2 if epoch & 0xFFFFFFFF == 0xFFFFFFFF else epoch + 1
+
+
 def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
-    """Every algorithm, plain and fused, across a boundary of the 32-bit epoch with one rank late
-    by about a second. debug_set_epoch sets the local counter only: flag slots keep what earlier
-    calls (or nobody) wrote, so never-written and long-unused slots are what they would be in
-    production, and each waiter must hold out for the real flag."""
+    """Every algorithm, plain and fused, across a boundary of the epoch's low 32 bits with one rank
+    late by about a second. debug_set_epoch sets the local counter only: flag slots keep what
+    earlier calls (or nobody) wrote, so never-written and long-unused slots are what they would be
+    in production, and each waiter must hold out for the real flag."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
     comm.workspace().debug_set_epoch(completed)
     torch.distributed.barrier(group=ctx.group)
@@ -249,13 +255,53 @@ def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
-@pytest.mark.parametrize("completed", [(1 << 31) - 16, (1 << 32) - 16])
+@pytest.mark.parametrize("completed", [(1 << 31) - 16, (1 << 32) - 16, (7 << 32) | 0xFFFFFFF0])
 def test_every_algorithm_across_epoch_boundaries_with_a_late_rank(completed: int, world: int) -> None:
     results = ranks.run_ranks(_across_epoch_boundaries, world, completed, timeout_s=300)
     epoch = completed
     for _ in range(32):
-        epoch = 2 if epoch == 0xFFFFFFFF else epoch + 1
+        epoch = _next_epoch(epoch)
     assert [r["epoch"] for r in results] == [epoch] * world
+
+
+def _a_cycle_later(ctx: ranks.RankContext, transport: str) -> dict:
+    """Each algorithm makes one call of epoch L, then the counter jumps to one wrap later, to the
+    call before (wraps 1, low L): its next call uses the same low epoch, parity, slots and signature
+    as that first one, while the last rank comes a second late. Each waiter must hold out for the
+    late rank's flag instead of taking the first call's, still in its slot, for this call's (a
+    32-bit epoch could not tell them apart)."""
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
+    late = ctx.rank == ctx.world_size - 1
+    checked = []
+    for i, algo in enumerate(_algos_of(comm)):
+        low = 1000 + 2 * i
+        numel = 4 * 7168 + 2 * i + 1
+        comm.workspace().debug_set_epoch(low - 1)
+        torch.distributed.barrier(group=ctx.group)
+        first = ref.all_inputs(500 + i, ctx.world_size, numel, torch.bfloat16)
+        out = comm.all_reduce(first[ctx.rank].to(ctx.device), out=torch.full((numel,), float("nan"),
+                              dtype=torch.bfloat16, device=ctx.device), algo=algo)
+        ref.check(out, first, f"{algo}: the call of epoch {low}")
+        torch.distributed.barrier(group=ctx.group)
+        comm.workspace().debug_set_epoch((1 << 32) | (low - 1))
+        torch.distributed.barrier(group=ctx.group)
+        if late:
+            time.sleep(1.0)
+        again = ref.all_inputs(600 + i, ctx.world_size, numel, torch.bfloat16)
+        out = comm.all_reduce(again[ctx.rank].to(ctx.device), out=torch.full((numel,), float("nan"),
+                              dtype=torch.bfloat16, device=ctx.device), algo=algo)
+        ref.check(out, again, f"{algo}: the call of epoch {low} one wrap later, with rank {ctx.world_size - 1} late")
+        checked.append(algo)
+    epoch = comm.workspace().debug_epoch()
+    comm.close()
+    return {"checked": checked, "epoch": epoch}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_flag_slot_a_whole_epoch_cycle_old_is_not_taken_for_this_calls(transport: str) -> None:
+    results = ranks.run_ranks(_a_cycle_later, 2, transport, timeout_s=300)
+    assert results[0]["checked"] == results[1]["checked"] and results[0]["checked"]
+    assert {r["epoch"] >> 32 for r in results} == {1}
 
 
 def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:

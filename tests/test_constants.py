@@ -63,7 +63,8 @@ def test_named_ids_follow_the_tables() -> None:
     assert constants.STAGE_NAMES[constants.STAGE_LOW_LATENCY_GATHER] == "low-latency gather"
     assert constants.STAGE_NAMES[constants.STAGE_FUSED_ROW_STATS] == "fused row statistics"
     assert {constants.ERROR_TIMEOUT, constants.ERROR_MISMATCH} == set(constants.ERROR_KINDS.values())
-    assert constants.ABORT_WORD == constants.EPOCH_WORDS == constants.MAX_FLAG_BLOCKS
+    assert constants.ABORT_WORD == 2 * constants.EPOCH_COPIES  # 64-bit epoch copies, as 32-bit words
+    assert constants.EPOCH_COPIES == constants.MAX_FLAG_BLOCKS
 
 
 def test_triton_constants_come_from_the_constants_module() -> None:

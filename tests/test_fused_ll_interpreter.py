@@ -13,10 +13,11 @@ import torch
 
 from pcie_allreduce import constants
 from pcie_allreduce import layout as lay
-from pcie_allreduce.triton_protocol import line_flag_of
+from pcie_allreduce.constants import NOTICE_KIND, WRAP_SEAL_MIX
+from pcie_allreduce.triton_protocol import line_flag_of, sealed_word_of
 from tests import _reference as ref
 from tests._interpreted import interpreted
-from tests.test_fused_interpreter import ONE_SHOT_CASES, FakeRanks, _expected, _inputs
+from tests.test_fused_interpreter import ONE_SHOT_CASES, WRAPPED, FakeRanks, _expected, _inputs, signed64
 
 fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
 ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
@@ -83,7 +84,7 @@ def test_oneshot_ll_one_rank(world, rank, tokens, hidden, dtype, misaligned) -> 
             assert torch.equal(_lines(fake, peer, rank)[:words], _encode(xs[rank], flag)), "pushed words"
             assert not _lines(fake, rank, peer).any(), "consumed lines are cleared (invariant L2)"
     assert not _stats(fake).any(), "row statistics are cleared by their reader"
-    assert bool((fake.control(rank)[:lay.EPOCH_WORDS] == fake.epoch).all()), "every epoch copy advances"
+    assert fake.advanced(), "every epoch copy advances"
 
 
 # A missing peer: test_fused_interpreter.py's timeout test covers this kernel too (parametrized).
@@ -208,8 +209,8 @@ def _full_words(x: torch.Tensor) -> torch.Tensor:
 
 
 def _header(epoch: int, sig: int) -> int:
-    word = (epoch << 32) | sig
-    return word - (1 << 64) if word >= 1 << 63 else word
+    """A header word (sealed, F2) as the int64 the headers view holds."""
+    return signed64(sealed_word_of(epoch, sig))
 
 
 def _full_call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -239,7 +240,7 @@ def test_oneshot_full_one_rank(world, rank, tokens, hidden, dtype, misaligned) -
             assert torch.equal(_full_slot(fake, peer, rank)[:words], _full_words(xs[rank])), "pushed words"
             assert bool((_full_headers(fake, peer)[fake.epoch & 1, rank, :programs] == _header(fake.epoch, sig)).all())
             assert bool((_full_slot(fake, rank, peer) == POISON).all()), "consumed words re-poisoned (F1)"
-    assert bool((fake.control(rank)[:lay.EPOCH_WORDS] == fake.epoch).all()), "every epoch copy advances"
+    assert fake.advanced(), "every epoch copy advances"
 
 
 def test_oneshot_full_waits_for_the_header_of_this_call() -> None:
@@ -263,6 +264,7 @@ def test_oneshot_full_peer_with_another_call_records_mismatch() -> None:
     _, theirs = _full_call(fake, 2, 128, torch.bfloat16)  # the peer thinks the call is [2, 128]
     _full_slot(fake, 1, 0)[:64] = _full_words(xs[0])
     _full_headers(fake, 1)[fake.epoch & 1, 0, :programs] = _header(fake.epoch, theirs)
+    fake.post_notice(0, theirs)  # a header of another call alone is only "not yet"
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
     fused.launch(fake.view, "oneshot_full", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
@@ -272,3 +274,85 @@ def test_oneshot_full_peer_with_another_call_records_mismatch() -> None:
 
 def test_full_and_line_signatures_differ() -> None:
     assert ll.signature(torch.bfloat16, 4, 7168, 28, 7) != ll.signature(torch.bfloat16, 4, 7168, 28, 7, full=True)
+
+
+# ---- the 64-bit epoch and sealed headers (invariant 3 of csrc/protocol.cuh) ------------------
+
+
+def _play_peer_words(fake: FakeRanks, algo: str, peer: int, x: torch.Tensor, programs: int, sig: int) -> None:
+    """``peer``'s words of this call in our workspace: its lines, or its full-payload words and
+    (sealed) headers."""
+    words = x.numel() // 2
+    if algo == "oneshot_ll":
+        _lines(fake, fake.rank, peer)[:words] = _encode(x, line_flag_of(fake.epoch, sig))
+    else:
+        _full_slot(fake, fake.rank, peer)[:words] = _full_words(x)
+        _full_headers(fake, fake.rank)[fake.epoch & 1, peer, :programs] = _header(fake.epoch, sig)
+
+
+@pytest.mark.parametrize("algo", ["oneshot_ll", "oneshot_full"])
+def test_data_as_flag_calls_across_the_wrap(algo: str) -> None:
+    """Three calls from (wrap 0, low 2^32 - 2): each completes and every epoch copy ends at
+    (wrap 1, low 3). Full payload: the headers this rank posts are sealed (signature ^
+    WRAP_SEAL_MIX in wrap 1); lines keep the low word's line flag; notices are not sealed."""
+    world, rank, tokens, hidden, dtype = 2, 0, 2, 64, torch.bfloat16
+    fake = FakeRanks(world, rank, completed=0xFFFFFFFE)
+    if algo == "oneshot_full":
+        _poisoned(fake)
+    programs, sig = (_full_call if algo == "oneshot_full" else _call)(fake, tokens, hidden, dtype)
+    words = tokens * hidden // 2
+    for call in range(3):
+        epoch = fake.epoch
+        xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=40 + call)
+        _play_peer_words(fake, algo, 1, xs[1], programs, sig)
+        _run_one_rank(fake, algo, xs, residual, weight, misaligned=False)
+        assert fake.advanced(), f"call {call}: the epoch copies hold {epoch:#x}"
+        if algo == "oneshot_full":
+            posted = _full_headers(fake, 1)[epoch & 1, rank, :programs]
+            assert bool((posted == signed64(sealed_word_of(epoch, sig))).all()), f"call {call}"
+            if epoch >> 32:
+                assert int(posted[0]) & 0xFFFFFFFF == sig ^ WRAP_SEAL_MIX, "wrap 1 seals the signature"
+        else:
+            flag = line_flag_of(epoch & 0xFFFFFFFF, sig)
+            assert torch.equal(_lines(fake, 1, rank)[:words], _encode(xs[rank], flag)), f"call {call}"
+        assert fake.posted_flag(1, NOTICE_KIND) == ((epoch & 0xFFFFFFFF) << 32) | sig, "notices are not sealed"
+        fake.completed = epoch
+    assert bool((fake.epochs(rank) == (1 << 32) | 3).all())
+
+
+def test_oneshot_full_header_from_the_last_wrap_is_not_taken() -> None:
+    """The peer's header slot holds the word this call's header had in the 32-bit encoding (the
+    same low epoch and signature, sealed with the previous wrap's count: a header left 2^32 calls
+    ago) and its slot holds unpoisoned words (they could be any call's): not taken, however
+    complete the data looks; the wait times out naming that peer, with NaN in both outputs."""
+    fake = _poisoned(FakeRanks(2, 0, completed=WRAPPED))
+    xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=10)
+    programs, sig = _full_call(fake, 1, 64, torch.bfloat16)
+    _full_slot(fake, 0, 1)[:32] = _full_words(xs[1])
+    _full_headers(fake, 0)[fake.epoch & 1, 1, :programs] = _header(fake.epoch - (1 << 32), sig)
+    assert _header(fake.epoch - (1 << 32), sig) == signed64((42 << 32) | sig), "wrap 0's is the 32-bit encoding"
+    normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
+    fused.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    kind, _, peer, stage, _, epoch = (int(v) for v in fake.error[:6])
+    assert (kind, peer, stage, epoch) == (1, 1, ll.STAGE_FULL_GATHER.value, 42), f"error record {fake.error.tolist()}"
+    assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
+    assert fake.advanced()
+
+
+def test_oneshot_full_mismatch_is_named_from_the_notice_not_the_header() -> None:
+    """The peer's header carries this epoch with another signature and its call notice a third:
+    the mismatch names the peer with the notice's signature (the record keeps the epoch's low
+    word), and nothing is reduced."""
+    fake = _poisoned(FakeRanks(2, 1, completed=WRAPPED))
+    xs, residual, weight = _inputs(2, 2, 64, torch.bfloat16, seed=11)
+    programs, sig = _full_call(fake, 2, 64, torch.bfloat16)
+    theirs, in_header = 0x5EED5EED, 0x0BAD0BAD
+    _full_slot(fake, 1, 0)[:64] = _full_words(xs[0])
+    _full_headers(fake, 1)[fake.epoch & 1, 0, :programs] = _header(fake.epoch, in_header)
+    fake.post_notice(0, theirs)
+    normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
+    fused.launch(fake.view, "oneshot_full", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    kind, rank, peer, stage, _, epoch, expected, observed = (int(v) & 0xFFFFFFFF for v in fake.error)
+    assert (kind, rank, peer, stage, epoch, expected, observed) == (
+        2, 1, 0, ll.STAGE_FULL_GATHER.value, 42, sig, theirs), f"error record {fake.error.tolist()}"
+    assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
