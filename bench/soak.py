@@ -49,6 +49,7 @@ GRAPH_EVERY = 5000      # calls between CUDA graph episodes (about)
 # torch.cuda._sleep counts clock cycles: about this many per second (H100/H200 boost ~2 GHz).
 # Only the order of magnitude of a straggler's delay matters.
 GPU_CYCLES_PER_S = 2e9
+COMPILE_GOAL_S = 10.0   # a fused variant's first call should not stall a server longer than this
 SETUP_S = 600.0         # spawn, communicator creation and teardown, on top of the run's own limit
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak")
 JSON_NAME, TEXT_NAME = "soak.json", "soak.txt"
@@ -208,7 +209,7 @@ def summarize(cfg: SoakConfig, results: Sequence[dict[str, Any]], failure: str |
         "in_graphs": first.get("in_graphs", 0),
         "graphs": first.get("graphs", 0),
         "stragglers": first.get("stragglers", 0),
-        "warmup": first.get("warmup", {}),
+        "warmup": {**first.get("warmup", {}), "compile_s": _slowest_compiles(results)},
         "elapsed_s": first.get("elapsed_s", 0.0),
         "wrong": sum(r.get("wrong", 0) for r in results),
         "hung": sum(1 for r in results if r.get("failure") == HUNG),
@@ -229,6 +230,15 @@ def exit_status(summary: dict[str, Any]) -> int:
     return 0 if ok else EXIT_FAILURES
 
 
+def _slowest_compiles(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Each fused variant's compile time on the slowest rank (the one every rank waited for)."""
+    slowest: dict[str, float] = {}
+    for r in results:
+        for variant, seconds in (r.get("warmup") or {}).get("compile_s", {}).items():
+            slowest[variant] = max(seconds, slowest.get(variant, 0.0))
+    return dict(sorted(slowest.items()))
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The report: the summary line, the counts per kind/dtype/algorithm, what went wrong."""
     s = summary
@@ -241,6 +251,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     if warmup:
         lines.append(f"# before the clock: {warmup.get('calls', 0)} fused calls, one per kernel variant (Triton "
                      f"compiles), {warmup.get('seconds', 0.0):.0f} s, checked like the rest")
+        compiles = warmup.get("compile_s") or {}
+        if compiles:
+            slowest = max(compiles.values())
+            lines.append(f"# compile time per fused variant, slowest rank: {len(compiles)} variants, longest "
+                         f"{slowest:.1f} s{' (over ' + str(COMPILE_GOAL_S) + ' s)' if slowest > COMPILE_GOAL_S else ''}")
+            lines += [f"  compile {variant:<52} {seconds:>7.2f} s" for variant, seconds in compiles.items()]
     lines.append(f"# {s['graphs']} CUDA graphs captured; {s['stragglers']} stragglers injected")
     lines.append("# calls per kind, dtype and algorithm (auto: what it picked)")
     lines += [f"  {key:<40} {value:>10}" for key, value in s["counts"].items()]
@@ -393,7 +409,8 @@ class _Soak:
             self._eager(call)
             self._count_wrong(self._read_slots())
         self.comm.check()
-        self.warmup = {"calls": len(warmup), "seconds": time.monotonic() - started, "wrong": self.wrong}
+        self.warmup = {"calls": len(warmup), "seconds": time.monotonic() - started, "wrong": self.wrong,
+                       "compile_s": dict(getattr(self.comm, "fused_compile_seconds", {}))}
         self.totals = Counter({key: 0 for key in self.totals})  # the soak's figures start now
         self.counts.clear()
         dist.barrier(group=self.ctx.group)

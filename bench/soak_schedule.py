@@ -19,7 +19,7 @@ import math
 import random
 from typing import Union
 
-from pcie_allreduce.algo import ALGORITHMS, DATA_AS_FLAG_ONESHOTS, fits_capacity, runs_on
+from pcie_allreduce.algo import ALGORITHMS, DATA_AS_FLAG_ONESHOTS, UNFUSED, fits_capacity, runs_on
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench.options import NORM_DTYPES
@@ -288,8 +288,9 @@ class Schedule:
                     w_offset=self._fused_offset(weight_elements(), hidden, misaligned))
 
     def _fused_algos(self, tokens: int, hidden: int, dtype: str) -> list[str]:
-        """The fused kernels that can take ``[tokens, hidden]`` of ``dtype``."""
-        algos = ["oneshot", "twoshot"]
+        """The fused kernels that can take ``[tokens, hidden]`` of ``dtype``, and the unfused pair
+        (the plain all-reduce, then the add + RMSNorm kernel)."""
+        algos = ["oneshot", "twoshot", UNFUSED]
         if self._ll_fused_fits(tokens, hidden) and tokens * hidden * DTYPE_SIZES[dtype] <= self.params.ll_capacity:
             algos += DATA_AS_FLAG_ONESHOTS
         return algos

@@ -114,7 +114,7 @@ def _check_legal(call: Call, params: ScheduleParams) -> None:
     assert call.count == call.tokens * call.hidden and 1 <= call.tokens <= MAX_TOKENS
     assert call.hidden in FUSED_HIDDENS and call.dtype in ("bfloat16", "float16")
     assert call.weight_dtype in (call.dtype, "float32") and 0 <= call.w_offset <= weight_elements() - call.hidden
-    assert call.algo in ("auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full")
+    assert call.algo in ("auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
     if call.algo in ("oneshot_ll", "oneshot_full"):
         assert call.tokens * call.hidden * size <= params.ll_capacity
         assert fused_oneshot_ll.launch_shape(call.tokens, call.hidden, params.world, params.block_cap) is not None
@@ -133,7 +133,7 @@ def test_schedule_draws_legal_and_varied_calls() -> None:
     host = [c for c in steps(3, dataclasses.replace(PARAMS, transport="host"), 5000)
             if isinstance(c, Call) and c.kind == "plain"]
     assert "host_oneshot" in {c.algo for c in host}
-    assert {c.algo for c in fused} == {"auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full"}
+    assert {c.algo for c in fused} == {"auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused"}
     assert any(c.count % 2 for c in plain) and any(c.hidden % 2 for c in fused) and any(c.inplace for c in plain)
     assert any(c.in_offset % 2 for c in eager) and any(c.in_offset % 8 == 4 for c in eager)  # misaligned views
     assert any(c.nbytes > PARAMS.ll_capacity for c in plain) and any(c.count < 16 for c in plain)
@@ -426,3 +426,13 @@ def test_the_transport_reaches_the_communicator() -> None:
     assert _parse([]).transport == "auto" and _parse(["--transport", "host"]).transport == "host"
     with pytest.raises(SystemExit):
         _parse(["--transport", "nvlink"])
+
+
+def test_summary_lists_each_fused_variant_compile_time_of_the_slowest_rank() -> None:
+    cfg = soak.SoakConfig(world=2, calls=2000, minutes=0.5)
+    variant, other = "oneshot [4, 7168] torch.bfloat16 (weight torch.bfloat16)", "twoshot [1, 96] torch.float16 (weight x)"
+    results = [_rank_result(0, warmup={"calls": 2, "seconds": 9.0, "compile_s": {variant: 1.5, other: 0.4}}),
+               _rank_result(1, warmup={"calls": 2, "seconds": 9.5, "compile_s": {variant: 2.25, other: 12.0}})]
+    text = soak.format_summary(soak.summarize(cfg, results))
+    assert "2 variants, longest 12.0 s (over 10.0 s)" in text
+    assert f"compile {variant}" in text and "2.25 s" in text and "1.50 s" not in text
