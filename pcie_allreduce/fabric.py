@@ -79,6 +79,13 @@ class GpuFabric:
         data["switch"] = self.switch
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GpuFabric":
+        """The inverse of :meth:`to_dict` (keys it does not know are ignored)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
+        return cls(**values)
+
 
 def _speed(text: str | None) -> str:
     return "?" if not text else text.removesuffix(" PCIe")
