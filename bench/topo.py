@@ -1,5 +1,6 @@
-"""``python -m bench topo``: which GPUs can write into which (CUDA peer access), their PCI bus ids
-and NUMA nodes, then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
+"""``python -m bench topo``: which GPUs can write into which (CUDA peer access), their PCI bus ids,
+NUMA nodes and place in the PCIe fabric (switch, link; the islands the library forms from them:
+:func:`pcie_allreduce.environment.fabric_section`), then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
 one-way write bandwidth per pair, one-to-one vs all-to-all write bandwidth. Printed as matrices
 and optionally saved (JSON, the printed text, CSV and PNG: :mod:`.topo_files`).
 
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from typing import Any, Protocol
 
+from pcie_allreduce import environment, fabric
 from pcie_allreduce.errors import UnavailableError
 
 SYSFS_PCI = "/sys/bus/pci/devices"
@@ -46,17 +48,16 @@ class Topology:
     gpus: tuple[Gpu, ...]
     peer_access: tuple[tuple[bool, ...], ...]  # [i][j]: GPU i can access GPU j's memory (diagonal True)
     nvidia_smi_topo: str = ""  # `nvidia-smi topo -m` as printed, when available
+    fabric: dict[str, Any] | None = None  # environment.fabric_section of the GPUs, in index order
 
     def to_dict(self) -> dict[str, Any]:
         return {"gpus": [dataclasses.asdict(g) for g in self.gpus],
                 "peer_access": [list(row) for row in self.peer_access],
-                "nvidia_smi_topo": self.nvidia_smi_topo}
+                "nvidia_smi_topo": self.nvidia_smi_topo, "fabric": self.fabric}
 
 
-def sysfs_bus_id(bus_id: str) -> str:
-    """CUDA's "00000000:19:00.0" or "0000:19:00.0" -> sysfs's "0000:19:00.0" (4-digit domain, lower case)."""
-    domain, _, rest = bus_id.strip().lower().partition(":")
-    return f"{domain[-4:].rjust(4, '0')}:{rest}" if rest else bus_id.strip().lower()
+#: CUDA's "00000000:19:00.0" or "0000:19:00.0" -> sysfs's "0000:19:00.0".
+sysfs_bus_id = fabric.sysfs_bus_id
 
 
 def numa_node(bus_id: str, sysfs_root: str = SYSFS_PCI) -> int | None:
@@ -80,15 +81,17 @@ def _nvidia_smi_topo() -> str:
     return proc.stdout.rstrip() if proc.returncode == 0 else ""
 
 
-def probe(ext: PeerQueries, names: list[str], sysfs_root: str = SYSFS_PCI, smi_topo: str = "") -> Topology:
-    """Peer access between every pair of the ``len(names)`` visible GPUs."""
+def probe(ext: PeerQueries, names: list[str], sysfs_root: str = SYSFS_PCI, smi_topo: str = "",
+          fabric_root: str = "/") -> Topology:
+    """Peer access between every pair of the ``len(names)`` visible GPUs, and their place in the
+    PCIe fabric as sysfs under ``fabric_root`` describes it."""
     count = len(names)
     gpus = []
     for i, name in enumerate(names):
         bus = sysfs_bus_id(ext.pci_bus_id(i))
         gpus.append(Gpu(i, name, bus, numa_node(bus, sysfs_root)))
     access = tuple(tuple(i == j or bool(ext.can_access_peer(i, j)) for j in range(count)) for i in range(count))
-    return Topology(tuple(gpus), access, smi_topo)
+    return Topology(tuple(gpus), access, smi_topo, environment.fabric_section([g.pci_bus_id for g in gpus], fabric_root))
 
 
 def format_topology(topo: Topology) -> str:
@@ -105,6 +108,8 @@ def format_topology(topo: Topology) -> str:
     missing = [(i, j) for i, row in enumerate(topo.peer_access) for j, ok in enumerate(row) if not ok]
     if missing:
         lines.append(f"# {len(missing)} pairs without peer access: P2P all-reduce cannot span them")
+    if topo.fabric:
+        lines += [""] + [line if line.startswith(" ") else "# " + line for line in environment.fabric_lines(topo.fabric)]
     if topo.nvidia_smi_topo:
         lines += ["", "# nvidia-smi topo -m", topo.nvidia_smi_topo]
     return "\n".join(lines) + "\n"

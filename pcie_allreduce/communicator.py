@@ -41,6 +41,8 @@ FIRST_FUSED_CALL_WAIT_S = 300
 # What a rank that gave up on a meeting leaves in its key (a digest is "<int>:<0|1>").
 ABANDONED_MEETING = "abandoned"
 MEETING_STAGE = "first-call compile meeting"
+# What ranks agree on for the islands (named so a disagreement says which setting differs).
+ISLANDS_KEY = f"islands (${topology.ISLANDS_ENV})"
 
 # Communicators alive in this process, for the fork handler; and workspaces that must never be
 # freed here (a forked child's copies, or those of a communicator dropped without close()).
@@ -102,6 +104,11 @@ class Communicator:
     transport: str = "p2p"
     #: Why :attr:`transport` was chosen.
     transport_reason: str = ""
+    #: Groups of ranks (sorted tuples partitioning them) that share a PCIe switch or a NUMA node,
+    #: from every rank's sysfs, or as ``$PCIE_AR_ISLANDS`` sets them (the same on every rank).
+    islands: tuple[tuple[int, ...], ...] = ()
+    #: Where :attr:`islands` came from: "$PCIE_AR_ISLANDS", or what the detection grouped by.
+    islands_source: str = ""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
@@ -132,12 +139,16 @@ class Communicator:
         agreed = self._collective_step("argument checks and GPU set-up",
                                        lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table,
                                                                     transport))
-        for key in ("max_bytes", "timeout_s", "table", "transport"):
+        for key in ("max_bytes", "timeout_s", "table", "transport", ISLANDS_KEY):
             self._check_agreement(agreed, key)
         self._meeting_id: str = agreed[0]["meeting_id"]  # names this communicator's keys in the group's store
         self.table_source: str = ("algo_table argument" if algo_table is not None
                                   else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
         self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
+        fabrics = [p.fabric for p in self.placements]  # each read by its own rank
+        override = agreed[0][ISLANDS_KEY]
+        self.islands = override if override is not None else topology.islands(fabrics)
+        self.islands_source = f"${topology.ISLANDS_ENV}" if override is not None else topology.islands_basis(fabrics)
         requested = agreed[0]["transport"]
         hosts = sorted({p.host for p in self.placements})
         if len(hosts) > 1:  # neither transport reaches another host
@@ -478,6 +489,7 @@ class Communicator:
         self._sms: int = torch.cuda.get_device_properties(self.device).multi_processor_count
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
                 "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
+                ISLANDS_KEY: topology.islands_override(self.world_size),
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 
     def _workspace_for(self, stream: int) -> Any:

@@ -2,8 +2,9 @@
 
 What a bug report or a benchmark result needs to say about a machine: this package and how it was
 built (compiled archs, CUDA runtime), the driver, torch and triton, every visible GPU with its PCI
-bus id, NUMA node and CUDA peer access to the others, MPS, the ``PCIE_AR_*`` settings in force,
-and :func:`pcie_allreduce.unavailable_reason`. Works on a machine without GPU or without the
+bus id, NUMA node and CUDA peer access to the others, where each sits in the PCIe fabric (switch,
+link) and the islands the library forms from that, MPS, the ``PCIE_AR_*`` settings in force, and
+:func:`pcie_allreduce.unavailable_reason`. Works on a machine without GPU or without the
 built extension (it says so); nothing here raises for a missing piece.
 """
 
@@ -18,7 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 SETTINGS_PREFIXES = ("PCIE_AR_", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_", "TRITON_INTERPRET")
 
@@ -31,13 +32,55 @@ def distribution_version(distribution: str) -> str | None:
         return None
 
 
-def _numa_node(pci_bus_id: str) -> int | None:
-    """The NUMA node Linux reports for a PCI device (None where unknown; -1 means one node)."""
-    path = Path("/sys/bus/pci/devices") / pci_bus_id.lower() / "numa_node"
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
+def fabric_section(bus_ids: Sequence[str], root: str = "/",
+                   environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Where each GPU sits in the PCIe fabric (sysfs under ``root``) and the islands of a group
+    with one rank per GPU of ``bus_ids``, in that order: the detected ones, and those
+    ``$PCIE_AR_ISLANDS`` sets instead (or why it is wrong). JSON-able; never raises."""
+    from pcie_allreduce import fabric, topology
+
+    fabrics = [fabric.read_gpu(b, root) for b in bus_ids]
+    detected = topology.islands(fabrics)
+    section: dict[str, Any] = {
+        "gpus": [f.to_dict() for f in fabrics], "detected": [list(g) for g in detected],
+        "basis": topology.islands_basis(fabrics), "override": None, "override_error": None,
+        "islands": [list(g) for g in detected]}
+    text = environ.get(topology.ISLANDS_ENV)
+    if text is not None and text.strip() and bus_ids:
+        section["override"] = text
+        try:
+            section["islands"] = [list(g) for g in topology.parse_islands(text, len(bus_ids))]
+        except ValueError as exc:
+            section["override_error"] = str(exc)
+    return section
+
+
+def fabric_lines(section: dict[str, Any]) -> list[str]:
+    """:func:`fabric_section` as text: one line per GPU, then the islands."""
+    from pcie_allreduce import fabric, topology
+
+    gpus = [fabric.GpuFabric.from_dict(g) for g in section["gpus"]]
+    if not gpus:
+        return []
+    lines = ["PCIe fabric (from sysfs)",
+             f"  {'GPU':>3}  {'bus id':<13} {'NUMA':>4}  {'switch':<14} link"]
+    for index, g in enumerate(gpus):
+        numa = "?" if g.numa_node is None else str(g.numa_node)
+        lines.append(f"  {index:>3}  {g.bus_id:<13} {numa:>4}  {g.switch_label():<14} {g.link_label()}")
+
+    def text(groups: list[list[int]]) -> str:
+        return topology.format_islands(tuple(tuple(g) for g in groups))
+
+    detected = f"{text(section['detected'])} ({section['basis']})"
+    lines.append("islands, for one rank per GPU in index order:")
+    if section["override"] is None:
+        lines.append(f"  {detected}")
+    elif section["override_error"] is None:
+        lines.append(f"  {text(section['islands'])} (set by ${topology.ISLANDS_ENV}; detected: {detected})")
+    else:
+        lines.append(f"  {detected}; ${topology.ISLANDS_ENV} is wrong, a Communicator would refuse it: "
+                     f"{section['override_error']}")
+    return lines
 
 
 SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total")
@@ -76,7 +119,6 @@ def _gpus(ext: Any) -> list[dict[str, Any]]:
             props = torch.cuda.get_device_properties(index)
             gpu.update(name=props.name, capability=f"{props.major}.{props.minor}",
                        memory_gib=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count)
-        gpu["numa_node"] = _numa_node(gpu["pci_bus_id"])
         gpus.append(gpu)
     return gpus
 
@@ -92,7 +134,7 @@ def _mps() -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     """The configuration as a JSON-able dict (keys: package, build, runtime, gpus, peer_access,
-    mps, settings, unavailable_reason)."""
+    fabric (:func:`fabric_section`, with GPUs only), mps, settings, unavailable_reason)."""
     import torch
 
     import pcie_allreduce
@@ -122,6 +164,9 @@ def collect() -> dict[str, Any]:
     if ext.device_count() > 0 and not ext.runtime_status():
         gpus = report["gpus"] = _gpus(ext)
         report["peer_access"] = [[bool(ext.can_access_peer(a["index"], b["index"])) for b in gpus] for a in gpus]
+        report["fabric"] = fabric_section([g["pci_bus_id"] for g in gpus])
+        for gpu, place in zip(gpus, report["fabric"]["gpus"]):
+            gpu["numa_node"] = place["numa_node"]
     return report
 
 
@@ -158,6 +203,8 @@ def format_report(report: dict[str, Any]) -> str:
         for i, row in enumerate(report["peer_access"]):
             cells = (" -" if i == j else (" Y" if ok else " N") for j, ok in enumerate(row))
             lines.append(f"  {gpus[i]['index']:>2} " + " ".join(cells))
+    if report.get("fabric"):
+        lines += fabric_lines(report["fabric"])
     if report["settings"]:
         lines.append("settings: " + " ".join(f"{k}={v}" for k, v in report["settings"].items()))
     reason = report["unavailable_reason"]

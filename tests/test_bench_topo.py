@@ -157,3 +157,35 @@ def test_pingpong_and_fill_kernels() -> None:
     flags.zero_()  # no peer: the wait gives up (spin limit under the interpreter) and reports it
     probe_kernels.pingpong(mine, theirs, out, 20, 10**9, initiator=False)
     assert out[0] == 0 and flags[1] == 0
+
+
+class _FabricExt:
+    """Eight GPUs under two PCIe switches (tests/_sysfs.py), as CUDA names them."""
+
+    def __init__(self, bus_ids: list[str]) -> None:
+        self.bus_ids = bus_ids
+
+    def pci_bus_id(self, device: int) -> str:
+        return "0000" + self.bus_ids[device].upper()
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        return True
+
+
+def test_topo_shows_the_fabric_and_the_islands(tmp_path, monkeypatch) -> None:
+    from tests import _sysfs
+
+    monkeypatch.delenv("PCIE_AR_ISLANDS", raising=False)
+    bus_ids = _sysfs.two_switches_one_socket(tmp_path)
+    found = topo.probe(_FabricExt(bus_ids), ["RTX PRO 6000"] * 8, sysfs_root=str(tmp_path / "sys/bus/pci/devices"),
+                       fabric_root=str(tmp_path))
+    assert [g.pci_bus_id for g in found.gpus] == bus_ids and {g.numa_node for g in found.gpus} == {0}
+    text = topo.format_topology(found)
+    assert "\n# PCIe fabric (from sysfs)\n" in text
+    assert "\n# islands, for one rank per GPU in index order:\n  0-3;4-7 (by PCIe switch)\n" in text
+    row = [line for line in text.splitlines() if "0000:35:00.0" in line][-1]  # the fabric table's
+    assert row.split()[:4] == ["7", "0000:35:00.0", "0", "0000:30:00.0"] and "32.0 GT/s x16" in row
+    data = json.loads(json.dumps(found.to_dict()))
+    assert data["fabric"]["islands"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert data["fabric"]["gpus"][4]["switch"] == "0000:30:00.0"
+    assert topo_files.is_topo_document(data)

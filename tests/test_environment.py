@@ -85,3 +85,46 @@ def test_gpu_reason_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     assert _ext.gpu_unavailable_reason() == _ext.NO_DRIVER
+
+
+# ---- the PCIe fabric and the islands --------------------------------------------------------
+
+
+def test_env_report_shows_the_fabric_and_the_islands(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import _sysfs
+
+    bus_ids = _sysfs.two_sockets_no_switch(tmp_path)
+    section = environment.fabric_section(bus_ids, str(tmp_path), {})
+    assert section["islands"] == section["detected"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert section["basis"] == "by NUMA node" and section["override"] is None
+    assert section["gpus"][4]["numa_node"] == 1 and section["gpus"][4]["switch"] is None
+    lines = environment.fabric_lines(section)
+    assert lines[0] == "PCIe fabric (from sysfs)"
+    assert lines[2].split() == ["0", "0000:01:00.0", "0", "root", "port", "32.0", "GT/s", "x16", "(max", "32.0",
+                                "GT/s", "x16)"]
+    assert lines[-2:] == ["islands, for one rank per GPU in index order:", "  0-3;4-7 (by NUMA node)"]
+    json.dumps(section)
+    report = environment.collect()
+    report.update(gpus=[{"index": i, "pci_bus_id": b, "numa_node": i // 4} for i, b in enumerate(bus_ids)],
+                  peer_access=[[True] * 8] * 8, fabric=section)
+    assert "\n".join(lines) in environment.format_report(report)
+
+
+def test_env_report_names_the_islands_override(tmp_path) -> None:
+    from tests import _sysfs
+
+    bus_ids = _sysfs.two_switches_one_socket(tmp_path)
+    section = environment.fabric_section(bus_ids, str(tmp_path), {"PCIE_AR_ISLANDS": "0,2,4,6;1,3,5,7"})
+    assert section["islands"] == [[0, 2, 4, 6], [1, 3, 5, 7]] and section["detected"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert environment.fabric_lines(section)[-1] == (
+        "  0,2,4,6;1,3,5,7 (set by $PCIE_AR_ISLANDS; detected: 0-3;4-7 (by PCIe switch))")
+    wrong = environment.fabric_section(bus_ids, str(tmp_path), {"PCIE_AR_ISLANDS": "0-3"})
+    assert wrong["islands"] == wrong["detected"] and "ranks 4-7 are in no island" in wrong["override_error"]
+    assert "$PCIE_AR_ISLANDS is wrong, a Communicator would refuse it: " in environment.fabric_lines(wrong)[-1]
+
+
+def test_env_fabric_without_sysfs(tmp_path) -> None:
+    section = environment.fabric_section(["00000000:41:00.0"], str(tmp_path / "none"), {})
+    assert section["gpus"][0]["bus_id"] == "0000:41:00.0" and section["gpus"][0]["known"] is False
+    assert environment.fabric_lines(section)[2].split() == ["0", "0000:41:00.0", "?", "unknown", "unknown"]
+    assert environment.fabric_lines(environment.fabric_section([], str(tmp_path), {})) == []
