@@ -223,9 +223,9 @@ def busbw_gbps(nbytes: int, us: float, world: int) -> float:
 # Algorithms
 
 
-def _table_blocks(algo: str, world: int) -> Callable[[int], int]:
-    table = default_table()
-    return lambda nbytes: table.blocks_for(algo, nbytes, world, "bfloat16")
+def _table_blocks(algo: str, fab: Fabric) -> Callable[[int], int]:
+    table = default_table(islands=fab.islands)
+    return lambda nbytes: table.blocks_for(algo, nbytes, fab.world, "bfloat16")
 
 
 def _per_block(bytes_per_block: int, max_blocks: int) -> Callable[[int], int]:
@@ -234,32 +234,32 @@ def _per_block(bytes_per_block: int, max_blocks: int) -> Callable[[int], int]:
 
 def ours(fab: Fabric) -> list[Algorithm]:
     """This library's algorithms as they are (csrc/*.cuh), flat over all W ranks, launch widths
-    from the built-in table (pcie_allreduce.algo.default_table)."""
+    from the built-in table a group of the fabric's islands takes (pcie_allreduce.algo.default_table)."""
     w, i = fab.world, fab.island_size
     intra, cross = i - 1, w - i
     shard = 1.0 / w
     header = 8  # bytes per block and peer: a flag (flag-based) or a header (full payload)
     return [
         Algorithm("oneshot_ll", (Phase("push lines to all", intra, cross, 1.0, wire=2.0),), "ours",
-                  _table_blocks("oneshot_ll", w),
+                  _table_blocks("oneshot_ll", fab),
                   note="16-byte lines carry 8 payload bytes and their flag (oneshot_ll.cuh)"),
         Algorithm("oneshot_full", (Phase("push to all", intra, cross, 1.0, header_bytes=header),), "ours",
-                  _table_blocks("oneshot_full", w),
+                  _table_blocks("oneshot_full", fab),
                   note="full payload, the data its own flag, a header per block beside it (oneshot_full.cuh)"),
         Algorithm("oneshot", (Phase("push to all, flag", intra, cross, 1.0, header_bytes=header, sync="flag"),),
-                  "ours", _table_blocks("oneshot", w), note="flag after data per block and peer (oneshot.cuh)"),
+                  "ours", _table_blocks("oneshot", fab), note="flag after data per block and peer (oneshot.cuh)"),
         Algorithm("staged", (Phase("push one peer at a time, flag", intra, cross, 1.0, schedule="staged",
-                                   header_bytes=header, sync="flag"),), "ours", _table_blocks("staged", w),
+                                   header_bytes=header, sync="flag"),), "ours", _table_blocks("staged", fab),
                   note="stage s writes only to rank+s; flags go out per stage, nobody waits between stages"),
         Algorithm("twoshot", (
             Phase("reduce-scatter (owners in turn), flag", intra, cross, shard, schedule="staged",
                   header_bytes=header, sync="flag"),
             Phase("all-gather to all, flag", intra, cross, shard, header_bytes=header, sync="flag"),
-        ), "ours", _table_blocks("twoshot", w), note="twoshot.cuh: each block pushes to the owners in turn"),
+        ), "ours", _table_blocks("twoshot", fab), note="twoshot.cuh: each block pushes to the owners in turn"),
         Algorithm("twoshot_full", (
             Phase("reduce-scatter (owners in turn)", intra, cross, shard, schedule="staged", header_bytes=header),
             Phase("owner sums, pushes to all", intra, cross, shard, pipelined=True),
-        ), "ours", _table_blocks("twoshot_full", w),
+        ), "ours", _table_blocks("twoshot_full", fab),
                   note="twoshot_full.cuh: data as flag in both phases, the owner forwards each unit as it sums it"),
     ]
 
@@ -352,8 +352,9 @@ def all_algorithms(fab: Fabric) -> list[Algorithm]:
 
 
 def our_default(fab: Fabric, nbytes: int) -> Algorithm:
-    """What this library's built-in table runs for ``nbytes`` bf16 at the fabric's W."""
-    choice = default_table().select(nbytes, fab.world, "bfloat16", ll_capacity=512 * KIB)
+    """What this library's built-in table for a group of the fabric's islands runs for ``nbytes``
+    bf16 at the fabric's W (pcie_allreduce.algo.default_table: the island table from 2 islands)."""
+    choice = default_table(islands=fab.islands).select(nbytes, fab.world, "bfloat16", ll_capacity=512 * KIB)
     return next(a for a in ours(fab) if a.name == choice.algo)
 
 

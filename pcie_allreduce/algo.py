@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS
@@ -414,8 +414,10 @@ def _fused_rule_from_dict(row: Any, source: str, index: int) -> FusedRule:
         raise ValueError(f"{where}: {exc}") from None
 
 
-def default_table(transport: str = "p2p") -> AlgoTable:
-    """The built-in table of ``transport``. P2P: crossovers measured on one H200 under MPS
+def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
+    """The built-in table of ``transport`` for a group of ``islands`` islands (GPUs under one PCIe
+    switch or one NUMA node: :attr:`pcie_allreduce.Communicator.islands`); P2P groups of two or
+    more islands take :func:`island_fabric_table`. P2P: crossovers measured on one H200 under MPS
     (bench/PERF_NOTES.md; `pcie-allreduce tune` measures yours), and for the two data-as-flag
     one-shots the bytes a PCIe link carries.
 
@@ -454,16 +456,52 @@ def default_table(transport: str = "p2p") -> AlgoTable:
             Rule("host_oneshot", max_bytes=16 << 10, world=(7, 8), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_twoshot", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
         ))
-    small = (2, 3, 4)
-    large = (5, 6, 7, 8)
-    return AlgoTable((
-        Rule("oneshot_ll", max_bytes=4 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
-        Rule("oneshot_full", max_bytes=512 << 10, world=small, bytes_per_block=4 << 10, max_blocks=32),
-        Rule("oneshot_full", max_bytes=192 << 10, world=large, bytes_per_block=4 << 10, max_blocks=32),
-        Rule("oneshot", max_bytes=1 << 20, world=small, bytes_per_block=4 << 10, max_blocks=32),
-        Rule("oneshot", max_bytes=512 << 10, world=large, bytes_per_block=2 << 10, max_blocks=16),
-        Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
-    ))
+    if islands > 1:
+        return island_fabric_table()
+    return AlgoTable(_FLAT_P2P_RULES)
+
+
+def island_fabric_table() -> AlgoTable:
+    """The built-in P2P table where the ranks span two or more islands: an ESTIMATE, from
+    bench/fabric_model.py (a model calibrated on FlashInfer's published figures of an 8-GPU,
+    two-NUMA-node box; bench/RESULTS.md, "Fabric model"), until `pcie-allreduce tune` on such a
+    box replaces it. No island box has been measured.
+
+    Across islands the flat one-shots write every message to every peer at once, and such
+    all-to-all writes collapse at a CPU root complex: the model gives each rank 0.072 of its link
+    then (fitted), 0.57 on a milder box (vLLM #56128). The two-shot writes a 1/W shard to each
+    owner in turn, then the owners' sums: at W = 6 and 8 the full-payload two-shot is within 1.02x
+    of the best of the built-in algorithms under both fractions from 1 to 448 KiB (W = 4: within
+    1.9x, no algorithm doing much better), where the flat default is 2-8x the best; beyond its
+    capacity the flag-based two-shot is within 1.15x at W = 8 (1.5x at W = 6, 2.1x at W = 4, where
+    ``staged`` would be 1.96x). Only the smallest messages (up to 512 B, one block) keep the
+    full-payload one-shot, for its single hop. W = 2 has one peer, no all-to-all: the flat rules.
+
+    Fused calls run unfused (this table's all-reduce, then the add + RMSNorm kernel) except at
+    W = 2: the fused kernels are the flat one-shot and two-shot exchanges.
+    """
+    crossing = tuple(range(3, MAX_RANKS + 1))
+    island_rules = (
+        Rule("oneshot_full", max_bytes=512, world=crossing, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("twoshot_full", max_bytes=None, world=crossing, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("twoshot", max_bytes=None, world=crossing, bytes_per_block=64 << 10, max_blocks=32),
+    )
+    flat_fused = tuple(r for r in default_fused_rules() if r.world is not None and 2 in r.world)
+    fused = tuple(replace(r, world=(2,)) for r in flat_fused) + (FusedRule(UNFUSED),)
+    return AlgoTable(island_rules + _FLAT_P2P_RULES, fused)
+
+
+_SMALL_WORLDS = (2, 3, 4)
+_LARGE_WORLDS = (5, 6, 7, 8)
+# The built-in P2P rules of a single-island group (default_table's docstring says why).
+_FLAT_P2P_RULES: tuple[Rule, ...] = (
+    Rule("oneshot_ll", max_bytes=4 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=512 << 10, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=192 << 10, world=_LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot", max_bytes=1 << 20, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot", max_bytes=512 << 10, world=_LARGE_WORLDS, bytes_per_block=2 << 10, max_blocks=16),
+    Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
+)
 
 
 def load_table(spec: str | os.PathLike[str] | AlgoTable | None = None,

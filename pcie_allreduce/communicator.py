@@ -446,8 +446,9 @@ class Communicator:
         Rank 0 reads it and every rank adopts rank 0's copy, so the table is agreed once, here.
         A missing file means the default; an unreadable one warns and means the default too.
         """
-        self.table = algo_mod.default_table(self.transport)
-        self.table_source = "built-in default"
+        self.table = algo_mod.default_table(self.transport, islands=len(self.islands))
+        self.table_source = ("built-in default" if self.transport == "host" or len(self.islands) < 2
+                             else f"built-in default for {len(self.islands)} islands (an estimate)")
         from pcie_allreduce import tune_cache
 
         found: tuple[str, str] | None = None

@@ -156,7 +156,8 @@ def derive_table(picks: Sequence[Pick], worlds: Sequence[int] | None = None,
     """Tuned rules for ``worlds`` (default: every world in ``picks``), then the fallback table's."""
     worlds = sorted({p.world for p in picks}) if worlds is None else list(worlds)
     tuned = [rule for w in worlds for rule in rules_for_world(w, picks)]
-    return AlgoTable(tuple(tuned) + (fallback or default_table()).rules)
+    base = fallback or default_table()
+    return AlgoTable(tuple(tuned) + base.rules, base.fused)
 
 
 def check_table(table: AlgoTable, picks: Sequence[Pick], dtype: str) -> list[str]:
@@ -220,7 +221,7 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
                 for blocks in job.blocks:
                     rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
         facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps,
-                 "transport": comm.transport}
+                 "transport": comm.transport, "islands": len(comm.islands)}
         ext = _ext.load()
         if ext is not None:
             facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in comm.placements])
@@ -364,14 +365,15 @@ def format_matrix(rows: Sequence[Measurement], world: int, blocks: Sequence[int]
 
 
 def format_picks(picks: Sequence[Pick], rows: Sequence[Measurement], world: int, dtype: str,
-                 block_cap: int | None) -> str:
-    """Per size: the tuned pick vs what the default table launches (and its measured p50, if measured)."""
+                 block_cap: int | None, default: AlgoTable | None = None) -> str:
+    """Per size: the tuned pick vs what the default table (``default``: the flat P2P one when
+    None) launches, and its measured p50 if measured."""
     times = measured(rows)
     lines = []
     for p in picks:
         if p.world != world:
             continue
-        choice = default_table().select(p.size_bytes, world, dtype)
+        choice = (default or default_table()).select(p.size_bytes, world, dtype)
         blocks = min(choice.blocks, block_cap) if block_cap else choice.blocks
         default_us = times.get((world, p.size_bytes, choice.algo, blocks))
         lines.append([str(p.size_bytes), f"{p.algo}/b{p.blocks}", f"{p.p50_us:.2f}", f"{choice.algo}/b{blocks}",
@@ -462,9 +464,10 @@ def write_tables(rows: Sequence[Measurement], facts: dict[int, dict[str, Any]], 
             sections.append(f"# W={world}: nothing measured, no table")
             continue
         transport = facts[world].get("transport", "p2p")
-        table = derive_table(mine, fallback=default_table(transport))
+        default = default_table(transport, islands=facts[world].get("islands", 1))
+        table = derive_table(mine, fallback=default)
         text = [f"# W={world}: tuned vs default table ({placements.get(world, '')})",
-                format_picks(mine, rows, world, job.dtype, facts[world].get("block_cap")),
+                format_picks(mine, rows, world, job.dtype, facts[world].get("block_cap"), default),
                 "# rules (first match wins; the default table's follow for other world sizes):",
                 format_rules(table.to_json())]
         text += [f"# warning: {p}" for p in check_table(table, mine, job.dtype)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcie_allreduce import dispatch, topology
+from pcie_allreduce import algo, dispatch, topology
 from pcie_allreduce.algo import AlgoTable, Choice, FusedRule, Rule, default_fused_rules, default_table
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
@@ -220,3 +220,38 @@ def test_the_full_payload_one_shot_is_capped_like_the_lines() -> None:
     # the full-payload two-shot's inboxes take the capacity less a margin (csrc/twoshot_full.cuh)
     assert fits_capacity("twoshot_full", (512 << 10) - 16, 512 << 10)
     assert not fits_capacity("twoshot_full", (512 << 10) - 15, 512 << 10)
+
+
+# ---- the island table: groups across two or more islands ----------------------------------
+
+
+def test_the_island_table_covers_every_call_and_round_trips_through_json() -> None:
+    table = algo.island_fabric_table()
+    assert table.coverage_problem() is None
+    assert algo.AlgoTable.from_json(table.to_json(), source="test") == table
+    assert algo.default_table("p2p", islands=2) == table == algo.default_table("p2p", islands=3)
+    assert algo.default_table("p2p", islands=1) == algo.default_table()
+    assert algo.default_table("host", islands=2) == algo.default_table("host")
+
+
+@pytest.mark.parametrize("world", [3, 4, 6, 8])
+def test_across_islands_messages_go_two_shot_and_fused_calls_run_unfused(world: int) -> None:
+    table = algo.island_fabric_table()
+    cap = 512 << 10
+    picks = {n: table.select(n, world, "bfloat16", ll_capacity=cap).algo for n in (2, 512, 514, 56 << 10, cap - 16,
+                                                                                   cap, 4 << 20)}
+    assert picks == {2: "oneshot_full", 512: "oneshot_full", 514: "twoshot_full", 56 << 10: "twoshot_full",
+                     cap - 16: "twoshot_full", cap: "twoshot", 4 << 20: "twoshot"}
+    # a smaller workspace: the full-payload two-shot's capacity ends sooner
+    assert table.select(100 << 10, world, "float16", ll_capacity=64 << 10).algo == "twoshot"
+    assert all(table.select_fused(tokens, world) == algo.UNFUSED for tokens in (1, 4, 8, 32, 128))
+
+
+def test_two_ranks_across_islands_keep_the_flat_choices() -> None:
+    """One peer: nothing is written to several peers at once, so islands change nothing."""
+    island, flat = algo.island_fabric_table(), algo.default_table()
+    for n in (2, 1 << 10, 14 << 10, 56 << 10, 448 << 10, 4 << 20):
+        assert island.select(n, 2, "bfloat16", ll_capacity=512 << 10) == flat.select(n, 2, "bfloat16",
+                                                                                    ll_capacity=512 << 10)
+    for tokens in (1, 4, 8, 32, 128):
+        assert island.select_fused(tokens, 2) == flat.select_fused(tokens, 2)

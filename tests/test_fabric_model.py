@@ -128,3 +128,46 @@ def test_cli_prints_every_algorithm_and_the_verify_pass(capsys: pytest.CaptureFi
     assert "ESTIMATES" in out and "Verify pass: 122" in out
     for algo in fm.all_algorithms(fm.SEED_BOX):
         assert algo.name in out
+
+
+# ---- the island table (pcie_allreduce.algo.island_fabric_table) against the model ----------
+
+ISLAND_SIZES = [256, 1 * KIB, 4 * KIB, 14 * KIB, 56 * KIB, 128 * KIB, 448 * KIB, 1024 * KIB, 4096 * KIB]
+CAPPED = ("oneshot_ll", "oneshot_full", "twoshot_full")
+
+
+def _island_boxes(world: int) -> list[fm.Fabric]:
+    """The seed box's fabric at ``world`` ranks in two islands, at the fitted all-to-all fraction
+    and at the milder measured one: the table must hold up under either."""
+    return [replace(fm.SEED_BOX, world=world, islands=2, a2a_fraction=a) for a in (fm.FITTED["a2a_fraction"],
+                                                                                  fm.MILD_A2A)]
+
+
+def _times(fab: fm.Fabric, nbytes: int) -> dict[str, float]:
+    return {a.name: fm.predict_us(fab, a, nbytes) for a in fm.ours(fab)
+            if not (a.name in CAPPED and nbytes > 496 * KIB)}
+
+
+@pytest.mark.parametrize("world", [4, 6, 8])
+def test_the_island_table_picks_near_the_safest_built_in_algorithm(world: int) -> None:
+    """Per size, each algorithm's worst ratio to the best under the two fractions; the table's
+    pick is within 1.10x of the algorithm whose worst ratio is smallest."""
+    boxes = _island_boxes(world)
+    for n in ISLAND_SIZES:
+        times = [_times(fab, n) for fab in boxes]
+        worst = {name: max(t[name] / min(t.values()) for t in times) for name in times[0]}
+        pick = fm.our_default(boxes[0], n).name
+        assert worst[pick] <= 1.10 * min(worst.values()), (world, n, pick, worst)
+
+
+@pytest.mark.parametrize("a2a", [fm.FITTED["a2a_fraction"], fm.MILD_A2A])
+def test_across_islands_the_island_table_is_never_slower_than_the_flat_one(a2a: float) -> None:
+    fab = replace(fm.SEED_BOX, a2a_fraction=a2a)
+    flat = fm.default_table()
+    by_name = {a.name: a for a in fm.ours(fab)}
+    for n in ISLAND_SIZES[:-2]:
+        island_us = fm.predict_us(fab, fm.our_default(fab, n), n)
+        flat_us = fm.predict_us(fab, by_name[flat.select(n, 8, "bfloat16", ll_capacity=512 * KIB).algo], n)
+        assert island_us <= flat_us * 1.001, (n, island_us, flat_us)
+        if a2a == fm.FITTED["a2a_fraction"] and n >= 4 * KIB:  # where all-to-all writes collapse
+            assert island_us <= flat_us / 2, (n, island_us, flat_us)

@@ -37,6 +37,7 @@ def comm(tmp_path, monkeypatch):
     c.device = torch.device("cuda", 0)
     c.placements = [topology.RankPlacement(0, "host", BUS)]
     c.table, c.table_source = algo.default_table(), "built-in default"
+    c.islands = ((0,),)
     yield c
     dist.destroy_process_group()
 
@@ -49,6 +50,17 @@ def _cache_path(comm: Communicator) -> str:
 def test_no_cached_table_keeps_the_default(comm) -> None:
     comm._adopt_tuned_table()
     assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+
+
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+def test_a_group_across_islands_takes_the_island_table_on_p2p(comm, transport: str) -> None:
+    comm.transport, comm.islands = transport, ((0, 1, 2, 3), (4, 5, 6, 7))
+    comm._adopt_tuned_table()
+    if transport == "p2p":
+        assert comm.table == algo.island_fabric_table()
+        assert comm.table_source == "built-in default for 2 islands (an estimate)"
+    else:  # host memory: every rank's bytes cross its own link, islands or not
+        assert comm.table == algo.default_table("host") and comm.table_source == "built-in default"
 
 
 def test_cached_table_is_adopted(comm) -> None:
