@@ -470,12 +470,15 @@ def island_fabric_table() -> AlgoTable:
     Across islands the flat one-shots write every message to every peer at once, and such
     all-to-all writes collapse at a CPU root complex: the model gives each rank 0.072 of its link
     then (fitted), 0.57 on a milder box (vLLM #56128). The two-shot writes a 1/W shard to each
-    owner in turn, then the owners' sums: at W = 6 and 8 the full-payload two-shot is within 1.02x
-    of the best of the built-in algorithms under both fractions from 1 to 448 KiB (W = 4: within
-    1.9x, no algorithm doing much better), where the flat default is 2-8x the best; beyond its
-    capacity the flag-based two-shot is within 1.15x at W = 8 (1.5x at W = 6, 2.1x at W = 4, where
-    ``staged`` would be 1.96x). Only the smallest messages (up to 512 B, one block) keep the
-    full-payload one-shot, for its single hop. W = 2 has one peer, no all-to-all: the flat rules.
+    owner in turn, then the owners' sums. Taking, per size, each built-in algorithm's worst ratio
+    to the best under the two fractions, the full-payload two-shot has the smallest from 1 to 448
+    KiB: at W = 8 1.00-1.02 from 2 KiB (1.08 at 1 KiB), at W = 6 up to 1.32, at W = 4 up to 1.86
+    (no built-in algorithm holds up well under both there), where the flat default's reaches 2-8
+    (W = 8: 3.2-8.0 from 2 KiB). Beyond its capacity the flag-based two-shot: 1.15 at W = 8, 1.50
+    at W = 6, 2.14 at W = 4 (where ``staged`` would be 1.96). Only the smallest messages (up to
+    512 B, one block) keep the full-payload one-shot, for its single hop. W = 2 has one peer, no
+    all-to-all: the flat rules. tests/test_fabric_model.py checks every pick is within 1.10x of the
+    algorithm with the smallest worst ratio.
 
     Fused calls run unfused (this table's all-reduce, then the add + RMSNorm kernel) except at
     W = 2: the fused kernels are the flat one-shot and two-shot exchanges.
