@@ -471,8 +471,8 @@ def island_fabric_table() -> AlgoTable:
     all-to-all writes collapse at a CPU root complex: the model gives each rank 0.072 of its link
     then (fitted), 0.57 on a milder box (vLLM #56128). The two-shot writes a 1/W shard to each
     owner in turn, then the owners' sums. Taking, per size, each built-in algorithm's worst ratio
-    to the best under the two fractions, the full-payload two-shot has the smallest from 1 to 448
-    KiB: at W = 8 1.00-1.02 from 2 KiB (1.08 at 1 KiB), at W = 6 up to 1.32, at W = 4 up to 1.86
+    to the best under the two fractions, the full-payload two-shot has the smallest from 2 to 448
+    KiB (at 1 KiB within 3% of the smallest): at W = 8 1.00-1.02 from 2 KiB (1.08 at 1 KiB), at W = 6 up to 1.32, at W = 4 up to 1.86
     (no built-in algorithm holds up well under both there), where the flat default's reaches 2-8
     (W = 8: 3.2-8.0 from 2 KiB). Beyond its capacity the flag-based two-shot: 1.15 at W = 8, 1.50
     at W = 6, 2.14 at W = 4 (where ``staged`` would be 1.96). Only the smallest messages (up to
