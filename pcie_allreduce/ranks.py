@@ -384,10 +384,12 @@ class _Run:
                 " while starting up, before it could run fn (unpickling the spawn arguments "
                 "or importing the caller's __main__ failed?): its stderr has the cause"
             )
-        stacks = _read_text(stack_file)
-        if stacks:
-            text += f"\nits last Python stacks:\n{stacks}"
-        return self._fail({rank: text}, f"rank {rank} {_describe_exit(proc.exitcode)}")
+        return self._fail({rank: self._with_stacks(rank, text)}, f"rank {rank} {_describe_exit(proc.exitcode)}")
+
+    def _with_stacks(self, rank: int, text: str) -> str:
+        """``text``, then the Python stacks faulthandler last wrote for ``rank``, if any."""
+        stacks = _read_text(self.spec.stack_file(rank))
+        return f"{text}\nits last Python stacks:\n{stacks}" if stacks else text
 
     def _receive(self, rank: int) -> None:
         """Read rank's reply; raise RankFailed if it is an error or never came."""
@@ -430,10 +432,7 @@ class _Run:
             else:
                 raise self._died(rank)
         if proc.exitcode != 0:
-            text = f"rank {rank} returned, then {_describe_exit(proc.exitcode)}"
-            stacks = _read_text(self.spec.stack_file(rank))
-            if stacks:
-                text += f"\nits last Python stacks:\n{stacks}"
+            text = self._with_stacks(rank, f"rank {rank} returned, then {_describe_exit(proc.exitcode)}")
             raise self._fail({rank: text}, f"rank {rank} {_describe_exit(proc.exitcode)} after returning")
 
     def _timeout(self, elapsed: float) -> RankFailed:
