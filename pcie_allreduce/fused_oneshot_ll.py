@@ -46,10 +46,10 @@ import triton.language as tl
 from pcie_allreduce import constants
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.layout import Layout, WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, end_call, foreign_notice, line_flag,
-                                            line_signature, load_volatile, my_notices, now_ns, pause_ns, pick_base,
-                                            post_notices, record_error, round_to, sealed_word, spin_verdict,
-                                            store_volatile)
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, compile_and_load, end_call,
+                                            foreign_notice, line_flag, line_signature, load_volatile, my_notices,
+                                            now_ns, pause_ns, pick_base, post_notices, record_error, round_to,
+                                            sealed_word, spin_verdict, store_volatile)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
 STAGE_FULL_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_FULL_GATHER)
@@ -499,7 +499,7 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
                       **({"BACKOFF": backoff_ns} if backoff_ns else {}))
     if compile_only:  # PAIRED follows the tensors' alignment, which may differ between calls and ranks
         for paired in (True, False):
-            _fused_oneshot_ll_kernel.warmup(*args, grid=(programs,), PAIRED=paired, **constexprs)
+            compile_and_load(_fused_oneshot_ll_kernel, *args, grid=(programs,), PAIRED=paired, **constexprs)
         return
     paired = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
     _fused_oneshot_ll_kernel[(programs,)](*args, PAIRED=paired, **constexprs)

@@ -42,9 +42,10 @@ from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
-from pcie_allreduce.triton_protocol import (begin_call, block_any, end_call, flag_addr, interpreting,
-                                            foreign_notice, load_acquire_where, my_notices, now_ns, pick_base, post_notices, record_error,
-                                            release_fence, round_to, sealed_word, spin_verdict, store_flag)
+from pcie_allreduce.triton_protocol import (begin_call, block_any, compile_and_load, end_call, flag_addr,
+                                            foreign_notice, interpreting, load_acquire_where, my_notices, now_ns,
+                                            pick_base, post_notices, record_error, release_fence, round_to,
+                                            sealed_word, spin_verdict, store_flag)
 
 MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
@@ -406,6 +407,6 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
                       BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps)
     if compile_only:
         for aligned in (True, False):
-            kernel.warmup(*args, grid=(programs,), ALIGNED=aligned, **constexprs)
+            compile_and_load(kernel, *args, grid=(programs,), ALIGNED=aligned, **constexprs)
     else:
         kernel[(programs,)](*args, ALIGNED=is_aligned(hidden, *tensors), **constexprs)
