@@ -495,11 +495,16 @@ class _Run:
 
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit while the spawner runs, so its cleanup still happens.
+    """Turn SIGTERM into SystemExit while the spawner runs, so its cleanup still happens, then
+    let the signal end the process as it would have.
 
     Without this a CI time-out or ``kill`` of the caller skips every ``finally``: the ranks die
     with it (parent-death signal) but their helper processes, the MPS daemon and the temp dirs
-    stay behind. Only done from the main thread over the default handler; restored afterwards.
+    stay behind. The SystemExit alone is not enough: a caller that catches it (pytest records it
+    as the failure of the test that was running, then runs the next one) would go on as if the
+    signal had never come, and a ``timeout`` would stop one test instead of the run. So once the
+    cleanup is done the signal is delivered again with its default action. Only done from the
+    main thread over the default handler; restored afterwards.
     """
     import threading
 
@@ -510,7 +515,12 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield
         return
 
+    received = False
+
     def on_sigterm(signum: int, frame: Any) -> None:
+        nonlocal received
+        received = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -518,6 +528,8 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if received:  # everything above has unwound: now end as the signal meant
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _want_mps(mps: bool | str, gpu: bool, shared_gpu: bool) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -207,6 +208,51 @@ def test_hanging_rank_times_out_and_leaves_nothing(tmp_path: Path) -> None:
     for pid in pids:
         assert _process_gone(pid), f"process {pid} survived the spawner"
     assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
+
+
+_CALLER_THAT_CATCHES_SYSTEM_EXIT = """
+import os, subprocess, sys, time
+from pathlib import Path
+from pcie_allreduce.ranks import run_ranks
+
+def hang(ctx, pid_dir):
+    Path(pid_dir, f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
+    if ctx.rank == 1:
+        helper = subprocess.Popen(["sleep", "1000"])
+        Path(pid_dir, "helper.pid").write_text(str(helper.pid))
+    time.sleep(1000)
+
+if __name__ == "__main__":
+    try:
+        run_ranks(hang, 2, sys.argv[1], gpu=False, timeout_s=300)
+    except BaseException as exc:  # as pytest does with a test's SystemExit: record it, go on
+        print("caught", type(exc).__name__, flush=True)
+    print("went on to the next test", flush=True)
+"""
+
+
+def test_sigterm_of_the_caller_cleans_up_then_ends_it_even_when_it_catches_system_exit(tmp_path: Path) -> None:
+    """A CI time-out's SIGTERM stops the whole run: the ranks, their helpers and the temp dirs
+    are cleaned up, then the caller dies of the signal, even one that catches SystemExit (pytest
+    would otherwise record one failed test and run the next)."""
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER_THAT_CATCHES_SYSTEM_EXIT)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    caller = subprocess.Popen([sys.executable, str(script), str(pid_dir)], stdout=subprocess.PIPE, text=True)
+    names = ("rank0.pid", "rank1.pid", "helper.pid")
+    deadline = time.monotonic() + 120
+    while not all((pid_dir / n).exists() and (pid_dir / n).read_text() for n in names):
+        assert caller.poll() is None, "the caller ended before its ranks started"
+        assert time.monotonic() < deadline, "the ranks did not start within 120 s"
+        time.sleep(0.1)
+    pids = [int((pid_dir / n).read_text()) for n in names]
+    caller.send_signal(signal.SIGTERM)
+    out, _ = caller.communicate(timeout=60)
+    assert caller.returncode == -signal.SIGTERM, (caller.returncode, out)
+    assert "went on" not in out, out
+    for pid in pids:
+        assert _process_gone(pid), f"process {pid} survived the caller's SIGTERM"
 
 
 def test_rank_that_exits_without_reporting() -> None:
