@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from pcie_allreduce.algo import fits_capacity, runs_on
+from pcie_allreduce.algo import availability_problem, fits_capacity
 from pcie_allreduce.ranks import RankContext
 
 from bench.backends import Backend, Buffers
@@ -102,9 +102,10 @@ class OursHostBackend(OursBackend):
 
 def capacity_problem(comm: "Communicator", algo: str, size_bytes: int) -> str | None:
     """Why ``algo`` cannot take a message of ``size_bytes`` here (the low-latency cap, or an
-    algorithm of the host transport on a P2P communicator), or None."""
-    if not runs_on(algo, comm.transport):
-        return f"{algo} runs on the host transport only (this run's transport: {comm.transport})"
+    algorithm of the host transport on a P2P communicator, an island algorithm without islands), or None."""
+    problem = availability_problem(algo, comm.transport, comm.island_ranks)
+    if problem is not None:
+        return problem
     if not fits_capacity(algo, size_bytes, comm.ll_capacity):
         return f"{algo} takes messages up to {comm.ll_capacity} bytes"
     return None

@@ -368,7 +368,8 @@ class _Soak:
         dev = ctx.device
         self.params = ScheduleParams(world=ctx.world_size, max_bytes=cfg.max_bytes, ll_capacity=comm.ll_capacity,
                                      block_cap=comm.block_cap, graph_every=cfg.graph_every,
-                                     transport=getattr(comm, "transport", "p2p"))
+                                     transport=getattr(comm, "transport", "p2p"),
+                                     island_ranks=getattr(comm, "island_ranks", 0))
         self.data: dict[str, _Data] = {}
         for name in PLAIN_DTYPES:
             dtype = getattr(torch, name)

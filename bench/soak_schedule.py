@@ -67,6 +67,7 @@ class ScheduleParams:
     block_cap: int
     graph_every: int = 5000
     transport: str = "p2p"  # the communicator's: which algorithms it runs
+    island_ranks: int = 0  # the communicator's (Communicator.island_ranks): whether island algorithms run
     host_rate: float = 1 / 400
     stream_rate: float = 1 / 400
     late_rate: float = 1 / 100_000
@@ -255,7 +256,7 @@ class Schedule:
         count = self._plain_count(dtype)
         nbytes = count * DTYPE_SIZES[dtype]
         algos = [a for a in PLAIN_ALGOS
-                 if a == "auto" or (fits_capacity(a, nbytes, p.ll_capacity) and runs_on(a, p.transport))]
+                 if a == "auto" or (fits_capacity(a, nbytes, p.ll_capacity) and runs_on(a, p.transport, p.island_ranks))]
         algo = rng.choice(algos)
         inplace = rng.random() < p.inplace_fraction
         return Call("plain", dtype, algo, count, self._offset(dtype, count), self._offset(dtype, count),

@@ -10,6 +10,7 @@
 #include "checks.cuh"
 #include "host_oneshot.cuh"
 #include "host_twoshot.cuh"
+#include "island_twoshot.cuh"
 #include "oneshot.cuh"
 #include "oneshot_full.cuh"
 #include "oneshot_ll.cuh"
@@ -65,6 +66,7 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
       with_world(args.world, [&](auto w) { oneshot_full_kernel<T, Unit, decltype(w)::value><<<grid, block, 0, stream>>>(args); });
       break;
     case Algo::kTwoShotFull: twoshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kIslandTwoShot: island_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }

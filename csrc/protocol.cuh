@@ -79,6 +79,9 @@ struct KernelArgs {
   uint32_t signature;
   int rank;
   int world;
+  // Ranks per island for island_twoshot (island_twoshot.cuh): the islands are the world's
+  // consecutive runs of this many ranks. 0 where the communicator has no equal islands.
+  int island_ranks;
 };
 
 // A call's number (invariant 3): the low 32 bits go on the wire, the high 32 bits count wraps.

@@ -174,6 +174,7 @@ struct Workspace::State {
   char* peers[kMaxRanks] = {};
   Layout layout{};
   uint64_t timeout_ns = 0;
+  int island_ranks = 0;
   bool peers_open = false;
   bool captured = false;  // a graph capture recorded a call: retire(), never close()
   bool retired = false;
@@ -198,6 +199,7 @@ struct Workspace::State {
     t.timeout_ns = timeout_ns;
     t.rank = rank;
     t.world = world;
+    t.island_ranks = island_ranks;
   }
 };
 
@@ -484,6 +486,8 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
                           nbytes + kFullTwoShotMargin <= state_->layout.ll_capacity,
                       "message larger than twoshot_full's capacity (" +
                           std::to_string(state_->layout.ll_capacity - kFullTwoShotMargin) + " bytes); use another algorithm");
+  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kIslandTwoShot || state_->island_ranks != 0,
+                      "island_twoshot needs islands: the workspace has none (set_island_ranks)");
   KernelArgs args = state_->launch_template;
   args.input = reinterpret_cast<const void*>(input);
   args.output = reinterpret_cast<void*>(output);
@@ -524,6 +528,15 @@ void Workspace::set_timeout(double seconds) {
   state_->launch_template.timeout_ns = state_->timeout_ns;  // the next launch's wait bound too
 }
 double Workspace::timeout() const { return static_cast<double>(state_->timeout_ns) * 1e-9; }
+
+void Workspace::set_island_ranks(int ranks) {
+  PCIE_AR_HOST_ASSERT(ranks == 0 || (ranks >= 2 && world_ % ranks == 0 && world_ / ranks >= 2),
+                      "island_ranks must be 0 or divide the world (" + std::to_string(world_) +
+                          ") into >= 2 islands of >= 2 ranks, got " + std::to_string(ranks));
+  state_->island_ranks = ranks;
+  state_->launch_template.island_ranks = ranks;  // the next launch's islands too
+}
+int Workspace::island_ranks() const { return state_->island_ranks; }
 
 std::vector<uint64_t> Workspace::bases() const {
   std::vector<uint64_t> out(world_);

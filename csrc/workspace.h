@@ -64,6 +64,11 @@ class Workspace {
 
   void set_timeout(double seconds);
   double timeout() const;
+  // Ranks per island for island_twoshot: the world as consecutive islands of this many ranks
+  // (>= 2 of them, >= 2 ranks each); 0 (the default): no islands, island_twoshot refused. Every
+  // rank must set the same value before its next call.
+  void set_island_ranks(int ranks);
+  int island_ranks() const;
 
   // For the Triton kernels, which follow the same protocol on the same memory.
   std::vector<uint64_t> bases() const;

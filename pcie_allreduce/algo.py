@@ -49,9 +49,27 @@ UNFUSED = "unfused"
 FUSED_ALGORITHMS: tuple[str, ...] = (*FUSED_KERNELS, UNFUSED)
 
 
-def runs_on(algo: str, transport: str) -> bool:
-    """Whether ``algo`` can run on a communicator of ``transport`` ("p2p" or "host")."""
-    return transport == "host" or algo not in HOST_ONLY_ALGORITHMS
+# Algorithms for ranks in two or more islands of one size, each a run of consecutive ranks
+# (Communicator.island_ranks): the reduce-scatter and all-gather stay inside the islands.
+ISLAND_ALGORITHMS: tuple[str, ...] = ("island_twoshot",)
+
+
+def availability_problem(algo: str, transport: str, island_ranks: int = 0) -> str | None:
+    """Why ``algo`` cannot run on a communicator of ``transport`` ("p2p" or "host") whose ranks
+    form islands of ``island_ranks`` ranks each (0: no such islands), or None."""
+    if transport != "host" and algo in HOST_ONLY_ALGORITHMS:
+        return (f"algo={algo!r} runs on the host transport only; this communicator's transport is {transport!r} "
+                "(Communicator(..., transport='host'))")
+    if algo in ISLAND_ALGORITHMS and not island_ranks:
+        return (f"algo={algo!r} needs the ranks in two or more islands of one size >= 2, each a run of consecutive "
+                "ranks (Communicator.islands, e.g. 0-3;4-7); this communicator has no such islands")
+    return None
+
+
+def runs_on(algo: str, transport: str, island_ranks: int = 0) -> bool:
+    """Whether ``algo`` can run on a communicator of ``transport`` with islands of ``island_ranks``
+    ranks (0: none): :func:`availability_problem` finds nothing."""
+    return availability_problem(algo, transport, island_ranks) is None
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
 #: The dtype names a rule's ``dtypes`` may list.
 DTYPE_NAMES: tuple[str, ...] = tuple(sorted(DTYPE_IDS, key=DTYPE_IDS.__getitem__))
@@ -89,7 +107,7 @@ class WireBytes:
         return max(self.out, self.into)
 
 
-def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
+def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> WireBytes:
     """Bytes on this rank's link for one all-reduce of ``nbytes`` by ``algo`` on ``world`` ranks, a
     pure function of the call (the dtype does not enter: every format here moves the message's
     own bytes, the lines twice as many).
@@ -99,6 +117,11 @@ def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
     - ``oneshot_ll``: as ``oneshot`` in 16-byte lines of 8 payload bytes: twice the bytes.
     - ``oneshot_full``: as ``oneshot``, the data its own flag (no flag round trip, no line overhead).
     - ``twoshot_full``: as ``twoshot``, the data its own flag in both exchanges.
+    - ``island_twoshot`` (islands of S = ``island_ranks`` ranks): a reduce-scatter and an
+      all-gather inside the island, (S-1)/S of the message each way each, plus one shard across
+      islands as an fp32 partial (2N/S for a 16-bit dtype, counted so) and the reduced shard
+      back; the busiest rank (an owner of the first or a middle island out, of the last in)
+      carries 2N each way. Only a shard's partial and its result cross from island to island.
 
     On the host transport every byte crosses the link of the GPU that writes or reads it, and
     host memory is nobody's: ``out`` counts this rank's writes, ``into`` its reads.
@@ -119,6 +142,10 @@ def wire_bytes(algo: str, nbytes: int, world: int) -> WireBytes:
         return WireBytes(2 * others * nbytes // world, 2 * others * nbytes // world)
     if algo == "oneshot_ll":
         return WireBytes(2 * others * nbytes, 2 * others * nbytes)
+    if algo in ISLAND_ALGORITHMS:
+        if not island_ranks or world % island_ranks or world // island_ranks < 2:
+            raise ValueError(f"{algo!r} needs island_ranks dividing world {world} into >= 2 islands, got {island_ranks}")
+        return WireBytes(2 * nbytes, 2 * nbytes)
     if algo == "host_oneshot":
         return WireBytes(2 * nbytes, others * nbytes)
     if algo == "host_twoshot":
@@ -310,12 +337,13 @@ class AlgoTable:
                             f'{CAPPED_ALGORITHMS} for it (e.g. {{"algo": "twoshot", "world": "*"}})')
         return None
 
-    def transport_problem(self, transport: str) -> str | None:
-        """Why this table cannot serve a communicator of ``transport``, or None."""
-        wrong = sorted({r.algo for r in self.rules if not runs_on(r.algo, transport)})
-        if wrong:
-            return (f"the algorithm table names {wrong}, which run on the host transport only, but this "
-                    f"communicator's transport is {transport!r}")
+    def transport_problem(self, transport: str, island_ranks: int = 0) -> str | None:
+        """Why this table cannot serve a communicator of ``transport`` with islands of
+        ``island_ranks`` ranks (0: none), or None."""
+        for algo in dict.fromkeys(r.algo for r in self.rules):
+            problem = availability_problem(algo, transport, island_ranks)
+            if problem is not None:
+                return f"the algorithm table names {algo!r}, which cannot serve this communicator: {problem}"
         return None
 
     def to_json(self) -> str:

@@ -109,6 +109,9 @@ class Communicator:
     islands: tuple[tuple[int, ...], ...] = ()
     #: Where :attr:`islands` came from: "$PCIE_AR_ISLANDS", or what the detection grouped by.
     islands_source: str = ""
+    #: Ranks per island where :attr:`islands` are two or more of one size, each a run of
+    #: consecutive ranks (what ``algo="island_twoshot"`` needs), else 0.
+    island_ranks: int = 0
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
@@ -149,6 +152,7 @@ class Communicator:
         override = agreed[0][ISLANDS_KEY]
         self.islands = override if override is not None else topology.islands(fabrics)
         self.islands_source = f"${topology.ISLANDS_ENV}" if override is not None else topology.islands_basis(fabrics)
+        self.island_ranks = topology.island_ranks(self.islands)
         requested = agreed[0]["transport"]
         hosts = sorted({p.host for p in self.placements})
         if len(hosts) > 1:  # neither transport reaches another host
@@ -186,7 +190,7 @@ class Communicator:
                 self._workspace_for(stream)
         if requested == "auto" and self.transport == "p2p":
             self.transport_reason = "every pair has peer access and the creation transfer test passed"
-        problem = self.table.transport_problem(self.transport)
+        problem = self.table.transport_problem(self.transport, self.island_ranks)
         if problem is not None:  # the same table and transport on every rank: all raise here
             self.close()
             raise ValueError(problem)
@@ -430,9 +434,9 @@ class Communicator:
         key = (nbytes, dtype, algo)
         hit = self._choices.get(key)
         if hit is None:
-            if not algo_mod.runs_on(algo, self.transport):
-                raise ValueError(f"algo={algo!r} runs on the host transport only; this communicator's transport is "
-                                 f"{self.transport!r} (Communicator(..., transport='host'))")
+            problem = algo_mod.availability_problem(algo, self.transport, self.island_ranks)
+            if problem is not None:
+                raise ValueError(problem)
             hit = dispatch.plain_launch(nbytes, self.world_size, dtype, self.table, ll_capacity=self.ll_capacity,
                                         block_cap=self.block_cap, algo=algo)
             if len(self._choices) < 4096:  # bounded: shapes in serving are few
@@ -466,10 +470,18 @@ class Communicator:
         if text is None:
             return
         try:
-            self.table = algo_mod.AlgoTable.from_json(text, source=f"tuned table {path}")
-            self.table_source = f"tune cache {path}"
+            tuned = algo_mod.AlgoTable.from_json(text, source=f"tuned table {path}")
         except ValueError as exc:
             warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
+            return
+        # A table tuned where the ranks formed islands names island algorithms; this group's
+        # islands may differ ($PCIE_AR_ISLANDS): the default then, never a failed creation.
+        problem = tuned.transport_problem(self.transport, self.island_ranks)
+        if problem is not None:
+            warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: {problem}; using the default")
+            return
+        self.table = tuned
+        self.table_source = f"tune cache {path}"
 
     def _set_up_locally(self, device: torch.device | int | str, max_bytes: object, timeout_s: object,
                         algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None,
@@ -515,6 +527,7 @@ class Communicator:
             workspace = self._ext.Workspace(self.device.index, self.rank, self.world_size, self.max_bytes,
                                             self.timeout_s, TRANSPORT_IDS[self.transport], name)
             created.append(workspace)
+            workspace.island_ranks = self.island_ranks
             return {"index": index, "handle": workspace.ipc_handle(),
                     "layout": (workspace.total_bytes, workspace.max_bytes, workspace.world, workspace.rank)}
 

@@ -230,6 +230,17 @@ def islands_override(world: int, environ: Mapping[str, str] = os.environ) -> Isl
     return parse_islands(text, world)
 
 
+def island_ranks(groups: Islands) -> int:
+    """Ranks per island where ``groups`` are two or more islands of one size >= 2, each a run of
+    consecutive ranks in order (0..S-1, S..2S-1, ...: the layout ``island_twoshot``'s chain of
+    partial sums follows), else 0 (no island algorithm serves such a group)."""
+    if len(groups) < 2:
+        return 0
+    size = len(groups[0])
+    expected = tuple(tuple(range(g * size, (g + 1) * size)) for g in range(len(groups)))
+    return size if size >= 2 and tuple(sorted(groups)) == expected else 0
+
+
 def format_islands(groups: Islands) -> str:
     """Islands as :func:`parse_islands` reads them: ``"0-3;4-7"``."""
     return ";".join(_ranges(list(g)) for g in groups)

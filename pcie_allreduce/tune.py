@@ -217,7 +217,7 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
             inp = _rank_input(count, ctx.rank, dtype, ctx.device)
             expected = sum(_rank_input(count, r, torch.int64, ctx.device) for r in range(ctx.world_size)).to(dtype)
             out = torch.empty_like(inp)
-            for algo in (a for a in job.algos if algo_mod.runs_on(a, comm.transport)):
+            for algo in (a for a in job.algos if algo_mod.runs_on(a, comm.transport, comm.island_ranks)):
                 for blocks in job.blocks:
                     rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
         facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps,

@@ -170,10 +170,10 @@ class PcieAllReduceAdapter:
     def _largest_served(self) -> int:
         if self.algo == "auto":
             return self.max_size
-        transport = self.comm.transport
-        if not algo_mod.runs_on(self.algo, transport):
-            logger.warning("pcie_allreduce[sglang]: %s=%s runs on the host transport only and this communicator's "
-                           "transport is %s: every all-reduce stays on SGLang's own path", ALGO, self.algo, transport)
+        problem = algo_mod.availability_problem(self.algo, self.comm.transport, self.comm.island_ranks)
+        if problem is not None:
+            logger.warning("pcie_allreduce[sglang]: %s=%s: %s: every all-reduce stays on SGLang's own path", ALGO,
+                           self.algo, problem)
             return 0
         limit = algo_mod.capacity_of(self.algo, self.comm.ll_capacity)
         return self.max_size if limit is None else max(0, min(self.max_size, limit))

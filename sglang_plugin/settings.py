@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Mapping
 
-from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS
 from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 PREFIX = "PCIE_AR_SGLANG_"
@@ -40,8 +40,10 @@ DOCS: dict[str, tuple[str, str]] = {
     MAX_BYTES: ("8MiB", "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
                         "SGLang's next backend. Each rank allocates about 2 x W x (this + 3 x min(this, 512 KiB)) "
                         "per CUDA stream"),
-    ALGO: ("auto", "force one algorithm: " + " | ".join(a for a in ALGOS if a not in HOST_ONLY_ALGORITHMS)
-                   + " (" + " | ".join(HOST_ONLY_ALGORITHMS) + " on the host transport)"),
+    ALGO: ("auto", "force one algorithm: "
+                   + " | ".join(a for a in ALGOS if a not in HOST_ONLY_ALGORITHMS + ISLAND_ALGORITHMS)
+                   + " (" + " | ".join(HOST_ONLY_ALGORITHMS) + " on the host transport; "
+                   + " | ".join(ISLAND_ALGORITHMS) + " where the ranks form equal islands)"),
     MODE: ("pcie", "pcie: serve only GPUs without full NVLink (leave NVLink to SGLang's own kernels); "
                    "always: serve every single-node tp group of 2-8 GPUs"),
     FUSED: ("1", "0 keeps SGLang's unfused all-reduce + add + RMSNorm on GPUs where its FlashInfer fusion "

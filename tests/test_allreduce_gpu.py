@@ -28,8 +28,10 @@ WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split
 TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 2 << 20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The algorithms of every transport; the host transport adds its own (HOST_ALGOS).
-ALGOS = tuple(a for a in pcie_allreduce.ALGORITHMS if a not in algo_mod.HOST_ONLY_ALGORITHMS)
+# The algorithms of every transport and fabric; the host transport adds its own (HOST_ALGOS). The
+# island algorithms need islands: tests/test_island_gpu.py.
+ALGOS = tuple(a for a in pcie_allreduce.ALGORITHMS
+              if a not in algo_mod.HOST_ONLY_ALGORITHMS + algo_mod.ISLAND_ALGORITHMS)
 HOST_ALGOS = ALGOS + algo_mod.HOST_ONLY_ALGORITHMS
 
 
@@ -304,9 +306,10 @@ def test_a_flag_slot_a_whole_epoch_cycle_old_is_not_taken_for_this_calls(transpo
     assert {r["epoch"] >> 32 for r in results} == {1}
 
 
-def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:
+def _skip_one_call(ctx: ranks.RankContext, skipper: int, algo: str = "auto", numel: int = 4 * 7168) -> dict:
+    """Six calls of ``algo``, rank ``skipper`` leaving out the fourth: what each rank raised."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=2.0)
-    x = torch.randn(4 * 7168, device=ctx.device).to(torch.bfloat16)
+    x = torch.randn(numel, device=ctx.device).to(torch.bfloat16)
     out = torch.full_like(x, 7.0)
     torch.distributed.barrier(group=ctx.group)
     start = time.monotonic()
@@ -315,7 +318,7 @@ def _skip_one_call(ctx: ranks.RankContext, skipper: int) -> dict:
         for i in range(6):
             if ctx.rank == skipper and i == 3:
                 continue
-            comm.all_reduce(x, out=out)
+            comm.all_reduce(x, out=out, algo=algo)
         torch.cuda.synchronize()
         comm.check()
     except CollectiveTimeout as exc:

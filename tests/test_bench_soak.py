@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS, fits_capacity
+from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, fits_capacity
 from pcie_allreduce.errors import CollectiveTimeout
 from pcie_allreduce.layout import Layout
 from pcie_allreduce.sizes import DTYPE_SIZES
@@ -128,7 +128,8 @@ def test_schedule_draws_legal_and_varied_calls() -> None:
         _check_legal(call, PARAMS)
     plain = [c for c in eager if c.kind == "plain"]
     fused = [c for c in eager if c.kind == "fused"]
-    p2p_algos = [a for a in ALGORITHMS if a not in HOST_ONLY_ALGORITHMS]  # PARAMS: a P2P communicator
+    # PARAMS: a P2P communicator without islands
+    p2p_algos = [a for a in ALGORITHMS if a not in HOST_ONLY_ALGORITHMS + ISLAND_ALGORITHMS]
     assert {(c.dtype, c.algo) for c in plain} == {(d, a) for d in DTYPE_SIZES for a in ("auto", *p2p_algos)}
     host = [c for c in steps(3, dataclasses.replace(PARAMS, transport="host"), 5000)
             if isinstance(c, Call) and c.kind == "plain"]

@@ -175,8 +175,43 @@ def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
     assert host.transport_problem("host") is None and algo.default_table().transport_problem("host") is None
     problem = host.transport_problem("p2p")
     assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
-    assert all(algo.runs_on(a, "host") for a in algo.ALGORITHMS)
-    assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "p2p")] == list(algo.HOST_ONLY_ALGORITHMS)
+    assert all(algo.runs_on(a, "host", island_ranks=4) for a in algo.ALGORITHMS)
+    assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "p2p", island_ranks=4)] == list(algo.HOST_ONLY_ALGORITHMS)
+    assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "host")] == list(algo.ISLAND_ALGORITHMS)
+
+
+def test_island_algorithms_need_islands_and_say_so() -> None:
+    """island_twoshot is refused by name where the ranks form no equal consecutive islands, on
+    either transport, and a table naming it cannot serve such a communicator."""
+    for transport in ("p2p", "host"):
+        problem = algo.availability_problem("island_twoshot", transport, island_ranks=0)
+        assert problem is not None and "island_twoshot" in problem and "islands" in problem
+        assert algo.availability_problem("island_twoshot", transport, island_ranks=2) is None
+    table = algo.AlgoTable((algo.Rule("island_twoshot", max_bytes=1 << 20), algo.Rule("twoshot")))
+    assert table.transport_problem("p2p", island_ranks=4) is None
+    problem = table.transport_problem("p2p")
+    assert problem is not None and "'island_twoshot'" in problem and "islands" in problem
+    assert algo.default_table().transport_problem("p2p") is None
+    # auto never picks it: no built-in table names it
+    for islands in (1, 2):
+        assert all(r.algo not in algo.ISLAND_ALGORITHMS for r in algo.default_table("p2p", islands=islands).rules)
+
+
+@pytest.mark.parametrize(("groups", "expected"), [
+    (((0, 1, 2, 3), (4, 5, 6, 7)), 4),
+    (((0, 1), (2, 3), (4, 5), (6, 7)), 2),
+    (((0, 1, 2), (3, 4, 5)), 3),
+    (((0, 1), (2, 3)), 2),
+    (((0, 1, 2, 3, 4, 5, 6, 7),), 0),          # one island: flat
+    (((0, 2, 4, 6), (1, 3, 5, 7)), 0),          # not runs of consecutive ranks
+    (((0, 1, 2), (3, 4)), 0),                   # unequal
+    (((0,), (1,)), 0),                          # islands of one rank
+    ((), 0),
+])
+def test_island_ranks_of_groups(groups: tuple, expected: int) -> None:
+    from pcie_allreduce import topology
+
+    assert topology.island_ranks(groups) == expected
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])
@@ -196,6 +231,10 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
     assert wire_bytes("host_twoshot", n, world).into == 2 * (world - 1) * n // world
     with pytest.raises(ValueError, match="no wire accounting"):
         wire_bytes("ring", n, world)
+    if world >= 4:  # two islands of W/2: 2N each way on the busiest rank
+        assert wire_bytes("island_twoshot", n, world, island_ranks=world // 2) == WireBytes(2 * n, 2 * n)
+    with pytest.raises(ValueError, match="island_ranks"):
+        wire_bytes("island_twoshot", n, world)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -633,7 +633,7 @@ class _Capped:
     """A communicator as the adapter sees it, on ``transport``, raising as the real one does for a
     forced algorithm the message does not fit."""
 
-    device, rank, world_size, max_bytes = torch.device("cpu"), 0, 2, 8 << 20
+    device, rank, world_size, max_bytes, island_ranks = torch.device("cpu"), 0, 2, 8 << 20, 0
 
     def __init__(self, *args, transport: str = "p2p", **kwargs) -> None:
         self.transport = transport

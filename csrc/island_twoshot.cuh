@@ -1,0 +1,278 @@
+// Island two-shot: a two-shot whose reduce-scatter and all-gather stay inside islands (GPUs under
+// one PCIe switch or one NUMA node), with one chain of fp32 partial sums across them.
+//
+// The world is K >= 2 islands of S >= 2 consecutive ranks (KernelArgs::island_ranks = S): island
+// g holds ranks gS .. gS+S-1, and a rank's local index is rank % S. The message is cut into S
+// shards; in every island the rank of local index j owns shard j (the tail, < 16 bytes, goes with
+// shard S-1 and moves as single elements). Each block owns the same sub-range of every shard.
+//   1. Reduce-scatter inside the island: push our input's part of each island peer's shard into
+//      that peer's slot for us; flag the island peers (kind 0).
+//   2. Chain across islands, in island order: the owner of shard j in island 0 sums its island's
+//      S contributions in fp32, in rank order, and pushes the fp32 partial to the owner of shard j
+//      in island 1 (flag kind 0), which adds its island's S contributions to it, and so on. The
+//      owner in the last island (the finisher) rounds once: ((x_0 + x_1) + ...) + x_{W-1}, the
+//      very sum of every flat algorithm (protocol invariant 6), so results are bitwise equal to
+//      theirs. Each byte of a shard crosses from island to island once, as fp32 (twice the bytes
+//      of a 16-bit dtype).
+//   3. The finisher writes the reduced shard to its output and pushes it to its island peers and
+//      to the other islands' owners of the shard (flag kind 1); each of those owners copies it to
+//      its output and forwards it to its own island peers (flag kind 1).
+//   4. All-gather inside the island: wait for the island peers' kind-1 flags, copy their shards.
+// Per rank per call: (S-1)/S of the message out and in inside the island twice, and across
+// islands one shard's partial out (fp32) and one reduced shard in; the finisher sends its shard
+// to K-1 other islands.
+//
+// Invariants of this kernel, on top of protocol.cuh's:
+//  I1. Disjoint landings. In a receiver's data slots of one parity: the slot of an island peer
+//      holds that peer's input for our shard (step 1) and that peer's reduced shard (step 4), two
+//      disjoint ranges, as in the flat two-shot; the fp32 partial from the previous island lands
+//      in the slots of THAT island's senders, read as one float array indexed by element (S >= 2
+//      slots hold 2 x slot_bytes >= 4 bytes per element of a 16-bit message, the fp32 message's
+//      4 bytes too), which nobody of the receiver's own island writes; the finisher's reduced
+//      shard lands in the finisher's slot, and the finisher is in no other island. The flags
+//      split the same way: kind 0 from island peers (step 1) or from the previous island's owner
+//      (step 2), kind 1 from island peers (step 4) or from the finisher (step 3).
+//  I2. One parity ahead at most (protocol invariant 4). A rank writes into an island peer only
+//      after that peer's flags of the previous call, into the next island's owner or the other
+//      owners only after the finisher's kind-1 flag of the previous call, which the finisher sent
+//      after the whole chain of that call reached it: every rank a rank writes to has started
+//      the previous call.
+//  I3. Every wait is one of the protocol's bounded waits on this rank's own flags, and names its
+//      stage: reduce-scatter, island chain (the previous island's partial), island result (the
+//      finisher's shard), all-gather.
+// In place is safe: a block reads each input range (steps 1-2) before it writes that output range.
+#pragma once
+
+#include "moves.cuh"
+
+namespace pcie_ar {
+
+// The fp32 partial sums of one unit, at element offset `element` of a float array.
+template <int N>
+__device__ __forceinline__ void store_partial(float* area, uint64_t element, const float (&acc)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 4) {
+      *reinterpret_cast<float4*>(area + element + k) = make_float4(acc[k], acc[k + 1], acc[k + 2], acc[k + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) area[element + k] = acc[k];
+  }
+}
+
+// The previous island's partial sums of one unit; .cg like every load of pushed data.
+template <int N>
+__device__ __forceinline__ void load_partial(const float* area, uint64_t element, float (&acc)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 4) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(area + element + k));
+      acc[k] = v.x;
+      acc[k + 1] = v.y;
+      acc[k + 2] = v.z;
+      acc[k + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) acc[k] = __ldcg(area + element + k);
+  }
+}
+
+// Where the partial of island `sender_island` lands in `receiver`'s workspace (invariant I1).
+__device__ __forceinline__ float* partial_area(const KernelArgs& a, int receiver, int sender_island, Epoch epoch) {
+  return reinterpret_cast<float*>(slot_of(a, receiver, sender_island * a.island_ranks, epoch));
+}
+
+// Unit `i` summed over our island in rank order, onto `partial` (the previous island's sums) or,
+// in island 0, from the island's first rank: invariant 6's formula, split at island boundaries.
+template <typename T, typename Unit>
+__device__ __forceinline__ void island_sum(const KernelArgs& a, Epoch epoch, const Unit* own, uint64_t i,
+                                           const float* partial, float (&acc)[Pack<T, Unit>::kElems]) {
+  constexpr int kElems = Pack<T, Unit>::kElems;
+  const int first = a.rank - a.rank % a.island_ranks;
+  const uint64_t slot_units_each = a.layout.slot_bytes / sizeof(Unit);
+  const Unit* slot0 = slot_units<Unit>(a, a.rank, 0, epoch);
+  Pack<T, Unit> in[kMaxRanks];
+#pragma unroll
+  for (int m = 0; m < kMaxRanks; ++m) {
+    const int r = first + m;
+    if (m < a.island_ranks) {
+      in[m].unit = r == a.rank ? load_unit(own + i) : load_pushed(slot0 + static_cast<uint64_t>(r) * slot_units_each + i);
+    }
+  }
+  if (partial != nullptr) {
+    load_partial<kElems>(partial, i * kElems, acc);
+#pragma unroll
+    for (int k = 0; k < kElems; ++k) acc[k] += to_float(in[0].elems[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kElems; ++k) acc[k] = to_float(in[0].elems[k]);
+  }
+#pragma unroll
+  for (int m = 1; m < kMaxRanks; ++m) {
+    if (m < a.island_ranks) {
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) acc[k] += to_float(in[m].elems[k]);
+    }
+  }
+}
+
+// Step 2 for an owner outside the last island: our island's sums onto the previous partial,
+// pushed to the next island's owner as fp32.
+template <typename T, typename Unit>
+__device__ __forceinline__ void push_partial(const KernelArgs& a, Epoch epoch, const Unit* own, Range r,
+                                             const float* partial_in, float* partial_out) {
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    float acc[Pack<T, Unit>::kElems];
+    island_sum<T, Unit>(a, epoch, own, i, partial_in, acc);
+    store_partial(partial_out, i * Pack<T, Unit>::kElems, acc);
+  }
+}
+
+// Pushes of one reduced unit to every rank in `targets` (a bit per rank), into its slot for us.
+// Indexed by rank under a compile-time unroll, so the pointers stay in registers.
+template <typename Unit>
+struct Fanout {
+  Unit* dst[kMaxRanks];
+  uint32_t targets;
+
+  __device__ __forceinline__ Fanout(const KernelArgs& a, uint32_t to, Epoch epoch) : targets(to) {
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) dst[p] = ((to >> p) & 1u) ? slot_units<Unit>(a, p, a.rank, epoch) : nullptr;
+  }
+  __device__ __forceinline__ void put(uint64_t i, Unit v) const {
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if ((targets >> p) & 1u) dst[p][i] = v;
+    }
+  }
+};
+
+// Step 3 for the finisher: the last island's sums onto the chain, rounded once, to our output and
+// to every rank in `targets`.
+template <typename T, typename Unit>
+__device__ __forceinline__ void finish_shard(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r,
+                                             const float* partial_in, uint32_t targets) {
+  const Fanout<Unit> fan(a, targets, epoch);
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    float acc[Pack<T, Unit>::kElems];
+    island_sum<T, Unit>(a, epoch, own, i, partial_in, acc);
+    Pack<T, Unit> v;
+#pragma unroll
+    for (int k = 0; k < Pack<T, Unit>::kElems; ++k) v.elems[k] = from_float<T>(acc[k]);
+    out[i] = v.unit;
+    fan.put(i, v.unit);
+  }
+}
+
+// Step 3 for the other owners: the finisher's shard to our output and to our island peers.
+template <typename Unit>
+__device__ __forceinline__ void forward_shard(const KernelArgs& a, Epoch epoch, int finisher, Unit* out, Range r,
+                                              uint32_t targets) {
+  const Unit* src = slot_units<Unit>(a, a.rank, finisher, epoch);
+  const Fanout<Unit> fan(a, targets, epoch);
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    const Unit v = load_pushed(src + i);
+    out[i] = v;
+    fan.put(i, v);
+  }
+}
+
+// Threads 0..W-1: thread p stores our flag of `kind` into peer p when p is in `targets`.
+__device__ __forceinline__ void signal_targets(const KernelArgs& a, int kind, Epoch epoch, uint32_t targets) {
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < a.world && ((targets >> peer) & 1u)) signal_peer(a, peer, kind, epoch);
+}
+
+// Threads 0..W-1: thread p waits for peer p's flag of `kind` when p is in `peers` (in `stage`),
+// or when p is `other` (in `other_stage`); true for the whole block only if every wait succeeded.
+__device__ __forceinline__ bool wait_targets(const KernelArgs& a, int kind, Epoch epoch, uint32_t peers, Stage stage,
+                                             int other = -1, Stage other_stage = Stage::kNone) {
+  bool ok = true;
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < a.world) {
+    if ((peers >> peer) & 1u) {
+      ok = wait_peer(a, peer, kind, epoch, stage);
+    } else if (peer == other) {
+      ok = wait_peer(a, peer, kind, epoch, other_stage);
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+template <typename T, typename Unit>
+__global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const Epoch epoch = begin_call(a, &aborted);
+  bool done = false;
+  const int S = a.island_ranks;
+  const int islands = a.world / S;
+  const int island = a.rank / S;
+  const int first = island * S;
+  const int local = a.rank - first;
+  const bool last_island = island == islands - 1;
+  const int finisher = (islands - 1) * S + local;
+  const int tail_owner = first + S - 1;
+  const uint32_t island_peers = (((1u << S) - 1u) << first) & ~(1u << a.rank);
+  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Range mine = shard_part<Unit>(a.nbytes, S, local);
+  const Range my_tail = a.rank == tail_owner ? tail : Range{0, 0};
+  const Unit* in = static_cast<const Unit*>(a.input);
+  const T* in_t = static_cast<const T*>(a.input);
+  Unit* out = static_cast<Unit*>(a.output);
+  T* out_t = static_cast<T*>(a.output);
+
+  if (!aborted) {
+    for (int s = 1; s < S; ++s) {
+      const int peer = first + (local + s) % S;
+      push_to_peer<Unit>(a, peer, epoch, in, shard_part<Unit>(a.nbytes, S, peer - first));
+    }
+    if (a.rank != tail_owner) push_to_peer<T>(a, tail_owner, epoch, in_t, tail);
+  }
+  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
+  // flag (begin_call): no flag goes out unless every thread pushed its share.
+  if (__syncthreads_or(aborted) == 0) {
+    signal_targets(a, 0, epoch, island_peers);
+    const int prev = island > 0 ? a.rank - S : -1;
+    bool have_shard = false;
+    if (wait_targets(a, 0, epoch, island_peers, Stage::kReduceScatter, prev, Stage::kIslandChain)) {
+      const float* partial_in = prev >= 0 ? partial_area(a, a.rank, island - 1, epoch) : nullptr;
+      if (last_island) {
+        uint32_t targets = island_peers;
+        for (int g = 0; g + 1 < islands; ++g) targets |= 1u << (g * S + local);
+        finish_shard<T, Unit>(a, epoch, in, out, mine, partial_in, targets);
+        finish_shard<T, T>(a, epoch, in_t, out_t, my_tail, partial_in, targets);
+        __syncthreads();
+        signal_targets(a, 1, epoch, targets);
+        have_shard = true;
+      } else {
+        const int next = a.rank + S;
+        float* partial_out = partial_area(a, next, island, epoch);
+        push_partial<T, Unit>(a, epoch, in, mine, partial_in, partial_out);
+        push_partial<T, T>(a, epoch, in_t, my_tail, partial_in, partial_out);
+        __syncthreads();
+        signal_targets(a, 0, epoch, 1u << next);
+        if (wait_targets(a, 1, epoch, 0u, Stage::kNone, finisher, Stage::kIslandResult)) {
+          forward_shard<Unit>(a, epoch, finisher, out, mine, island_peers);
+          forward_shard<T>(a, epoch, finisher, out_t, my_tail, island_peers);
+          __syncthreads();
+          signal_targets(a, 1, epoch, island_peers);
+          have_shard = true;
+        }
+      }
+    }
+    if (have_shard && wait_targets(a, 1, epoch, island_peers, Stage::kAllGather)) {
+      for (int s = 1; s < S; ++s) {
+        const int peer = first + (local + s) % S;
+        copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, S, peer - first));
+      }
+      if (a.rank != tail_owner) copy_from_slot<T>(a, tail_owner, epoch, out_t, tail);
+      done = true;
+    }
+  }
+  if (!done) fill_output_with_nan<T>(a);
+  end_call(a, epoch);
+}
+
+}  // namespace pcie_ar
