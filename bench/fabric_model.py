@@ -239,6 +239,32 @@ def ours(fab: Fabric) -> list[Algorithm]:
     intra, cross = i - 1, w - i
     shard = 1.0 / w
     header = 8  # bytes per block and peer: a flag (flag-based) or a header (full payload)
+    return _flat_ours(fab, intra, cross, shard, header) + _island_ours(fab, header)
+
+
+def _island_ours(fab: Fabric, header: int) -> list[Algorithm]:
+    """island_twoshot.cuh where the fabric has islands: the reduce-scatter inside the island, the
+    chain of fp32 partials island to island, the last island's sum back to every island's owner,
+    and the all-gather inside each island (the critical path is a non-last island's)."""
+    k, i = fab.islands, fab.island_size
+    if k < 2 or i < 2:
+        return []
+    q = 1.0 / i
+    phases = (
+        Phase("island reduce-scatter (owners in turn), flag", i - 1, 0, q, schedule="staged", header_bytes=header,
+              sync="flag"),
+        *[Phase("fp32 partial to the next island's owner, flag", 0, 1, q, wire=2.0, header_bytes=header,
+                sync="flag")] * (k - 1),
+        Phase("the last island's sums to the other owners, then its peers, in turn, flag", i - 1, k - 1, q,
+              schedule="staged", header_bytes=header, sync="flag"),
+        Phase("the other owners forward to their island peers in turn, flag", i - 1, 0, q, schedule="staged",
+              header_bytes=header, sync="flag"),
+    )
+    return [Algorithm("island_twoshot", phases, "ours", _table_blocks("island_twoshot", fab),
+                      note="bitwise the flat sum: one chain of fp32 partials per shard in rank order")]
+
+
+def _flat_ours(fab: Fabric, intra: int, cross: int, shard: float, header: int) -> list[Algorithm]:
     return [
         Algorithm("oneshot_ll", (Phase("push lines to all", intra, cross, 1.0, wire=2.0),), "ours",
                   _table_blocks("oneshot_ll", fab),
@@ -261,6 +287,14 @@ def ours(fab: Fabric) -> list[Algorithm]:
             Phase("owner sums, pushes to all", intra, cross, shard, pipelined=True),
         ), "ours", _table_blocks("twoshot_full", fab),
                   note="twoshot_full.cuh: data as flag in both phases, the owner forwards each unit as it sums it"),
+        Algorithm("oneshot_pull", (Phase("stage locally, flag; read from every peer", intra, cross, 1.0,
+                                         header_bytes=header, sync="flag", pull=True),), "ours",
+                  _table_blocks("oneshot_pull", fab), note="pull.cuh: peers read each rank's staged input"),
+        Algorithm("twoshot_pull", (
+            Phase("read our shard from every peer, flag", intra, cross, shard, header_bytes=header, sync="flag",
+                  pull=True),
+            Phase("read every owner's sum, flag", intra, cross, shard, header_bytes=header, sync="flag", pull=True),
+        ), "ours", _table_blocks("twoshot_pull", fab), note="pull.cuh: owners read their shard, then everyone the sums"),
     ]
 
 

@@ -14,9 +14,10 @@
 //      very sum of every flat algorithm (protocol invariant 6), so results are bitwise equal to
 //      theirs. Each byte of a shard crosses from island to island once, as fp32 (twice the bytes
 //      of a 16-bit dtype).
-//   3. The finisher writes the reduced shard to its output and pushes it to its island peers and
-//      to the other islands' owners of the shard (flag kind 1); each of those owners copies it to
-//      its output and forwards it to its own island peers (flag kind 1).
+//   3. The finisher writes the reduced shard to its output and pushes it to the other islands'
+//      owners of the shard, then to its island peers, one at a time, flagging each (kind 1) as
+//      its copy lands; each of those owners copies it to its output and forwards it the same way
+//      to its own island peers.
 //   4. All-gather inside the island: wait for the island peers' kind-1 flags, copy their shards.
 // Per rank per call: (S-1)/S of the message out and in inside the island twice, and across
 // islands one shard's partial out (fp32) and one reduced shard in; the finisher sends its shard
@@ -130,31 +131,10 @@ __device__ __forceinline__ void push_partial(const KernelArgs& a, Epoch epoch, c
   }
 }
 
-// Pushes of one reduced unit to every rank in `targets` (a bit per rank), into its slot for us.
-// Indexed by rank under a compile-time unroll, so the pointers stay in registers.
-template <typename Unit>
-struct Fanout {
-  Unit* dst[kMaxRanks];
-  uint32_t targets;
-
-  __device__ __forceinline__ Fanout(const KernelArgs& a, uint32_t to, Epoch epoch) : targets(to) {
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) dst[p] = ((to >> p) & 1u) ? slot_units<Unit>(a, p, a.rank, epoch) : nullptr;
-  }
-  __device__ __forceinline__ void put(uint64_t i, Unit v) const {
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if ((targets >> p) & 1u) dst[p][i] = v;
-    }
-  }
-};
-
-// Step 3 for the finisher: the last island's sums onto the chain, rounded once, to our output and
-// to every rank in `targets`.
+// Step 3 for the finisher: the last island's sums onto the chain, rounded once, to our output.
 template <typename T, typename Unit>
 __device__ __forceinline__ void finish_shard(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r,
-                                             const float* partial_in, uint32_t targets) {
-  const Fanout<Unit> fan(a, targets, epoch);
+                                             const float* partial_in) {
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     float acc[Pack<T, Unit>::kElems];
     island_sum<T, Unit>(a, epoch, own, i, partial_in, acc);
@@ -162,20 +142,34 @@ __device__ __forceinline__ void finish_shard(const KernelArgs& a, Epoch epoch, c
 #pragma unroll
     for (int k = 0; k < Pack<T, Unit>::kElems; ++k) v.elems[k] = from_float<T>(acc[k]);
     out[i] = v.unit;
-    fan.put(i, v.unit);
   }
 }
 
-// Step 3 for the other owners: the finisher's shard to our output and to our island peers.
-template <typename Unit>
-__device__ __forceinline__ void forward_shard(const KernelArgs& a, Epoch epoch, int finisher, Unit* out, Range r,
-                                              uint32_t targets) {
-  const Unit* src = slot_units<Unit>(a, a.rank, finisher, epoch);
-  const Fanout<Unit> fan(a, targets, epoch);
-  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    const Unit v = load_pushed(src + i);
-    out[i] = v;
-    fan.put(i, v);
+// Who gets a rank's reduced shard, in turn (steps 3-4): in the last island, the other islands'
+// owners of the shard first (they forward it), then the island peers, each rank of an island
+// starting at a different one; elsewhere the island peers only.
+struct ShardRecipients {
+  int first, local, size, owners;  // owners: other islands' owners to send to (last island only)
+
+  __device__ __forceinline__ int count() const { return owners + size - 1; }
+  __device__ __forceinline__ int operator[](int k) const {
+    return k < owners ? k * size + local : first + (local + 1 + k - owners) % size;
+  }
+};
+
+// Steps 3-4: our reduced shard (in `out`, written by the same threads that read it here) to each
+// recipient in turn, each flagged (kind 1) as soon as its copy has landed: one peer at a time, as
+// the staged one-shot writes, since a CPU root complex serves one-to-one writes and collapses
+// under all-to-all ones (bench/fabric_model.py).
+template <typename T, typename Unit>
+__device__ __forceinline__ void push_shard_in_turn(const KernelArgs& a, Epoch epoch, const Unit* out, Range r,
+                                                   const T* out_t, Range tail, ShardRecipients to) {
+  for (int k = 0; k < to.count(); ++k) {
+    const int peer = to[k];
+    push_to_peer<Unit>(a, peer, epoch, out, r);
+    push_to_peer<T>(a, peer, epoch, out_t, tail);
+    __syncthreads();
+    if (threadIdx.x == 0) signal_peer(a, peer, 1, epoch);
   }
 }
 
@@ -238,13 +232,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const 
     bool have_shard = false;
     if (wait_targets(a, 0, epoch, island_peers, Stage::kReduceScatter, prev, Stage::kIslandChain)) {
       const float* partial_in = prev >= 0 ? partial_area(a, a.rank, island - 1, epoch) : nullptr;
+      const ShardRecipients to{first, local, S, last_island ? islands - 1 : 0};
       if (last_island) {
-        uint32_t targets = island_peers;
-        for (int g = 0; g + 1 < islands; ++g) targets |= 1u << (g * S + local);
-        finish_shard<T, Unit>(a, epoch, in, out, mine, partial_in, targets);
-        finish_shard<T, T>(a, epoch, in_t, out_t, my_tail, partial_in, targets);
-        __syncthreads();
-        signal_targets(a, 1, epoch, targets);
+        finish_shard<T, Unit>(a, epoch, in, out, mine, partial_in);
+        finish_shard<T, T>(a, epoch, in_t, out_t, my_tail, partial_in);
+        push_shard_in_turn<T, Unit>(a, epoch, out, mine, out_t, my_tail, to);
         have_shard = true;
       } else {
         const int next = a.rank + S;
@@ -254,10 +246,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const 
         __syncthreads();
         signal_targets(a, 0, epoch, 1u << next);
         if (wait_targets(a, 1, epoch, 0u, Stage::kNone, finisher, Stage::kIslandResult)) {
-          forward_shard<Unit>(a, epoch, finisher, out, mine, island_peers);
-          forward_shard<T>(a, epoch, finisher, out_t, my_tail, island_peers);
-          __syncthreads();
-          signal_targets(a, 1, epoch, island_peers);
+          copy_from_slot<Unit>(a, finisher, epoch, out, mine);
+          copy_from_slot<T>(a, finisher, epoch, out_t, my_tail);
+          push_shard_in_turn<T, Unit>(a, epoch, out, mine, out_t, my_tail, to);
           have_shard = true;
         }
       }

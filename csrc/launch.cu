@@ -14,6 +14,7 @@
 #include "oneshot.cuh"
 #include "oneshot_full.cuh"
 #include "oneshot_ll.cuh"
+#include "pull.cuh"
 #include "twoshot.cuh"
 #include "twoshot_full.cuh"
 
@@ -67,6 +68,8 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
       break;
     case Algo::kTwoShotFull: twoshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kIslandTwoShot: island_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kOneShotPull: oneshot_pull_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kTwoShotPull: twoshot_pull_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }

@@ -3,7 +3,9 @@
 //
 // Invariants
 //  1. Push, don't pull. A rank only ever WRITES to peers' workspaces (data, then a flag) and only
-//     ever SPINS on its own workspace. Reads of peer memory never happen.
+//     ever SPINS on its own workspace. Reads of peer memory never happen, except in the pull
+//     forms (pull.cuh), for fabrics whose peer reads beat their writes: they read what a peer
+//     staged in its own workspace, and flag and spin as every other kernel does.
 //  2. Flag after data. A block writes its data to a peer, then `__syncthreads()`, then one thread
 //     stores the flag with st.release.sys. The receiver's ld.acquire.sys of that flag, then
 //     `__syncthreads()`, makes the data visible to the whole receiving block. No peer atomics.

@@ -33,6 +33,9 @@ from typing import Any
 from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS
 
 ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
+# The pull forms (csrc/pull.cuh): peers read each rank's staged input out of its own workspace,
+# for fabrics whose peer reads beat their peer writes; tune times them, no built-in table names them.
+PULL_ALGORITHMS: tuple[str, ...] = ("oneshot_pull", "twoshot_pull")
 # Algorithms whose messages must fit the workspace's low-latency capacity (Layout.ll_capacity):
 # the lines, and the full-payload slots (the two-shot's inboxes a margin less, csrc/twoshot_full.cuh).
 CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll", "oneshot_full", "twoshot_full")
@@ -117,6 +120,9 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> Wir
     - ``oneshot_ll``: as ``oneshot`` in 16-byte lines of 8 payload bytes: twice the bytes.
     - ``oneshot_full``: as ``oneshot``, the data its own flag (no flag round trip, no line overhead).
     - ``twoshot_full``: as ``twoshot``, the data its own flag in both exchanges.
+    - ``oneshot_pull``, ``twoshot_pull``: as ``oneshot`` and ``twoshot``, each rank's data read
+      by the peers out of its own workspace instead of written into theirs (the same bytes cross
+      each link, as read completions: ``out`` counts what peers read of ours).
     - ``island_twoshot`` (islands of S = ``island_ranks`` ranks): a reduce-scatter and an
       all-gather inside the island, (S-1)/S of the message each way each, plus one shard across
       islands as an fp32 partial (2N/S for a 16-bit dtype, counted so) and the reduced shard
@@ -136,9 +142,9 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> Wir
     peers' host memory out and the reads of our own in.)
     """
     others = world - 1
-    if algo in ("oneshot", "staged", "oneshot_full"):
+    if algo in ("oneshot", "staged", "oneshot_full", "oneshot_pull"):
         return WireBytes(others * nbytes, others * nbytes)
-    if algo in ("twoshot", "twoshot_full"):
+    if algo in ("twoshot", "twoshot_full", "twoshot_pull"):
         return WireBytes(2 * others * nbytes // world, 2 * others * nbytes // world)
     if algo == "oneshot_ll":
         return WireBytes(2 * others * nbytes, 2 * others * nbytes)

@@ -48,7 +48,8 @@ MIRROR: dict[str, Any] = {
     "FULL_TWOSHOT_MARGIN": 16,  # the full-payload two-shot takes messages up to ll_capacity less this
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
     "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5,
-                 "oneshot_full": 6, "twoshot_full": 7, "island_twoshot": 8},
+                 "oneshot_full": 6, "twoshot_full": 7, "island_twoshot": 8,
+                 "oneshot_pull": 9, "twoshot_pull": 10},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
     "TRANSPORT_IDS": {"p2p": 0, "host": 1},
@@ -56,7 +57,8 @@ MIRROR: dict[str, Any] = {
                     5: "fused reduce-scatter", 6: "fused all-gather", 7: "low-latency gather",
                     8: "fused row statistics", 9: "host transport gather",
                     10: "full-payload gather", 11: "full-payload reduce-scatter", 12: "full-payload all-gather",
-                    13: "island chain", 14: "island result"},
+                    13: "island chain", 14: "island result", 15: "pull gather", 16: "pull reduce-scatter",
+                    17: "pull all-gather"},
 }
 
 

@@ -470,11 +470,14 @@ DIFFERENT_KERNELS = {
         (("plain", 20_000, "staged"), ("plain", 20_000, "oneshot_full")),
         (("fused", 4, "auto"), ("plain", 4 * 7168, "twoshot")),          # fused against plain
         (("fused", 4, "oneshot"), ("fused", 4, "oneshot_full")),         # flags against data as flag
+        (("plain", 20_000, "oneshot_pull"), ("plain", 20_000, "oneshot")),  # pull against push: both flag kind 0
+        (("plain", 300_000, "twoshot_pull"), ("plain", 300_000, "twoshot")),
     ],
     "host": [
         (("plain", 1000, "auto"), ("plain", 300_000, "auto")),
         (("plain", 20_000, "host_oneshot"), ("plain", 20_000, "host_twoshot")),
         (("plain", 20_000, "host_oneshot"), ("plain", 20_000, "oneshot")),
+        (("plain", 20_000, "twoshot_pull"), ("plain", 20_000, "oneshot_pull")),
         (("fused", 4, "oneshot"), ("plain", 4 * 7168, "host_oneshot")),
     ],
 }

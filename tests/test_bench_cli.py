@@ -86,7 +86,8 @@ def test_defaults() -> None:
     assert cfg.worlds == (2, 4, 8)  # one GPU: MPS emulation
     assert cfg.sizes == tuple(1 << p for p in range(10, 27))
     assert cfg.dtype == "bfloat16" and cfg.mode == "graph" and cfg.calls_per_graph == 16
-    assert cfg.algos == ("oneshot", "staged", "twoshot", "oneshot_ll", "oneshot_full", "twoshot_full", "auto")
+    assert cfg.algos == ("oneshot", "staged", "twoshot", "oneshot_ll", "oneshot_full", "twoshot_full",
+                         "oneshot_pull", "twoshot_pull", "auto")
     assert cfg.backends == ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
     assert not cfg.backends_explicit
     assert _config([], gpu_count=4).worlds == (4,)

@@ -192,9 +192,10 @@ def test_island_algorithms_need_islands_and_say_so() -> None:
     problem = table.transport_problem("p2p")
     assert problem is not None and "'island_twoshot'" in problem and "islands" in problem
     assert algo.default_table().transport_problem("p2p") is None
-    # auto never picks it: no built-in table names it
-    for islands in (1, 2):
-        assert all(r.algo not in algo.ISLAND_ALGORITHMS for r in algo.default_table("p2p", islands=islands).rules)
+    # auto never picks them: no built-in table names the island or pull forms
+    for transport, islands in (("p2p", 1), ("p2p", 2), ("host", 1)):
+        named = {r.algo for r in algo.default_table(transport, islands=islands).rules}
+        assert not named & set(algo.ISLAND_ALGORITHMS + algo.PULL_ALGORITHMS), named
 
 
 @pytest.mark.parametrize(("groups", "expected"), [
@@ -224,6 +225,8 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
     assert wire_bytes("staged", n, world) == wire_bytes("oneshot", n, world)
     assert wire_bytes("oneshot_ll", n, world).busiest == 2 * (world - 1) * n  # 16-byte lines of 8 payload bytes
     assert wire_bytes("twoshot", n, world).busiest == 2 * (world - 1) * n // world
+    assert wire_bytes("oneshot_pull", n, world) == wire_bytes("oneshot", n, world)  # reads instead of writes
+    assert wire_bytes("twoshot_pull", n, world) == wire_bytes("twoshot", n, world)
     if world == 8:  # the motivating case: 392 KiB per GPU at full payload, twice that in lines
         assert wire_bytes("oneshot", n, world).out == 392 * 1024
     # host memory: each message written once (plus the re-poison), the others read

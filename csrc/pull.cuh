@@ -1,0 +1,152 @@
+// Pull forms of the one-shot and the two-shot: each rank stages its input in its OWN workspace
+// and peers read it from there, for fabrics whose peer reads outrun their peer writes (behind
+// some PCIe switches posted peer writes crawl while reads run at link rate: b12x measured
+// 2.6 against 52 GB/s on 16 RTX PRO 6000). The flags stay as in every algorithm: one posted
+// 8-byte write per block and peer into the peer's workspace, each rank spinning on its own.
+//
+// oneshot_pull: copy our part of the input into our own slot (local stores), flag every peer
+//   (kind 0, "ready"); wait for every peer's flag; read every peer's part from its workspace and
+//   reduce in rank order into the output.
+// twoshot_pull: copy our whole input into our own slot, flag every peer (kind 0); wait for every
+//   peer's flag; reduce our shard from every peer's slot (rank order), write it to the output and
+//   over our own shard's range of our own slot (nobody else reads that range of it), flag every
+//   peer (kind 1); wait for every peer's kind-1 flag; read each peer's reduced shard from its
+//   slot. The tail (< 16 bytes) is read from every peer and reduced by the last block of each rank.
+//
+// Invariants of these kernels, on top of protocol.cuh's (they are the exception to its
+// invariant 1, "push, don't pull"):
+//  P1. What peers read is only ever a workspace's own slot (slot index = its owner's rank), never
+//      a user's tensor: a rank writes its own slot of parity e%2 in call e, after it saw every
+//      peer's flags of call e-1, i.e. after every peer finished call e-2 and so all its reads of
+//      that parity (protocol invariant 4 with reader and writer swapped).
+//  P2. A reader loads peer memory only after acquiring that peer's flag of this call (then a
+//      block barrier), with loads that cache nothing (.cv): the data a flag released is what the
+//      reader sees, never a line kept from an earlier call of the same parity.
+//  P3. In twoshot_pull a rank overwrites only its own shard's range of its own slot, which no
+//      peer reads in the reduce-scatter (each reads its own shard there), and flags kind 1 after.
+// In place is safe: the input is copied to the workspace before any of its output is written.
+#pragma once
+
+#include "moves.cuh"
+
+namespace pcie_ar {
+
+// A load of a peer's workspace (or of host memory another rank writes): fetched again every time.
+template <typename Unit>
+__device__ __forceinline__ Unit load_remote(const Unit* p) {
+  if constexpr (sizeof(Unit) == 16) {
+    uint4 v = __ldcv(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  } else if constexpr (sizeof(Unit) == 4) {
+    unsigned int v = __ldcv(reinterpret_cast<const unsigned int*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  } else {
+    unsigned short v = __ldcv(reinterpret_cast<const unsigned short*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  }
+}
+
+// Rank `owner`'s own slot in its own workspace, where it stages what peers pull (P1).
+template <typename Unit>
+__device__ __forceinline__ Unit* own_slot(const KernelArgs& a, int owner, Epoch epoch) {
+  return slot_units<Unit>(a, owner, owner, epoch);
+}
+
+// src[r] into our own slot (local stores).
+template <typename Unit>
+__device__ __forceinline__ void stage_own(const KernelArgs& a, Epoch epoch, const Unit* src, Range r) {
+  Unit* dst = own_slot<Unit>(a, a.rank, epoch);
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) dst[i] = load_unit(src + i);
+}
+
+// out[r] = the rank-order sum of every rank's staged input (ours from `own`, the peers' read from
+// their workspaces); with `publish`, also over our own slot's range (twoshot_pull's shard, P3).
+template <typename T, typename Unit, bool kPublish>
+__device__ __forceinline__ void reduce_pulled(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r) {
+  const Unit* src[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) src[q] = q < a.world ? own_slot<Unit>(a, q, epoch) : nullptr;
+  Unit* mine = own_slot<Unit>(a, a.rank, epoch);
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    Pack<T, Unit> in[kMaxRanks];
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < a.world) in[q].unit = q == a.rank ? load_unit(own + i) : load_remote(src[q] + i);
+    }
+    const Unit v = sum_in_rank_order<T, Unit>(in, a.world);
+    out[i] = v;
+    if constexpr (kPublish) mine[i] = v;
+  }
+}
+
+// out[r] = what `peer` left in its own slot.
+template <typename Unit>
+__device__ __forceinline__ void copy_pulled(const KernelArgs& a, int peer, Epoch epoch, Unit* out, Range r) {
+  const Unit* src = own_slot<Unit>(a, peer, epoch);
+  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) out[i] = load_remote(src + i);
+}
+
+template <typename T, typename Unit>
+__global__ void __launch_bounds__(kThreadsPerBlock) oneshot_pull_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const Epoch epoch = begin_call(a, &aborted);
+  bool done = false;
+  const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
+  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Unit* in = static_cast<const Unit*>(a.input);
+  const T* in_t = static_cast<const T*>(a.input);
+  if (!aborted) {
+    stage_own<Unit>(a, epoch, in, body);
+    stage_own<T>(a, epoch, in_t, tail);
+  }
+  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort flag.
+  if (__syncthreads_or(aborted) == 0) {
+    signal_all_peers(a, 0, epoch);
+    if (wait_all_peers(a, 0, epoch, Stage::kPullGather)) {
+      reduce_pulled<T, Unit, false>(a, epoch, in, static_cast<Unit*>(a.output), body);
+      reduce_pulled<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+      done = true;
+    }
+  }
+  if (!done) fill_output_with_nan<T>(a);
+  end_call(a, epoch);
+}
+
+template <typename T, typename Unit>
+__global__ void __launch_bounds__(kThreadsPerBlock) twoshot_pull_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const Epoch epoch = begin_call(a, &aborted);
+  bool done = false;
+  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Unit* in = static_cast<const Unit*>(a.input);
+  const T* in_t = static_cast<const T*>(a.input);
+  Unit* out = static_cast<Unit*>(a.output);
+  if (!aborted) {
+    for (int s = 1; s < a.world; ++s) {  // our own shard's range is read by nobody but us (P3)
+      const int owner = (a.rank + s) % a.world;
+      stage_own<Unit>(a, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
+    }
+    stage_own<T>(a, epoch, in_t, tail);
+  }
+  if (__syncthreads_or(aborted) == 0) {
+    signal_all_peers(a, 0, epoch);
+    if (wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) {
+      reduce_pulled<T, Unit, true>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
+      __syncthreads();
+      signal_all_peers(a, 1, epoch);
+      // Every rank reduces the tail itself (read from every peer's slot, which still holds it).
+      reduce_pulled<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+      if (wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) {
+        for (int s = 1; s < a.world; ++s) {
+          const int peer = (a.rank + s) % a.world;
+          copy_pulled<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
+        }
+        done = true;
+      }
+    }
+  }
+  if (!done) fill_output_with_nan<T>(a);
+  end_call(a, epoch);
+}
+
+}  // namespace pcie_ar
