@@ -34,29 +34,13 @@ namespace pcie_ar {
 // A load of a peer's workspace (or of host memory another rank writes): fetched again every time.
 template <typename Unit>
 __device__ __forceinline__ Unit load_remote(const Unit* p) {
-  if constexpr (sizeof(Unit) == 16) {
-    uint4 v = __ldcv(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<Unit*>(&v);
-  } else if constexpr (sizeof(Unit) == 4) {
-    unsigned int v = __ldcv(reinterpret_cast<const unsigned int*>(p));
-    return *reinterpret_cast<Unit*>(&v);
-  } else {
-    unsigned short v = __ldcv(reinterpret_cast<const unsigned short*>(p));
-    return *reinterpret_cast<Unit*>(&v);
-  }
+  return load_bits(p, [](const auto* q) { return __ldcv(q); });
 }
 
 // Rank `owner`'s own slot in its own workspace, where it stages what peers pull (P1).
 template <typename Unit>
 __device__ __forceinline__ Unit* own_slot(const KernelArgs& a, int owner, Epoch epoch) {
   return slot_units<Unit>(a, owner, owner, epoch);
-}
-
-// src[r] into our own slot (local stores).
-template <typename Unit>
-__device__ __forceinline__ void stage_own(const KernelArgs& a, Epoch epoch, const Unit* src, Range r) {
-  Unit* dst = own_slot<Unit>(a, a.rank, epoch);
-  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) dst[i] = load_unit(src + i);
 }
 
 // out[r] = the rank-order sum of every rank's staged input (ours from `own`, the peers' read from
@@ -96,8 +80,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_pull_kernel(const __
   const Unit* in = static_cast<const Unit*>(a.input);
   const T* in_t = static_cast<const T*>(a.input);
   if (!aborted) {
-    stage_own<Unit>(a, epoch, in, body);
-    stage_own<T>(a, epoch, in_t, tail);
+    push_to_peer<Unit>(a, a.rank, epoch, in, body);  // our own slot (P1)
+    push_to_peer<T>(a, a.rank, epoch, in_t, tail);
   }
   // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort flag.
   if (__syncthreads_or(aborted) == 0) {
@@ -124,9 +108,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_pull_kernel(const __
   if (!aborted) {
     for (int s = 1; s < a.world; ++s) {  // our own shard's range is read by nobody but us (P3)
       const int owner = (a.rank + s) % a.world;
-      stage_own<Unit>(a, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
+      push_to_peer<Unit>(a, a.rank, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
     }
-    stage_own<T>(a, epoch, in_t, tail);
+    push_to_peer<T>(a, a.rank, epoch, in_t, tail);
   }
   if (__syncthreads_or(aborted) == 0) {
     signal_all_peers(a, 0, epoch);

@@ -36,20 +36,27 @@ union Pack {
 template <typename Unit>
 __device__ __forceinline__ Unit load_unit(const Unit* p) { return *p; }
 
+// `*p` loaded as raw bits of its size by `load` (a cache-operator load such as __ldcg or __ldcv,
+// overloaded for uint4, unsigned int and unsigned short), as a Unit.
+template <typename Unit, typename Load>
+__device__ __forceinline__ Unit load_bits(const Unit* p, Load load) {
+  if constexpr (sizeof(Unit) == 16) {
+    uint4 v = load(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  } else if constexpr (sizeof(Unit) == 4) {
+    unsigned int v = load(reinterpret_cast<const unsigned int*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  } else {
+    unsigned short v = load(reinterpret_cast<const unsigned short*>(p));
+    return *reinterpret_cast<Unit*>(&v);
+  }
+}
+
 // Load of data a peer pushed into our workspace: bypass L1 (.cg) so a line cached during an
 // earlier call with the same parity cannot be served stale.
 template <typename Unit>
 __device__ __forceinline__ Unit load_pushed(const Unit* p) {
-  if constexpr (sizeof(Unit) == 16) {
-    uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<Unit*>(&v);
-  } else if constexpr (sizeof(Unit) == 4) {
-    unsigned int v = __ldcg(reinterpret_cast<const unsigned int*>(p));
-    return *reinterpret_cast<Unit*>(&v);
-  } else {
-    unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
-    return *reinterpret_cast<Unit*>(&v);
-  }
+  return load_bits(p, [](const auto* q) { return __ldcg(q); });
 }
 
 // THE formula: fp32 sum in rank order 0..W-1, rounded once. Every path ends here.

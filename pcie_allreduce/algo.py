@@ -73,6 +73,8 @@ def runs_on(algo: str, transport: str, island_ranks: int = 0) -> bool:
     """Whether ``algo`` can run on a communicator of ``transport`` with islands of ``island_ranks``
     ranks (0: none): :func:`availability_problem` finds nothing."""
     return availability_problem(algo, transport, island_ranks) is None
+
+
 TABLE_ENV = "PCIE_AR_ALGO_TABLE"
 #: The dtype names a rule's ``dtypes`` may list.
 DTYPE_NAMES: tuple[str, ...] = tuple(sorted(DTYPE_IDS, key=DTYPE_IDS.__getitem__))
@@ -343,9 +345,10 @@ class AlgoTable:
                             f'{CAPPED_ALGORITHMS} for it (e.g. {{"algo": "twoshot", "world": "*"}})')
         return None
 
-    def transport_problem(self, transport: str, island_ranks: int = 0) -> str | None:
+    def availability_problem(self, transport: str, island_ranks: int = 0) -> str | None:
         """Why this table cannot serve a communicator of ``transport`` with islands of
-        ``island_ranks`` ranks (0: none), or None."""
+        ``island_ranks`` ranks (0: none): the module's :func:`availability_problem` of the first
+        algorithm it names that cannot run there, or None."""
         for algo in dict.fromkeys(r.algo for r in self.rules):
             problem = availability_problem(algo, transport, island_ranks)
             if problem is not None:

@@ -190,7 +190,7 @@ class Communicator:
                 self._workspace_for(stream)
         if requested == "auto" and self.transport == "p2p":
             self.transport_reason = "every pair has peer access and the creation transfer test passed"
-        problem = self.table.transport_problem(self.transport, self.island_ranks)
+        problem = self.table.availability_problem(self.transport, self.island_ranks)
         if problem is not None:  # the same table and transport on every rank: all raise here
             self.close()
             raise ValueError(problem)
@@ -476,7 +476,7 @@ class Communicator:
             return
         # A table tuned where the ranks formed islands names island algorithms; this group's
         # islands may differ ($PCIE_AR_ISLANDS): the default then, never a failed creation.
-        problem = tuned.transport_problem(self.transport, self.island_ranks)
+        problem = tuned.availability_problem(self.transport, self.island_ranks)
         if problem is not None:
             warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: {problem}; using the default")
             return

@@ -172,8 +172,8 @@ def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
     assert crossovers == sorted(crossovers, reverse=True), crossovers
     assert host.select(14 << 10, 8, "bfloat16").algo == "host_oneshot"
     assert host.select(56 << 10, 8, "bfloat16").algo == "host_twoshot"
-    assert host.transport_problem("host") is None and algo.default_table().transport_problem("host") is None
-    problem = host.transport_problem("p2p")
+    assert host.availability_problem("host") is None and algo.default_table().availability_problem("host") is None
+    problem = host.availability_problem("p2p")
     assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
     assert all(algo.runs_on(a, "host", island_ranks=4) for a in algo.ALGORITHMS)
     assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "p2p", island_ranks=4)] == list(algo.HOST_ONLY_ALGORITHMS)
@@ -188,10 +188,10 @@ def test_island_algorithms_need_islands_and_say_so() -> None:
         assert problem is not None and "island_twoshot" in problem and "islands" in problem
         assert algo.availability_problem("island_twoshot", transport, island_ranks=2) is None
     table = algo.AlgoTable((algo.Rule("island_twoshot", max_bytes=1 << 20), algo.Rule("twoshot")))
-    assert table.transport_problem("p2p", island_ranks=4) is None
-    problem = table.transport_problem("p2p")
+    assert table.availability_problem("p2p", island_ranks=4) is None
+    problem = table.availability_problem("p2p")
     assert problem is not None and "'island_twoshot'" in problem and "islands" in problem
-    assert algo.default_table().transport_problem("p2p") is None
+    assert algo.default_table().availability_problem("p2p") is None
     # auto never picks them: no built-in table names the island or pull forms
     for transport, islands in (("p2p", 1), ("p2p", 2), ("host", 1)):
         named = {r.algo for r in algo.default_table(transport, islands=islands).rules}
