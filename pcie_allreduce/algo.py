@@ -34,7 +34,8 @@ from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, FULL_TWOSHOT_MARGIN, M
 
 ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # The pull forms (csrc/pull.cuh): peers read each rank's staged input out of its own workspace,
-# for fabrics whose peer reads beat their peer writes; tune times them, no built-in table names them.
+# for fabrics whose peer reads beat their peer writes; tune times them on P2P, and the host
+# table takes them for large messages (each byte written once, no re-poisoning: default_table).
 PULL_ALGORITHMS: tuple[str, ...] = ("oneshot_pull", "twoshot_pull")
 # Algorithms whose messages must fit the workspace's low-latency capacity (Layout.ll_capacity):
 # the lines, and the full-payload slots (the two-shot's inboxes a margin less, csrc/twoshot_full.cuh).
@@ -474,24 +475,37 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     crossovers where it runs.
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
-    Host transport: the write-once algorithms. Per rank over its own PCIe link the one-shot reads
-    (W-1) N, the two-shot 2(W-1)N/W in two exchanges. With an exchange costing t0 ~ 3.2 us and a
-    link reading ~22 GB/s (a minimal write-once kernel on two H200s: 3.85 us at 14 KiB, 23.9 us
-    at 448 KiB), the two-shot wins above N = t0 B W / ((W-1)(W-2)): never at W = 2, ~104 KiB at
-    W = 3, ~46 KiB at 4, ~30 / 21 KiB at 5 / 6, ~16 / 13 KiB at 7 / 8. The two-shot also reads
-    W/2 times fewer bytes out of host memory in all, which all links share. An estimate from
-    those figures, to be replaced by crossovers measured with a GPU per link (`pcie-allreduce
-    tune --transport host`); on one GPU under MPS (one link for all ranks) the two-shot was
-    already the faster from W = 4 at 56 KiB and W = 8 at 14 KiB (bench/RESULTS.md).
+    Host transport: the write-once algorithms for small messages, the flag-based pull forms for
+    large ones. Per rank over its own PCIe link the one-shot reads (W-1) N, the two-shot 2(W-1)N/W
+    in two exchanges. With an exchange costing t0 ~ 3.2 us and a link reading ~22 GB/s (a minimal
+    write-once kernel on two H200s: 3.85 us at 14 KiB, 23.9 us at 448 KiB), the two-shot wins
+    above N = t0 B W / ((W-1)(W-2)): never at W = 2, ~104 KiB at W = 3, ~46 KiB at 4, ~30 / 21
+    KiB at 5 / 6, ~16 / 13 KiB at 7 / 8. The write-once kernels need no flag round trip (the data
+    is its own flag) but write twice what they send (the data, then its re-poisoning: 2N up the
+    link for the one-shot, 2(N + N/W) for the two-shot), while the pull forms write it once (N,
+    and N + N/W) and read the same bytes; a link's writes and reads go opposite ways, so where
+    bytes dominate the pull form's busier direction carries 0.5x (W = 2), 0.6x (W = 4) and 0.78x
+    (W = 8) of the write-once kernel's. That saving passes the pull form's extra read round trip
+    per exchange (~1.5 us) above ~33 KiB at W = 2, ~66 KiB at W = 4, ~130 KiB at W = 8; above 64
+    KiB at W = 2, 96 / 64 KiB at W = 3 / 4 and 128 KiB at W = 5-8 the table takes the pull forms
+    (``oneshot_pull`` up to 1 MiB at W = 2, ``twoshot_pull`` beyond). On one H200 under MPS (one
+    link for all ranks) the pull forms were faster still, and already at 56 KiB from W = 4:
+    `twoshot_pull` 0.42x `host_twoshot` at W = 8, 448 KiB, `oneshot_pull` 0.77x `host_oneshot`
+    at W = 2 (bench/RESULTS.md), with the launch shapes these rules give. An estimate from those
+    figures, to be replaced by crossovers measured with a GPU per link (`pcie-allreduce tune
+    --transport host`).
     """
     if transport == "host":
         return AlgoTable((
-            Rule("host_oneshot", max_bytes=None, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=64 << 10, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("oneshot_pull", max_bytes=1 << 20, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_oneshot", max_bytes=96 << 10, world=(3,), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_oneshot", max_bytes=48 << 10, world=(4,), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_twoshot", max_bytes=64 << 10, world=(4,), bytes_per_block=32 << 10, max_blocks=32),
             Rule("host_oneshot", max_bytes=24 << 10, world=(5, 6), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_oneshot", max_bytes=16 << 10, world=(7, 8), bytes_per_block=8 << 10, max_blocks=32),
-            Rule("host_twoshot", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
+            Rule("host_twoshot", max_bytes=128 << 10, world=(5, 6, 7, 8), bytes_per_block=32 << 10, max_blocks=32),
+            Rule("twoshot_pull", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
         ))
     if islands > 1:
         return island_fabric_table()

@@ -164,14 +164,20 @@ def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
 
     host = algo.default_table("host")
     assert host.select(56 << 10, 2, "bfloat16").algo == "host_oneshot"
-    assert host.select(4 << 20, 2, "bfloat16").algo == "host_oneshot"  # W=2: the two-shot reads as much
-    assert host.select(4 << 20, 8, "bfloat16").algo == "host_twoshot"
+    assert host.select(448 << 10, 2, "bfloat16").algo == "oneshot_pull"  # W=2: as many bytes read, half written
+    assert host.select(4 << 20, 2, "bfloat16").algo == "twoshot_pull"
+    assert host.select(4 << 20, 8, "bfloat16").algo == "twoshot_pull"
     # the two-shot's crossover falls with W: it reads 2(W-1)/W of the message, the one-shot W-1
-    crossovers = [next(n for n in range(1 << 10, 1 << 30, 1 << 10) if host.select(n, w, "bfloat16").algo == "host_twoshot")
+    crossovers = [next(n for n in range(1 << 10, 1 << 30, 1 << 10) if "twoshot" in host.select(n, w, "bfloat16").algo)
                   for w in range(3, 9)]
     assert crossovers == sorted(crossovers, reverse=True), crossovers
     assert host.select(14 << 10, 8, "bfloat16").algo == "host_oneshot"
     assert host.select(56 << 10, 8, "bfloat16").algo == "host_twoshot"
+    # where bytes dominate, the pull forms (each byte written once, no re-poisoning)
+    for w in range(2, 9):
+        assert host.select(1 << 30, w, "bfloat16").algo == "twoshot_pull"
+        assert all(host.select(n, w, "bfloat16").algo in ("oneshot_pull", "twoshot_pull") for n in (129 << 10, 16 << 20))
+        assert all(host.select(n, w, "bfloat16").algo in algo.HOST_ONLY_ALGORITHMS for n in (1, 2 << 10, 14 << 10))
     assert host.availability_problem("host") is None and algo.default_table().availability_problem("host") is None
     problem = host.availability_problem("p2p")
     assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
@@ -192,10 +198,12 @@ def test_island_algorithms_need_islands_and_say_so() -> None:
     problem = table.availability_problem("p2p")
     assert problem is not None and "'island_twoshot'" in problem and "islands" in problem
     assert algo.default_table().availability_problem("p2p") is None
-    # auto never picks them: no built-in table names the island or pull forms
+    # auto never picks the island form, nor on P2P the pull forms (whether a fabric's reads beat
+    # its writes is for `tune` to measure); the host table reads from host memory either way
     for transport, islands in (("p2p", 1), ("p2p", 2), ("host", 1)):
         named = {r.algo for r in algo.default_table(transport, islands=islands).rules}
-        assert not named & set(algo.ISLAND_ALGORITHMS + algo.PULL_ALGORITHMS), named
+        assert not named & set(algo.ISLAND_ALGORITHMS), named
+        assert transport == "host" or not named & set(algo.PULL_ALGORITHMS), named
 
 
 @pytest.mark.parametrize(("groups", "expected"), [

@@ -315,4 +315,4 @@ def test_the_host_transport_is_tuned_and_cached_apart() -> None:
     assert tune_cache.table_name("NVIDIA H200", 2, "abc", "host").endswith("-w2-abc-host.json")
     picks = [tune.Pick(2, 1 << 20, "host_oneshot", 8, 1.0, 1.0)]
     table = tune.derive_table(picks, fallback=algo_mod.default_table("host"))
-    assert table.rules[-1].algo == "host_twoshot" and table.availability_problem("host") is None
+    assert table.rules[-1].algo == "twoshot_pull" and table.availability_problem("host") is None
