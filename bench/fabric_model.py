@@ -260,8 +260,18 @@ def _island_ours(fab: Fabric, header: int) -> list[Algorithm]:
         Phase("the other owners forward to their island peers in turn, flag", i - 1, 0, q, schedule="staged",
               header_bytes=header, sync="flag"),
     )
+    oneshot = (
+        Phase("push to the island peers in turn, flag", i - 1, 0, 1.0, schedule="staged", header_bytes=header,
+              sync="flag"),
+        *[Phase("fp32 partial to the partner in the next island, flag", 0, 1, 1.0, wire=2.0, header_bytes=header,
+                sync="flag")] * (k - 1),
+        Phase("the last island's result to its partners in turn, flag", 0, k - 1, 1.0, schedule="staged",
+              header_bytes=header, sync="flag"),
+    )
     return [Algorithm("island_twoshot", phases, "ours", _table_blocks("island_twoshot", fab),
-                      note="bitwise the flat sum: one chain of fp32 partials per shard in rank order")]
+                      note="bitwise the flat sum: one chain of fp32 partials per shard in rank order"),
+            Algorithm("island_oneshot", oneshot, "ours", _table_blocks("island_oneshot", fab),
+                      note="island_oneshot.cuh: gather in the island, the whole message's fp32 chain, result back")]
 
 
 def _flat_ours(fab: Fabric, intra: int, cross: int, shard: float, header: int) -> list[Algorithm]:
@@ -282,6 +292,13 @@ def _flat_ours(fab: Fabric, intra: int, cross: int, shard: float, header: int) -
                   header_bytes=header, sync="flag"),
             Phase("all-gather to all, flag", intra, cross, shard, header_bytes=header, sync="flag"),
         ), "ours", _table_blocks("twoshot", fab), note="twoshot.cuh: each block pushes to the owners in turn"),
+        Algorithm("twoshot_staged", (
+            Phase("reduce-scatter (owners in turn), flag", intra, cross, shard, schedule="staged",
+                  header_bytes=header, sync="flag"),
+            Phase("all-gather (peers in turn), flag", intra, cross, shard, schedule="staged", header_bytes=header,
+                  sync="flag"),
+        ), "ours", _table_blocks("twoshot_staged", fab),
+                  note="twoshot.cuh, staged: both exchanges one peer at a time in ring order"),
         Algorithm("twoshot_full", (
             Phase("reduce-scatter (owners in turn)", intra, cross, shard, schedule="staged", header_bytes=header),
             Phase("owner sums, pushes to all", intra, cross, shard, pipelined=True),

@@ -44,106 +44,9 @@
 // In place is safe: a block reads each input range (steps 1-2) before it writes that output range.
 #pragma once
 
-#include "moves.cuh"
+#include "island.cuh"
 
 namespace pcie_ar {
-
-// The fp32 partial sums of one unit, at element offset `element` of a float array.
-template <int N>
-__device__ __forceinline__ void store_partial(float* area, uint64_t element, const float (&acc)[N]) {
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int k = 0; k < N; k += 4) {
-      *reinterpret_cast<float4*>(area + element + k) = make_float4(acc[k], acc[k + 1], acc[k + 2], acc[k + 3]);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) area[element + k] = acc[k];
-  }
-}
-
-// The previous island's partial sums of one unit; .cg like every load of pushed data.
-template <int N>
-__device__ __forceinline__ void load_partial(const float* area, uint64_t element, float (&acc)[N]) {
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int k = 0; k < N; k += 4) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(area + element + k));
-      acc[k] = v.x;
-      acc[k + 1] = v.y;
-      acc[k + 2] = v.z;
-      acc[k + 3] = v.w;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) acc[k] = __ldcg(area + element + k);
-  }
-}
-
-// Where the partial of island `sender_island` lands in `receiver`'s workspace (invariant I1).
-__device__ __forceinline__ float* partial_area(const KernelArgs& a, int receiver, int sender_island, Epoch epoch) {
-  return reinterpret_cast<float*>(slot_of(a, receiver, sender_island * a.island_ranks, epoch));
-}
-
-// Unit `i` summed over our island in rank order, onto `partial` (the previous island's sums) or,
-// in island 0, from the island's first rank: invariant 6's formula, split at island boundaries.
-template <typename T, typename Unit>
-__device__ __forceinline__ void island_sum(const KernelArgs& a, Epoch epoch, const Unit* own, uint64_t i,
-                                           const float* partial, float (&acc)[Pack<T, Unit>::kElems]) {
-  constexpr int kElems = Pack<T, Unit>::kElems;
-  const int first = a.rank - a.rank % a.island_ranks;
-  const uint64_t slot_units_each = a.layout.slot_bytes / sizeof(Unit);
-  const Unit* slot0 = slot_units<Unit>(a, a.rank, 0, epoch);
-  Pack<T, Unit> in[kMaxRanks];
-#pragma unroll
-  for (int m = 0; m < kMaxRanks; ++m) {
-    const int r = first + m;
-    if (m < a.island_ranks) {
-      in[m].unit = r == a.rank ? load_unit(own + i) : load_pushed(slot0 + static_cast<uint64_t>(r) * slot_units_each + i);
-    }
-  }
-  if (partial != nullptr) {
-    load_partial<kElems>(partial, i * kElems, acc);
-#pragma unroll
-    for (int k = 0; k < kElems; ++k) acc[k] += to_float(in[0].elems[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kElems; ++k) acc[k] = to_float(in[0].elems[k]);
-  }
-#pragma unroll
-  for (int m = 1; m < kMaxRanks; ++m) {
-    if (m < a.island_ranks) {
-#pragma unroll
-      for (int k = 0; k < kElems; ++k) acc[k] += to_float(in[m].elems[k]);
-    }
-  }
-}
-
-// Step 2 for an owner outside the last island: our island's sums onto the previous partial,
-// pushed to the next island's owner as fp32.
-template <typename T, typename Unit>
-__device__ __forceinline__ void push_partial(const KernelArgs& a, Epoch epoch, const Unit* own, Range r,
-                                             const float* partial_in, float* partial_out) {
-  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    float acc[Pack<T, Unit>::kElems];
-    island_sum<T, Unit>(a, epoch, own, i, partial_in, acc);
-    store_partial(partial_out, i * Pack<T, Unit>::kElems, acc);
-  }
-}
-
-// Step 3 for the finisher: the last island's sums onto the chain, rounded once, to our output.
-template <typename T, typename Unit>
-__device__ __forceinline__ void finish_shard(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r,
-                                             const float* partial_in) {
-  for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    float acc[Pack<T, Unit>::kElems];
-    island_sum<T, Unit>(a, epoch, own, i, partial_in, acc);
-    Pack<T, Unit> v;
-#pragma unroll
-    for (int k = 0; k < Pack<T, Unit>::kElems; ++k) v.elems[k] = from_float<T>(acc[k]);
-    out[i] = v.unit;
-  }
-}
 
 // Who gets a rank's reduced shard, in turn (steps 3-4): in the last island, the other islands'
 // owners of the shard first (they forward it), then the island peers, each rank of an island
@@ -171,28 +74,6 @@ __device__ __forceinline__ void push_shard_in_turn(const KernelArgs& a, Epoch ep
     __syncthreads();
     if (threadIdx.x == 0) signal_peer(a, peer, 1, epoch);
   }
-}
-
-// Threads 0..W-1: thread p stores our flag of `kind` into peer p when p is in `targets`.
-__device__ __forceinline__ void signal_targets(const KernelArgs& a, int kind, Epoch epoch, uint32_t targets) {
-  const int peer = static_cast<int>(threadIdx.x);
-  if (peer < a.world && ((targets >> peer) & 1u)) signal_peer(a, peer, kind, epoch);
-}
-
-// Threads 0..W-1: thread p waits for peer p's flag of `kind` when p is in `peers` (in `stage`),
-// or when p is `other` (in `other_stage`); true for the whole block only if every wait succeeded.
-__device__ __forceinline__ bool wait_targets(const KernelArgs& a, int kind, Epoch epoch, uint32_t peers, Stage stage,
-                                             int other = -1, Stage other_stage = Stage::kNone) {
-  bool ok = true;
-  const int peer = static_cast<int>(threadIdx.x);
-  if (peer < a.world) {
-    if ((peers >> peer) & 1u) {
-      ok = wait_peer(a, peer, kind, epoch, stage);
-    } else if (peer == other) {
-      ok = wait_peer(a, peer, kind, epoch, other_stage);
-    }
-  }
-  return __syncthreads_and(ok) != 0;
 }
 
 template <typename T, typename Unit>

@@ -10,6 +10,7 @@
 #include "checks.cuh"
 #include "host_oneshot.cuh"
 #include "host_twoshot.cuh"
+#include "island_oneshot.cuh"
 #include "island_twoshot.cuh"
 #include "oneshot.cuh"
 #include "oneshot_full.cuh"
@@ -60,7 +61,8 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
   switch (algo) {
     case Algo::kOneShot: oneshot_kernel<T, Unit, false><<<grid, block, 0, stream>>>(args); break;
     case Algo::kStaged: oneshot_kernel<T, Unit, true><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kTwoShot: twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kTwoShot: twoshot_kernel<T, Unit, false><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kTwoShotStaged: twoshot_kernel<T, Unit, true><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostOneShot: host_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kHostTwoShot: host_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kOneShotFull:
@@ -68,6 +70,7 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
       break;
     case Algo::kTwoShotFull: twoshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kIslandTwoShot: island_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kIslandOneShot: island_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kOneShotPull: oneshot_pull_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     case Algo::kTwoShotPull: twoshot_pull_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));

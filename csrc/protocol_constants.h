@@ -41,14 +41,16 @@ constexpr uint32_t kWrapSealMix = 0x85EBCA6Bu;
 
 enum class Algo : int {
   kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5, kOneShotFull = 6,
-  kTwoShotFull = 7, kIslandTwoShot = 8, kOneShotPull = 9, kTwoShotPull = 10
+  kTwoShotFull = 7, kIslandTwoShot = 8, kOneShotPull = 9, kTwoShotPull = 10, kTwoShotStaged = 11,
+  kIslandOneShot = 12
 };
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
                               kFusedReduceScatter = 5, kFusedAllGather = 6, kLowLatencyGather = 7,
                               kFusedRowStats = 8, kHostGather = 9, kFullGather = 10, kFullReduceScatter = 11,
                               kFullAllGather = 12, kIslandChain = 13, kIslandResult = 14,
-                              kPullGather = 15, kPullReduceScatter = 16, kPullAllGather = 17 };
+                              kPullGather = 15, kPullReduceScatter = 16, kPullAllGather = 17,
+                              kIslandGather = 18 };
 enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
 // Where a workspace lives. kP2P: device memory, peers map it through CUDA IPC and their stores
 // cross the GPU-to-GPU path. kHost: pinned host memory shared by the ranks of one host (boxes
@@ -70,7 +72,9 @@ constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
                                       {Algo::kHostTwoShot, "host_twoshot"},
                                       {Algo::kOneShotFull, "oneshot_full"}, {Algo::kTwoShotFull, "twoshot_full"},
                                       {Algo::kIslandTwoShot, "island_twoshot"},
-                                      {Algo::kOneShotPull, "oneshot_pull"}, {Algo::kTwoShotPull, "twoshot_pull"}};
+                                      {Algo::kOneShotPull, "oneshot_pull"}, {Algo::kTwoShotPull, "twoshot_pull"},
+                                      {Algo::kTwoShotStaged, "twoshot_staged"},
+                                      {Algo::kIslandOneShot, "island_oneshot"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
@@ -82,7 +86,7 @@ constexpr Named<Stage> kStageNames[] = {
     {Stage::kFullReduceScatter, "full-payload reduce-scatter"}, {Stage::kFullAllGather, "full-payload all-gather"},
     {Stage::kIslandChain, "island chain"}, {Stage::kIslandResult, "island result"},
     {Stage::kPullGather, "pull gather"}, {Stage::kPullReduceScatter, "pull reduce-scatter"},
-    {Stage::kPullAllGather, "pull all-gather"}};
+    {Stage::kPullAllGather, "pull all-gather"}, {Stage::kIslandGather, "island gather"}};
 constexpr Named<ErrorKind> kErrorKindNames[] = {{ErrorKind::kTimeout, "timeout"}, {ErrorKind::kMismatch, "mismatch"}};
 constexpr Named<Transport> kTransportNames[] = {{Transport::kP2P, "p2p"}, {Transport::kHost, "host"}};
 

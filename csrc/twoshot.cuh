@@ -9,6 +9,14 @@
 //   3. Wait for every peer's kind-1 flag; copy each peer's reduced sub-range from its slot.
 // Each rank moves 2(W-1)/W of the message instead of (W-1): the choice for large messages.
 //
+// Plain: step 1 pushes to the owners one after another but flags them all at the end, and step 2
+//   pushes the reduced shard to every peer at once (one load, W-1 posted writes).
+// Staged (twoshot_staged): both exchanges go one peer at a time in ring order, peer (rank+s)%W
+//   in stage s, each flagged as soon as its part is written, so that in every stage each rank
+//   has one outbound and one inbound stream (the staged one-shot's schedule, oneshot.cuh): for
+//   PCIe root complexes, which collapse under all-to-all posted writes but sustain one-to-one.
+//   The same bytes as the plain two-shot.
+//
 // Slot reuse within one parity: in step 1 we write shard o's range of o's slot for us; in step 2,
 // shard rank's range of every peer's slot for us. Those ranges never overlap, so both exchanges
 // share the same double-buffered slots. The tail (< 16 bytes) is exchanged one-shot style in
@@ -21,11 +29,10 @@
 
 namespace pcie_ar {
 
+// Plain: the reduce-scatter's pushes one after another, one flag to every peer after them all,
+// and the all-gather from the reduction itself (one load, W-1 posted writes).
 template <typename T, typename Unit>
-__global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
+__device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, bool aborted) {
   const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
   const Unit* in = static_cast<const Unit*>(a.input);
   const T* in_t = static_cast<const T*>(a.input);
@@ -54,10 +61,55 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_
           const int peer = (a.rank + s) % a.world;
           copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
         }
-        done = true;
+        return true;
       }
     }
   }
+  return false;
+}
+
+// Staged: both exchanges one peer at a time, each flagged as soon as its part has been written
+// (the tail goes with every peer's part of the reduce-scatter, as in the plain form's step 1).
+template <typename T, typename Unit>
+__device__ __forceinline__ bool twoshot_staged(const KernelArgs& a, Epoch epoch, bool aborted) {
+  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Range mine = shard_part<Unit>(a.nbytes, a.world, a.rank);
+  const Unit* in = static_cast<const Unit*>(a.input);
+  const T* in_t = static_cast<const T*>(a.input);
+  Unit* out = static_cast<Unit*>(a.output);
+
+  bool sent = true;
+  for (int s = 1; s < a.world && sent; ++s) {
+    const int owner = (a.rank + s) % a.world;
+    if (!aborted) {
+      push_to_peer<Unit>(a, owner, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
+      push_to_peer<T>(a, owner, epoch, in_t, tail);
+    }
+    sent = __syncthreads_or(aborted) == 0;  // the data-flag barrier, and the block's abort verdict
+    if (sent && threadIdx.x == 0) signal_peer(a, owner, 0, epoch);
+  }
+  if (!sent || !wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) return false;
+  reduce_range<T, Unit, false>(a, epoch, in, out, mine);
+  reduce_range<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+  for (int s = 1; s < a.world; ++s) {  // the same threads read `out` as wrote it
+    const int peer = (a.rank + s) % a.world;
+    push_to_peer<Unit>(a, peer, epoch, out, mine);
+    __syncthreads();
+    if (threadIdx.x == 0) signal_peer(a, peer, 1, epoch);
+  }
+  if (!wait_all_peers(a, 1, epoch, Stage::kAllGather)) return false;
+  for (int s = 1; s < a.world; ++s) {
+    const int peer = (a.rank + s) % a.world;
+    copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
+  }
+  return true;
+}
+
+template <typename T, typename Unit, bool kStaged>
+__global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const Epoch epoch = begin_call(a, &aborted);
+  const bool done = kStaged ? twoshot_staged<T, Unit>(a, epoch, aborted) : twoshot_plain<T, Unit>(a, epoch, aborted);
   if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
 }

@@ -486,8 +486,9 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
                           nbytes + kFullTwoShotMargin <= state_->layout.ll_capacity,
                       "message larger than twoshot_full's capacity (" +
                           std::to_string(state_->layout.ll_capacity - kFullTwoShotMargin) + " bytes); use another algorithm");
-  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kIslandTwoShot || state_->island_ranks != 0,
-                      "island_twoshot needs islands: the workspace has none (set_island_ranks)");
+  PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kIslandTwoShot && static_cast<Algo>(algo) != Algo::kIslandOneShot) ||
+                          state_->island_ranks != 0,
+                      "island_twoshot and island_oneshot need islands: the workspace has none (set_island_ranks)");
   KernelArgs args = state_->launch_template;
   args.input = reinterpret_cast<const void*>(input);
   args.output = reinterpret_cast<void*>(output);

@@ -54,8 +54,9 @@ FUSED_ALGORITHMS: tuple[str, ...] = (*FUSED_KERNELS, UNFUSED)
 
 
 # Algorithms for ranks in two or more islands of one size, each a run of consecutive ranks
-# (Communicator.island_ranks): the reduce-scatter and all-gather stay inside the islands.
-ISLAND_ALGORITHMS: tuple[str, ...] = ("island_twoshot",)
+# (Communicator.island_ranks): everything but one chain of fp32 partials (and its result) stays
+# inside the islands. The one-shot for small messages (three exchanges), the two-shot for large.
+ISLAND_ALGORITHMS: tuple[str, ...] = ("island_twoshot", "island_oneshot")
 
 
 def availability_problem(algo: str, transport: str, island_ranks: int = 0) -> str | None:
@@ -119,7 +120,8 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> Wir
     own bytes, the lines twice as many).
 
     - ``oneshot``, ``staged``: the message to each of the W-1 peers, and theirs to us: (W-1)N each way.
-    - ``twoshot``: a reduce-scatter and an all-gather, each (W-1)/W of the message each way.
+    - ``twoshot``, ``twoshot_staged``: a reduce-scatter and an all-gather, each (W-1)/W of the
+      message each way (the staged form in ring order, one peer at a time).
     - ``oneshot_ll``: as ``oneshot`` in 16-byte lines of 8 payload bytes: twice the bytes.
     - ``oneshot_full``: as ``oneshot``, the data its own flag (no flag round trip, no line overhead).
     - ``twoshot_full``: as ``twoshot``, the data its own flag in both exchanges.
@@ -131,6 +133,10 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> Wir
       islands as an fp32 partial (2N/S for a 16-bit dtype, counted so) and the reduced shard
       back; the busiest rank (an owner of the first or a middle island out, of the last in)
       carries 2N each way. Only a shard's partial and its result cross from island to island.
+    - ``island_oneshot``: the message to each of the S-1 island peers and theirs to us, plus
+      the whole message's fp32 partial out to the next island (2N, counted so) or, in the last
+      island, the result to the K-1 = W/S - 1 other islands; in: the previous island's partial
+      (2N) or the result (N). The busiest rank: (S-1)N + max(2N, (K-1)N) out, (S+1)N in.
 
     On the host transport every byte crosses the link of the GPU that writes or reads it, and
     host memory is nobody's: ``out`` counts this rank's writes, ``into`` its reads.
@@ -147,13 +153,16 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> Wir
     others = world - 1
     if algo in ("oneshot", "staged", "oneshot_full", "oneshot_pull"):
         return WireBytes(others * nbytes, others * nbytes)
-    if algo in ("twoshot", "twoshot_full", "twoshot_pull"):
+    if algo in ("twoshot", "twoshot_staged", "twoshot_full", "twoshot_pull"):
         return WireBytes(2 * others * nbytes // world, 2 * others * nbytes // world)
     if algo == "oneshot_ll":
         return WireBytes(2 * others * nbytes, 2 * others * nbytes)
     if algo in ISLAND_ALGORITHMS:
         if not island_ranks or world % island_ranks or world // island_ranks < 2:
             raise ValueError(f"{algo!r} needs island_ranks dividing world {world} into >= 2 islands, got {island_ranks}")
+        if algo == "island_oneshot":
+            peers, islands = island_ranks - 1, world // island_ranks
+            return WireBytes(peers * nbytes + max(2, islands - 1) * nbytes, (peers + 2) * nbytes)
         return WireBytes(2 * nbytes, 2 * nbytes)
     if algo == "host_oneshot":
         return WireBytes(2 * nbytes, others * nbytes)

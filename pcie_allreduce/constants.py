@@ -49,7 +49,7 @@ MIRROR: dict[str, Any] = {
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
     "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5,
                  "oneshot_full": 6, "twoshot_full": 7, "island_twoshot": 8,
-                 "oneshot_pull": 9, "twoshot_pull": 10},
+                 "oneshot_pull": 9, "twoshot_pull": 10, "twoshot_staged": 11, "island_oneshot": 12},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
     "TRANSPORT_IDS": {"p2p": 0, "host": 1},
@@ -58,7 +58,7 @@ MIRROR: dict[str, Any] = {
                     8: "fused row statistics", 9: "host transport gather",
                     10: "full-payload gather", 11: "full-payload reduce-scatter", 12: "full-payload all-gather",
                     13: "island chain", 14: "island result", 15: "pull gather", 16: "pull reduce-scatter",
-                    17: "pull all-gather"},
+                    17: "pull all-gather", 18: "island gather"},
 }
 
 

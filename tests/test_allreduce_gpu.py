@@ -137,6 +137,44 @@ def _graph(ctx: ranks.RankContext, captured: int, replays: int, transport: str) 
     return {"checked": replays * captured}
 
 
+LARGE_BYTES = 16 << 20
+
+
+def _large(ctx: ranks.RankContext, transport: str) -> dict:
+    """Every uncapped algorithm of the transport at 5 MiB - 16 MiB (odd sizes among them), bitwise
+    the plain two-shot's result and within the fp64 reference."""
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=LARGE_BYTES, timeout_s=30, transport=transport)
+    checks = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        es = torch.empty((), dtype=dtype).element_size()
+        for seed, numel in enumerate((LARGE_BYTES // es, LARGE_BYTES // es - 3, (5 << 20) // es + 1)):
+            inputs = ref.all_inputs(300 + seed, ctx.world_size, numel, dtype)
+            x = inputs[ctx.rank].to(ctx.device)
+            outs = {}
+            for algo in ("twoshot",) + tuple(a for a in _algos_of(comm) if a not in algo_mod.CAPPED_ALGORITHMS):
+                out = torch.full_like(x, float("nan"))
+                comm.all_reduce(x, out=out, algo=algo)
+                outs[algo] = out
+            torch.cuda.synchronize()
+            what = f"W={ctx.world_size} rank {ctx.rank} {transport} {dtype} numel={numel}"
+            ref.check(outs["twoshot"], inputs, f"{what} twoshot")  # the others: bitwise this checked result
+            bits = torch.int16 if es == 2 else torch.int32
+            for algo, got in outs.items():
+                assert torch.equal(got.view(bits), outs["twoshot"].view(bits)), f"{what} {algo}: not bitwise twoshot's"
+                checks += 1
+    comm.check()
+    comm.close()
+    return {"checks": checks}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 8)] or WORLDS[:1])
+def test_large_messages_up_to_16_mib_through_every_uncapped_algorithm(world: int, transport: str) -> None:
+    results = ranks.run_ranks(_large, world, transport, timeout_s=600)
+    assert all(r["checks"] == results[0]["checks"] > 0 for r in results)
+
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_graph_128_calls_replayed_100_times(world: int, transport: str) -> None:
@@ -378,10 +416,14 @@ def _replay_with_a_missing_rank(ctx: ranks.RankContext, algo: str, dtype: torch.
     return result
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll", "oneshot_full", "twoshot_full"])
+GIVE_UP_DTYPES = {"oneshot": torch.float32, "twoshot": torch.bfloat16, "oneshot_ll": torch.float16,
+                  "oneshot_full": torch.bfloat16, "twoshot_full": torch.float16, "oneshot_pull": torch.float16,
+                  "twoshot_pull": torch.bfloat16, "twoshot_staged": torch.float32}
+
+
+@pytest.mark.parametrize("algo", sorted(GIVE_UP_DTYPES))
 def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str) -> None:
-    dtype = {"oneshot": torch.float32, "twoshot": torch.bfloat16, "oneshot_ll": torch.float16,
-             "oneshot_full": torch.bfloat16, "twoshot_full": torch.float16}[algo]
+    dtype = GIVE_UP_DTYPES[algo]
     results = ranks.run_ranks(_replay_with_a_missing_rank, 2, algo, dtype, timeout_s=300)
     for rank, r in enumerate(results):
         if r["late"]:
@@ -472,12 +514,14 @@ DIFFERENT_KERNELS = {
         (("fused", 4, "oneshot"), ("fused", 4, "oneshot_full")),         # flags against data as flag
         (("plain", 20_000, "oneshot_pull"), ("plain", 20_000, "oneshot")),  # pull against push: both flag kind 0
         (("plain", 300_000, "twoshot_pull"), ("plain", 300_000, "twoshot")),
+        (("plain", 300_001, "twoshot_staged"), ("plain", 300_001, "twoshot")),  # staged flags peer by peer
     ],
     "host": [
         (("plain", 1000, "auto"), ("plain", 300_000, "auto")),
         (("plain", 20_000, "host_oneshot"), ("plain", 20_000, "host_twoshot")),
         (("plain", 20_000, "host_oneshot"), ("plain", 20_000, "oneshot")),
         (("plain", 20_000, "twoshot_pull"), ("plain", 20_000, "oneshot_pull")),
+        (("plain", 20_000, "twoshot_staged"), ("plain", 20_000, "host_twoshot")),
         (("fused", 4, "oneshot"), ("plain", 4 * 7168, "host_oneshot")),
     ],
 }

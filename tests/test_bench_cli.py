@@ -87,7 +87,7 @@ def test_defaults() -> None:
     assert cfg.sizes == tuple(1 << p for p in range(10, 27))
     assert cfg.dtype == "bfloat16" and cfg.mode == "graph" and cfg.calls_per_graph == 16
     assert cfg.algos == ("oneshot", "staged", "twoshot", "oneshot_ll", "oneshot_full", "twoshot_full",
-                         "oneshot_pull", "twoshot_pull", "auto")
+                         "oneshot_pull", "twoshot_pull", "twoshot_staged", "auto")
     assert cfg.backends == ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
     assert not cfg.backends_explicit
     assert _config([], gpu_count=4).worlds == (4,)

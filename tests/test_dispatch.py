@@ -190,9 +190,10 @@ def test_island_algorithms_need_islands_and_say_so() -> None:
     """island_twoshot is refused by name where the ranks form no equal consecutive islands, on
     either transport, and a table naming it cannot serve such a communicator."""
     for transport in ("p2p", "host"):
-        problem = algo.availability_problem("island_twoshot", transport, island_ranks=0)
-        assert problem is not None and "island_twoshot" in problem and "islands" in problem
-        assert algo.availability_problem("island_twoshot", transport, island_ranks=2) is None
+        for name in ("island_twoshot", "island_oneshot"):
+            problem = algo.availability_problem(name, transport, island_ranks=0)
+            assert problem is not None and name in problem and "islands" in problem
+            assert algo.availability_problem(name, transport, island_ranks=2) is None
     table = algo.AlgoTable((algo.Rule("island_twoshot", max_bytes=1 << 20), algo.Rule("twoshot")))
     assert table.availability_problem("p2p", island_ranks=4) is None
     problem = table.availability_problem("p2p")
@@ -235,6 +236,7 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
     assert wire_bytes("twoshot", n, world).busiest == 2 * (world - 1) * n // world
     assert wire_bytes("oneshot_pull", n, world) == wire_bytes("oneshot", n, world)  # reads instead of writes
     assert wire_bytes("twoshot_pull", n, world) == wire_bytes("twoshot", n, world)
+    assert wire_bytes("twoshot_staged", n, world) == wire_bytes("twoshot", n, world)  # in ring order
     if world == 8:  # the motivating case: 392 KiB per GPU at full payload, twice that in lines
         assert wire_bytes("oneshot", n, world).out == 392 * 1024
     # host memory: each message written once (plus the re-poison), the others read
@@ -244,8 +246,15 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
         wire_bytes("ring", n, world)
     if world >= 4:  # two islands of W/2: 2N each way on the busiest rank
         assert wire_bytes("island_twoshot", n, world, island_ranks=world // 2) == WireBytes(2 * n, 2 * n)
-    with pytest.raises(ValueError, match="island_ranks"):
-        wire_bytes("island_twoshot", n, world)
+        # the one-shot: the message to each island peer, and the fp32 partial (2N) to the next
+        # island or the result to the others; the flat one-shot sends W/2 copies across instead
+        s = world // 2
+        assert wire_bytes("island_oneshot", n, world, island_ranks=s) == WireBytes((s + 1) * n, (s + 1) * n)
+    if world == 8:  # four islands of 2: the finisher sends the result to 3 other islands
+        assert wire_bytes("island_oneshot", n, world, island_ranks=2) == WireBytes(4 * n, 3 * n)
+    for algo in ("island_twoshot", "island_oneshot"):
+        with pytest.raises(ValueError, match="island_ranks"):
+            wire_bytes(algo, n, world)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -1,10 +1,11 @@
-"""Multi-rank GPU tests of ``island_twoshot``: islands set by ``$PCIE_AR_ISLANDS`` (W ranks; on one
-GPU under MPS, where islands are only a grouping: the test is of the protocol and the sums).
+"""Multi-rank GPU tests of the island algorithms (``island_twoshot``, ``island_oneshot``): islands
+set by ``$PCIE_AR_ISLANDS`` (W ranks; on one GPU under MPS, where islands are only a grouping:
+the test is of the protocol and the sums).
 
 Every split of W = 4, 6 and 8 into two or more equal islands, both transports: bitwise equal to
-the flat two-shot and to the rank-order fp32 sum, close to fp64, for odd and misaligned sizes,
-every dtype, in place; CUDA-graph replays with fresh inputs; a rank that skips a call makes the
-others raise with NaN in their outputs, whichever island's role it has.
+the flat two-shot and to the rank-order fp32 sum, close to fp64, for odd and misaligned sizes up
+to 16 MiB, every dtype, in place; CUDA-graph replays with fresh inputs; a rank that skips a call
+makes the others raise with NaN in their outputs, whichever island's role it has.
 Skipped with a reason on a machine without a GPU or without the built extension.
 """
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import pcie_allreduce
+from pcie_allreduce import algo as algo_mod
 from pcie_allreduce import ranks, topology
 from tests import _reference as ref
 from tests.test_allreduce_gpu import _skip_one_call
@@ -25,7 +27,8 @@ SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
-MAX_BYTES = 2 << 20
+MAX_BYTES = 16 << 20
+ISLAND_ALGOS = algo_mod.ISLAND_ALGORITHMS
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (world, ranks per island): every split into >= 2 equal islands of >= 2 ranks up to W = 8.
 SPLITS = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)]
@@ -40,7 +43,7 @@ def _sizes(dtype: torch.dtype, seed: int) -> list[int]:
     es = torch.empty((), dtype=dtype).element_size()
     rng = random.Random(seed)
     fixed = [1, 3, 7, 4096, 7168, 4 * 7168, 32 * 7168, (1 << 20) // es, MAX_BYTES // es]
-    odd = [rng.randrange(1, 4096) | 1, rng.randrange(4096, MAX_BYTES // es) | 1]
+    odd = [rng.randrange(1, 4096) | 1, rng.randrange(4096, (2 << 20) // es) | 1]
     return fixed + odd
 
 
@@ -61,23 +64,24 @@ def _matrix(ctx: ranks.RankContext, transport: str, size: int) -> dict:
             inputs = ref.all_inputs(seed, ctx.world_size, numel, dtype)
             x = inputs[ctx.rank].to(ctx.device)
             outs = {}
-            for algo in ("island_twoshot", "twoshot"):
+            for algo in ("twoshot", *ISLAND_ALGOS):
                 out = _poisoned(x)
                 comm.all_reduce(x, out=out, algo=algo)
                 outs[algo] = out
-            inplace = x.clone()
-            comm.all_reduce(inplace, out=inplace, algo="island_twoshot")
-            outs["in-place"] = inplace
-            unaligned = torch.empty(numel + 1, dtype=dtype, device=ctx.device)[1:]  # element-wise path
-            unaligned.copy_(x)
-            out = _poisoned(x)
-            comm.all_reduce(unaligned, out=out, algo="island_twoshot")
-            outs["unaligned"] = out
+            for algo in ISLAND_ALGOS:
+                inplace = x.clone()
+                comm.all_reduce(inplace, out=inplace, algo=algo)
+                outs[f"{algo} in place"] = inplace
+                unaligned = torch.empty(numel + 1, dtype=dtype, device=ctx.device)[1:]  # element-wise path
+                unaligned.copy_(x)
+                out = _poisoned(x)
+                comm.all_reduce(unaligned, out=out, algo=algo)
+                outs[f"{algo} unaligned"] = out
             torch.cuda.synchronize()
             assert torch.equal(x.cpu(), inputs[ctx.rank]), "out-of-place call modified its input"
             what = f"W={ctx.world_size} islands of {size} rank {ctx.rank} {transport} {dtype} numel={numel}"
+            ref.check(outs["twoshot"], inputs, f"{what} twoshot")  # the others: bitwise this checked result
             for name, got in outs.items():
-                ref.check(got, inputs, f"{what} {name}")
                 assert torch.equal(_bits(got), _bits(outs["twoshot"])), f"{what} {name}: not bitwise the flat two-shot"
                 checks += 1
     comm.check()
@@ -87,7 +91,7 @@ def _matrix(ctx: ranks.RankContext, transport: str, size: int) -> dict:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(("world", "size"), SPLITS)
-def test_island_twoshot_is_bitwise_the_flat_sum(world: int, size: int, transport: str) -> None:
+def test_island_algorithms_are_bitwise_the_flat_sum(world: int, size: int, transport: str) -> None:
     results = ranks.run_ranks(_matrix, world, transport, size, timeout_s=600, env=_islands_env(world, size))
     assert all(r["checks"] == results[0]["checks"] > 0 for r in results)
 
@@ -96,7 +100,8 @@ def _graph(ctx: ranks.RankContext, transport: str, replays: int) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
     shapes = [(7, torch.bfloat16, "island_twoshot"), (4 * 7168, torch.bfloat16, "island_twoshot"),
               (100_001, torch.float16, "island_twoshot"), (4 * 7168, torch.bfloat16, "auto"),
-              (3 * 7168 + 5, torch.float32, "island_twoshot")]
+              (3 * 7168 + 5, torch.float32, "island_twoshot"), (7, torch.float16, "island_oneshot"),
+              (4 * 7168, torch.bfloat16, "island_oneshot"), (3 * 7168 + 5, torch.float32, "island_oneshot")]
     static_in = [torch.empty(n, dtype=d, device=ctx.device) for n, d, _ in shapes]
     outs = [torch.empty(n, dtype=d, device=ctx.device) for n, d, _ in shapes]
     graph = torch.cuda.CUDAGraph()
@@ -120,16 +125,18 @@ def _graph(ctx: ranks.RankContext, transport: str, replays: int) -> dict:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_island_twoshot_in_a_cuda_graph_replayed_with_fresh_inputs(transport: str) -> None:
+def test_island_algorithms_in_a_cuda_graph_replayed_with_fresh_inputs(transport: str) -> None:
     results = ranks.run_ranks(_graph, 8, transport, 6, timeout_s=300, env=_islands_env(8, 2))
-    assert all(r["checks"] == 30 for r in results)
+    assert all(r["checks"] == 48 for r in results)
 
 
 # W = 8 in four islands of 2: the skipper is in the first island, a middle one, or the last (whose
-# ranks finish every shard), as an owner of shard 0 or of shard 1 (which carries the tail).
+# ranks finish every shard, or every chain), as an owner of shard 0 or of shard 1 (which carries
+# the tail).
+@pytest.mark.parametrize("algo", ISLAND_ALGOS)
 @pytest.mark.parametrize("skipper", [0, 3, 4, 7])
-def test_a_rank_that_skips_an_island_call_makes_every_other_rank_raise(skipper: int) -> None:
-    results = ranks.run_ranks(_skip_one_call, 8, skipper, "island_twoshot", 4 * 7168 + 3, timeout_s=300,
+def test_a_rank_that_skips_an_island_call_makes_every_other_rank_raise(skipper: int, algo: str) -> None:
+    results = ranks.run_ranks(_skip_one_call, 8, skipper, algo, 4 * 7168 + 3, timeout_s=300,
                               env=_islands_env(8, 2))
     stages = set()
     for rank, r in enumerate(results):
@@ -142,20 +149,23 @@ def test_a_rank_that_skips_an_island_call_makes_every_other_rank_raise(skipper: 
         stages.add(r["raised"]["stage"])
     island_peer = skipper ^ 1
     assert results[island_peer]["raised"]["peer"] == skipper, results[island_peer]["raised"]["message"]
-    assert stages <= {"reduce-scatter", "island chain", "island result", "all-gather"}, stages
+    assert stages <= {"reduce-scatter", "island gather", "island chain", "island result", "all-gather"}, stages
 
 
-def _without_islands(ctx: ranks.RankContext) -> str:
+def _without_islands(ctx: ranks.RankContext) -> list[str]:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=1 << 20)
+    messages = []
     try:
         assert comm.island_ranks == 0
-        with pytest.raises(ValueError, match="island_twoshot") as info:
-            comm.all_reduce(torch.ones(16, device=ctx.device), algo="island_twoshot")
-        return str(info.value)
+        for algo in ISLAND_ALGOS:
+            with pytest.raises(ValueError, match=algo) as info:
+                comm.all_reduce(torch.ones(16, device=ctx.device), algo=algo)
+            messages.append(str(info.value))
+        return messages
     finally:
         comm.close()
 
 
-def test_island_twoshot_is_refused_by_name_without_islands() -> None:
+def test_island_algorithms_are_refused_by_name_without_islands() -> None:
     messages = ranks.run_ranks(_without_islands, 2, timeout_s=120, env={topology.ISLANDS_ENV: "0,1"})
-    assert all("islands" in m for m in messages)
+    assert all(len(m) == len(ISLAND_ALGOS) and all("islands" in x for x in m) for m in messages)
