@@ -59,7 +59,8 @@ class OursBackend(Backend):
         ext = _ext.load()
         placements = getattr(self._comm, "placements", None)
         if ext is not None and placements:
-            facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in placements])
+            facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in placements],
+                                                            getattr(self._comm, "islands", ()))
         return facts
 
     def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:

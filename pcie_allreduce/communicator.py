@@ -457,7 +457,7 @@ class Communicator:
 
         found: tuple[str, str] | None = None
         if self.rank == 0:
-            fp = tune_cache.fingerprint_of(self._ext, [p.pci_bus_id for p in self.placements])
+            fp = tune_cache.fingerprint_of(self._ext, [p.pci_bus_id for p in self.placements], self.islands)
             path = tune_cache.table_path(torch.cuda.get_device_name(self.device), self.world_size, fp,
                                          transport=self.transport)
             if os.path.isfile(path):

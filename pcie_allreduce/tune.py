@@ -224,7 +224,7 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
                  "transport": comm.transport, "islands": len(comm.islands)}
         ext = _ext.load()
         if ext is not None:
-            facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in comm.placements])
+            facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in comm.placements], comm.islands)
     finally:
         comm.close()
     return {"rows": rows, "facts": facts} if ctx.rank == 0 else {}

@@ -3,9 +3,13 @@
     $PCIE_AR_CACHE_DIR, else $XDG_CACHE_HOME/pcie_allreduce, else ~/.cache/pcie_allreduce
         <gpu>-w<W>-<fingerprint>.json      e.g. nvidia-h200-w4-3f9c1a2b7d04.json
 
-The fingerprint is a hash of how the ranks sit on GPUs: the PCI bus id of every rank's GPU (in
-rank order, so it also tells emulation, several ranks on one GPU, from distinct GPUs) and the CUDA
-peer-access matrix between those GPUs. A communicator can compute it at creation from facts it
+The fingerprint is a hash of how the ranks sit on GPUs and of the fabric between them: the PCI bus
+id of every rank's GPU (in rank order, so it also tells emulation, several ranks on one GPU, from
+distinct GPUs), the CUDA peer-access matrix between those GPUs, and the islands the ranks form
+where there are two or more (``Communicator.islands``: switches, NUMA nodes, or
+``$PCIE_AR_ISLANDS``), so a table tuned on one fabric (whose picks may be island or pull forms)
+is never loaded by a group that sees another. One island adds nothing, so flat fingerprints are
+the same as before islands counted. A communicator can compute it at creation from facts it
 already exchanges (see :func:`fingerprint_of`), so the table it loads is keyed exactly like the
 one ``tune`` wrote. Pure except for :func:`fingerprint_of`, which asks the extension.
 """
@@ -36,25 +40,30 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def fingerprint(bus_ids_by_rank: Sequence[str], can_access: Callable[[str, str], bool]) -> str:
-    """Hash of the ranks' GPUs (PCI bus ids, rank order) and the peer access between distinct ones."""
+def fingerprint(bus_ids_by_rank: Sequence[str], can_access: Callable[[str, str], bool],
+                islands: Sequence[Sequence[int]] = ()) -> str:
+    """Hash of the ranks' GPUs (PCI bus ids, rank order), the peer access between distinct ones,
+    and ``islands`` (groups of ranks) where there are two or more."""
     ids = [b.strip().lower() for b in bus_ids_by_rank]
     gpus = sorted(set(ids))
     access = [[a == b or bool(can_access(a, b)) for b in gpus] for a in gpus]
-    blob = json.dumps({"ranks": ids, "gpus": gpus, "peer_access": access}, sort_keys=True)
+    facts: dict[str, Any] = {"ranks": ids, "gpus": gpus, "peer_access": access}
+    if len(islands) > 1:
+        facts["islands"] = sorted(sorted(int(r) for r in group) for group in islands)
+    blob = json.dumps(facts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:FINGERPRINT_CHARS]
 
 
-def fingerprint_of(ext: Any, bus_ids_by_rank: Sequence[str]) -> str:
+def fingerprint_of(ext: Any, bus_ids_by_rank: Sequence[str], islands: Sequence[Sequence[int]] = ()) -> str:
     """:func:`fingerprint` with peer access asked of ``pcie_allreduce._C`` (GPUs found by bus id).
 
-    For a communicator: ``fingerprint_of(comm._ext, [p.pci_bus_id for p in comm.placements])``.
+    For a communicator: ``fingerprint_of(comm._ext, [p.pci_bus_id for p in comm.placements], comm.islands)``.
     """
     def can_access(a: str, b: str) -> bool:
         da, db = ext.device_by_pci_bus_id(a), ext.device_by_pci_bus_id(b)
         return da >= 0 and db >= 0 and bool(ext.can_access_peer(da, db))
 
-    return fingerprint(bus_ids_by_rank, can_access)
+    return fingerprint(bus_ids_by_rank, can_access, islands)
 
 
 def table_name(gpu_name: str, world: int, fp: str, transport: str = "p2p") -> str:

@@ -128,6 +128,12 @@ def test_cache_paths_and_fingerprint(tmp_path) -> None:
     assert full != tune_cache.fingerprint(four, lambda a, b: {a, b} != {four[0], four[3]})
     assert full != tune_cache.fingerprint(four[::-1], lambda a, b: True)  # rank order is part of the placement
     assert full != one_gpu
+    # the fabric: two islands key their own table; one island (or none known) is the flat key
+    halves = tune_cache.fingerprint(four, lambda a, b: True, ((0, 1), (2, 3)))
+    assert halves != full and halves != tune_cache.fingerprint(four, lambda a, b: True, ((0, 2), (1, 3)))
+    assert halves == tune_cache.fingerprint(four, lambda a, b: True, [[3, 2], [1, 0]])  # as sets of ranks
+    assert tune_cache.fingerprint(four, lambda a, b: True, ((0, 1, 2, 3),)) == full
+    assert tune_cache.fingerprint(four, lambda a, b: True, ()) == full
 
     class Ext:
         def device_by_pci_bus_id(self, bus: str) -> int:

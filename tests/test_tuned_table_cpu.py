@@ -72,6 +72,23 @@ def test_cached_table_is_adopted(comm) -> None:
     assert comm.table.select(56 << 10, 2, "bfloat16") == algo.Choice("twoshot", 3)
 
 
+def test_a_table_tuned_on_islands_serves_only_groups_with_those_islands(comm) -> None:
+    """The cache key includes the islands: a table tuned where the ranks formed 0-3 / 4-7 (whose
+    picks fit that fabric) is not loaded by a flat group on the same GPUs, nor by other islands."""
+    halves = ((0, 1, 2, 3), (4, 5, 6, 7))
+    tuned = algo.AlgoTable((algo.Rule("twoshot_pull", bytes_per_block=1024, max_blocks=3),))
+    path = tune_cache.table_path("NVIDIA Test GPU", comm.world_size, tune_cache.fingerprint_of(comm._ext, [BUS], halves))
+    tune_cache.write_table(path, tuned.to_json(), {"by": "test"})
+    comm._adopt_tuned_table()  # flat (one island)
+    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+    comm.islands = ((0, 1), (2, 3), (4, 5), (6, 7))
+    comm._adopt_tuned_table()
+    assert comm.table == algo.island_fabric_table()
+    comm.islands = halves
+    comm._adopt_tuned_table()
+    assert comm.table == tuned and comm.table_source == f"tune cache {path}"
+
+
 def test_corrupt_cached_table_warns_and_keeps_the_default(comm) -> None:
     path = _cache_path(comm)
     tune_cache.write_table(path, json.dumps({"rules": [{"algo": "oneshot"}]}), {})
