@@ -94,6 +94,23 @@ def _push_kernel(src_ptr, dst_addrs_ptr, words_per_peer, programs, steps, BLOCK:
         k += 1
 
 
+@triton.jit
+def _pull_kernel(src_addrs_ptr, dst_ptr, words_per_peer, programs, steps, BLOCK: tl.constexpr):
+    # The push kernel turned round: program (pid, peer) reads its part of ``words_per_peer`` words
+    # at peer's address into slice ``peer`` of the local ``dst``, with loads that cache nothing
+    # (.cv), as the pull kernels read peers (csrc/pull.cuh): every repetition crosses the fabric.
+    pid = tl.program_id(0)
+    peer = tl.program_id(1)
+    src = tl.multiple_of(tl.load(src_addrs_ptr + peer).to(tl.pointer_type(tl.int64)), 16)
+    dst = dst_ptr + tl.multiple_of(peer.to(tl.int64) * words_per_peer, 2)
+    k = 0
+    while k < steps:
+        offs = pid * BLOCK + k * programs * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < words_per_peer
+        tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=".cv"), mask=mask)
+        k += 1
+
+
 def fill(addr: int, n_words: int) -> None:
     """Zero ``n_words`` 8-byte words at ``addr`` (this rank's own memory) on the current stream."""
     _fill_kernel[(1,)](addr, n_words, BLOCK=triton.next_power_of_2(max(n_words, 16)))
@@ -108,6 +125,14 @@ def pingpong(mine: int, theirs: int, out: torch.Tensor, iters: int, timeout_ns: 
 def push(src: torch.Tensor, dst_addrs: torch.Tensor, words_per_peer: int, programs_per_peer: int) -> None:
     """Copy ``words_per_peer`` int64 words of ``src`` (slice p for peer p) to each address in ``dst_addrs``."""
     _push_kernel[(programs_per_peer, dst_addrs.numel())](src, dst_addrs, words_per_peer, programs_per_peer,
+                                                         triton.cdiv(words_per_peer, programs_per_peer * PUSH_BLOCK),
+                                                         BLOCK=PUSH_BLOCK,
+                                                         num_warps=8)
+
+
+def pull(dst: torch.Tensor, src_addrs: torch.Tensor, words_per_peer: int, programs_per_peer: int) -> None:
+    """Read ``words_per_peer`` int64 words from each address in ``src_addrs`` into slice p of ``dst``."""
+    _pull_kernel[(programs_per_peer, src_addrs.numel())](src_addrs, dst, words_per_peer, programs_per_peer,
                                                          triton.cdiv(words_per_peer, programs_per_peer * PUSH_BLOCK),
                                                          BLOCK=PUSH_BLOCK,
                                                          num_warps=8)

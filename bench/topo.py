@@ -136,14 +136,29 @@ def format_probe(world: int, placement: str, data: dict[str, Any]) -> str:
                      data["rtt_us"], 2)
     lines += _matrix(f"# one-way write bandwidth (GB/s), row rank writes {mib:g} MiB into column rank, alone",
                      data["write_gbps"], 1)
+    if data.get("read_gbps"):
+        lines += _matrix(f"# one-way read bandwidth (GB/s), row rank reads {mib:g} MiB from column rank, alone "
+                         "(uncached loads, as the pull forms read)", data["read_gbps"], 1)
     one, many = data["one_to_one"], data["all_to_all"]
-    lines.append(f"# write bandwidth per rank, all ranks at once, {mib:g} MiB each (GB/s):")
-    lines.append(f"  one-to-one (rank r -> r+1):            mean {_cell(one['mean'], 1)}  min {_cell(one['min'], 1)}")
-    lines.append(f"  all-to-all (1/(W-1) to every peer):    mean {_cell(many['mean'], 1)}  min {_cell(many['min'], 1)}")
+    lines.append(f"# bandwidth per rank, all ranks at once, {mib:g} MiB each (GB/s):")
+    lines.append(f"  one-to-one writes (rank r -> r+1):     mean {_cell(one['mean'], 1)}  min {_cell(one['min'], 1)}")
+    lines.append(f"  all-to-all writes (1/(W-1) to each):   mean {_cell(many['mean'], 1)}  min {_cell(many['min'], 1)}")
+    many_read = data.get("all_to_all_read")
+    if many_read:
+        lines.append(f"  all-to-all reads (1/(W-1) from each):  mean {_cell(many_read['mean'], 1)}  "
+                     f"min {_cell(many_read['min'], 1)}")
+    for key, what in (("cross_write", "writes"), ("cross_read", "reads")):
+        cross = data.get(key)
+        if cross:
+            lines.append(f"  cross-island {what} (partner in the next island): mean {_cell(cross['mean'], 1)}  "
+                         f"min {_cell(cross['min'], 1)}")
     ratio = data.get("all_to_all_over_one_to_one")
     if ratio is not None:
-        lines.append(f"  all-to-all / one-to-one: {ratio:.2f} (well below 1: the fabric collapses under many-to-many "
-                     "writes, which staging avoids)")
+        lines.append(f"  all-to-all / one-to-one writes: {ratio:.2f} (well below 1: the fabric collapses under "
+                     "many-to-many writes, which staging avoids)")
+    if many_read and many_read.get("mean") and many.get("mean"):
+        lines.append(f"  all-to-all reads / writes: {many_read['mean'] / many['mean']:.2f} (above 1: the pull forms "
+                     "may pay here; `pcie-allreduce tune` times them)")
     return "\n".join(lines)
 
 
@@ -190,7 +205,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sys.stdout.write(format_topology(topo))
         sys.stdout.flush()
     if not args.no_probe:
-        data["measured"], data["measure_errors"] = _measure(args, count, not args.json)
+        fabric_islands = (data.get("fabric") or {}).get("islands")
+        data["measured"], data["measure_errors"] = _measure(args, count, not args.json, fabric_islands)
     text = json.dumps(data, indent=2) + "\n"
     if args.json:
         sys.stdout.write(text)
@@ -223,7 +239,24 @@ def _write_files(out: str, data: dict[str, Any], json_text: str, table: str) -> 
     print(f"no {stem}.png: {problem}" if problem else f"wrote {stem}.png", file=sys.stderr)
 
 
-def _measure(args: argparse.Namespace, gpu_count: int, show: bool) -> tuple[dict[str, Any], dict[str, str]]:
+def _probe_islands(world: int, gpu_count: int, fabric_islands: list[list[int]] | None) -> tuple[tuple[int, ...], ...]:
+    """The islands of ``world`` ranks for the cross-island rates: ``$PCIE_AR_ISLANDS`` where set
+    (an unusable setting measures none), else, with one rank per GPU, the detected ones."""
+    from pcie_allreduce import topology
+
+    try:
+        override = topology.islands_override(world)
+    except ValueError:
+        return ()
+    if override is not None:
+        return tuple(tuple(g) for g in override)
+    if world == gpu_count and fabric_islands:
+        return tuple(tuple(g) for g in fabric_islands)
+    return ()
+
+
+def _measure(args: argparse.Namespace, gpu_count: int, show: bool,
+             fabric_islands: list[list[int]] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the probe per world size; (world -> matrices, world -> one-line error)."""
     from bench import topo_probe
     from pcie_allreduce.ranks import placement_label
@@ -236,7 +269,8 @@ def _measure(args: argparse.Namespace, gpu_count: int, show: bool) -> tuple[dict
               flush=True)
         job = topo_probe.ProbeJob(nbytes=max(16 * world, args.bytes // 16 * 16), pingpong_iters=max(2, args.iters),
                                   reps=args.reps, programs=args.blocks, step_timeout_s=args.timeout,
-                                  timeout_s=min(10.0, args.timeout / 3))
+                                  timeout_s=min(10.0, args.timeout / 3),
+                                  islands=_probe_islands(world, gpu_count, fabric_islands))
         try:
             data = topo_probe.run_probe(world, job)
         except Exception as exc:  # noqa: BLE001 - reported per W; the other worlds go on

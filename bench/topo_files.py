@@ -16,7 +16,8 @@ import csv
 import io
 from typing import Any
 
-CSV_COLUMNS: tuple[str, ...] = ("world", "placement", "kind", "sender", "receiver", "rtt_us", "write_gbps")
+CSV_COLUMNS: tuple[str, ...] = ("world", "placement", "kind", "sender", "receiver", "rtt_us", "write_gbps",
+                                 "read_gbps")
 
 
 def is_topo_document(data: Any) -> bool:
@@ -34,19 +35,21 @@ def csv_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for world, m in measured_worlds(data):
         base = {"world": world, "placement": m.get("placement", "")}
-        rtt, gbps = m.get("rtt_us") or [], m.get("write_gbps") or []
+        rtt, gbps, reads = m.get("rtt_us") or [], m.get("write_gbps") or [], m.get("read_gbps") or []
         for i in range(world):
             for j in range(world):
-                if i != j:
+                if i != j:  # read_gbps: rank i (the sender's column) reading rank j's memory
                     rows.append({**base, "kind": "pair", "sender": i, "receiver": j,
                                  "rtt_us": rtt[i][j] if i < len(rtt) else None,
-                                 "write_gbps": gbps[i][j] if i < len(gbps) else None})
+                                 "write_gbps": gbps[i][j] if i < len(gbps) else None,
+                                 "read_gbps": reads[i][j] if i < len(reads) else None})
         for r, value in enumerate(m.get("one_to_one_gbps") or []):
             rows.append({**base, "kind": "one_to_one", "sender": r, "receiver": (r + 1) % world, "rtt_us": None,
-                         "write_gbps": value})
+                         "write_gbps": value, "read_gbps": None})
+        many_read = m.get("all_to_all_read_gbps") or []
         for r, value in enumerate(m.get("all_to_all_gbps") or []):
             rows.append({**base, "kind": "all_to_all", "sender": r, "receiver": "*", "rtt_us": None,
-                         "write_gbps": value})
+                         "write_gbps": value, "read_gbps": many_read[r] if r < len(many_read) else None})
     return rows
 
 

@@ -5,7 +5,12 @@
 - the one-way write bandwidth of every ordered pair, the writer alone;
 - one-to-one (every rank writes to the next, all at once) vs all-to-all (every rank writes a
   1/(W-1) share to every peer, all at once) write bandwidth per rank, the same bytes per rank:
-  the collapse that staging avoids shows as all-to-all << one-to-one.
+  the collapse that staging avoids shows as all-to-all << one-to-one;
+- the one-way READ bandwidth of every ordered pair (the reader alone, loads that cache nothing,
+  as the pull kernels read) and the all-to-all read rate per rank: where reads beat writes
+  (b12x's switch box: 52 against 2.6 GB/s), the pull forms pay;
+- where the ranks form two or more islands (``ProbeJob.islands``): the cross-island rate, every
+  rank writing (then reading) its partner in the next island, all at once, per rank.
 
 Memory: a dedicated ``_C.Workspace`` (IPC-mapped into every rank, exactly the memory our
 all-reduce writes into); flags at its start, the receive area after. Each rank arms a watchdog;
@@ -32,6 +37,18 @@ class ProbeJob:
     timeout_s: float = 5.0     # a kernel waiting for a peer gives up after this
     step_timeout_s: float = 60.0
     watchdog_dir: str = ""
+    islands: tuple[tuple[int, ...], ...] = ()  # groups of ranks; two or more: the cross-island rates
+
+
+def partner_across(islands: tuple[tuple[int, ...], ...], rank: int) -> int | None:
+    """The rank at our index in the next island (round the islands), or None without islands."""
+    if len(islands) < 2:
+        return None
+    for g, group in enumerate(islands):
+        if rank in group:
+            nxt = islands[(g + 1) % len(islands)]
+            return nxt[group.index(rank) % len(nxt)]
+    return None
 
 
 def pairs(world: int) -> list[tuple[int, int]]:
@@ -51,27 +68,40 @@ def assemble(world: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """The matrices and per-rank figures from every rank's measurements (pure).
 
     Each rank reports {"rtt_us": {peer: us or None}, "write_gbps": {peer: GB/s or None},
-    "one_to_one_gbps": x, "all_to_all_gbps": x}; entries it initiated only.
+    "read_gbps": {peer: GB/s or None}, "one_to_one_gbps": x, "all_to_all_gbps": x,
+    "all_to_all_read_gbps": x, "cross_write_gbps": x, "cross_read_gbps": x}; entries it
+    initiated only (a reader's row is the rank that reads; the cross-island ones are absent
+    without islands).
     """
     rtt: list[list[float | None]] = [[None] * world for _ in range(world)]
     bw: list[list[float | None]] = [[None] * world for _ in range(world)]
+    rd: list[list[float | None]] = [[None] * world for _ in range(world)]
     for rank, data in enumerate(per_rank):
         for peer, us in data.get("rtt_us", {}).items():
             rtt[rank][int(peer)] = rtt[int(peer)][rank] = us  # a round trip is symmetric
         for peer, value in data.get("write_gbps", {}).items():
             bw[rank][int(peer)] = value
-    one = [d.get("one_to_one_gbps") for d in per_rank]
-    many = [d.get("all_to_all_gbps") for d in per_rank]
+        for peer, value in data.get("read_gbps", {}).items():
+            rd[rank][int(peer)] = value
+
+    def column(key: str) -> list[float | None]:
+        return [d.get(key) for d in per_rank]
 
     def stats(values: list[float | None]) -> dict[str, float | None]:
         got = [v for v in values if v is not None]
         return {"min": min(got) if got else None, "mean": sum(got) / len(got) if got else None}
 
+    one, many, many_read = column("one_to_one_gbps"), column("all_to_all_gbps"), column("all_to_all_read_gbps")
     one_s, many_s = stats(one), stats(many)
     ratio = (many_s["mean"] / one_s["mean"]) if one_s["mean"] and many_s["mean"] is not None else None
-    return {"world": world, "rtt_us": rtt, "write_gbps": bw,
-            "one_to_one_gbps": one, "all_to_all_gbps": many,
-            "one_to_one": one_s, "all_to_all": many_s, "all_to_all_over_one_to_one": ratio}
+    result = {"world": world, "rtt_us": rtt, "write_gbps": bw, "read_gbps": rd,
+              "one_to_one_gbps": one, "all_to_all_gbps": many, "all_to_all_read_gbps": many_read,
+              "one_to_one": one_s, "all_to_all": many_s, "all_to_all_read": stats(many_read),
+              "all_to_all_over_one_to_one": ratio}
+    if any("cross_write_gbps" in d for d in per_rank):
+        result["cross_write"] = stats(column("cross_write_gbps"))
+        result["cross_read"] = stats(column("cross_read_gbps"))
+    return result
 
 
 # ---- rank side ---------------------------------------------------------------------------
@@ -107,17 +137,28 @@ class _Peers:
 
 def _timed_push(src: Any, dests: list[int], words_per_peer: int, job: ProbeJob) -> float:
     """Seconds per push of ``words_per_peer`` words to every address in ``dests`` (mean of ``reps``)."""
-    import torch
-
     from bench import probe_kernels
 
-    addrs = torch.tensor(dests, dtype=torch.int64, device=src.device)
-    per_peer = max(1, job.programs // len(dests))
-    probe_kernels.push(src, addrs, words_per_peer, per_peer)  # warm-up (and compile)
+    return _timed(probe_kernels.push, src, dests, words_per_peer, job)
+
+
+def _timed_pull(dst: Any, sources: list[int], words_per_peer: int, job: ProbeJob) -> float:
+    """Seconds per read of ``words_per_peer`` words from every address in ``sources`` into ``dst``."""
+    from bench import probe_kernels
+
+    return _timed(probe_kernels.pull, dst, sources, words_per_peer, job)
+
+
+def _timed(kernel: Any, local: Any, remote: list[int], words_per_peer: int, job: ProbeJob) -> float:
+    import torch
+
+    addrs = torch.tensor(remote, dtype=torch.int64, device=local.device)
+    per_peer = max(1, job.programs // len(remote))
+    kernel(local, addrs, words_per_peer, per_peer)  # warm-up (and compile)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(job.reps):
-        probe_kernels.push(src, addrs, words_per_peer, per_peer)
+        kernel(local, addrs, words_per_peer, per_peer)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / job.reps
@@ -132,13 +173,14 @@ def probe_rank(ctx: Any, job: ProbeJob) -> dict[str, Any] | None:
     from bench.watchdog import Watchdog
 
     world, rank = ctx.world_size, ctx.rank
-    mine: dict[str, Any] = {"rtt_us": {}, "write_gbps": {}}
+    mine: dict[str, Any] = {"rtt_us": {}, "write_gbps": {}, "read_gbps": {}}
     with Watchdog(job.watchdog_dir, rank) as dog:
         dog.arm(job.step_timeout_s, "setup")
         peers = _Peers(ctx, job)
         probe_kernels.fill(peers.flag(rank, 0), world)
         words = job.nbytes // 16 * 2  # even (the push kernel's 16-byte accesses)
         src = torch.randint(-(1 << 40), 1 << 40, (words,), dtype=torch.int64, device=ctx.device)
+        sink = torch.empty_like(src)  # where reads land
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
         timeout_ns = int(job.timeout_s * 1e9)
@@ -166,6 +208,12 @@ def probe_rank(ctx: Any, job: ProbeJob) -> dict[str, Any] | None:
             dist.barrier(group=ctx.group)
             if rank == i:
                 mine["write_gbps"][j] = gbps(8 * words, _timed_push(src, [peers.recv(j)], words, job))
+        # Reads: each rank's receive area holds what the write measurements left (any bytes do).
+        for i, j in ordered_pairs(world):
+            dog.arm(job.step_timeout_s, "pair read bandwidth", pair=[i, j])
+            dist.barrier(group=ctx.group)
+            if rank == i:
+                mine["read_gbps"][j] = gbps(8 * words, _timed_pull(sink, [peers.recv(j)], words, job))
         dog.arm(job.step_timeout_s, "one-to-one bandwidth")
         dist.barrier(group=ctx.group)
         seconds = _timed_push(src, [peers.recv((rank + 1) % world)], words, job)
@@ -178,6 +226,17 @@ def probe_rank(ctx: Any, job: ProbeJob) -> dict[str, Any] | None:
         dist.barrier(group=ctx.group)
         seconds = _timed_push(src, dests, share, job)
         mine["all_to_all_gbps"] = gbps(8 * share * len(others), seconds)
+        dog.arm(job.step_timeout_s, "all-to-all read bandwidth")
+        dist.barrier(group=ctx.group)
+        seconds = _timed_pull(sink, [peers.recv(p) for p in others], share, job)
+        mine["all_to_all_read_gbps"] = gbps(8 * share * len(others), seconds)
+        partner = partner_across(job.islands, rank)
+        if partner is not None:  # every rank and its partner in the next island, all at once
+            dog.arm(job.step_timeout_s, "cross-island bandwidth")
+            dist.barrier(group=ctx.group)
+            mine["cross_write_gbps"] = gbps(8 * words, _timed_push(src, [peers.recv(partner)], words, job))
+            dist.barrier(group=ctx.group)
+            mine["cross_read_gbps"] = gbps(8 * words, _timed_pull(sink, [peers.recv(partner)], words, job))
         dog.arm(job.step_timeout_s, "teardown")
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine, group=ctx.group)
@@ -201,7 +260,7 @@ def run_probe(world: int, job: ProbeJob) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="pcie_ar_topo_") as directory:
         probe = dataclasses.replace(job, watchdog_dir=directory)
-        steps = len(pairs(world)) + len(ordered_pairs(world)) + 4
+        steps = len(pairs(world)) + 2 * len(ordered_pairs(world)) + 6
         backstop = job.step_timeout_s * steps + runner.SPAWN_SLACK_S
         try:
             with warnings.catch_warnings():

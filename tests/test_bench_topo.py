@@ -22,7 +22,9 @@ def _per_rank(world: int) -> list[dict]:
     for r in range(world):
         ranks.append({"rtt_us": {j: 1.0 + r + j for j in range(r + 1, world)},
                       "write_gbps": {j: 20.0 + j for j in range(world) if j != r},
-                      "one_to_one_gbps": 25.0 + r, "all_to_all_gbps": 10.0 if r else None})
+                      "read_gbps": {j: 40.0 + j for j in range(world) if j != r},
+                      "one_to_one_gbps": 25.0 + r, "all_to_all_gbps": 10.0 if r else None,
+                      "all_to_all_read_gbps": 30.0 + r})
     return ranks
 
 
@@ -33,6 +35,12 @@ def test_assemble_matrices() -> None:
     assert data["one_to_one"] == {"min": 25.0, "mean": 26.0}
     assert data["all_to_all"] == {"min": 10.0, "mean": 10.0}
     assert data["all_to_all_over_one_to_one"] == pytest.approx(10 / 26)
+    assert data["read_gbps"][0] == [None, 41.0, 42.0] and data["read_gbps"][2][0] == 40.0  # row: the reader
+    assert data["all_to_all_read"] == {"min": 30.0, "mean": 31.0}
+    assert "cross_write" not in data  # no islands, no cross-island rates
+    crossing = [{**d, "cross_write_gbps": 5.0 + r, "cross_read_gbps": 7.0} for r, d in enumerate(_per_rank(3))]
+    both = topo_probe.assemble(3, crossing)
+    assert both["cross_write"] == {"min": 5.0, "mean": 6.0} and both["cross_read"] == {"min": 7.0, "mean": 7.0}
     assert json.loads(json.dumps(data))["rtt_us"][0][1] == 2.0
     assert topo_probe.pairs(3) == [(0, 1), (0, 2), (1, 2)] and len(topo_probe.ordered_pairs(4)) == 12
     assert topo_probe.gbps(1 << 30, 0.0) is None and topo_probe.gbps(10**9, 0.5) == 2.0
@@ -47,8 +55,31 @@ def test_format_probe() -> None:
     rtt = lines.index("# flag round-trip latency (us), 2000 round trips per pair")
     assert lines[rtt + 1].split() == ["r0", "r1"] and lines[rtt + 2].split() == ["r0", "X", "2.00"]
     assert "row rank writes 16 MiB into column rank, alone" in text
-    assert "one-to-one (rank r -> r+1):" in text and "mean 25.5" in text
-    assert "all-to-all / one-to-one: 0.39" in text
+    assert "one-to-one writes (rank r -> r+1):" in text and "mean 25.5" in text
+    assert "all-to-all / one-to-one writes: 0.39" in text
+    assert "row rank reads 16 MiB from column rank, alone" in text
+    reads = lines.index(next(line for line in lines if "one-way read bandwidth" in line))
+    assert lines[reads + 2].split() == ["r0", "X", "41.0"]
+    assert "all-to-all reads (1/(W-1) from each):  mean 30.5" in text and "all-to-all reads / writes: 3.05" in text
+    assert "cross-island" not in text
+    crossing = [{**d, "cross_write_gbps": 5.0, "cross_read_gbps": 9.0} for d in _per_rank(2)]
+    text = topo.format_probe(2, "two GPUs", {**topo_probe.assemble(2, crossing), "nbytes": 1 << 20})
+    assert "cross-island writes (partner in the next island): mean 5.0" in text
+    assert "cross-island reads (partner in the next island): mean 9.0" in text
+
+
+def test_partners_across_islands_and_the_islands_probed(monkeypatch) -> None:
+    halves = ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert [topo_probe.partner_across(halves, r) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert [topo_probe.partner_across(((0, 1), (2, 3), (4, 5)), r) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert topo_probe.partner_across(((0, 1, 2, 3),), 1) is None and topo_probe.partner_across((), 0) is None
+    monkeypatch.delenv("PCIE_AR_ISLANDS", raising=False)
+    assert topo._probe_islands(8, 8, [[0, 1, 2, 3], [4, 5, 6, 7]]) == halves  # one rank per GPU: detected
+    assert topo._probe_islands(8, 1, [[0]]) == ()  # ranks sharing a GPU: none unless set
+    monkeypatch.setenv("PCIE_AR_ISLANDS", "0-1;2-3")
+    assert topo._probe_islands(4, 1, None) == ((0, 1), (2, 3))
+    monkeypatch.setenv("PCIE_AR_ISLANDS", "0-2")  # wrong for W = 4: measure no cross-island rate
+    assert topo._probe_islands(4, 1, None) == ()
 
 
 def test_topo_options(capsys) -> None:
@@ -140,6 +171,20 @@ def test_push_kernel_copies_a_slice_to_every_peer() -> None:
     probe_kernels.push(src, addrs, words, programs_per_peer=2)
     for p, d in enumerate(dsts):
         assert torch.equal(d[:words], src[p * words:(p + 1) * words]) and d[words:].eq(0).all()
+
+
+@needs_interpreter
+def test_pull_kernel_reads_a_slice_from_every_peer() -> None:
+    from bench import probe_kernels
+
+    words = 3000
+    srcs = [torch.arange(words + 2, dtype=torch.int64) * (p + 1) for p in range(3)]
+    addrs = torch.tensor([t.data_ptr() for t in srcs], dtype=torch.int64)
+    dst = torch.zeros(3 * words + 5, dtype=torch.int64)
+    probe_kernels.pull(dst, addrs, words, programs_per_peer=2)
+    for p, t in enumerate(srcs):
+        assert torch.equal(dst[p * words:(p + 1) * words], t[:words])
+    assert dst[3 * words:].eq(0).all()
 
 
 @needs_interpreter
