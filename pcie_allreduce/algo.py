@@ -529,16 +529,18 @@ def island_fabric_table() -> AlgoTable:
 
     Across islands the flat one-shots write every message to every peer at once, and such
     all-to-all writes collapse at a CPU root complex: the model gives each rank 0.072 of its link
-    then (fitted), 0.57 on a milder box (vLLM #56128). The two-shot writes a 1/W shard to each
-    owner in turn, then the owners' sums. Taking, per size, each built-in algorithm's worst ratio
-    to the best under the two fractions, the full-payload two-shot has the smallest from 2 to 448
-    KiB (at 1 KiB within 3% of the smallest): at W = 8 1.00-1.02 from 2 KiB (1.08 at 1 KiB), at W = 6 up to 1.32, at W = 4 up to 1.86
-    (no built-in algorithm holds up well under both there), where the flat default's reaches 2-8
-    (W = 8: 3.2-8.0 from 2 KiB). Beyond its capacity the flag-based two-shot: 1.15 at W = 8, 1.50
-    at W = 6, 2.14 at W = 4 (where ``staged`` would be 1.96). Only the smallest messages (up to
-    512 B, one block) keep the full-payload one-shot, for its single hop. W = 2 has one peer, no
-    all-to-all: the flat rules. tests/test_fabric_model.py checks every pick is within 1.10x of the
-    algorithm with the smallest worst ratio.
+    then (fitted), 0.57 on a milder box (vLLM #56128). The two-shots write a 1/W shard to each
+    owner in turn; the staged two-shot also hands the owners' sums on one peer at a time, so it
+    never writes all-to-all. Taking, per size, each built-in algorithm's worst ratio to the best
+    under the two fractions: up to 14 KiB the full-payload two-shot has the smallest (W = 8:
+    1.00-1.40 from 1 KiB), for its data-as-flag hops; from 32 KiB the staged two-shot (W = 8:
+    1.50 at 32 KiB, 1.58 at 56 KiB, 1.85 at 448 KiB, 1.00 from 1 MiB; W = 4 and 6 alike), where the
+    full-payload two-shot's reaches 1.9-3.7 and beyond its capacity the flag-based two-shot's
+    4.4. The switch is at 24 KiB. Only the smallest messages (up to 512 B, one block) keep the
+    full-payload one-shot, for its single hop. W = 2 has one peer, no all-to-all: the flat rules.
+    tests/test_fabric_model.py checks every pick is within 1.10x of the algorithm with the
+    smallest worst ratio. (The model takes the staged forms' stages as one-to-one; ranks that
+    drift apart overlap them, which it does not see.)
 
     Fused calls run unfused (this table's all-reduce, then the add + RMSNorm kernel) except at
     W = 2: the fused kernels are the flat one-shot and two-shot exchanges.
@@ -546,8 +548,8 @@ def island_fabric_table() -> AlgoTable:
     crossing = tuple(range(3, MAX_RANKS + 1))
     island_rules = (
         Rule("oneshot_full", max_bytes=512, world=crossing, bytes_per_block=4 << 10, max_blocks=32),
-        Rule("twoshot_full", max_bytes=None, world=crossing, bytes_per_block=4 << 10, max_blocks=32),
-        Rule("twoshot", max_bytes=None, world=crossing, bytes_per_block=64 << 10, max_blocks=32),
+        Rule("twoshot_full", max_bytes=24 << 10, world=crossing, bytes_per_block=4 << 10, max_blocks=32),
+        Rule("twoshot_staged", max_bytes=None, world=crossing, bytes_per_block=4 << 10, max_blocks=32),
     )
     flat_fused = tuple(r for r in default_fused_rules() if r.world is not None and 2 in r.world)
     fused = tuple(replace(r, world=(2,)) for r in flat_fused) + (FusedRule(UNFUSED),)

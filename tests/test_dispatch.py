@@ -295,14 +295,17 @@ def test_the_island_table_covers_every_call_and_round_trips_through_json() -> No
 
 @pytest.mark.parametrize("world", [3, 4, 6, 8])
 def test_across_islands_messages_go_two_shot_and_fused_calls_run_unfused(world: int) -> None:
+    """Full payload up to 24 KiB, then the staged two-shot (never all-to-all writes)."""
     table = algo.island_fabric_table()
     cap = 512 << 10
-    picks = {n: table.select(n, world, "bfloat16", ll_capacity=cap).algo for n in (2, 512, 514, 56 << 10, cap - 16,
-                                                                                   cap, 4 << 20)}
-    assert picks == {2: "oneshot_full", 512: "oneshot_full", 514: "twoshot_full", 56 << 10: "twoshot_full",
-                     cap - 16: "twoshot_full", cap: "twoshot", 4 << 20: "twoshot"}
+    picks = {n: table.select(n, world, "bfloat16", ll_capacity=cap).algo for n in (2, 512, 514, 14 << 10, 24 << 10,
+                                                                                   (24 << 10) + 2, 56 << 10, cap,
+                                                                                   4 << 20)}
+    assert picks == {2: "oneshot_full", 512: "oneshot_full", 514: "twoshot_full", 14 << 10: "twoshot_full",
+                     24 << 10: "twoshot_full", (24 << 10) + 2: "twoshot_staged", 56 << 10: "twoshot_staged",
+                     cap: "twoshot_staged", 4 << 20: "twoshot_staged"}
     # a smaller workspace: the full-payload two-shot's capacity ends sooner
-    assert table.select(100 << 10, world, "float16", ll_capacity=64 << 10).algo == "twoshot"
+    assert table.select(20 << 10, world, "float16", ll_capacity=16 << 10).algo == "twoshot_staged"
     assert all(table.select_fused(tokens, world) == algo.UNFUSED for tokens in (1, 4, 8, 32, 128))
 
 

@@ -144,10 +144,9 @@ def _island_boxes(world: int) -> list[fm.Fabric]:
                                                                                   fm.MILD_A2A)]
 
 
-# What the built-in tables may name: the island, pull and staged two-shot forms are chosen by
-# tune on the box only (the seed box's peer read rate, its island chain and its one-to-one write
-# schedule are not measured).
-TUNED_ONLY = algo_mod.ISLAND_ALGORITHMS + algo_mod.PULL_ALGORITHMS + ("twoshot_staged",)
+# What the built-in tables may name: the island and pull forms are chosen by tune on the box only
+# (the seed box's peer read rate and its island chain are not measured).
+TUNED_ONLY = algo_mod.ISLAND_ALGORITHMS + algo_mod.PULL_ALGORITHMS
 
 
 def _times(fab: fm.Fabric, nbytes: int) -> dict[str, float]:
