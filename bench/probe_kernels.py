@@ -58,7 +58,7 @@ def _pingpong_kernel(mine_addr, theirs_addr, out_ptr, iters, timeout_ns, INITIAT
     ok = 1
     first = now_ns(INTERPRET)
     i = 0
-    while i < iters:  # while, not range(): see _push_kernel
+    while i < iters:  # while, not range(): see _copy_kernel
         value = (i + 1).to(tl.uint64)
         if INITIATOR:
             if ok == 1:
@@ -77,37 +77,27 @@ def _pingpong_kernel(mine_addr, theirs_addr, out_ptr, iters, timeout_ns, INITIAT
 
 
 @triton.jit
-def _push_kernel(src_ptr, dst_addrs_ptr, words_per_peer, programs, steps, BLOCK: tl.constexpr):
-    # while, not for-range, and steps from the host: the CPU interpreter (with numpy 2) cannot
-    # turn its 1-element scalars into range() bounds.
+def _copy_kernel(local_ptr, remote_addrs_ptr, words_per_peer, programs, steps, BLOCK: tl.constexpr,
+                 PULL: tl.constexpr):
+    # Program (pid, peer) copies its part of ``words_per_peer`` int64 words between slice ``peer``
+    # of the local tensor and peer's address: into the peer (push) or out of it (PULL, with loads
+    # that cache nothing, .cv, as the pull kernels read peers, csrc/pull.cuh: every repetition
+    # crosses the fabric). while, not for-range, and steps from the host: the CPU interpreter (with
+    # numpy 2) cannot turn its 1-element scalars into range() bounds.
     pid = tl.program_id(0)
     peer = tl.program_id(1)
     # Alignment hints (the host keeps addresses 16-byte aligned and shares even) let Triton use
     # 16-byte accesses, as our kernels do.
-    dst = tl.multiple_of(tl.load(dst_addrs_ptr + peer).to(tl.pointer_type(tl.int64)), 16)
-    src = src_ptr + tl.multiple_of(peer.to(tl.int64) * words_per_peer, 2)
+    remote = tl.multiple_of(tl.load(remote_addrs_ptr + peer).to(tl.pointer_type(tl.int64)), 16)
+    local = local_ptr + tl.multiple_of(peer.to(tl.int64) * words_per_peer, 2)
     k = 0
     while k < steps:
         offs = pid * BLOCK + k * programs * BLOCK + tl.arange(0, BLOCK)
         mask = offs < words_per_peer
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-        k += 1
-
-
-@triton.jit
-def _pull_kernel(src_addrs_ptr, dst_ptr, words_per_peer, programs, steps, BLOCK: tl.constexpr):
-    # The push kernel turned round: program (pid, peer) reads its part of ``words_per_peer`` words
-    # at peer's address into slice ``peer`` of the local ``dst``, with loads that cache nothing
-    # (.cv), as the pull kernels read peers (csrc/pull.cuh): every repetition crosses the fabric.
-    pid = tl.program_id(0)
-    peer = tl.program_id(1)
-    src = tl.multiple_of(tl.load(src_addrs_ptr + peer).to(tl.pointer_type(tl.int64)), 16)
-    dst = dst_ptr + tl.multiple_of(peer.to(tl.int64) * words_per_peer, 2)
-    k = 0
-    while k < steps:
-        offs = pid * BLOCK + k * programs * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < words_per_peer
-        tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=".cv"), mask=mask)
+        if PULL:
+            tl.store(local + offs, tl.load(remote + offs, mask=mask, cache_modifier=".cv"), mask=mask)
+        else:
+            tl.store(remote + offs, tl.load(local + offs, mask=mask), mask=mask)
         k += 1
 
 
@@ -124,15 +114,16 @@ def pingpong(mine: int, theirs: int, out: torch.Tensor, iters: int, timeout_ns: 
 
 def push(src: torch.Tensor, dst_addrs: torch.Tensor, words_per_peer: int, programs_per_peer: int) -> None:
     """Copy ``words_per_peer`` int64 words of ``src`` (slice p for peer p) to each address in ``dst_addrs``."""
-    _push_kernel[(programs_per_peer, dst_addrs.numel())](src, dst_addrs, words_per_peer, programs_per_peer,
-                                                         triton.cdiv(words_per_peer, programs_per_peer * PUSH_BLOCK),
-                                                         BLOCK=PUSH_BLOCK,
-                                                         num_warps=8)
+    _copy(src, dst_addrs, words_per_peer, programs_per_peer, pull=False)
 
 
 def pull(dst: torch.Tensor, src_addrs: torch.Tensor, words_per_peer: int, programs_per_peer: int) -> None:
     """Read ``words_per_peer`` int64 words from each address in ``src_addrs`` into slice p of ``dst``."""
-    _pull_kernel[(programs_per_peer, src_addrs.numel())](src_addrs, dst, words_per_peer, programs_per_peer,
-                                                         triton.cdiv(words_per_peer, programs_per_peer * PUSH_BLOCK),
-                                                         BLOCK=PUSH_BLOCK,
-                                                         num_warps=8)
+    _copy(dst, src_addrs, words_per_peer, programs_per_peer, pull=True)
+
+
+def _copy(local: torch.Tensor, remote_addrs: torch.Tensor, words_per_peer: int, programs_per_peer: int,
+          pull: bool) -> None:
+    _copy_kernel[(programs_per_peer, remote_addrs.numel())](local, remote_addrs, words_per_peer, programs_per_peer,
+                                                            triton.cdiv(words_per_peer, programs_per_peer * PUSH_BLOCK),
+                                                            BLOCK=PUSH_BLOCK, PULL=pull, num_warps=8)

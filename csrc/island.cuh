@@ -133,4 +133,25 @@ __device__ __forceinline__ bool wait_targets(const KernelArgs& a, int kind, Epoc
   return __syncthreads_and(ok) != 0;
 }
 
+// A link of the chain outside the last island, for the range `r` (units) and `tail` (elements):
+// our island's sums onto the previous island's partial (`partial_in`, null in island 0), pushed
+// as fp32 to our partner in the next island and flagged (kind 0); then the chain's result, which
+// `finisher` (our partner in the last island) pushes into its slot of ours (kind 1), copied to
+// `out`. False when that wait gave up.
+template <typename T, typename Unit>
+__device__ __forceinline__ bool relay_and_receive(const KernelArgs& a, Epoch epoch, const Unit* in, const T* in_t,
+                                                  Unit* out, T* out_t, Range r, Range tail, const float* partial_in,
+                                                  int finisher) {
+  const int next = a.rank + a.island_ranks;
+  float* partial_out = partial_area(a, next, a.rank / a.island_ranks, epoch);
+  push_partial<T, Unit>(a, epoch, in, r, partial_in, partial_out);
+  push_partial<T, T>(a, epoch, in_t, tail, partial_in, partial_out);
+  __syncthreads();
+  signal_targets(a, 0, epoch, 1u << next);
+  if (!wait_targets(a, 1, epoch, 0u, Stage::kNone, finisher, Stage::kIslandResult)) return false;
+  copy_from_slot<Unit>(a, finisher, epoch, out, r);
+  copy_from_slot<T>(a, finisher, epoch, out_t, tail);
+  return true;
+}
+
 }  // namespace pcie_ar

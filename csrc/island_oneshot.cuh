@@ -86,17 +86,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_oneshot_kernel(const 
         signal_targets(a, 1, epoch, partners);
         done = true;
       } else {
-        const int next = a.rank + S;
-        float* partial_out = partial_area(a, next, island, epoch);
-        push_partial<T, Unit>(a, epoch, in, body, partial_in, partial_out);
-        push_partial<T, T>(a, epoch, in_t, tail, partial_in, partial_out);
-        __syncthreads();
-        signal_targets(a, 0, epoch, 1u << next);
-        if (wait_targets(a, 1, epoch, 0u, Stage::kNone, finisher, Stage::kIslandResult)) {
-          copy_from_slot<Unit>(a, finisher, epoch, out, body);
-          copy_from_slot<T>(a, finisher, epoch, out_t, tail);
-          done = true;
-        }
+        done = relay_and_receive<T, Unit>(a, epoch, in, in_t, out, out_t, body, tail, partial_in, finisher);
       }
     }
   }

@@ -119,19 +119,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const 
         finish_shard<T, T>(a, epoch, in_t, out_t, my_tail, partial_in);
         push_shard_in_turn<T, Unit>(a, epoch, out, mine, out_t, my_tail, to);
         have_shard = true;
-      } else {
-        const int next = a.rank + S;
-        float* partial_out = partial_area(a, next, island, epoch);
-        push_partial<T, Unit>(a, epoch, in, mine, partial_in, partial_out);
-        push_partial<T, T>(a, epoch, in_t, my_tail, partial_in, partial_out);
-        __syncthreads();
-        signal_targets(a, 0, epoch, 1u << next);
-        if (wait_targets(a, 1, epoch, 0u, Stage::kNone, finisher, Stage::kIslandResult)) {
-          copy_from_slot<Unit>(a, finisher, epoch, out, mine);
-          copy_from_slot<T>(a, finisher, epoch, out_t, my_tail);
-          push_shard_in_turn<T, Unit>(a, epoch, out, mine, out_t, my_tail, to);
-          have_shard = true;
-        }
+      } else if (relay_and_receive<T, Unit>(a, epoch, in, in_t, out, out_t, mine, my_tail, partial_in, finisher)) {
+        push_shard_in_turn<T, Unit>(a, epoch, out, mine, out_t, my_tail, to);
+        have_shard = true;
       }
     }
     if (have_shard && wait_targets(a, 1, epoch, island_peers, Stage::kAllGather)) {
