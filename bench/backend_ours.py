@@ -55,7 +55,8 @@ class OursBackend(Backend):
 
         facts: dict[str, Any] = {"block_cap": self._comm.block_cap,
                                  "gpu_name": torch.cuda.get_device_name(self._comm.device),
-                                 "transport": self._comm.transport, "transport_reason": self._comm.transport_reason}
+                                 "transport": self._comm.transport, "transport_reason": self._comm.transport_reason,
+                                 "island_ranks": getattr(self._comm, "island_ranks", 0)}
         ext = _ext.load()
         placements = getattr(self._comm, "placements", None)
         if ext is not None and placements:

@@ -103,6 +103,7 @@ class Result:
     tokens: int = 0               # fused / verify: rows of the [tokens, hidden] activation
     hidden: int = 0
     model: str = ""               # verify: the preset's name
+    island_ranks: int = 0         # ours: ranks per island where they formed equal islands (wire of island_*)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -153,8 +154,8 @@ class Result:
             return None
         algo = split_norm(self.resolved_algo or self.algo)[0]
         try:
-            return wire_bytes(algo, self.size_bytes, self.world)
-        except ValueError:  # not one of ours (an "auto" that did not resolve)
+            return wire_bytes(algo, self.size_bytes, self.world, self.island_ranks)
+        except ValueError:  # not one of ours (an "auto" that did not resolve), or islands unknown
             return None
 
     @property

@@ -48,7 +48,8 @@ DOCS: dict[str, tuple[str, str]] = {
                    "always: serve every single-node tp group of 2-8 GPUs"),
     FUSED: ("1", "0 keeps SGLang's unfused all-reduce + add + RMSNorm on GPUs where its FlashInfer fusion "
                  "is unavailable"),
-    TIMEOUT_S: ("10", "seconds a kernel waits for a peer before failing loudly instead of hanging"),
+    TIMEOUT_S: ("300", "seconds a kernel waits for a peer before failing loudly instead of hanging (the "
+                       "library's own default is 10; a serving step whose rank falls behind must not crash)"),
     ATTACH: ("auto", "how the hooks attach: plugin (SGLang's plugin framework), import (import hook, for "
                      "versions without plugins; needs `python -m sglang_plugin.import_hook install`), auto"),
 }
@@ -68,7 +69,11 @@ class Settings:
         algo: algorithm override for plain all-reduces ("auto" uses the agreed table).
         mode: "pcie" (only groups without full NVLink) or "always".
         fused: route SGLang's fused all-reduce + residual + RMSNorm where its own is unavailable.
-        timeout_s: per-call peer wait limit.
+        timeout_s: per-call peer wait limit. 300 s by default, not the library's 10: with NCCL a
+            rank that falls behind (compiling a kernel the others had cached, a host stall, a
+            slow first graph capture) only delays the step, up to the process group's timeout
+            (10 minutes for NCCL in torch); the plugin must not turn such a delay into a crashed
+            server, and a dead peer still surfaces, naming rank, peer and stage, in 5 minutes.
         attach: "auto", "plugin" or "import".
     """
 
@@ -77,7 +82,7 @@ class Settings:
     algo: str = "auto"
     mode: str = "pcie"
     fused: bool = True
-    timeout_s: float = 10.0
+    timeout_s: float = 300.0
     attach: str = "auto"
 
 

@@ -140,3 +140,16 @@ def test_plot_command_bad_file(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         bench_cli.main(["plot", str(tmp_path / "missing.json")])
     assert info.value.code == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_island_rows_carry_their_wire_bytes_once_the_islands_are_known() -> None:
+    from bench.results import Result
+    from pcie_allreduce.algo import wire_bytes
+
+    row = Result(world=8, backend="ours", algo="island_twoshot", size_bytes=57344, count=28672, dtype="bfloat16",
+                 p50_us=10.0)
+    assert row.wire is None  # islands unknown: no accounting, not a wrong one
+    known = Result(world=8, backend="ours", algo="island_twoshot", size_bytes=57344, count=28672, dtype="bfloat16",
+                   p50_us=10.0, island_ranks=4)
+    assert known.wire == wire_bytes("island_twoshot", 57344, 8, 4) and known.wire_gbps is not None
+    assert Result.from_dict(known.to_dict()).island_ranks == 4  # survives the JSON round trip
