@@ -85,6 +85,7 @@ class BenchConfig:
     eps: float = DEFAULT_EPS
     compute_ms: float = DEFAULT_COMPUTE_MS  # verify: model compute per pass, for the projected verify time
     norm: bool = False                      # verify: also the residual add + RMSNorm variants
+    gemms: bool = False                     # verify: each layer's GEMMs between its collectives (layer_gemms.py)
     fused_algos: tuple[str, ...] = DEFAULT_FUSED_ALGOS  # --fused: our fused call's algo= values, one row each
 
     @property

@@ -51,6 +51,7 @@ class RankJob:
     setup_timeout_s: float = 90.0
     workload: str = ALLREDUCE
     eps: float = 1e-6
+    gemms: bool = False  # verify: each layer's GEMMs before its collectives (bench.layer_gemms)
 
     def calls(self, case: Case) -> int:
         """Calls per timed block (per CUDA graph) of ``case``."""
@@ -87,5 +88,5 @@ def make_job(cfg: BenchConfig, backend: str, cases: Sequence[Case], progress_dir
         seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, calls_per_graph=cfg.calls_per_graph, eager=cfg.eager,
         time_budget_s=cfg.time_budget_s, rounds=cfg.rounds, case_timeout_s=cfg.case_timeout_s,
         setup_timeout_s=cfg.setup_timeout_s,
-        workload=cfg.workload, eps=cfg.eps,
+        workload=cfg.workload, eps=cfg.eps, gemms=cfg.gemms,
     )

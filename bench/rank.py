@@ -27,6 +27,7 @@ import torch.distributed as dist
 from pcie_allreduce.ranks import RankContext
 
 from bench import backends, checks, environment, outcome, timing
+from bench.layer_gemms import GemmAdapter
 from bench.norm_ops import NormAdapter
 from bench.plan import Case, RankJob
 from bench.progress import ProgressLog
@@ -45,12 +46,18 @@ def open_backend(ctx: RankContext, job: RankJob) -> Any:
     backend = backends.open_backend(ctx, job)
     if job.workload in (FUSED, VERIFY):
         backend = NormAdapter(backend, ctx, job)
+    if job.workload == VERIFY and job.gemms:
+        backend = GemmAdapter(backend, ctx, job)
     return backend
 
 
-def _shape(case: Case) -> dict[str, int]:
-    """Keyword arguments that tell a NormAdapter the case's hidden size (plain backends get none)."""
-    return {"hidden": case.hidden} if case.hidden else {}
+def _shape(case: Case, job: RankJob) -> dict[str, Any]:
+    """Keyword arguments that tell a NormAdapter the case's hidden size (plain backends get none),
+    and a GemmAdapter its model."""
+    shape: dict[str, Any] = {"hidden": case.hidden} if case.hidden else {}
+    if job.gemms and job.workload == VERIFY:
+        shape["model"] = case.model
+    return shape
 
 
 def _check(backend: Any, bufs: backends.Buffers, algo: str, check: checks.PlainCheck) -> str | None:
@@ -86,8 +93,8 @@ def _run_case(ctx: RankContext, job: RankJob, backend: Any, case: Case, check: c
         return skipped
     resolved = ""
     try:
-        resolved = backend.resolved_algo(case.size_bytes, dtype, case.algo, **_shape(case))
-        bufs = backend.buffers(case.count, dtype, case.algo, **_shape(case))
+        resolved = backend.resolved_algo(case.size_bytes, dtype, case.algo, **_shape(case, job))
+        bufs = backend.buffers(case.count, dtype, case.algo, **_shape(case, job))
         problem = _check(backend, bufs, case.algo, check)
         mine = outcome.rank_outcome(ctx.rank, WRONG if problem else OK, error=problem or "", resolved=resolved)
     except outcome.CaseSkipped as exc:

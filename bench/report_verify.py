@@ -47,7 +47,9 @@ def timing_line(config: dict[str, Any]) -> str:
     how = "eager launches" if config.get("eager") else "one CUDA graph per pass"
     if config.get("rounds", 1) > 1:
         how += f", {config['rounds']} interleaved rounds (replays pooled)"
-    return (f"# {how}: 2 x L collectives on [T, H]; pass = p50 / p99 over timed replays of the slowest rank's "
+    what = ("2 x L collectives on [T, H], each after its layer's GEMMs (per-rank shapes, bench/layer_gemms.py)"
+            if config.get("gemms") else "2 x L collectives on [T, H]")
+    return (f"# {how}: {what}; pass = p50 / p99 over timed replays of the slowest rank's "
             f"pass time; verify = pass + {config.get('compute_ms', 5.0):g} ms compute")
 
 
@@ -90,6 +92,14 @@ def format_verify_summary(report: Report) -> str:
     parts = [f"# best per backend: pass ms / projected verify ms (pass + {compute:g} ms compute) (algo); "
              "ours vs X: the pass time ours saves per verify (verify speed-up)",
              *render(columns, entries)]
+    if report.config.get("gemms"):
+        from bench.layer_gemms import describe
+
+        dtype_bytes = 4 if report.config.get("dtype") == "float32" else 2
+        parts += ["", "# the GEMMs in each pass (per layer and rank; the attention's before the first collective, "
+                      "the MLP's before the second):"]
+        parts += [f"#   {describe(model, world, tokens, dtype_bytes)}"
+                  for world, model, tokens in sorted({(e['world'], e['model'], e['tokens']) for e in entries})]
     fused = format_fused_pass_summary(report)
     return "\n".join(parts + (["", fused] if fused else []))
 

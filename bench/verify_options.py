@@ -21,7 +21,9 @@ from bench.options import BenchConfig, Shape
 from bench.results import VERIFY
 
 DETAILS = ("Projected verify time = pass time + --compute-ms; speed-up = the reference backend's (NCCL where it "
-           "runs, else torch symmetric memory) projected verify time / this one's.")
+           "runs, else torch symmetric memory) projected verify time / this one's. With --gemms the pass also runs "
+           "each layer's own GEMMs (the model's per-rank shapes) before its collectives, and --compute-ms "
+           "defaults to 0.")
 
 # name -> (layers, hidden). Kimi-K2.5 has DeepSeek-V3's shape.
 PRESETS = MappingProxyType({
@@ -55,9 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--draft-tokens", type=options.positive_int, nargs="+", default=list(DEFAULT_DRAFT_TOKENS),
                       metavar="D", help="tokens verified per sequence; T = every batch x every draft tokens "
                                         f"(default {' '.join(map(str, DEFAULT_DRAFT_TOKENS))}: T = 4 and 32)")
-    what.add_argument("--compute-ms", type=compute_arg, default=options.DEFAULT_COMPUTE_MS, metavar="MS",
+    what.add_argument("--compute-ms", type=compute_arg, default=None, metavar="MS",
                       help=f"model compute per verify pass, added to the pass time (default "
-                           f"{options.DEFAULT_COMPUTE_MS:g})")
+                           f"{options.DEFAULT_COMPUTE_MS:g}, or 0 with --gemms)")
+    what.add_argument("--gemms", action="store_true",
+                      help="put each layer's GEMMs (attention projections, MLP/MoE experts; the preset's per-rank "
+                           "shapes at TP = W, bench/layer_gemms.py) before its two collectives in the pass, so "
+                           "collectives and fusion are timed in context")
     what.add_argument("--fused", action="store_true",
                       help="also time each collective with its residual add + RMSNorm: our fused kernel, and every "
                            "backend's all-reduce + eager torch ops / + one add + RMSNorm kernel (ours, FlashInfer's, "
@@ -92,12 +98,15 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     too_big = [s for s in shapes if s.tokens > 1 << 16]
     if too_big:
         parser.error(f"T = batch x draft tokens = {too_big[0].tokens} is too large for a verify pass")
+    if args.gemms and custom and not models:
+        parser.error("--gemms needs a preset --model (a custom --layers/--hidden model has no known GEMM shapes)")
+    compute_ms = args.compute_ms if args.compute_ms is not None else (0.0 if args.gemms else options.DEFAULT_COMPUTE_MS)
     return BenchConfig(
         sizes=tuple(sorted({s.nbytes(args.dtype) for s in shapes})),
         algos=("auto",),
         backends=options.unique(args.backends) if args.backends else DEFAULT_BACKENDS,
         backends_explicit=bool(args.backends),
         calls_per_graph=2 * max(s.layers for s in shapes),
-        workload=VERIFY, shapes=shapes, eps=args.eps, compute_ms=args.compute_ms, norm=args.fused,
+        workload=VERIFY, shapes=shapes, eps=args.eps, compute_ms=compute_ms, norm=args.fused, gemms=args.gemms,
         **options.common_fields(args, gpu_count),
     )

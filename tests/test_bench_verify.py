@@ -183,3 +183,14 @@ def test_verify_command_end_to_end(monkeypatch, capsys) -> None:
     assert bench_cli.main(["verify", "--model", "kimi-k2.5", "--fused", "--world", "8"]) == 0
     assert seen["cfg"].norm and seen["cfg"].worlds == (8,)
     assert "verify(ms)" in capsys.readouterr().out
+
+
+def test_a_pass_with_gemms_says_so_and_lists_them() -> None:
+    rep = fake_verify_report(compute_ms=0.0)
+    rep.config["gemms"] = True
+    text = report.format_report(rep)
+    assert "each after its layer's GEMMs (per-rank shapes, bench/layer_gemms.py)" in text
+    assert "verify = pass + 0 ms compute" in text
+    listed = [line for line in text.splitlines() if line.startswith("#   kimi-k2.5 at TP 8, T = 4:")]
+    assert len(listed) == 1 and "gate_up_proj 9x[7168, 512]" in listed[0] and "o_proj [2048, 7168]" in listed[0]
+    assert "GEMMs" not in report.format_report(fake_verify_report())
