@@ -65,6 +65,8 @@ void register_workspace(py::module_& m) {
       .def_property("timeout", &Workspace::timeout, &Workspace::set_timeout)
       .def_property("island_ranks", &Workspace::island_ranks, &Workspace::set_island_ranks,
                     "ranks per island for island_twoshot (consecutive islands of that many ranks); 0: none")
+      .def_property("dependent_launch", &Workspace::dependent_launch, &Workspace::set_dependent_launch,
+                    "launch calls as the previous kernel's programmatic dependent (Hopper and later)")
       .def("bases", &Workspace::bases)
       .def_property_readonly("error_record_ptr", &Workspace::error_record_device_ptr)
       .def_property_readonly("slot_bytes", &Workspace::slot_bytes)

@@ -39,6 +39,28 @@ uint32_t call_signature(Algo algo, int dtype, uint64_t nbytes, int blocks) {
 
 namespace {
 
+// One kernel launch of `blocks` x kThreadsPerBlock threads; `dependent`: as the previous kernel's
+// programmatic dependent (cudaLaunchAttributeProgrammaticStreamSerialization), which lets it start
+// once that kernel allowed it (protocol.cuh's allow_dependent_launch) or ended.
+template <typename Kernel>
+void start(Kernel kernel, int blocks, cudaStream_t stream, const KernelArgs& args, bool dependent) {
+  if (!dependent) {
+    kernel<<<dim3(blocks), dim3(kThreadsPerBlock), 0, stream>>>(args);
+    return;
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kThreadsPerBlock);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  PCIE_AR_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
+}
+
 // f(std::integral_constant<int, W>{}) for W == world: the kernels instanced per world size.
 template <typename F>
 void with_world(int world, F&& f) {
@@ -56,65 +78,66 @@ void with_world(int world, F&& f) {
 }
 
 template <typename T, typename Unit>
-void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream) {
-  const dim3 grid(blocks), block(kThreadsPerBlock);
+void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream, bool dependent) {
   switch (algo) {
-    case Algo::kOneShot: oneshot_kernel<T, Unit, false><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kStaged: oneshot_kernel<T, Unit, true><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kTwoShot: twoshot_kernel<T, Unit, false><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kTwoShotStaged: twoshot_kernel<T, Unit, true><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kHostOneShot: host_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kHostTwoShot: host_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kOneShot: start(oneshot_kernel<T, Unit, false>, blocks, stream, args, dependent); break;
+    case Algo::kStaged: start(oneshot_kernel<T, Unit, true>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShot: start(twoshot_kernel<T, Unit, false>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShotStaged: start(twoshot_kernel<T, Unit, true>, blocks, stream, args, dependent); break;
+    case Algo::kHostOneShot: start(host_oneshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kHostTwoShot: start(host_twoshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
     case Algo::kOneShotFull:
-      with_world(args.world, [&](auto w) { oneshot_full_kernel<T, Unit, decltype(w)::value><<<grid, block, 0, stream>>>(args); });
+      with_world(args.world, [&](auto w) {
+        start(oneshot_full_kernel<T, Unit, decltype(w)::value>, blocks, stream, args, dependent);
+      });
       break;
-    case Algo::kTwoShotFull: twoshot_full_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kIslandTwoShot: island_twoshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kIslandOneShot: island_oneshot_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kOneShotPull: oneshot_pull_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
-    case Algo::kTwoShotPull: twoshot_pull_kernel<T, Unit><<<grid, block, 0, stream>>>(args); break;
+    case Algo::kTwoShotFull: start(twoshot_full_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kIslandTwoShot: start(island_twoshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kIslandOneShot: start(island_oneshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kOneShotPull: start(oneshot_pull_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShotPull: start(twoshot_pull_kernel<T, Unit>, blocks, stream, args, dependent); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }
 
 template <typename T>
-void launch_low_latency(const KernelArgs& args, int blocks, cudaStream_t stream) {
+void launch_low_latency(const KernelArgs& args, int blocks, cudaStream_t stream, bool dependent) {
   // 8-byte payload words need 8-byte aligned input and output; line slots are always aligned.
   const bool aligned = ((reinterpret_cast<uintptr_t>(args.input) | reinterpret_cast<uintptr_t>(args.output)) & 7u) == 0;
-  const dim3 grid(blocks), block(kThreadsPerBlock);
   with_world(args.world, [&](auto w) {
     if (aligned) {
-      oneshot_ll_kernel<T, true, decltype(w)::value><<<grid, block, 0, stream>>>(args);
+      start(oneshot_ll_kernel<T, true, decltype(w)::value>, blocks, stream, args, dependent);
     } else {
-      oneshot_ll_kernel<T, false, decltype(w)::value><<<grid, block, 0, stream>>>(args);
+      start(oneshot_ll_kernel<T, false, decltype(w)::value>, blocks, stream, args, dependent);
     }
   });
 }
 
 template <typename T>
-void launch_aligned_or_not(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream) {
+void launch_aligned_or_not(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream, bool dependent) {
   if (algo == Algo::kOneShotLL) {
-    launch_low_latency<T>(args, blocks, stream);
+    launch_low_latency<T>(args, blocks, stream, dependent);
     return;
   }
   // Vectors need 16-byte aligned input and output; slots are always 256-byte aligned.
   const bool aligned = ((reinterpret_cast<uintptr_t>(args.input) | reinterpret_cast<uintptr_t>(args.output)) & 15u) == 0;
   if (aligned) {
-    launch_typed<T, uint4>(algo, args, blocks, stream);
+    launch_typed<T, uint4>(algo, args, blocks, stream, dependent);
   } else {
-    launch_typed<T, T>(algo, args, blocks, stream);
+    launch_typed<T, T>(algo, args, blocks, stream, dependent);
   }
 }
 
 }  // namespace
 
-void launch_all_reduce(Algo algo, int dtype, const KernelArgs& args, int blocks, cudaStream_t stream) {
+void launch_all_reduce(Algo algo, int dtype, const KernelArgs& args, int blocks, cudaStream_t stream,
+                       bool dependent) {
   PCIE_AR_HOST_ASSERT(blocks >= 1 && blocks <= kMaxLaunchBlocks,
                       "blocks must be in [1, " + std::to_string(kMaxLaunchBlocks) + "], got " + std::to_string(blocks));
   switch (static_cast<DType>(dtype)) {
-    case DType::kFloat32: launch_aligned_or_not<float>(algo, args, blocks, stream); break;
-    case DType::kFloat16: launch_aligned_or_not<__half>(algo, args, blocks, stream); break;
-    case DType::kBFloat16: launch_aligned_or_not<__nv_bfloat16>(algo, args, blocks, stream); break;
+    case DType::kFloat32: launch_aligned_or_not<float>(algo, args, blocks, stream, dependent); break;
+    case DType::kFloat16: launch_aligned_or_not<__half>(algo, args, blocks, stream, dependent); break;
+    case DType::kBFloat16: launch_aligned_or_not<__nv_bfloat16>(algo, args, blocks, stream, dependent); break;
     default: PCIE_AR_HOST_ASSERT(false, "unsupported dtype id " + std::to_string(dtype));
   }
   PCIE_AR_CUDA_CHECK(cudaGetLastError());

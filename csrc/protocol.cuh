@@ -219,6 +219,12 @@ __device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, Ep
 // first barrier it has anyway (__syncthreads_or / __syncthreads_and), before any flag is sent or
 // any branch holds a barrier. (A barrier here for the verdict cost 0.1-0.2 us per call.)
 __device__ __forceinline__ Epoch begin_call(const KernelArgs& a, bool* aborted) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as the previous kernel's programmatic dependent (Workspace::dependent_launch): wait
+  // for it to finish and its writes (our input, this workspace's epochs) to be visible before
+  // reading anything. Launched the ordinary way, this returns at once.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const Control* ctl = control_of(a);
   *aborted = __ldcg(&ctl->abort) != 0;
   const Epoch epoch = next_epoch(__ldcg(reinterpret_cast<const unsigned long long*>(&ctl->epochs[blockIdx.x])));
@@ -231,10 +237,24 @@ __device__ __forceinline__ Epoch begin_call(const KernelArgs& a, bool* aborted) 
   return epoch;
 }
 
+// Lets a kernel that follows on this stream with programmatic dependent launch (Hopper and
+// later: the add + RMSNorm kernel after the all-reduce, PCIE_AR_PDL) start its launch and its
+// prologue now; it waits (griddepcontrol.wait) for this grid's completion and memory before it
+// reads what this call wrote, so only its launch overlaps. Issued at the end of the call, when
+// this block's waits are over: a dependent's waiting blocks then hold SMs only once every peer
+// has sent this rank all it needed (their kernels are running), so they can never keep a
+// late peer's blocks from starting (ranks sharing a GPU). Without such a dependent: no effect.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Publish the epoch for the next kernel on this stream (see Control). Kernel completion makes
 // the stores visible to the next kernel; nothing in this call reads them.
 __device__ __forceinline__ void end_call(const KernelArgs& a, Epoch epoch) {
   __syncthreads();  // every thread of this block has read epochs[blockIdx.x]
+  allow_dependent_launch();
   Control* ctl = control_of(a);
   for (uint32_t i = blockIdx.x + threadIdx.x * gridDim.x; i < kMaxFlagBlocks; i += blockDim.x * gridDim.x) {
     ctl->epochs[i] = epoch;

@@ -175,6 +175,7 @@ struct Workspace::State {
   Layout layout{};
   uint64_t timeout_ns = 0;
   int island_ranks = 0;
+  bool dependent_launch = false;  // launch as the previous kernel's programmatic dependent
   bool peers_open = false;
   bool captured = false;  // a graph capture recorded a call: retire(), never close()
   bool retired = false;
@@ -495,7 +496,8 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   args.nbytes = nbytes;
   args.signature = state_->signatures.of(static_cast<Algo>(algo), dtype, nbytes, blocks);
   DeviceGuard guard(device_);  // sets the device only when the caller's current one differs
-  launch_all_reduce(static_cast<Algo>(algo), dtype, args, blocks, reinterpret_cast<cudaStream_t>(stream));
+  launch_all_reduce(static_cast<Algo>(algo), dtype, args, blocks, reinterpret_cast<cudaStream_t>(stream),
+                    state_->dependent_launch);
   return 0;
 }
 
@@ -538,6 +540,9 @@ void Workspace::set_island_ranks(int ranks) {
   state_->launch_template.island_ranks = ranks;  // the next launch's islands too
 }
 int Workspace::island_ranks() const { return state_->island_ranks; }
+
+void Workspace::set_dependent_launch(bool on) { state_->dependent_launch = on; }
+bool Workspace::dependent_launch() const { return state_->dependent_launch; }
 
 std::vector<uint64_t> Workspace::bases() const {
   std::vector<uint64_t> out(world_);

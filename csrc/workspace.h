@@ -69,6 +69,10 @@ class Workspace {
   // rank must set the same value before its next call.
   void set_island_ranks(int ranks);
   int island_ranks() const;
+  // Launch every call as the previous kernel's programmatic dependent (Hopper and later; the
+  // caller checks the GPU): its launch overlaps that kernel's end. Off by default.
+  void set_dependent_launch(bool on);
+  bool dependent_launch() const;
 
   // For the Triton kernels, which follow the same protocol on the same memory.
   std::vector<uint64_t> bases() const;

@@ -6,6 +6,10 @@
 :func:`add_rmsnorm` is the library's own unfused epilogue: where no fused all-reduce + RMSNorm
 kernel beats the plain all-reduce followed by it, ``Communicator.all_reduce_rmsnorm`` runs those
 two kernels instead (``algo="unfused"``). One program per row, the whole row in registers.
+With ``$PCIE_AR_PDL=1`` on Hopper and later the pair overlaps: this kernel is launched as the
+all-reduce's programmatic dependent (the all-reduce allows it at its end, csrc/protocol.cuh's
+``allow_dependent_launch``), loads the residual and the weight, and waits for the all-reduce
+(``griddepcontrol.wait``) only before it reads the sum.
 
 The row statistic (:func:`sum_of_squares`) is exact fixed-point arithmetic, not an fp32 tree: the
 square of a bf16 or fp16 value is exact in fp32 (8 or 11 mantissa bits, squared, fit in 24), and
@@ -95,7 +99,7 @@ def typed_pointer(addr, DT: tl.constexpr, ALIGNED: tl.constexpr):
 @triton.jit(do_not_specialize=["y_addr", "res_addr", "w_addr", "normed_addr", "res_out_addr"])
 def _add_rmsnorm_kernel(y_addr, res_addr, w_addr, normed_addr, res_out_addr, eps,
                         H: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr,
-                        ALIGNED: tl.constexpr, INTERPRET: tl.constexpr):
+                        ALIGNED: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     y = typed_pointer(y_addr, DT, ALIGNED)
     res = typed_pointer(res_addr, DT, ALIGNED)
@@ -106,9 +110,13 @@ def _add_rmsnorm_kernel(y_addr, res_addr, w_addr, normed_addr, res_out_addr, eps
     ok = cols < H
     off = row.to(tl.int64) * H + cols
     # the whole row is read before any of it is written: y may be normed, residual res_out
-    nr = round_to(tl.load(y + off, mask=ok, other=0.0).to(tl.float32)
-                  + tl.load(res + off, mask=ok, other=0.0).to(tl.float32), DT, INTERPRET)
+    r = tl.load(res + off, mask=ok, other=0.0).to(tl.float32)
     wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
+    if PDL:
+        # Launched as the dependent of the all-reduce (module docstring): the residual and the
+        # weight were written before that kernel started, y by it, so only y waits for it.
+        tl.extra.cuda.gdc_wait()
+    nr = round_to(tl.load(y + off, mask=ok, other=0.0).to(tl.float32) + r, DT, INTERPRET)
     finish_row(nr, wv, ok, H, eps, normed + off, res_out + off, ok, DT, INTERPRET)
 
 
@@ -132,14 +140,19 @@ def is_aligned(hidden: int, *tensors: torch.Tensor) -> bool:
 
 
 def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                normed: torch.Tensor, new_residual: torch.Tensor, *, compile_only: bool = False) -> None:
+                normed: torch.Tensor, new_residual: torch.Tensor, *, compile_only: bool = False,
+                after_all_reduce: bool = False) -> None:
     """Enqueue ``new_residual = residual + y``, ``normed = rmsnorm(new_residual) * weight`` on the
     current stream (arguments already validated: contiguous ``[tokens, hidden]`` bf16/fp16,
     weight ``[hidden]`` of the same dtype or fp32). ``normed`` may be ``y`` and ``new_residual``
     may be ``residual`` (in place).
 
-    ``compile_only``: compile both variants (16-byte aligned or not) for this shape and dtypes,
-    launch nothing; nothing to compile under the interpreter."""
+    ``after_all_reduce``: the kernel just before this one on the stream is the library's
+    all-reduce that wrote ``y`` (and nothing of ``residual`` or ``weight``): the kernel is then
+    launched as its programmatic dependent (Hopper and later), starting while that kernel ends and
+    waiting for it only before it reads ``y``. ``compile_only``: compile both variants (16-byte
+    aligned or not) for this shape and dtypes, launch nothing; nothing to compile under the
+    interpreter."""
     tokens, hidden = y.shape
     interpret = interpreting()
     if compile_only and interpret:
@@ -147,8 +160,10 @@ def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     block, num_warps = launch_shape(hidden)
     tensors = (y, residual, weight, normed, new_residual)
     args = (*(t.data_ptr() for t in tensors), float(eps))
+    pdl = after_all_reduce and not interpret
     constexprs = dict(H=hidden, BLOCK=block, DT=TRITON_DTYPES[y.dtype], WT=TRITON_DTYPES[weight.dtype],
-                      INTERPRET=interpret, num_warps=num_warps)
+                      INTERPRET=interpret, num_warps=num_warps,
+                      **({"PDL": True, "launch_pdl": True} if pdl else {}))
     if compile_only:
         for aligned in (True, False):
             compile_and_load(_add_rmsnorm_kernel, *args, grid=(max(tokens, 1),), ALIGNED=aligned, **constexprs)

@@ -28,6 +28,12 @@ from pcie_allreduce.layout import Layout, WorkspaceView
 
 DEFAULT_MAX_BYTES = 8 << 20
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
+# "1": programmatic dependent launch where the GPU has it (Hopper and later): every all-reduce is
+# launched as the previous kernel's dependent (it waits for that kernel before it reads anything:
+# csrc/protocol.cuh's begin_call), and the unfused pair's norm kernel as the all-reduce's (it waits
+# before it reads the sum); anything else: off. Each rank's own launch choice (results, protocol
+# and peers are the same either way), so ranks need not agree.
+PDL_ENV = "PCIE_AR_PDL"
 logger = logging.getLogger("pcie_allreduce")
 
 
@@ -48,6 +54,11 @@ ISLANDS_KEY = f"islands (${topology.ISLANDS_ENV})"
 # freed here (a forked child's copies, or those of a communicator dropped without close()).
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _NEVER_FREED: list[Any] = []
+
+
+def _dependent_launch(device: torch.device) -> bool:
+    """Whether this rank launches the unfused pair's norm kernel as the all-reduce's dependent."""
+    return os.environ.get(PDL_ENV, "").strip() == "1" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _default_timeout() -> float:
@@ -259,9 +270,11 @@ class Communicator:
 
             if call not in self._fused_compiled:
                 self._compile_everywhere(call, lambda: add_rmsnorm.add_rmsnorm(
-                    x, residual, weight, eps, normed, new_residual, compile_only=True))
+                    x, residual, weight, eps, normed, new_residual, compile_only=True,
+                    after_all_reduce=self.dependent_launch))
             self.all_reduce(x, out=normed)
-            add_rmsnorm.add_rmsnorm(normed, residual, weight, eps, normed, new_residual)
+            add_rmsnorm.add_rmsnorm(normed, residual, weight, eps, normed, new_residual,
+                                    after_all_reduce=self.dependent_launch)
             return normed, new_residual
         from pcie_allreduce import fused_rmsnorm
 
@@ -500,6 +513,8 @@ class Communicator:
         if status:
             raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
         self._sms: int = torch.cuda.get_device_properties(self.device).multi_processor_count
+        #: The unfused pair's norm kernel starts as the all-reduce's programmatic dependent ($PCIE_AR_PDL).
+        self.dependent_launch: bool = _dependent_launch(self.device)
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
                 "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
                 ISLANDS_KEY: topology.islands_override(self.world_size),
@@ -528,6 +543,7 @@ class Communicator:
                                             self.timeout_s, TRANSPORT_IDS[self.transport], name)
             created.append(workspace)
             workspace.island_ranks = self.island_ranks
+            workspace.dependent_launch = self.dependent_launch
             return {"index": index, "handle": workspace.ipc_handle(),
                     "layout": (workspace.total_bytes, workspace.max_bytes, workspace.world, workspace.rank)}
 

@@ -110,11 +110,13 @@ def test_fused_matches_reference_and_is_bitwise_identical_across_ranks(world: in
     assert all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
-def _fused_graph(ctx: ranks.RankContext, transport: str, replays: int) -> dict:
+def _fused_graph(ctx: ranks.RankContext, transport: str, replays: int, algo: str = "auto") -> dict:
     """8 layers x (fused, plain all-reduce) on 4 token counts in one graph, like a verify pass,
     replayed with fresh inputs copied into the graph's static tensors before each replay and
     every output (normed, new residual, plain) poisoned before and checked after it."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
+    if os.environ.get("PCIE_AR_PDL") == "1":
+        assert comm.dependent_launch == (torch.cuda.get_device_capability(ctx.device)[0] >= 9)
     hidden, dtype, token_counts = 7168, torch.bfloat16, (1, 4, 32, 128)
     static = [(torch.empty(t, hidden, dtype=dtype, device=ctx.device), torch.empty(t, hidden, dtype=dtype,
                device=ctx.device), torch.empty(hidden, dtype=dtype, device=ctx.device)) for t in token_counts]
@@ -129,14 +131,14 @@ def _fused_graph(ctx: ranks.RankContext, transport: str, replays: int) -> dict:
 
     load(500)
     for x, res, w in static:  # warm the Triton compile cache outside the capture
-        comm.all_reduce_rmsnorm(x, res, w, EPS)
+        comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)
     torch.cuda.synchronize()
     fused, plain = [], []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(8):
             for x, res, w in static:
-                fused.append(comm.all_reduce_rmsnorm(x, res, w, EPS))
+                fused.append(comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo))
                 plain.append(comm.all_reduce(x))
     digests = []
     for rep in range(replays):
@@ -163,6 +165,14 @@ def _fused_graph(ctx: ranks.RankContext, transport: str, replays: int) -> dict:
 @pytest.mark.parametrize("world", WORLDS)
 def test_fused_inside_cuda_graph(world: int, transport: str) -> None:
     results = ranks.run_ranks(_fused_graph, world, transport, 5, timeout_s=900)
+    assert len(results[0]["digests"]) == 5 and all(r == results[0] for r in results), "ranks disagree bitwise"
+
+
+# The unfused pair with its norm kernel launched as the all-reduce's programmatic dependent
+# ($PCIE_AR_PDL, Hopper and later): the same checks, in a graph and with fresh inputs per replay.
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 8)] or WORLDS[:1])
+def test_the_unfused_pair_with_dependent_launch(world: int) -> None:
+    results = ranks.run_ranks(_fused_graph, world, "p2p", 5, "unfused", timeout_s=900, env={"PCIE_AR_PDL": "1"})
     assert len(results[0]["digests"]) == 5 and all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
