@@ -31,7 +31,7 @@ TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
 # "1": programmatic dependent launch where the GPU has it (Hopper and later): every all-reduce is
 # launched as the previous kernel's dependent (it waits for that kernel before it reads anything:
 # csrc/protocol.cuh's begin_call), and the unfused pair's norm kernel as the all-reduce's (it waits
-# before it reads the sum); anything else: off. Each rank's own launch choice (results, protocol
+# before it reads the sum), and the fused kernels as dependents too (waiting first thing); anything else: off. Each rank's own launch choice (results, protocol
 # and peers are the same either way), so ranks need not agree.
 PDL_ENV = "PCIE_AR_PDL"
 logger = logging.getLogger("pcie_allreduce")
@@ -290,8 +290,9 @@ class Communicator:
         if call not in self._fused_compiled:
             self._compile_everywhere(call, lambda: fused_rmsnorm.launch(
                 view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap,
-                compile_only=True))
-        fused_rmsnorm.launch(view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap)
+                compile_only=True, dependent=self.dependent_launch))
+        fused_rmsnorm.launch(view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap,
+                             dependent=self.dependent_launch)
         return normed, new_residual
 
     def _compile_everywhere(self, call: tuple[Any, ...], compile_call: Callable[[], None]) -> None:

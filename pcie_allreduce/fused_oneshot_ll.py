@@ -46,7 +46,8 @@ import triton.language as tl
 from pcie_allreduce import constants
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.layout import Layout, WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, begin_call, compile_and_load, end_call,
+from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call, compile_and_load,
+                                            end_call, wait_for_previous_kernel,
                                             foreign_notice, line_flag, line_signature, load_volatile, my_notices,
                                             now_ns, pause_ns, pick_base, post_notices, record_error, round_to,
                                             sealed_word, spin_verdict, store_volatile)
@@ -257,7 +258,9 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                              control_offset, stats_offset, flags_offset,
                              C: tl.constexpr, CW: tl.constexpr, BLOCK_W: tl.constexpr,
                              W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, PAIRED: tl.constexpr,
-                             FULL: tl.constexpr, INTERPRET: tl.constexpr, BACKOFF: tl.constexpr = 0):
+                             FULL: tl.constexpr, INTERPRET: tl.constexpr, BACKOFF: tl.constexpr = 0,
+                             PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     WORD: tl.constexpr = tl.uint32 if FULL else tl.uint64  # full payload: 2 elements; lines: 2 elements + flag
     WORD_BYTES: tl.constexpr = 4 if FULL else 8
@@ -389,6 +392,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         nan = tl.full([BLOCK_W], float("nan"), tl.float32).to(DT)
         _store_pairs(res_out_ptr, word, nan, nan, w_ok, PAIRED)
         _store_pairs(normed_ptr, word, nan, nan, w_ok, PAIRED)
+    allow_dependent_launch(PDL)
     end_call(ctrl, epoch, pid)
 
 
@@ -465,7 +469,8 @@ def _slots(layout: Layout, full: bool) -> tuple[int, int, int]:
 
 def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
            normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int,
-           full: bool = False, chunks: int | None = None, backoff_ns: int = 0, compile_only: bool = False) -> None:
+           full: bool = False, chunks: int | None = None, backoff_ns: int = 0, compile_only: bool = False,
+           dependent: bool = False) -> None:
     """Enqueue one call on the current stream (arguments validated, eligibility checked).
 
     ``full``: the full-payload wire format (the slots and headers of csrc/oneshot_full.cuh, half
@@ -475,7 +480,8 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
     (tests: under the interpreter the choice is 1, which never exercises the row statistics
     exchange between programs). ``backoff_ns`` > 0 sleeps that long between polls (an experiment
     for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without the knob).
-    ``compile_only``: compile both word-pairing variants of this shape, launch nothing."""
+    ``compile_only``: compile both word-pairing variants of this shape, launch nothing.
+    ``dependent``: launch as the previous kernel's programmatic dependent (``$PCIE_AR_PDL``)."""
     tokens, hidden = x.shape
     shape = (launch_shape(tokens, hidden, view.world, max_programs, interpret) if chunks is None
              else shape_with_chunks(tokens, hidden, chunks))
@@ -496,7 +502,8 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
             view.local_offset(view.layout.stats_offset), view.layout.flags_offset)
     constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
                       PUSH=min(PUSH_WORDS, block_w), FULL=full, INTERPRET=interpret, num_warps=num_warps,
-                      **({"BACKOFF": backoff_ns} if backoff_ns else {}))
+                      **({"BACKOFF": backoff_ns} if backoff_ns else {}),
+                      **({"PDL": True, "launch_pdl": True} if dependent and not interpret else {}))
     if compile_only:  # PAIRED follows the tensors' alignment, which may differ between calls and ranks
         for paired in (True, False):
             compile_and_load(_fused_oneshot_ll_kernel, *args, grid=(programs,), PAIRED=paired, **constexprs)

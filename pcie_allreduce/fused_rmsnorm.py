@@ -42,7 +42,8 @@ from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
-from pcie_allreduce.triton_protocol import (begin_call, block_any, compile_and_load, end_call, flag_addr,
+from pcie_allreduce.triton_protocol import (allow_dependent_launch, begin_call, block_any, compile_and_load, end_call,
+                                            flag_addr, wait_for_previous_kernel,
                                             foreign_notice, interpreting, load_acquire_where, my_notices, now_ns,
                                             pick_base, post_notices, record_error, release_fence, round_to,
                                             sealed_word, spin_verdict, store_flag)
@@ -251,7 +252,8 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                           rank, T, ROWS, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
                           H: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr, ALIGNED: tl.constexpr, W: tl.constexpr,
-                          BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                          BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr = _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                                                                DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
@@ -283,6 +285,7 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
             done = 1
     if done == 0:
         _fill_rows_with_nan(normed_ptr, res_out_ptr, 0, T, pid, H, cols, cols_ok, ROWS, INTERPRET)
+    allow_dependent_launch(PDL)
     end_call(ctrl, epoch, pid)
 
 
@@ -291,7 +294,8 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                           b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
                           rank, T, ROWS, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
                           H: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr, ALIGNED: tl.constexpr, W: tl.constexpr,
-                          BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                          BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr = _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                                                                DT, WT, ALIGNED)
     pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
@@ -348,6 +352,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
         for owner in range(W):
             begin, end = _shard(T, W, owner)
             _fill_rows_with_nan(normed_ptr, res_out_ptr, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
+    allow_dependent_launch(PDL)
     end_call(ctrl, epoch, pid)
 
 
@@ -376,16 +381,17 @@ def signature(algo: str, dtype: torch.dtype, tokens: int, hidden: int, programs:
 
 def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
            eps: float, normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool | None = None,
-           max_programs: int = MAX_PROGRAMS, compile_only: bool = False) -> None:
+           max_programs: int = MAX_PROGRAMS, compile_only: bool = False, dependent: bool = False) -> None:
     """Enqueue one fused call on the current stream (arguments already validated).
 
     ``compile_only``: compile (or load from Triton's cache) every kernel variant this call's
-    shape and dtypes can launch, and launch nothing (nothing to compile under the interpreter)."""
+    shape and dtypes can launch, and launch nothing (nothing to compile under the interpreter).
+    ``dependent``: launch as the previous kernel's programmatic dependent (``$PCIE_AR_PDL``)."""
     interpret = interpreting() if interpret is None else interpret
     if algo in DATA_AS_FLAG_ONESHOTS:
         fused_oneshot_ll.launch(view, x, residual, weight, eps, normed, residual_out, interpret=interpret,
                                 full=algo == "oneshot_full",
-                                max_programs=max_programs, compile_only=compile_only)
+                                max_programs=max_programs, compile_only=compile_only, dependent=dependent)
         return
     if compile_only and interpret:
         return
@@ -404,7 +410,8 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     # The compile key holds the hidden size, dtypes, W and ALIGNED, never the token count: one
     # compilation per model shape serves every batch.
     constexprs = dict(H=hidden, DT=TRITON_DTYPES[x.dtype], WT=TRITON_DTYPES[weight.dtype], W=view.world,
-                      BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps)
+                      BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps,
+                      **({"PDL": True, "launch_pdl": True} if dependent and not interpret else {}))
     if compile_only:
         for aligned in (True, False):
             compile_and_load(kernel, *args, grid=(programs,), ALIGNED=aligned, **constexprs)

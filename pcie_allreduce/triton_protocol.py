@@ -237,6 +237,23 @@ def compile_and_load(kernel: Any, *args: Any, grid: tuple[int, ...], **kwargs: A
 
 
 @triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Launched as the previous kernel's programmatic dependent ($PCIE_AR_PDL, Hopper and later):
+    wait for it to finish and its writes (our inputs, the workspace's epochs) to be visible. The
+    first thing a fused kernel does, as csrc/protocol.cuh's begin_call."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def allow_dependent_launch(PDL: tl.constexpr):
+    """Let a dependent kernel that follows start its launch: after this program's last wait, as
+    csrc/protocol.cuh's allow_dependent_launch (a dependent waits for our completion anyway)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _low_word(value):
     """The low 32 bits of an integer (scalar tensor or constexpr) as an int32 operand."""
     wide = tl.zeros((), tl.int64) + value
