@@ -46,6 +46,28 @@ __device__ __forceinline__ void load_partial(const float* area, uint64_t element
   }
 }
 
+// Where this rank sits among the islands, as every island kernel needs it: island `index` of
+// `count`, each of `size` consecutive ranks; `first` its first rank, `local` this rank's index in
+// it, `finisher` this rank's partner in the last island (where its chain ends), `peers` the other
+// ranks of its island as a mask.
+struct IslandPlace {
+  int size, count, index, first, local, finisher;
+  uint32_t peers;
+
+  __device__ __forceinline__ explicit IslandPlace(const KernelArgs& a)
+      : size(a.island_ranks),
+        count(a.world / a.island_ranks),
+        index(a.rank / a.island_ranks),
+        first(index * size),
+        local(a.rank - first),
+        finisher((count - 1) * size + local),
+        peers((((1u << size) - 1u) << first) & ~(1u << a.rank)) {}
+
+  __device__ __forceinline__ bool last() const { return index == count - 1; }
+  // Our partner in the previous island (who sends us its partial), or -1 in island 0.
+  __device__ __forceinline__ int previous(int rank) const { return index > 0 ? rank - size : -1; }
+};
+
 // Where the partial of island `sender_island` lands in `receiver`'s workspace (above).
 __device__ __forceinline__ float* partial_area(const KernelArgs& a, int receiver, int sender_island, Epoch epoch) {
   return reinterpret_cast<float*>(slot_of(a, receiver, sender_island * a.island_ranks, epoch));
@@ -136,14 +158,15 @@ __device__ __forceinline__ bool wait_targets(const KernelArgs& a, int kind, Epoc
 // A link of the chain outside the last island, for the range `r` (units) and `tail` (elements):
 // our island's sums onto the previous island's partial (`partial_in`, null in island 0), pushed
 // as fp32 to our partner in the next island and flagged (kind 0); then the chain's result, which
-// `finisher` (our partner in the last island) pushes into its slot of ours (kind 1), copied to
-// `out`. False when that wait gave up.
+// our partner in the last island (`place.finisher`) pushes into its slot of ours (kind 1), copied
+// to `out`. False when that wait gave up.
 template <typename T, typename Unit>
-__device__ __forceinline__ bool relay_and_receive(const KernelArgs& a, Epoch epoch, const Unit* in, const T* in_t,
-                                                  Unit* out, T* out_t, Range r, Range tail, const float* partial_in,
-                                                  int finisher) {
-  const int next = a.rank + a.island_ranks;
-  float* partial_out = partial_area(a, next, a.rank / a.island_ranks, epoch);
+__device__ __forceinline__ bool relay_and_receive(const KernelArgs& a, const IslandPlace& place, Epoch epoch,
+                                                  const Unit* in, const T* in_t, Unit* out, T* out_t, Range r,
+                                                  Range tail, const float* partial_in) {
+  const int finisher = place.finisher;
+  const int next = a.rank + place.size;
+  float* partial_out = partial_area(a, next, place.index, epoch);
   push_partial<T, Unit>(a, epoch, in, r, partial_in, partial_out);
   push_partial<T, T>(a, epoch, in_t, tail, partial_in, partial_out);
   __syncthreads();

@@ -45,13 +45,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_oneshot_kernel(const 
   bool aborted;
   const Epoch epoch = begin_call(a, &aborted);
   bool done = false;
-  const int S = a.island_ranks;
-  const int islands = a.world / S;
-  const int island = a.rank / S;
-  const int first = island * S;
-  const int local = a.rank - first;
-  const int finisher = (islands - 1) * S + local;
-  const uint32_t island_peers = (((1u << S) - 1u) << first) & ~(1u << a.rank);
+  const IslandPlace place(a);
+  const int S = place.size;
   const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
   const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
   const Unit* in = static_cast<const Unit*>(a.input);
@@ -61,7 +56,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_oneshot_kernel(const 
 
   if (!aborted) {
     for (int s = 1; s < S; ++s) {
-      const int peer = first + (local + s) % S;
+      const int peer = place.first + (place.local + s) % S;
       push_to_peer<Unit>(a, peer, epoch, in, body);
       push_to_peer<T>(a, peer, epoch, in_t, tail);
     }
@@ -69,24 +64,24 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_oneshot_kernel(const 
   // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
   // flag (begin_call): no flag goes out unless every thread pushed its share.
   if (__syncthreads_or(aborted) == 0) {
-    signal_targets(a, 0, epoch, island_peers);
-    const int prev = island > 0 ? a.rank - S : -1;
-    if (wait_targets(a, 0, epoch, island_peers, Stage::kIslandGather, prev, Stage::kIslandChain)) {
-      const float* partial_in = prev >= 0 ? partial_area(a, a.rank, island - 1, epoch) : nullptr;
-      if (a.rank == finisher) {
+    signal_targets(a, 0, epoch, place.peers);
+    const int prev = place.previous(a.rank);
+    if (wait_targets(a, 0, epoch, place.peers, Stage::kIslandGather, prev, Stage::kIslandChain)) {
+      const float* partial_in = prev >= 0 ? partial_area(a, a.rank, place.index - 1, epoch) : nullptr;
+      if (place.last()) {
         finish_shard<T, Unit>(a, epoch, in, out, body, partial_in);
         finish_shard<T, T>(a, epoch, in_t, out_t, tail, partial_in);
-        for (int h = 0; h < islands - 1; ++h) {  // the same threads read `out` as wrote it
-          push_to_peer<Unit>(a, h * S + local, epoch, out, body);
-          push_to_peer<T>(a, h * S + local, epoch, out_t, tail);
+        for (int h = 0; h < place.count - 1; ++h) {  // the same threads read `out` as wrote it
+          push_to_peer<Unit>(a, h * S + place.local, epoch, out, body);
+          push_to_peer<T>(a, h * S + place.local, epoch, out_t, tail);
         }
         __syncthreads();
         uint32_t partners = 0;
-        for (int h = 0; h < islands - 1; ++h) partners |= 1u << (h * S + local);
+        for (int h = 0; h < place.count - 1; ++h) partners |= 1u << (h * S + place.local);
         signal_targets(a, 1, epoch, partners);
         done = true;
       } else {
-        done = relay_and_receive<T, Unit>(a, epoch, in, in_t, out, out_t, body, tail, partial_in, finisher);
+        done = relay_and_receive<T, Unit>(a, place, epoch, in, in_t, out, out_t, body, tail, partial_in);
       }
     }
   }

@@ -81,17 +81,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const 
   bool aborted;
   const Epoch epoch = begin_call(a, &aborted);
   bool done = false;
-  const int S = a.island_ranks;
-  const int islands = a.world / S;
-  const int island = a.rank / S;
-  const int first = island * S;
-  const int local = a.rank - first;
-  const bool last_island = island == islands - 1;
-  const int finisher = (islands - 1) * S + local;
+  const IslandPlace place(a);
+  const int S = place.size;
+  const int first = place.first;
   const int tail_owner = first + S - 1;
-  const uint32_t island_peers = (((1u << S) - 1u) << first) & ~(1u << a.rank);
   const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-  const Range mine = shard_part<Unit>(a.nbytes, S, local);
+  const Range mine = shard_part<Unit>(a.nbytes, S, place.local);
   const Range my_tail = a.rank == tail_owner ? tail : Range{0, 0};
   const Unit* in = static_cast<const Unit*>(a.input);
   const T* in_t = static_cast<const T*>(a.input);
@@ -100,7 +95,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const 
 
   if (!aborted) {
     for (int s = 1; s < S; ++s) {
-      const int peer = first + (local + s) % S;
+      const int peer = first + (place.local + s) % S;
       push_to_peer<Unit>(a, peer, epoch, in, shard_part<Unit>(a.nbytes, S, peer - first));
     }
     if (a.rank != tail_owner) push_to_peer<T>(a, tail_owner, epoch, in_t, tail);
@@ -108,25 +103,25 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const 
   // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
   // flag (begin_call): no flag goes out unless every thread pushed its share.
   if (__syncthreads_or(aborted) == 0) {
-    signal_targets(a, 0, epoch, island_peers);
-    const int prev = island > 0 ? a.rank - S : -1;
+    signal_targets(a, 0, epoch, place.peers);
+    const int prev = place.previous(a.rank);
     bool have_shard = false;
-    if (wait_targets(a, 0, epoch, island_peers, Stage::kReduceScatter, prev, Stage::kIslandChain)) {
-      const float* partial_in = prev >= 0 ? partial_area(a, a.rank, island - 1, epoch) : nullptr;
-      const ShardRecipients to{first, local, S, last_island ? islands - 1 : 0};
-      if (last_island) {
+    if (wait_targets(a, 0, epoch, place.peers, Stage::kReduceScatter, prev, Stage::kIslandChain)) {
+      const float* partial_in = prev >= 0 ? partial_area(a, a.rank, place.index - 1, epoch) : nullptr;
+      const ShardRecipients to{first, place.local, S, place.last() ? place.count - 1 : 0};
+      if (place.last()) {
         finish_shard<T, Unit>(a, epoch, in, out, mine, partial_in);
         finish_shard<T, T>(a, epoch, in_t, out_t, my_tail, partial_in);
         push_shard_in_turn<T, Unit>(a, epoch, out, mine, out_t, my_tail, to);
         have_shard = true;
-      } else if (relay_and_receive<T, Unit>(a, epoch, in, in_t, out, out_t, mine, my_tail, partial_in, finisher)) {
+      } else if (relay_and_receive<T, Unit>(a, place, epoch, in, in_t, out, out_t, mine, my_tail, partial_in)) {
         push_shard_in_turn<T, Unit>(a, epoch, out, mine, out_t, my_tail, to);
         have_shard = true;
       }
     }
-    if (have_shard && wait_targets(a, 1, epoch, island_peers, Stage::kAllGather)) {
+    if (have_shard && wait_targets(a, 1, epoch, place.peers, Stage::kAllGather)) {
       for (int s = 1; s < S; ++s) {
-        const int peer = first + (local + s) % S;
+        const int peer = first + (place.local + s) % S;
         copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, S, peer - first));
       }
       if (a.rank != tail_owner) copy_from_slot<T>(a, tail_owner, epoch, out_t, tail);
