@@ -154,13 +154,14 @@ class GemmAdapter:
         if layer is None:
             return []
         gen = torch.Generator(device=self._device).manual_seed(self._seed * 7919 + tokens)
+        shapes = layer.stages(self._world)
         weights = self._weights.get((model, dtype))
         if weights is None:
             weights = [[[torch.randn(g.batch, g.k, g.n, device=self._device, dtype=dtype, generator=gen)
-                         for _ in range(WEIGHT_SETS)] for g in gemms] for gemms in layer.stages(self._world)]
+                         for _ in range(WEIGHT_SETS)] for g in gemms] for gemms in shapes]
             self._weights[(model, dtype)] = weights
         stages = []
-        for gemms, stage_weights in zip(layer.stages(self._world), weights):
+        for gemms, stage_weights in zip(shapes, weights):
             work = [(torch.randn(g.batch, tokens, g.k, device=self._device, dtype=dtype, generator=gen) * (g.k ** -0.5),
                      sets, torch.empty(g.batch, tokens, g.n, device=self._device, dtype=dtype))
                     for g, sets in zip(gemms, stage_weights)]
