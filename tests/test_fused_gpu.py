@@ -168,11 +168,13 @@ def test_fused_inside_cuda_graph(world: int, transport: str) -> None:
     assert len(results[0]["digests"]) == 5 and all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
-# The unfused pair with its norm kernel launched as the all-reduce's programmatic dependent
-# ($PCIE_AR_PDL, Hopper and later): the same checks, in a graph and with fresh inputs per replay.
+# Every kernel launched as its predecessor's programmatic dependent ($PCIE_AR_PDL, Hopper and
+# later): the fused kernels, and the unfused pair with its norm kernel dependent on the all-reduce;
+# the same checks, in a graph and with fresh inputs per replay.
+@pytest.mark.parametrize("algo", ["auto", "unfused"])
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 8)] or WORLDS[:1])
-def test_the_unfused_pair_with_dependent_launch(world: int) -> None:
-    results = ranks.run_ranks(_fused_graph, world, "p2p", 5, "unfused", timeout_s=900, env={"PCIE_AR_PDL": "1"})
+def test_fused_and_unfused_with_dependent_launch(world: int, algo: str) -> None:
+    results = ranks.run_ranks(_fused_graph, world, "p2p", 5, algo, timeout_s=900, env={"PCIE_AR_PDL": "1"})
     assert len(results[0]["digests"]) == 5 and all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
