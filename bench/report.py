@@ -128,23 +128,25 @@ def format_summary(report: Report) -> str:
     others = [b for b in backends if b != "ours"]
     if not best:
         return "# summary: no successful measurements"
-    width = 20
-    head = ("#" + "size(B)".rjust(10) + " W " + "".join(b.rjust(width) for b in backends)
+    keys = sorted({key for key, _ in best})
+    cells = {key: ["-" if (r := best.get((key, b))) is None else f"{r.p50_us:.2f} ({r.resolved_algo or r.algo})"
+                   for b in backends] for key in keys}
+    # Each column as wide as its widest cell plus a gap, so a long algorithm name never runs into
+    # the next column (or the W column into the first).
+    widths = [max(20, len(b) + 2, *(len(cells[key][i]) + 2 for key in keys)) for i, b in enumerate(backends)]
+    head = ("#" + "size(B)".rjust(10) + "  W" + "".join(b.rjust(w) for b, w in zip(backends, widths))
             + "".join(f"ours/{b}".rjust(len(b) + 7) for b in others))
     lines = ["# best p50 per backend (us, algo); ours/X = our best p50 / X's best p50 (<1: ours faster)", head]
-    for key in sorted({key for key, _ in best}):
+    for key in keys:
         world, size = key[0], key[2]
-        cells = []
-        for b in backends:
-            r = best.get((key, b))
-            cells.append("-" if r is None else f"{r.p50_us:.2f} ({r.resolved_algo or r.algo})")
         ours = best.get((key, "ours"))
         ratios = []
         for b in others:
             ref = best.get((key, b))
             ratio = "-" if ours is None or ref is None else f"{ours.p50_us / ref.p50_us:.2f}"
             ratios.append(ratio.rjust(len(b) + 7))
-        lines.append(" " + str(size).rjust(10) + f" {world}" + "".join(c.rjust(width) for c in cells) + "".join(ratios))
+        lines.append(" " + str(size).rjust(10) + f"{world:>3}" + "".join(c.rjust(w) for c, w in zip(cells[key], widths))
+                     + "".join(ratios))
     return "\n".join(lines)
 
 

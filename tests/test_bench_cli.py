@@ -238,6 +238,16 @@ def test_summary_ratio_of_our_best_to_reference() -> None:
     assert line2.split()[-2:] == ["0.50", "0.10"]
 
 
+
+def test_summary_columns_stay_apart_with_long_cells() -> None:
+    """A best time of two digits before the point with a long algorithm name is wider than the
+    default column: the W column and the cell must still read as two fields."""
+    rows = [_row(8, "ours", "twoshot_pull", 4194304, 53.19), _row(8, "torch_symm", "two_shot", 4194304, 60.0)]
+    rep = Report({}, options.BenchConfig(worlds=(8,), sizes=(4194304,)).to_dict(), {}, add_speedups(rows), [])
+    line = next(line for line in report.format_summary(rep).splitlines() if line.split()[:1] == ["4194304"])
+    assert line.split()[:4] == ["4194304", "8", "53.19", "(twoshot_pull)"]
+    assert line.split()[-1] == f"{53.19 / 60.0:.2f}"
+
 def test_csv_contents() -> None:
     rep = _fake_report()
     rows = list(csv.DictReader(io.StringIO(report.to_csv(rep.results))))
