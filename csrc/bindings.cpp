@@ -135,6 +135,7 @@ py::dict names_table(const pcie_ar::Named<Id> (&table)[N], bool by_id = false) {
 void register_constants(py::module_& m) {
   m.attr("MIN_RANKS") = pcie_ar::kMinRanks;
   m.attr("MAX_RANKS") = pcie_ar::kMaxRanks;
+  m.attr("SMALL_WORLD") = pcie_ar::kSmallWorld;
   m.attr("MAX_MESSAGE_BYTES") = pcie_ar::kMaxMessageBytes;
   m.attr("MAX_TIMEOUT_S") = pcie_ar::kMaxTimeoutSeconds;
   m.attr("MAX_LAUNCH_BLOCKS") = pcie_ar::kMaxLaunchBlocks;

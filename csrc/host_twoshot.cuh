@@ -16,7 +16,7 @@ namespace pcie_ar {
 
 // Our shard [r): every rank's units from their input areas, summed in rank order, as it will
 // travel; into our output and, once, into our result area. False (this thread) on timeout or abort.
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffer, Epoch epoch, const Unit* in,
                                              Unit* out, Range r) {
   Unit* result = shared_area<Unit>(a, a.rank, buffer, SharedArea::kResult);
@@ -24,9 +24,9 @@ __device__ __forceinline__ bool reduce_shard(const KernelArgs& a, uint32_t buffe
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    Pack<T, Unit> got[kMaxRanks];
-    if (!gather_unit<T, Unit>(a, a.world, inputs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
-    const Unit sum = to_wire<T, Unit>(sum_in_rank_order<T, Unit>(got, a.world));
+    Pack<T, Unit> got[kCap];
+    if (!gather_unit<T, Unit, kCap>(a, a.world, inputs, in, i, epoch, Stage::kHostGather, spins, started, got)) return false;
+    const Unit sum = to_wire<T, Unit>(sum_in_rank_order(got, a.world));
     result[i] = sum;
     out[i] = sum;
   }
@@ -48,7 +48,7 @@ __device__ __forceinline__ bool gather_shard(const KernelArgs& a, uint32_t buffe
   return true;
 }
 
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) host_twoshot_kernel(const __grid_constant__ KernelArgs a) {
   write_once_call<T>(a, true, [&](uint32_t buffer, Epoch epoch) {
     const Unit* in = static_cast<const Unit*>(a.input);
@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) host_twoshot_kernel(const
     publish_input<T, Unit>(a, buffer, in, to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x)));
     if (owns_tail()) publish_input<T, T>(a, buffer, in_t, tail);
     bool ok = wait_headers(a, buffer, epoch);
-    ok = ok && reduce_shard<T, Unit>(a, buffer, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
-    if (tail_is_ours) ok = ok && reduce_shard<T, T>(a, buffer, epoch, in_t, out_t, tail);
+    ok = ok && reduce_shard<T, Unit, kCap>(a, buffer, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
+    if (tail_is_ours) ok = ok && reduce_shard<T, T, kCap>(a, buffer, epoch, in_t, out_t, tail);
     for (int s = 1; s < a.world && ok; ++s) {
       const int owner = (a.rank + s) % a.world;  // start with the next rank: spread the reads over owners
       ok = gather_shard<T, Unit>(a, buffer, epoch, owner, out, shard_part<Unit>(a.nbytes, a.world, owner));

@@ -182,20 +182,21 @@ static __device__ __noinline__ bool wait_header_word(const KernelArgs& a, const 
 // pointers held across the loop would cost 2W registers, and the 16-byte gather of 8 ranks
 // already needs 32 for the units in flight (the kernels are capped at 128 by their 512 threads).
 // `world` is a.world, or the same as a constant in a kernel instanced per world size (the loops
-// then unroll to exactly `world` copies instead of kMaxRanks predicated ones).
+// then unroll to exactly `world` copies instead of kCap predicated ones); kCap, the size of `got`,
+// is the kernel instance's rank capacity (reduce.cuh's reduce_unit), at least `world`.
 // False (this thread) on timeout or abort.
-template <typename T, typename Unit, typename Where>
+template <typename T, typename Unit, int kCap, typename Where>
 __device__ __forceinline__ bool gather_unit(const KernelArgs& a, int world, Where where, const Unit* in, uint64_t i,
                                             Epoch epoch, Stage stage, uint32_t& spins, uint64_t& started,
-                                            Pack<T, Unit>* got) {
+                                            Pack<T, Unit> (&got)[kCap]) {
   uint32_t pending = ((1u << world) - 1u) & ~(1u << a.rank);
 #pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) {
+  for (int p = 0; p < kCap; ++p) {
     if (p < world) got[p].unit = p == a.rank ? to_wire<T, Unit>(load_unit(in + i)) : load_wire(where(p) + i);
   }
   for (;;) {
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
+    for (int p = 0; p < kCap; ++p) {
       if (p < world && (pending & (1u << p)) && has_arrived<T, Unit>(got[p].unit)) pending &= ~(1u << p);
     }
     if (pending == 0u) return true;
@@ -203,7 +204,7 @@ __device__ __forceinline__ bool gather_unit(const KernelArgs& a, int world, Wher
     if (verdict == SpinVerdict::kTimedOut) record_error(a, ErrorKind::kTimeout, __ffs(pending) - 1, stage, epoch, 0);
     if (verdict != SpinVerdict::kSpin) return false;
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
+    for (int p = 0; p < kCap; ++p) {
       if (p < world && (pending & (1u << p))) got[p].unit = load_wire(where(p) + i);
     }
   }

@@ -82,9 +82,12 @@ __device__ __forceinline__ void island_sum(const KernelArgs& a, Epoch epoch, con
   const int first = a.rank - a.rank % a.island_ranks;
   const uint64_t slot_units_each = a.layout.slot_bytes / sizeof(Unit);
   const Unit* slot0 = slot_units<Unit>(a, a.rank, 0, epoch);
-  Pack<T, Unit> in[kMaxRanks];
+  // An island holds at most half the world (there are at least two), so kSmallWorld entries
+  // hold it in every instance.
+  static_assert(kMaxRanks / 2 <= kSmallWorld, "an island must fit the small-world capacity");
+  Pack<T, Unit> in[kSmallWorld];
 #pragma unroll
-  for (int m = 0; m < kMaxRanks; ++m) {
+  for (int m = 0; m < kSmallWorld; ++m) {
     const int r = first + m;
     if (m < a.island_ranks) {
       in[m].unit = r == a.rank ? load_unit(own + i) : load_pushed(slot0 + static_cast<uint64_t>(r) * slot_units_each + i);
@@ -99,7 +102,7 @@ __device__ __forceinline__ void island_sum(const KernelArgs& a, Epoch epoch, con
     for (int k = 0; k < kElems; ++k) acc[k] = to_float(in[0].elems[k]);
   }
 #pragma unroll
-  for (int m = 1; m < kMaxRanks; ++m) {
+  for (int m = 1; m < kSmallWorld; ++m) {
     if (m < a.island_ranks) {
 #pragma unroll
       for (int k = 0; k < kElems; ++k) acc[k] += to_float(in[m].elems[k]);

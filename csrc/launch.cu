@@ -61,10 +61,11 @@ void start(Kernel kernel, int blocks, cudaStream_t stream, const KernelArgs& arg
   PCIE_AR_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
-// f(std::integral_constant<int, W>{}) for W == world: the kernels instanced per world size.
+// f(std::integral_constant<int, W>{}) for W == world up to kSmallWorld, and f(kAnyWorld) above it:
+// the kernels instanced per world size (reduce.cuh's kAnyWorld).
 template <typename F>
 void with_world(int world, F&& f) {
-  static_assert(kMinRanks == 2 && kMaxRanks == 8, "one instance per world size below");
+  static_assert(kMinRanks == 2 && kSmallWorld == 8, "one instance per world size below");
   switch (world) {
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
@@ -73,31 +74,50 @@ void with_world(int world, F&& f) {
     case 6: f(std::integral_constant<int, 6>{}); break;
     case 7: f(std::integral_constant<int, 7>{}); break;
     case 8: f(std::integral_constant<int, 8>{}); break;
-    default: PCIE_AR_HOST_ASSERT(false, "world size " + std::to_string(world) + " out of range");
+    default:
+      PCIE_AR_HOST_ASSERT(world > kSmallWorld && world <= kMaxRanks, "world size " + std::to_string(world) + " out of range");
+      f(std::integral_constant<int, kAnyWorld>{});
   }
 }
 
-template <typename T, typename Unit>
+// f(std::integral_constant<int, C>{}) for the rank capacity C of the instances that serve `world`
+// (protocol_constants.h's kSmallWorld).
+template <typename F>
+void with_capacity(int world, F&& f) {
+  if (world <= kSmallWorld) {
+    f(std::integral_constant<int, kSmallWorld>{});
+  } else {
+    f(std::integral_constant<int, kMaxRanks>{});
+  }
+}
+
+template <typename T, typename Unit, int kCap>
 void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream, bool dependent) {
   switch (algo) {
-    case Algo::kOneShot: start(oneshot_kernel<T, Unit, false>, blocks, stream, args, dependent); break;
-    case Algo::kStaged: start(oneshot_kernel<T, Unit, true>, blocks, stream, args, dependent); break;
-    case Algo::kTwoShot: start(twoshot_kernel<T, Unit, false>, blocks, stream, args, dependent); break;
-    case Algo::kTwoShotStaged: start(twoshot_kernel<T, Unit, true>, blocks, stream, args, dependent); break;
-    case Algo::kHostOneShot: start(host_oneshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
-    case Algo::kHostTwoShot: start(host_twoshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kOneShot: start(oneshot_kernel<T, Unit, false, kCap>, blocks, stream, args, dependent); break;
+    case Algo::kStaged: start(oneshot_kernel<T, Unit, true, kCap>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShot: start(twoshot_kernel<T, Unit, false, kCap>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShotStaged: start(twoshot_kernel<T, Unit, true, kCap>, blocks, stream, args, dependent); break;
+    case Algo::kHostOneShot: start(host_oneshot_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
+    case Algo::kHostTwoShot: start(host_twoshot_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
     case Algo::kOneShotFull:
       with_world(args.world, [&](auto w) {
         start(oneshot_full_kernel<T, Unit, decltype(w)::value>, blocks, stream, args, dependent);
       });
       break;
-    case Algo::kTwoShotFull: start(twoshot_full_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShotFull: start(twoshot_full_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
+    // An island holds at most half the world: the island kernels need no larger capacity (island.cuh).
     case Algo::kIslandTwoShot: start(island_twoshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
     case Algo::kIslandOneShot: start(island_oneshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
-    case Algo::kOneShotPull: start(oneshot_pull_kernel<T, Unit>, blocks, stream, args, dependent); break;
-    case Algo::kTwoShotPull: start(twoshot_pull_kernel<T, Unit>, blocks, stream, args, dependent); break;
+    case Algo::kOneShotPull: start(oneshot_pull_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShotPull: start(twoshot_pull_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
+}
+
+template <typename T, typename Unit>
+void launch_with_capacity(Algo algo, const KernelArgs& args, int blocks, cudaStream_t stream, bool dependent) {
+  with_capacity(args.world, [&](auto cap) { launch_typed<T, Unit, decltype(cap)::value>(algo, args, blocks, stream, dependent); });
 }
 
 template <typename T>
@@ -122,9 +142,9 @@ void launch_aligned_or_not(Algo algo, const KernelArgs& args, int blocks, cudaSt
   // Vectors need 16-byte aligned input and output; slots are always 256-byte aligned.
   const bool aligned = ((reinterpret_cast<uintptr_t>(args.input) | reinterpret_cast<uintptr_t>(args.output)) & 15u) == 0;
   if (aligned) {
-    launch_typed<T, uint4>(algo, args, blocks, stream, dependent);
+    launch_with_capacity<T, uint4>(algo, args, blocks, stream, dependent);
   } else {
-    launch_typed<T, T>(algo, args, blocks, stream, dependent);
+    launch_with_capacity<T, T>(algo, args, blocks, stream, dependent);
   }
 }
 

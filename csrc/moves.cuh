@@ -20,18 +20,19 @@ __device__ __forceinline__ void push_to_peer(const KernelArgs& a, int peer, Epoc
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) dst[i] = load_unit(src + i);
 }
 
-// One load, W-1 posted writes: every peer's slot for us at once (the unstaged one-shot).
-template <typename Unit>
+// One load, W-1 posted writes: every peer's slot for us at once (the unstaged one-shot). kCap: the
+// kernel instance's rank capacity (reduce.cuh's reduce_unit).
+template <typename Unit, int kCap>
 __device__ __forceinline__ void push_to_all_peers(const KernelArgs& a, Epoch epoch, const Unit* src, Range r) {
-  Unit* dst[kMaxRanks];
+  Unit* dst[kCap];
 #pragma unroll
-  for (int s = 1; s < kMaxRanks; ++s) {
+  for (int s = 1; s < kCap; ++s) {
     if (s < a.world) dst[s] = slot_units<Unit>(a, (a.rank + s) % a.world, a.rank, epoch);
   }
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     const Unit v = load_unit(src + i);
 #pragma unroll
-    for (int s = 1; s < kMaxRanks; ++s) {
+    for (int s = 1; s < kCap; ++s) {
       if (s < a.world) dst[s][i] = v;
     }
   }
@@ -39,23 +40,23 @@ __device__ __forceinline__ void push_to_all_peers(const KernelArgs& a, Epoch epo
 
 // out[r] = sum over ranks (own input + peers' pushes in our slots), in rank order. When
 // `forward` is set, also push the result into every peer's slot for us (two-shot all-gather).
-template <typename T, typename Unit, bool kForward>
+template <typename T, typename Unit, bool kForward, int kCap>
 __device__ __forceinline__ void reduce_range(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r) {
   const Unit* slot0 = slot_units<Unit>(a, a.rank, 0, epoch);
   const uint64_t per_slot = a.layout.slot_bytes / sizeof(Unit);
-  Unit* dst[kMaxRanks];
+  Unit* dst[kCap];
   if constexpr (kForward) {
 #pragma unroll
-    for (int s = 1; s < kMaxRanks; ++s) {
+    for (int s = 1; s < kCap; ++s) {
       if (s < a.world) dst[s] = slot_units<Unit>(a, (a.rank + s) % a.world, a.rank, epoch);
     }
   }
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    const Unit v = reduce_unit<T, Unit>(own, slot0, per_slot, i, a.rank, a.world);
+    const Unit v = reduce_unit<T, Unit, kCap>(own, slot0, per_slot, i, a.rank, a.world);
     out[i] = v;
     if constexpr (kForward) {
 #pragma unroll
-      for (int s = 1; s < kMaxRanks; ++s) {
+      for (int s = 1; s < kCap; ++s) {
         if (s < a.world) dst[s][i] = v;
       }
     }

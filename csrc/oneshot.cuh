@@ -19,7 +19,7 @@
 
 namespace pcie_ar {
 
-template <typename T, typename Unit, bool kStaged>
+template <typename T, typename Unit, bool kStaged, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const Epoch epoch = begin_call(a, &aborted);
@@ -44,16 +44,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_kernel(const __grid_
     }
   } else {
     if (!aborted) {
-      push_to_all_peers<Unit>(a, epoch, in, body);
-      push_to_all_peers<T>(a, epoch, in_t, tail);
+      push_to_all_peers<Unit, kCap>(a, epoch, in, body);
+      push_to_all_peers<T, kCap>(a, epoch, in_t, tail);
     }
     sent = __syncthreads_or(aborted) == 0;
     if (sent) signal_all_peers(a, 0, epoch);
   }
 
   if (sent && wait_all_peers(a, 0, epoch, Stage::kOneShotGather)) {
-    reduce_range<T, Unit, false>(a, epoch, in, static_cast<Unit*>(a.output), body);
-    reduce_range<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+    reduce_range<T, Unit, false, kCap>(a, epoch, in, static_cast<Unit*>(a.output), body);
+    reduce_range<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
     done = true;
   }
   if (!done) fill_output_with_nan<T>(a);

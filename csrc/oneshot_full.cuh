@@ -65,14 +65,15 @@ __device__ __forceinline__ bool await_full_header(const KernelArgs& a, int peer,
 }
 
 // Push our units [r) into our slot of every peer's workspace, before waiting for anything: the
-// data is on its way while the headers are (F2). kWorld == a.world (the kernel's instance).
+// data is on its way while the headers are (F2). kWorld: the kernel's instance (reduce.cuh).
 template <typename T, typename Unit, int kWorld>
 __device__ __forceinline__ void push_units(const KernelArgs& a, uint32_t parity, const Unit* in, Range r) {
+  const int world = world_of<kWorld>(a);
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     const Unit v = to_wire<T, Unit>(load_unit(in + i));
 #pragma unroll
-    for (int p = 0; p < kWorld; ++p) {
-      if (p != a.rank) full_slot<Unit>(a, p, parity, a.rank)[i] = v;
+    for (int p = 0; p < kRankLoop<kWorld>; ++p) {
+      if (p < world && p != a.rank) full_slot<Unit>(a, p, parity, a.rank)[i] = v;
     }
   }
 }
@@ -87,15 +88,16 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
   const uint64_t stride = a.layout.ll_capacity / sizeof(Unit);
   const auto from_peer = [&](int p) { return slots + p * stride; };
   const Unit poison = poison_unit<Unit>();
+  const int world = world_of<kWorld>(a);
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    Pack<T, Unit> got[kMaxRanks];
-    if (!gather_unit<T, Unit>(a, kWorld, from_peer, in, i, epoch, Stage::kFullGather, spins, started, got)) return false;
-    out[i] = sum_in_rank_order<T, Unit>(got, kWorld);  // in place: this unit's input was read above (F3)
+    Pack<T, Unit> got[kRankLoop<kWorld>];
+    if (!gather_unit<T, Unit>(a, world, from_peer, in, i, epoch, Stage::kFullGather, spins, started, got)) return false;
+    out[i] = sum_in_rank_order(got, world);  // in place: this unit's input was read above (F3)
 #pragma unroll
-    for (int p = 0; p < kWorld; ++p) {
-      if (p != a.rank) from_peer(p)[i] = poison;
+    for (int p = 0; p < kRankLoop<kWorld>; ++p) {
+      if (p < world && p != a.rank) from_peer(p)[i] = poison;
     }
   }
   return true;
@@ -114,7 +116,7 @@ __device__ __forceinline__ void full_payload_call(const KernelArgs& a, Exchange 
 }
 
 // kWorld: the world size as a constant (== a.world; the launch picks the instance), as for
-// oneshot_ll: every loop over peers unrolls to exactly W copies.
+// oneshot_ll: every loop over peers unrolls to exactly W copies; kAnyWorld above kSmallWorld.
 template <typename T, typename Unit, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
   full_payload_call<T>(a, [&](Epoch epoch) {

@@ -76,19 +76,20 @@ __device__ __forceinline__ void store_payload(void* base, uint64_t unit, uint64_
 // got[peer]. False (error recorded, or another thread's) on mismatch, timeout or abort.
 template <int kWorld>
 __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* lines0, uint64_t stride, uint64_t i,
-                                             uint32_t flag, Epoch epoch, uint2 (&got)[kMaxRanks]) {
-  uint32_t pending = ((1u << kWorld) - 1u) & ~(1u << a.rank);
+                                             uint32_t flag, Epoch epoch, uint2 (&got)[kRankLoop<kWorld>]) {
+  constexpr int kLoop = kRankLoop<kWorld>;
+  uint32_t pending = ((1u << world_of<kWorld>(a)) - 1u) & ~(1u << a.rank);
   uint64_t started = 0;
   for (uint32_t spins = 0;; ++spins) {
     // Issue every pending peer's load before testing any: tested one by one, each test waits for
     // its load, so a spin cost W - 1 dependent round trips instead of one.
-    uint4 v[kMaxRanks];
+    uint4 v[kLoop];
 #pragma unroll
-    for (int r = 0; r < kWorld; ++r) {
+    for (int r = 0; r < kLoop; ++r) {
       v[r] = (pending & (1u << r)) ? load_line(lines0 + static_cast<uint64_t>(r) * stride + i) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
-    for (int r = 0; r < kWorld; ++r) {
+    for (int r = 0; r < kLoop; ++r) {
       if (pending & (1u << r)) {
         if (v[r].y == flag && v[r].w == flag) {
           got[r] = make_uint2(v[r].x, v[r].z);
@@ -111,7 +112,8 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
 
 // kWorld: the world size as a constant (== a.world; the launch picks the instance), so every loop
 // over peers is unrolled to exactly W - 1 copies instead of kMaxRanks predicated ones: each thread
-// runs its call once, so the instructions it issues are its latency.
+// runs its call once, so the instructions it issues are its latency. kAnyWorld (reduce.cuh): the
+// instance for worlds above kSmallWorld.
 template <typename T, bool kAligned, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
@@ -121,32 +123,40 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __gr
   // A thread that saw the abort flag (begin_call) moves nothing and fails its block below.
   const Range mine = aborted ? Range{0, 0} : split(units, gridDim.x, blockIdx.x);
 
-  uint4* peer_lines[kMaxRanks];
+  constexpr int kLoop = kRankLoop<kWorld>;
+  const int world = world_of<kWorld>(a);
+  uint4* peer_lines[kLoop];
 #pragma unroll
-  for (int s = 1; s < kWorld; ++s) peer_lines[s] = line_slot(a, kWorld, (a.rank + s) % kWorld, a.rank, epoch);
+  for (int s = 1; s < kLoop; ++s) {
+    if (s < world) peer_lines[s] = line_slot(a, world, (a.rank + s) % world, a.rank, epoch);
+  }
   for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
     const uint2 payload = load_payload<T, kAligned>(a.input, i, a.nbytes);
 #pragma unroll
-    for (int s = 1; s < kWorld; ++s) store_line(peer_lines[s] + i, payload, flag);
+    for (int s = 1; s < kLoop; ++s) {
+      if (s < world) store_line(peer_lines[s] + i, payload, flag);
+    }
   }
 
-  uint4* lines0 = line_slot(a, kWorld, a.rank, 0, epoch);
+  uint4* lines0 = line_slot(a, world, a.rank, 0, epoch);
   const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
   bool gathered = !aborted;
   for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
-    uint2 got[kMaxRanks];
+    uint2 got[kLoop];
     if (!gather_lines<kWorld>(a, lines0, stride, i, flag, epoch, got)) {
       gathered = false;
       break;
     }
     const uint2 own = load_payload<T, kAligned>(a.input, i, a.nbytes);
-    Pack<T, uint2> in[kMaxRanks];
+    Pack<T, uint2> in[kLoop];
 #pragma unroll
-    for (int r = 0; r < kWorld; ++r) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
-    store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order<T, uint2>(in, kWorld));
+    for (int r = 0; r < kLoop; ++r) {
+      if (r < world) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
+    }
+    store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order(in, world));
 #pragma unroll
-    for (int r = 0; r < kWorld; ++r) {
-      if (r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
+    for (int r = 0; r < kLoop; ++r) {
+      if (r < world && r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
     }
   }
   // A thread that gave up, or saw the abort flag, fails its whole block.

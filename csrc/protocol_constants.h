@@ -17,7 +17,12 @@
 namespace pcie_ar {
 
 constexpr int kMinRanks = 2;
-constexpr int kMaxRanks = 8;
+constexpr int kMaxRanks = 16;
+// Kernels hold one register (or a pack of them) per rank in arrays of a capacity fixed at compile
+// time. Worlds up to kSmallWorld run instances of capacity kSmallWorld, so the sizes most boxes
+// have (2-8 GPUs) keep the registers and instructions they had before the protocol grew to
+// kMaxRanks; larger worlds run instances of capacity kMaxRanks.
+constexpr int kSmallWorld = 8;
 constexpr int kMaxFlagBlocks = 128;  // flag slots per (kind, sender); CUDA kernels use <= kMaxLaunchBlocks
 constexpr int kMaxLaunchBlocks = 64;
 constexpr int kThreadsPerBlock = 512;

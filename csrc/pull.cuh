@@ -45,19 +45,19 @@ __device__ __forceinline__ Unit* own_slot(const KernelArgs& a, int owner, Epoch 
 
 // out[r] = the rank-order sum of every rank's staged input (ours from `own`, the peers' read from
 // their workspaces); with `publish`, also over our own slot's range (twoshot_pull's shard, P3).
-template <typename T, typename Unit, bool kPublish>
+template <typename T, typename Unit, bool kPublish, int kCap>
 __device__ __forceinline__ void reduce_pulled(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r) {
-  const Unit* src[kMaxRanks];
+  const Unit* src[kCap];
 #pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) src[q] = q < a.world ? own_slot<Unit>(a, q, epoch) : nullptr;
+  for (int q = 0; q < kCap; ++q) src[q] = q < a.world ? own_slot<Unit>(a, q, epoch) : nullptr;
   Unit* mine = own_slot<Unit>(a, a.rank, epoch);
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    Pack<T, Unit> in[kMaxRanks];
+    Pack<T, Unit> in[kCap];
 #pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
+    for (int q = 0; q < kCap; ++q) {
       if (q < a.world) in[q].unit = q == a.rank ? load_unit(own + i) : load_remote(src[q] + i);
     }
-    const Unit v = sum_in_rank_order<T, Unit>(in, a.world);
+    const Unit v = sum_in_rank_order(in, a.world);
     out[i] = v;
     if constexpr (kPublish) mine[i] = v;
   }
@@ -70,7 +70,7 @@ __device__ __forceinline__ void copy_pulled(const KernelArgs& a, int peer, Epoch
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) out[i] = load_remote(src + i);
 }
 
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_pull_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const Epoch epoch = begin_call(a, &aborted);
@@ -87,8 +87,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_pull_kernel(const __
   if (__syncthreads_or(aborted) == 0) {
     signal_all_peers(a, 0, epoch);
     if (wait_all_peers(a, 0, epoch, Stage::kPullGather)) {
-      reduce_pulled<T, Unit, false>(a, epoch, in, static_cast<Unit*>(a.output), body);
-      reduce_pulled<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+      reduce_pulled<T, Unit, false, kCap>(a, epoch, in, static_cast<Unit*>(a.output), body);
+      reduce_pulled<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
       done = true;
     }
   }
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_pull_kernel(const __
   end_call(a, epoch);
 }
 
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_pull_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const Epoch epoch = begin_call(a, &aborted);
@@ -115,11 +115,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_pull_kernel(const __
   if (__syncthreads_or(aborted) == 0) {
     signal_all_peers(a, 0, epoch);
     if (wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) {
-      reduce_pulled<T, Unit, true>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
+      reduce_pulled<T, Unit, true, kCap>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
       __syncthreads();
       signal_all_peers(a, 1, epoch);
       // Every rank reduces the tail itself (read from every peer's slot, which still holds it).
-      reduce_pulled<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+      reduce_pulled<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
       if (wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) {
         for (int s = 1; s < a.world; ++s) {
           const int peer = (a.rank + s) % a.world;

@@ -59,15 +59,27 @@ __device__ __forceinline__ Unit load_pushed(const Unit* p) {
   return load_bits(p, [](const auto* q) { return __ldcg(q); });
 }
 
+// The kernels instanced per world size (oneshot_ll.cuh, oneshot_full.cuh): kWorld in
+// [kMinRanks, kSmallWorld] is the world as a constant, so every loop over peers unrolls to exactly
+// kWorld copies; kAnyWorld serves the larger worlds from a.world, its loops kMaxRanks predicated
+// copies.
+constexpr int kAnyWorld = 0;
+template <int kWorld>
+constexpr int kRankLoop = kWorld == kAnyWorld ? kMaxRanks : kWorld;
+template <int kWorld>
+__device__ __forceinline__ int world_of(const KernelArgs& a) {
+  return kWorld == kAnyWorld ? a.world : kWorld;
+}
+
 // THE formula: fp32 sum in rank order 0..W-1, rounded once. Every path ends here.
-template <typename T, typename Unit>
-__device__ __forceinline__ Unit sum_in_rank_order(const Pack<T, Unit> (&in)[kMaxRanks], int world) {
+template <typename T, typename Unit, int kCap>
+__device__ __forceinline__ Unit sum_in_rank_order(const Pack<T, Unit> (&in)[kCap], int world) {
   Pack<T, Unit> out;
 #pragma unroll
   for (int k = 0; k < Pack<T, Unit>::kElems; ++k) {
     float acc = to_float(in[0].elems[k]);
 #pragma unroll
-    for (int r = 1; r < kMaxRanks; ++r) {
+    for (int r = 1; r < kCap; ++r) {
       if (r < world) acc += to_float(in[r].elems[k]);
     }
     out.elems[k] = from_float<T>(acc);
@@ -76,17 +88,18 @@ __device__ __forceinline__ Unit sum_in_rank_order(const Pack<T, Unit> (&in)[kMax
 }
 
 // Reduce unit `i` across ranks: our own contribution comes from `own`, every other rank's from
-// its slot in our workspace (`slot0 + r * slot_units`).
-template <typename T, typename Unit>
+// its slot in our workspace (`slot0 + r * slot_units`). kCap: the rank capacity of the kernel's
+// instance (kSmallWorld or kMaxRanks, protocol_constants.h), at least `world`.
+template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ Unit reduce_unit(const Unit* own, const Unit* slot0, uint64_t slot_units, uint64_t i,
                                             int rank, int world) {
   // All loads first (independent, predicated), then the adds in rank order: W loads in flight at once.
-  Pack<T, Unit> in[kMaxRanks];
+  Pack<T, Unit> in[kCap];
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
+  for (int r = 0; r < kCap; ++r) {
     if (r < world) in[r].unit = (r == rank) ? load_unit(own + i) : load_pushed(slot0 + static_cast<uint64_t>(r) * slot_units + i);
   }
-  return sum_in_rank_order<T, Unit>(in, world);
+  return sum_in_rank_order(in, world);
 }
 
 // A call that gives up (timeout, mismatch, abort) leaves NaN in its whole output: never the

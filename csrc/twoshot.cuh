@@ -31,7 +31,7 @@ namespace pcie_ar {
 
 // Plain: the reduce-scatter's pushes one after another, one flag to every peer after them all,
 // and the all-gather from the reduction itself (one load, W-1 posted writes).
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, bool aborted) {
   const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
   const Unit* in = static_cast<const Unit*>(a.input);
@@ -43,7 +43,7 @@ __device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, 
       const int owner = (a.rank + s) % a.world;
       push_to_peer<Unit>(a, owner, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
     }
-    push_to_all_peers<T>(a, epoch, in_t, tail);
+    push_to_all_peers<T, kCap>(a, epoch, in_t, tail);
   }
   // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
   // flag (begin_call): no flag goes out unless every thread pushed its share.
@@ -51,8 +51,8 @@ __device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, 
     signal_all_peers(a, 0, epoch);
 
     if (wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) {
-      reduce_range<T, Unit, true>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
-      reduce_range<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+      reduce_range<T, Unit, true, kCap>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
+      reduce_range<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
       __syncthreads();
       signal_all_peers(a, 1, epoch);
 
@@ -70,7 +70,7 @@ __device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, 
 
 // Staged: both exchanges one peer at a time, each flagged as soon as its part has been written
 // (the tail goes with every peer's part of the reduce-scatter, as in the plain form's step 1).
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ bool twoshot_staged(const KernelArgs& a, Epoch epoch, bool aborted) {
   const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
   const Range mine = shard_part<Unit>(a.nbytes, a.world, a.rank);
@@ -89,8 +89,8 @@ __device__ __forceinline__ bool twoshot_staged(const KernelArgs& a, Epoch epoch,
     if (sent && threadIdx.x == 0) signal_peer(a, owner, 0, epoch);
   }
   if (!sent || !wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) return false;
-  reduce_range<T, Unit, false>(a, epoch, in, out, mine);
-  reduce_range<T, T, false>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+  reduce_range<T, Unit, false, kCap>(a, epoch, in, out, mine);
+  reduce_range<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
   for (int s = 1; s < a.world; ++s) {  // the same threads read `out` as wrote it
     const int peer = (a.rank + s) % a.world;
     push_to_peer<Unit>(a, peer, epoch, out, mine);
@@ -105,11 +105,11 @@ __device__ __forceinline__ bool twoshot_staged(const KernelArgs& a, Epoch epoch,
   return true;
 }
 
-template <typename T, typename Unit, bool kStaged>
+template <typename T, typename Unit, bool kStaged, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
   bool aborted;
   const Epoch epoch = begin_call(a, &aborted);
-  const bool done = kStaged ? twoshot_staged<T, Unit>(a, epoch, aborted) : twoshot_plain<T, Unit>(a, epoch, aborted);
+  const bool done = kStaged ? twoshot_staged<T, Unit, kCap>(a, epoch, aborted) : twoshot_plain<T, Unit, kCap>(a, epoch, aborted);
   if (!done) fill_output_with_nan<T>(a);
   end_call(a, epoch);
 }

@@ -72,7 +72,7 @@ __device__ __forceinline__ void push_shards(const KernelArgs& a, uint32_t parity
 // Our shard: every rank's part, polled in our inboxes (ours from our input as it travels), summed
 // in rank order; the sum as it travels into our output and every peer's all-gather inbox; the
 // inboxes re-poisoned (F1). False (this thread) on timeout or abort.
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t parity, Epoch epoch, const Unit* in,
                                                  Unit* out, bool tail) {
   const Range r = full_shard_units<T, Unit>(a, a.rank, tail);
@@ -87,11 +87,11 @@ __device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t p
   uint64_t started = 0;
   uint32_t spins = 0;
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    Pack<T, Unit> got[kMaxRanks];
-    if (!gather_unit<T, Unit>(a, a.world, from, in, i, epoch, Stage::kFullReduceScatter, spins, started, got)) return false;
-    const Unit sum = to_wire<T, Unit>(sum_in_rank_order<T, Unit>(got, a.world));
+    Pack<T, Unit> got[kCap];
+    if (!gather_unit<T, Unit, kCap>(a, a.world, from, in, i, epoch, Stage::kFullReduceScatter, spins, started, got)) return false;
+    const Unit sum = to_wire<T, Unit>(sum_in_rank_order(got, a.world));
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
+    for (int p = 0; p < kCap; ++p) {
       if (p < a.world && p != a.rank) {
         to(p)[i] = sum;
         from(p)[i] = poison;
@@ -123,7 +123,7 @@ __device__ __forceinline__ bool gather_shards(const KernelArgs& a, uint32_t pari
   return true;
 }
 
-template <typename T, typename Unit>
+template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) twoshot_full_kernel(const __grid_constant__ KernelArgs a) {
   full_payload_call<T>(a, [&](Epoch epoch) {
     const uint32_t parity = parity_of(epoch);
@@ -136,8 +136,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) twoshot_full_kernel(const
     push_shards<T, Unit>(a, parity, in, false);
     push_shards<T, T>(a, parity, in_t, true);
     bool ok = await_full_header(a, peer, parity, epoch, Stage::kFullReduceScatter);
-    ok = ok && reduce_own_shard<T, Unit>(a, parity, epoch, in, out, false);
-    ok = ok && reduce_own_shard<T, T>(a, parity, epoch, in_t, out_t, true);
+    ok = ok && reduce_own_shard<T, Unit, kCap>(a, parity, epoch, in, out, false);
+    ok = ok && reduce_own_shard<T, T, kCap>(a, parity, epoch, in_t, out_t, true);
     ok = ok && gather_shards<T, Unit>(a, parity, epoch, out, false);
     ok = ok && gather_shards<T, T>(a, parity, epoch, out_t, true);
     return ok;

@@ -18,7 +18,8 @@ from pcie_allreduce import _ext
 #: The values of csrc/protocol_constants.h, by the name ``pcie_allreduce._C`` exports them under.
 MIRROR: dict[str, Any] = {
     "MIN_RANKS": 2,
-    "MAX_RANKS": 8,
+    "MAX_RANKS": 16,
+    "SMALL_WORLD": 8,          # worlds up to this run the kernel instances of 8-rank capacity
     "MAX_MESSAGE_BYTES": 256 << 20,  # largest max_bytes of a communicator
     "MAX_TIMEOUT_S": 24 * 3600,      # longest kernel wait a communicator takes
     "MAX_LAUNCH_BLOCKS": 64,   # CUDA blocks (or Triton programs) of one call
@@ -44,7 +45,7 @@ MIRROR: dict[str, Any] = {
     "SHARED_AREAS": 2,          # ... two areas (what a rank sends, its reduced shard), ...
     "SHARED_HEADER_BYTES": 3072,  # ... after one header word per (buffer, block)
     "POISON_WORD": 0x80008000,  # an unwritten word of those buffers (and of the full-payload slots)
-    "FULL_HEADER_BYTES": 16384,  # the full-payload one-shot's header words, before its slots
+    "FULL_HEADER_BYTES": 32768,  # the full-payload one-shot's header words, before its slots
     "FULL_TWOSHOT_MARGIN": 16,  # the full-payload two-shot takes messages up to ll_capacity less this
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
     "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5,
@@ -81,6 +82,7 @@ _VALUES = _values()
 
 MIN_RANKS: int = _VALUES["MIN_RANKS"]
 MAX_RANKS: int = _VALUES["MAX_RANKS"]
+SMALL_WORLD: int = _VALUES["SMALL_WORLD"]
 MAX_MESSAGE_BYTES: int = _VALUES["MAX_MESSAGE_BYTES"]
 MAX_TIMEOUT_S: int = _VALUES["MAX_TIMEOUT_S"]
 MAX_LAUNCH_BLOCKS: int = _VALUES["MAX_LAUNCH_BLOCKS"]
