@@ -30,7 +30,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS
+from pcie_allreduce.constants import (ALGO_IDS, DTYPE_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS,
+                                      SMALL_WORLD)
 
 ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
 # The pull forms (csrc/pull.cuh): peers read each rank's staged input out of its own workspace,
@@ -51,6 +52,18 @@ HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot", "host_twoshot")
 FUSED_KERNELS: tuple[str, ...] = ("oneshot", "twoshot", *DATA_AS_FLAG_ONESHOTS)
 UNFUSED = "unfused"
 FUSED_ALGORITHMS: tuple[str, ...] = (*FUSED_KERNELS, UNFUSED)
+# The fused kernels take one base address per rank as separate arguments, SMALL_WORLD of them;
+# larger worlds run every fused call unfused (the one-shots' (W - 1) x message per rank makes the
+# pair the better choice there anyway, and the pair keeps the whole results contract).
+FUSED_MAX_WORLD: int = SMALL_WORLD
+
+
+def fused_problem(algo: str, world: int) -> str | None:
+    """Why the fused all-reduce + RMSNorm cannot run ``algo`` on ``world`` ranks, or None."""
+    if algo in FUSED_KERNELS and world > FUSED_MAX_WORLD:
+        return (f"the fused kernel {algo!r} serves world sizes up to {FUSED_MAX_WORLD}, this communicator has "
+                f"{world} ranks; use algo='auto' or {UNFUSED!r} (the all-reduce, then one add + RMSNorm kernel)")
+    return None
 
 
 # Algorithms for ranks in two or more islands of one size, each a run of consecutive ranks
@@ -291,7 +304,9 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
       one-shot, 10.6 against 11.1; 128: the token-split two-shot, 24.7 against 32.9).
     - W >= 5: the pair up to 64 tokens (W = 8, 32 tokens: 29.5 against 32.2 for the best fused
       kernel), then the kernel the plain table's size gives (128 tokens: the token-split
-      two-shot, 48.6 against 62.5)."""
+      two-shot, 48.6 against 62.5).
+    - W > 8 (``FUSED_MAX_WORLD``): every call runs unfused, whatever the rules say (the fused
+      kernels serve up to 8 ranks)."""
     return (
         FusedRule("kernel", max_tokens=8, world=(2, 3, 4)),
         FusedRule("oneshot", world=(2,)),
@@ -514,6 +529,9 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
             Rule("host_oneshot", max_bytes=24 << 10, world=(5, 6), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_oneshot", max_bytes=16 << 10, world=(7, 8), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_twoshot", max_bytes=128 << 10, world=(5, 6, 7, 8), bytes_per_block=32 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=8 << 10, world=(9, 10, 11, 12), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_oneshot", max_bytes=4 << 10, world=(13, 14, 15, 16), bytes_per_block=8 << 10, max_blocks=32),
+            Rule("host_twoshot", max_bytes=128 << 10, world=_WIDE_WORLDS, bytes_per_block=32 << 10, max_blocks=32),
             Rule("twoshot_pull", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
         ))
     if islands > 1:
@@ -558,6 +576,7 @@ def island_fabric_table() -> AlgoTable:
 
 _SMALL_WORLDS = (2, 3, 4)
 _LARGE_WORLDS = (5, 6, 7, 8)
+_WIDE_WORLDS = tuple(range(SMALL_WORLD + 1, MAX_RANKS + 1))  # 9..16
 # The built-in P2P rules of a single-island group (default_table's docstring says why).
 _FLAT_P2P_RULES: tuple[Rule, ...] = (
     Rule("oneshot_ll", max_bytes=4 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
@@ -565,6 +584,7 @@ _FLAT_P2P_RULES: tuple[Rule, ...] = (
     Rule("oneshot_full", max_bytes=192 << 10, world=_LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=1 << 20, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=512 << 10, world=_LARGE_WORLDS, bytes_per_block=2 << 10, max_blocks=16),
+    Rule("oneshot_full", max_bytes=16 << 10, world=_WIDE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
 )
 

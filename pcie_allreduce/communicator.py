@@ -252,7 +252,7 @@ class Communicator:
         if self._closed:
             raise RuntimeError(self._closed_reason)
         tokens, hidden = validation.fused_call(x, residual, weight, eps, out, residual_out, algo, device=self.device,
-                                               max_bytes=self.max_bytes)
+                                               max_bytes=self.max_bytes, world=self.world_size)
         normed = torch.empty_like(x) if out is None else out
         new_residual = torch.empty_like(residual) if residual_out is None else residual_out
         if x.numel() == 0:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS, UNFUSED, AlgoTable, Choice, capacity_of, fits_capacity
+from pcie_allreduce.algo import (DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, UNFUSED, AlgoTable, Choice, capacity_of,
+                                 fits_capacity)
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
 #: torch dtype -> the kernels' dtype id (``constants.DTYPE_IDS`` is keyed by name).
@@ -54,7 +55,10 @@ def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     table's fused rules (``AlgoTable.fused``) say whether a fused kernel beats the plain all-reduce
     followed by the one add + RMSNorm kernel (``"unfused"``) at this token count and W; "kernel"
     means :func:`fused_kernel`'s choice, and a named kernel that cannot take the shape runs
-    unfused. Never raises for a valid call: every shape has the unfused pair."""
+    unfused, as does every call above ``FUSED_MAX_WORLD`` ranks (the fused kernels' limit).
+    Never raises for a valid call: every shape has the unfused pair."""
+    if world > FUSED_MAX_WORLD:
+        return UNFUSED
     choice = table.select_fused(tokens, world)
     if choice == UNFUSED:
         return UNFUSED

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce import constants
-from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS
+from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS, SMALL_WORLD
 from pcie_allreduce.layout import Layout, WorkspaceView
 from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call, compile_and_load,
                                             end_call, wait_for_previous_kernel,
@@ -495,7 +495,7 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
         return
     programs, chunks, width, block_w, num_warps = shape
     bases = view.padded_bases()
-    assert len(bases) == MAX_RANKS
+    assert len(bases) == SMALL_WORLD
     args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
             view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks, full),
             view.timeout_ns, *_slots(view.layout, full), view.local_offset(view.layout.control_offset),

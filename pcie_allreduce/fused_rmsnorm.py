@@ -39,7 +39,7 @@ import triton.language as tl
 from pcie_allreduce import constants, fused_oneshot_ll
 from pcie_allreduce.add_rmsnorm import TRITON_DTYPES, finish_row, is_aligned, typed_pointer
 from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
-from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_RANKS
+from pcie_allreduce.constants import MAX_FLAG_BLOCKS, SMALL_WORLD
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.triton_protocol import (allow_dependent_launch, begin_call, block_any, compile_and_load, end_call,
@@ -401,7 +401,7 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
         raise ValueError(f"fused all-reduce needs {programs} programs, more than the {MAX_FLAG_BLOCKS} flag slots")
     kernel = _fused_oneshot_kernel if algo == "oneshot" else _fused_twoshot_kernel
     bases = view.padded_bases()
-    assert len(bases) == MAX_RANKS
+    assert len(bases) == SMALL_WORLD
     tensors = (x, residual, weight, normed, residual_out)
     args = (*(t.data_ptr() for t in tensors), *bases, view.bases[view.rank], view.error_ptr,
             view.rank, tokens, rows, float(eps), signature(algo, x.dtype, tokens, hidden, programs), view.timeout_ns,

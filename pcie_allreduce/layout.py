@@ -13,7 +13,8 @@ from typing import Any
 
 from pcie_allreduce.constants import (ALIGN, CONTROL_WORDS, FLAG_ROWS, LINE_BYTES, LINE_PAYLOAD_BYTES,
                                       LOW_LATENCY_MAX_BYTES, MAX_FLAG_BLOCKS, MAX_RANKS, ROW_STATS_SLOTS,
-                                      FULL_HEADER_BYTES, SHARED_AREAS, SHARED_BUFFERS, SHARED_HEADER_BYTES)
+                                      FULL_HEADER_BYTES, SHARED_AREAS, SHARED_BUFFERS, SHARED_HEADER_BYTES,
+                                      SMALL_WORLD)
 # The word indices of the control and error records, next to the offsets they index from (the
 # interpreter tests' fake workspace reads them here); defined in pcie_allreduce.constants.
 from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_COPIES, ERROR_WORDS  # noqa: F401
@@ -95,5 +96,8 @@ class WorkspaceView:
         return (base if self.local_base is None else self.local_base) + offset - base
 
     def padded_bases(self) -> tuple[int, ...]:
-        """The bases padded to MAX_RANKS (unused entries 0), as the kernels take them."""
-        return self.bases + (0,) * (MAX_RANKS - len(self.bases))
+        """The bases padded to SMALL_WORLD (unused entries 0), as the fused kernels take them:
+        they serve worlds up to SMALL_WORLD (larger ones run the fused op unfused)."""
+        if len(self.bases) > SMALL_WORLD:
+            raise ValueError(f"the fused kernels serve world sizes up to {SMALL_WORLD}, not {len(self.bases)}")
+        return self.bases + (0,) * (SMALL_WORLD - len(self.bases))

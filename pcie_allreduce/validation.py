@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pcie_allreduce.algo import ALGORITHMS, FUSED_ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, FUSED_ALGORITHMS, fused_problem
 from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 #: The dtypes the kernels take (those with a kernel dtype id), in id order.
@@ -149,16 +149,19 @@ def validate_rmsnorm_args(x: object, residual: object, weight: object, eps: obje
 
 
 def fused_call(x: object, residual: object, weight: object, eps: object, out: object, residual_out: object,
-               algo: object, *, device: torch.device, max_bytes: int) -> tuple[int, int]:
-    """The one check of an ``all_reduce_rmsnorm`` call: every tensor, both outputs against their
-    inputs, every pair of arguments for shared memory, the algorithm name; returns ``(tokens,
-    hidden)``, what dispatch needs."""
+               algo: object, *, device: torch.device, max_bytes: int, world: int) -> tuple[int, int]:
+    """The one check of an ``all_reduce_rmsnorm`` call on ``world`` ranks: every tensor, both
+    outputs against their inputs, every pair of arguments for shared memory, the algorithm name
+    (and that it serves ``world``); returns ``(tokens, hidden)``, what dispatch needs."""
     validate_rmsnorm_args(x, residual, weight, eps, device=device, max_bytes=max_bytes)
     assert isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
     validate_out(x, out, name="out")
     validate_out(residual, residual_out, name="residual_out")
     if algo != "auto" and algo not in FUSED_ALGORITHMS:
         raise ValueError(f"unknown fused algo {algo!r}; expected 'auto' or one of {FUSED_ALGORITHMS}")
+    problem = None if algo == "auto" else fused_problem(algo, world)  # type: ignore[arg-type]
+    if problem is not None:
+        raise ValueError(problem)
     validate_rmsnorm_aliasing(x, residual, weight, out, residual_out)  # type: ignore[arg-type]
     return x.shape[0], x.shape[1]
 

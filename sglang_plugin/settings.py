@@ -45,7 +45,7 @@ DOCS: dict[str, tuple[str, str]] = {
                    + " (" + " | ".join(HOST_ONLY_ALGORITHMS) + " on the host transport; "
                    + " | ".join(ISLAND_ALGORITHMS) + " where the ranks form equal islands)"),
     MODE: ("pcie", "pcie: serve only GPUs without full NVLink (leave NVLink to SGLang's own kernels); "
-                   "always: serve every single-node tp group of 2-8 GPUs"),
+                   "always: serve every single-node tp group of 2-16 GPUs"),
     FUSED: ("1", "0 keeps SGLang's unfused all-reduce + add + RMSNorm on GPUs where its FlashInfer fusion "
                  "is unavailable"),
     TIMEOUT_S: ("300", "seconds a kernel waits for a peer before failing loudly instead of hanging (the "

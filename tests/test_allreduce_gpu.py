@@ -16,6 +16,7 @@ import torch
 
 import pcie_allreduce
 from pcie_allreduce import algo as algo_mod, ranks
+from pcie_allreduce.constants import SMALL_WORLD
 from pcie_allreduce.errors import CollectiveMismatch, CollectiveTimeout
 from tests import _reference as ref
 
@@ -26,6 +27,8 @@ WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split
 # Both transports run the same kernels over different memory (device memory through CUDA IPC, or
 # pinned host memory in /dev/shm): the matrix and graph tests run on each.
 TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
+# Worlds above SMALL_WORLD run the kernels' 16-rank-capacity instances: the failure tests cover them too.
+WIDE_WORLDS = [w for w in WORLDS if w > SMALL_WORLD]
 MAX_BYTES = 2 << 20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The algorithms of every transport and fabric; the host transport adds its own (HOST_ALGOS). The
@@ -380,7 +383,7 @@ def _skip_one_call(ctx: ranks.RankContext, skipper: int, algo: str = "auto", num
     return {"raised": raised, "elapsed": elapsed, "all_nan": all_nan}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, *WIDE_WORLDS])
 def test_rank_that_skips_a_call_makes_the_others_raise(world: int) -> None:
     skipper = world - 1
     results = ranks.run_ranks(_skip_one_call, world, skipper, timeout_s=300)
@@ -433,15 +436,21 @@ GIVE_UP_DTYPES = {"oneshot": torch.float32, "twoshot": torch.bfloat16, "oneshot_
                   "twoshot_pull": torch.bfloat16, "twoshot_staged": torch.float32}
 
 
+@pytest.mark.parametrize("world", [2, *WIDE_WORLDS])
 @pytest.mark.parametrize("algo", sorted(GIVE_UP_DTYPES))
-def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str) -> None:
+def test_a_replay_that_gives_up_leaves_nan_and_raises(algo: str, world: int) -> None:
     dtype = GIVE_UP_DTYPES[algo]
-    results = ranks.run_ranks(_replay_with_a_missing_rank, 2, algo, dtype, timeout_s=300)
+    results = ranks.run_ranks(_replay_with_a_missing_rank, world, algo, dtype, timeout_s=300)
+    late = world - 1
     for rank, r in enumerate(results):
         if r["late"]:
             continue
-        assert r["raised"] == 1, f"rank {rank}: check() after the failed replay did not raise: {r}"
+        # Each rank names the peer it stopped waiting for: the late rank, or (in a two-exchange
+        # algorithm) a peer that gave up on it first and so never sent its second exchange.
+        assert r["raised"] is not None and r["raised"] != rank and 0 <= r["raised"] < world, (
+            f"rank {rank}: check() after the failed replay did not raise naming a peer: {r}")
         assert r["all_nan"] == [True, True], f"rank {rank}: a call that gave up left data in its output: {r}"
+    assert any(r["raised"] == late for r in results if not r["late"]), results
 
 
 def _failure_of(comm: pcie_allreduce.Communicator, call) -> tuple | None:

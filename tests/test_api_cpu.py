@@ -10,6 +10,7 @@ import torch
 import pcie_allreduce
 from pcie_allreduce import algo, validation
 from pcie_allreduce.algo import AlgoTable, Rule
+from pcie_allreduce.constants import MAX_RANKS
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -231,7 +232,7 @@ def test_communicator_choices_are_the_dispatch_choices(monkeypatch) -> None:
 
 def test_default_table_is_total_and_pure() -> None:
     table = algo.default_table()
-    for world in range(2, 9):
+    for world in range(2, MAX_RANKS + 1):
         for nbytes in (1, 2, 16, 14 << 10, 56 << 10, 448 << 10, 4 << 20, 64 << 20):
             for dtype in ("bfloat16", "float16", "float32"):
                 a = table.select(nbytes, world, dtype)
@@ -312,9 +313,9 @@ _CATCH_ALL = {"algo": "twoshot"}
     ({"algo": "oneshot", "world": True}, "rule 0: world must be"),
     ({"algo": "oneshot", "world": {"2": 1}}, "rule 0: world must be"),
     ({"algo": "oneshot", "world": []}, "rule 0: world must be"),
-    ({"algo": "oneshot", "world": [2, 8.0]}, r"rule 0: world sizes must be integers in \[2, 8\], got 8.0"),
-    ({"algo": "oneshot", "world": [1]}, r"rule 0: world sizes must be integers in \[2, 8\], got 1"),
-    ({"algo": "oneshot", "world": 9}, "rule 0: world sizes must be integers"),
+    ({"algo": "oneshot", "world": [2, 8.0]}, r"rule 0: world sizes must be integers in \[2, 16\], got 8.0"),
+    ({"algo": "oneshot", "world": [1]}, r"rule 0: world sizes must be integers in \[2, 16\], got 1"),
+    ({"algo": "oneshot", "world": 17}, "rule 0: world sizes must be integers"),
     ({"algo": "oneshot", "max_bytes": "64K"}, "rule 0: max_bytes must be an integer"),
     ({"algo": "oneshot", "max_bytes": 65536.0}, "rule 0: max_bytes must be an integer"),
     ({"algo": "oneshot", "max_bytes": False}, "rule 0: max_bytes must be an integer"),
@@ -438,9 +439,18 @@ def test_one_validation_pass_per_call_checks_everything_dispatch_needs() -> None
         validation.plain_call(x, None, "auto", device=cpu, max_bytes=16)
     rows = torch.zeros(3, 64, dtype=torch.bfloat16)
     res, w = torch.zeros_like(rows), torch.ones(64, dtype=torch.bfloat16)
-    assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", device=cpu, max_bytes=big) == (3, 64)
-    assert validation.fused_call(rows, res, w, 1e-6, rows, res, "unfused", device=cpu, max_bytes=big) == (3, 64)
+    assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", device=cpu, max_bytes=big, world=2) == (3, 64)
+    assert validation.fused_call(rows, res, w, 1e-6, rows, res, "unfused", device=cpu, max_bytes=big, world=2) == (3, 64)
     with pytest.raises(ValueError, match="unknown fused algo"):
-        validation.fused_call(rows, res, w, 1e-6, None, None, "staged", device=cpu, max_bytes=big)
+        validation.fused_call(rows, res, w, 1e-6, None, None, "staged", device=cpu, max_bytes=big, world=2)
     with pytest.raises(ValueError, match="residual_out is x"):
-        validation.fused_call(rows, res, w, 1e-6, None, rows, "auto", device=cpu, max_bytes=big)
+        validation.fused_call(rows, res, w, 1e-6, None, rows, "auto", device=cpu, max_bytes=big, world=2)
+    # Above SMALL_WORLD ranks the fused op runs unfused; a fused kernel forced there is an error.
+    for world in (9, 16):
+        assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", device=cpu, max_bytes=big,
+                                     world=world) == (3, 64)
+        assert validation.fused_call(rows, res, w, 1e-6, None, None, "unfused", device=cpu, max_bytes=big,
+                                     world=world) == (3, 64)
+        for algo in ("oneshot", "twoshot", "oneshot_ll", "oneshot_full"):
+            with pytest.raises(ValueError, match=f"fused kernel '{algo}' serves world sizes up to 8, .* {world} ranks"):
+                validation.fused_call(rows, res, w, 1e-6, None, None, algo, device=cpu, max_bytes=big, world=world)

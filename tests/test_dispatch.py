@@ -7,7 +7,7 @@ import torch
 
 from pcie_allreduce import algo, dispatch, topology
 from pcie_allreduce.algo import AlgoTable, Choice, FusedRule, Rule, default_fused_rules, default_table
-from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
+from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS, MAX_RANKS, SMALL_WORLD
 
 KIB, MIB = 1 << 10, 1 << 20
 BF16 = torch.bfloat16
@@ -104,6 +104,10 @@ def test_fused_algo_follows_the_fused_rules() -> None:
     assert pick(3, 2, hidden=4095) == "unfused", "odd hidden: the named data-as-flag kernel has no shape"
     assert pick(9, 2) == "unfused"
     assert pick(1, 8) == "oneshot_ll"
+    # Above SMALL_WORLD ranks no fused kernel runs, whatever the rules say: the pair serves every call.
+    assert [pick(t, w) for w in range(SMALL_WORLD + 1, MAX_RANKS + 1) for t in (1, 3, 9)] == ["unfused"] * 24
+    assert dispatch.fused_algo(1, 4096, BF16, 16, AlgoTable(TABLE.rules, (FusedRule("oneshot"),)),
+                               ll_capacity=LL_CAP) == "unfused"
     assert dispatch.fused_algo(1, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
                                ll_capacity=LL_CAP) == "oneshot_ll"
     assert dispatch.fused_algo(2, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
@@ -169,12 +173,12 @@ def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
     assert host.select(4 << 20, 8, "bfloat16").algo == "twoshot_pull"
     # the two-shot's crossover falls with W: it reads 2(W-1)/W of the message, the one-shot W-1
     crossovers = [next(n for n in range(1 << 10, 1 << 30, 1 << 10) if "twoshot" in host.select(n, w, "bfloat16").algo)
-                  for w in range(3, 9)]
+                  for w in range(3, MAX_RANKS + 1)]
     assert crossovers == sorted(crossovers, reverse=True), crossovers
     assert host.select(14 << 10, 8, "bfloat16").algo == "host_oneshot"
     assert host.select(56 << 10, 8, "bfloat16").algo == "host_twoshot"
     # where bytes dominate, the pull forms (each byte written once, no re-poisoning)
-    for w in range(2, 9):
+    for w in range(2, MAX_RANKS + 1):
         assert host.select(1 << 30, w, "bfloat16").algo == "twoshot_pull"
         assert all(host.select(n, w, "bfloat16").algo in ("oneshot_pull", "twoshot_pull") for n in (129 << 10, 16 << 20))
         assert all(host.select(n, w, "bfloat16").algo in algo.HOST_ONLY_ALGORITHMS for n in (1, 2 << 10, 14 << 10))

@@ -52,11 +52,13 @@ def _poisoned(*like: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _algos(comm: pcie_allreduce.Communicator, tokens: int, hidden: int, dtype: torch.dtype) -> list[str]:
-    """Every fused kernel that can take this shape, the unfused pair, and auto."""
+    """Every fused kernel that can take this shape and W, the unfused pair, and auto (above
+    FUSED_MAX_WORLD ranks: the pair and auto)."""
     from pcie_allreduce import algo, dispatch
 
     algos = [a for a in algo.FUSED_ALGORITHMS
-             if dispatch.fused_kernel_fits(a, tokens, hidden, dtype, comm.world_size, ll_capacity=comm.ll_capacity,
+             if algo.fused_problem(a, comm.world_size) is None
+             and dispatch.fused_kernel_fits(a, tokens, hidden, dtype, comm.world_size, ll_capacity=comm.ll_capacity,
                                            block_cap=comm.block_cap)]
     return algos + ["auto"]
 

@@ -565,6 +565,26 @@ def test_eligibility_is_one_decision_for_all_ranks() -> None:
         assert mine.serve is serve and needle in mine.reason, (case, mine)
 
 
+@pytest.mark.parametrize("world, serve", [(8, True), (12, True), (16, True), (17, False), (32, False)])
+def test_eligibility_takes_tensor_parallel_groups_up_to_16_ranks(world: int, serve: bool, monkeypatch) -> None:
+    """TP up to MAX_RANKS (16) in one host is served; a larger group is declined by its size, before
+    any collective (every rank knows W). The group's collectives are stood in for: each rank's
+    facts as if gathered from ``world`` ranks on distinct GPUs of one host."""
+    from sglang_plugin import eligibility
+
+    def gather(out: list, obj, group=None) -> None:
+        for i in range(len(out)):
+            out[i] = {**obj, "physical_gpu": i} if isinstance(obj, dict) else obj
+
+    monkeypatch.setattr(eligibility.dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(eligibility.dist, "all_gather_object", gather)
+    decision = eligibility.decide(None, torch.device("cpu"), Settings(enabled=True, mode="pcie"),
+                                  facts_fn=lambda device: RankFacts(**FACT), nvlink_fn=lambda ids: False)
+    assert decision.serve is serve, decision
+    assert (f"{world} GPUs without full NVLink" if serve else f"the group has {world} ranks; pcie_allreduce serves "
+            "2 to 16") in decision.reason
+
+
 def test_eligibility_group_name() -> None:
     from sglang_plugin.eligibility import group_name
 

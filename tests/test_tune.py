@@ -39,10 +39,10 @@ def test_tune_options() -> None:
                         "--dtype", "float16", "--iters", "7"])
     assert job.sizes == (14336, 57344) and job.blocks == (2, 8) and job.algos == ("oneshot",)
     assert args.world == [4] and job.dtype == "float16" and job.iters == 7
-    assert tune.default_worlds(1) == (2, 4, 8) and tune.default_worlds(4) == (4,) and tune.default_worlds(16) == (8,)
+    assert tune.default_worlds(1) == (2, 4, 8) and tune.default_worlds(4) == (4,) and tune.default_worlds(16) == (16,) and tune.default_worlds(24) == (16,)
 
 
-@pytest.mark.parametrize("argv", [["--blocks", "65"], ["--blocks", "0"], ["--tolerance", "1.5"], ["--world", "9"],
+@pytest.mark.parametrize("argv", [["--blocks", "65"], ["--blocks", "0"], ["--tolerance", "1.5"], ["--world", "17"],
                                   ["--algos", "auto"], ["--sizes", "1K", "--max-bytes", "2K"], ["--sizes", "12x"],
                                   ["--dtype", "float32", "--sizes", "6"]])
 def test_tune_bad_options(argv: list[str], capsys) -> None:
