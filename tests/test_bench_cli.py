@@ -91,7 +91,7 @@ def test_defaults() -> None:
     assert cfg.backends == ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
     assert not cfg.backends_explicit
     assert _config([], gpu_count=4).worlds == (4,)
-    assert _config([], gpu_count=16).worlds == (8,)
+    assert _config([], gpu_count=16).worlds == (16,) and _config([], gpu_count=24).worlds == (16,)
 
 
 def test_explicit_options() -> None:
