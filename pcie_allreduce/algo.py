@@ -499,6 +499,19 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     crossovers where it runs.
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
+    W = 9-16 (an ESTIMATE: no box of more than 8 PCIe GPUs has been measured here): the pull forms,
+    ``oneshot_pull`` up to 16 KiB and ``twoshot_pull`` beyond. The one published 16-GPU PCIe box
+    (b12x's 16 RTX PRO 6000 behind PEX89144 switches) reads from peers at ~52 GB/s but writes at
+    2.6 GB/s, and where writes are not throttled a read costs about what a write does (RTX PRO
+    6000: 53-56 GB/s one way) plus one round trip per exchange; pulling is the choice that holds on
+    both. One-shot against two-shot over a link of B ~ 52 GB/s with t0 ~ 3 us per extra exchange:
+    the two-shot wins above N = t0 B W / ((W-1)(W-2)), 25 KiB at W = 9, 17 KiB at 12, 11 KiB at
+    16, hence 16 KiB. The lines are left out: they send twice the bytes, and at W = 16 on one H200
+    under MPS (16 ranks sharing its SMs) they were slower than the full-payload and pull one-shots
+    from 1 KiB (bench/RESULTS.md, "Sixteen ranks"), where the pull one-shot was the fastest up to
+    14 KiB. Those one-GPU timings favour one-shots far beyond 16 KiB only because bytes are free
+    there and every extra exchange costs 16 ranks' worth of shared SMs.
+
     Host transport: the write-once algorithms for small messages, the flag-based pull forms for
     large ones. Per rank over its own PCIe link the one-shot reads (W-1) N, the two-shot 2(W-1)N/W
     in two exchanges. With an exchange costing t0 ~ 3.2 us and a link reading ~22 GB/s (a minimal
@@ -579,12 +592,13 @@ _LARGE_WORLDS = (5, 6, 7, 8)
 _WIDE_WORLDS = tuple(range(SMALL_WORLD + 1, MAX_RANKS + 1))  # 9..16
 # The built-in P2P rules of a single-island group (default_table's docstring says why).
 _FLAT_P2P_RULES: tuple[Rule, ...] = (
-    Rule("oneshot_ll", max_bytes=4 << 10, world=None, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot_ll", max_bytes=4 << 10, world=_SMALL_WORLDS + _LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot_full", max_bytes=512 << 10, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot_full", max_bytes=192 << 10, world=_LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=1 << 20, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=512 << 10, world=_LARGE_WORLDS, bytes_per_block=2 << 10, max_blocks=16),
-    Rule("oneshot_full", max_bytes=16 << 10, world=_WIDE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot_pull", max_bytes=16 << 10, world=_WIDE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("twoshot_pull", max_bytes=None, world=_WIDE_WORLDS, bytes_per_block=16 << 10, max_blocks=32),
     Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
 )
 
