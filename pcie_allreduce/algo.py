@@ -499,18 +499,17 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     crossovers where it runs.
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
-    W = 9-16 (an ESTIMATE: no box of more than 8 PCIe GPUs has been measured here): the pull forms,
-    ``oneshot_pull`` up to 16 KiB and ``twoshot_pull`` beyond. The one published 16-GPU PCIe box
-    (b12x's 16 RTX PRO 6000 behind PEX89144 switches) reads from peers at ~52 GB/s but writes at
-    2.6 GB/s, and where writes are not throttled a read costs about what a write does (RTX PRO
-    6000: 53-56 GB/s one way) plus one round trip per exchange; pulling is the choice that holds on
-    both. One-shot against two-shot over a link of B ~ 52 GB/s with t0 ~ 3 us per extra exchange:
-    the two-shot wins above N = t0 B W / ((W-1)(W-2)), 25 KiB at W = 9, 17 KiB at 12, 11 KiB at
-    16, hence 16 KiB. The lines are left out: they send twice the bytes, and at W = 16 on one H200
-    under MPS (16 ranks sharing its SMs) they were slower than the full-payload and pull one-shots
-    from 1 KiB (bench/RESULTS.md, "Sixteen ranks"), where the pull one-shot was the fastest up to
-    14 KiB. Those one-GPU timings favour one-shots far beyond 16 KiB only because bytes are free
-    there and every extra exchange costs 16 ranks' worth of shared SMs.
+    W = 9-16 (an ESTIMATE: no box of more than 8 PCIe GPUs has been measured here): ``oneshot_full``
+    up to 16 KiB, ``twoshot`` beyond; no lines (they send twice the bytes, and at W = 16 on one H200
+    under MPS they were slower than ``oneshot_full`` from 1 KiB: 15.3 against 13.8 us, 14 KiB: 20.7
+    against 14.9; bench/RESULTS.md, "Sixteen ranks"). One-shot against two-shot over a link of
+    B ~ 52 GB/s (RTX PRO 6000 P2P) with t0 ~ 3 us per extra exchange: the two-shot wins above
+    N = t0 B W / ((W-1)(W-2)), 25 KiB at W = 9, 17 KiB at 12, 11 KiB at 16, hence 16 KiB. On one
+    GPU, where bytes are free and an exchange costs 16 ranks' share of its SMs, the one-shots stay
+    faster far beyond (56 KiB: ``oneshot_full`` 21.0 us, ``twoshot`` 36.1): not a guide for a box
+    where each rank puts (W - 1) x the message on its own link. Behind switches that throttle peer
+    writes (b12x's 16 RTX PRO 6000 behind PEX89144 switches: reads ~52 GB/s, writes 2.6 GB/s) the
+    pull forms win: `pcie-allreduce tune` measures them and writes them into the table there.
 
     Host transport: the write-once algorithms for small messages, the flag-based pull forms for
     large ones. Per rank over its own PCIe link the one-shot reads (W-1) N, the two-shot 2(W-1)N/W
@@ -531,6 +530,12 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     at W = 2 (bench/RESULTS.md), with the launch shapes these rules give. An estimate from those
     figures, to be replaced by crossovers measured with a GPU per link (`pcie-allreduce tune
     --transport host`).
+
+    W = 9-16: the pull forms only, ``oneshot_pull`` up to 4 KiB and ``twoshot_pull`` beyond. On
+    one H200 under MPS at W = 16 the write-once kernels were 2-4x slower than the pull forms at
+    every size from 4 KiB (4 KiB: 134 us against 43 for ``oneshot_pull``; 56 KiB: 217 us for
+    ``host_twoshot`` against 84 for ``twoshot_pull``), and the pull two-shot passed the pull
+    one-shot between 4 and 8 KiB (bench/RESULTS.md, "Sixteen ranks").
     """
     if transport == "host":
         return AlgoTable((
@@ -542,9 +547,7 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
             Rule("host_oneshot", max_bytes=24 << 10, world=(5, 6), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_oneshot", max_bytes=16 << 10, world=(7, 8), bytes_per_block=8 << 10, max_blocks=32),
             Rule("host_twoshot", max_bytes=128 << 10, world=(5, 6, 7, 8), bytes_per_block=32 << 10, max_blocks=32),
-            Rule("host_oneshot", max_bytes=8 << 10, world=(9, 10, 11, 12), bytes_per_block=8 << 10, max_blocks=32),
-            Rule("host_oneshot", max_bytes=4 << 10, world=(13, 14, 15, 16), bytes_per_block=8 << 10, max_blocks=32),
-            Rule("host_twoshot", max_bytes=128 << 10, world=_WIDE_WORLDS, bytes_per_block=32 << 10, max_blocks=32),
+            Rule("oneshot_pull", max_bytes=4 << 10, world=_WIDE_WORLDS, bytes_per_block=8 << 10, max_blocks=32),
             Rule("twoshot_pull", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
         ))
     if islands > 1:
@@ -597,8 +600,7 @@ _FLAT_P2P_RULES: tuple[Rule, ...] = (
     Rule("oneshot_full", max_bytes=192 << 10, world=_LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=1 << 20, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=512 << 10, world=_LARGE_WORLDS, bytes_per_block=2 << 10, max_blocks=16),
-    Rule("oneshot_pull", max_bytes=16 << 10, world=_WIDE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
-    Rule("twoshot_pull", max_bytes=None, world=_WIDE_WORLDS, bytes_per_block=16 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=16 << 10, world=_WIDE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
 )
 

@@ -256,6 +256,20 @@ def test_default_table_small_is_low_latency_then_full_payload_then_oneshot_then_
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"
 
 
+def test_default_table_above_eight_ranks() -> None:
+    """W = 9..16: the full-payload one-shot up to 16 KiB, the two-shot beyond, never the lines
+    (twice the bytes) nor, on P2P, the pull forms (algo.default_table)."""
+    table = algo.default_table()
+    for world in range(9, MAX_RANKS + 1):
+        assert table.select(1, world, "bfloat16") == algo.Choice("oneshot_full", 1)
+        assert table.select(14 << 10, world, "bfloat16") == algo.Choice("oneshot_full", 4)
+        assert table.select(16 << 10, world, "float32").algo == "oneshot_full"
+        assert table.select(16 << 10 | 4, world, "float32").algo == "twoshot"
+        assert table.select(64 << 20, world, "bfloat16").algo == "twoshot"
+        assert table.select(1, world, "bfloat16", ll_capacity=0).algo == "twoshot"  # no full-payload slots
+    assert table.select(4 << 10, 8, "bfloat16").algo == "oneshot_ll"
+
+
 def test_low_latency_rules_are_passed_over_above_the_capacity() -> None:
     table = algo.default_table()
     assert table.select(4 << 10, 4, "bfloat16", ll_capacity=4 << 10).algo == "oneshot_ll"

@@ -116,7 +116,7 @@ def test_min_max_sweep() -> None:
     (["--sizes", "12x"], "unknown unit"),
     (["--sizes", "0"], "--sizes"),
     (["--world", "1"], "--world"),
-    (["--world", "9"], "--world"),
+    (["--world", "17"], "--world"),
     (["--world", "two"], "is not an integer"),
     (["--iters", "0"], "--iters"),
     (["--calls-per-graph", "-3"], "--calls-per-graph"),

@@ -66,7 +66,7 @@ def test_explicit_options() -> None:
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--world", "9"], "--world"), (["--world", "1"], "--world"), (["--calls", "0"], "--calls"),
+    (["--world", "17"], "--world"), (["--world", "1"], "--world"), (["--calls", "0"], "--calls"),
     (["--minutes", "-1"], "--minutes"), (["--max-bytes", "1K"], "--max-bytes"), (["--max-bytes", "1G"], "--max-bytes"),
     (["--timeout-s", "1"], "--timeout-s"), (["--minutes", "10", "--limit-minutes", "5"], "--limit-minutes"),
 ])

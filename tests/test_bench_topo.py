@@ -87,7 +87,7 @@ def test_topo_options(capsys) -> None:
     args = parser.parse_args(["topo", "--world", "2", "4", "--bytes", "4M", "--iters", "100", "--no-probe"])
     assert args.world == [2, 4] and args.bytes == 4 << 20 and args.iters == 100 and args.no_probe
     with pytest.raises(SystemExit):
-        parser.parse_args(["topo", "--world", "9"])
+        parser.parse_args(["topo", "--world", "17"])
     assert "--world" in capsys.readouterr().err
 
 
