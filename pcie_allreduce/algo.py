@@ -501,9 +501,10 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
 
     W = 9-16 (an ESTIMATE: no box of more than 8 PCIe GPUs has been measured here): ``oneshot_full``
     up to 16 KiB, ``twoshot`` beyond; no lines (they send twice the bytes, and at W = 16 on one H200
-    under MPS they were slower than ``oneshot_full`` from 1 KiB: 15.3 against 13.8 us, 14 KiB: 20.7
-    against 14.9; bench/RESULTS.md, "Sixteen ranks"). One-shot against two-shot over a link of
-    B ~ 52 GB/s (RTX PRO 6000 P2P) with t0 ~ 3 us per extra exchange: the two-shot wins above
+    under MPS they were slower than ``oneshot_full`` from 1 KiB: 15.8 against 13.5 us, 14 KiB: 20.7
+    against 15.1; bench/RESULTS.md, "Sixteen ranks (W = 16) on one GPU under MPS"). One-shot
+    against two-shot over a link of B ~ 52 GB/s (RTX PRO 6000 P2P) with t0 ~ 3 us per extra
+    exchange: the two-shot wins above
     N = t0 B W / ((W-1)(W-2)), 25 KiB at W = 9, 17 KiB at 12, 11 KiB at 16, hence 16 KiB. On one
     GPU, where bytes are free and an exchange costs 16 ranks' share of its SMs, the one-shots stay
     faster far beyond (56 KiB: ``oneshot_full`` 21.0 us, ``twoshot`` 36.1): not a guide for a box
@@ -535,7 +536,7 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     one H200 under MPS at W = 16 the write-once kernels were 2-4x slower than the pull forms at
     every size from 4 KiB (4 KiB: 134 us against 43 for ``oneshot_pull``; 56 KiB: 217 us for
     ``host_twoshot`` against 84 for ``twoshot_pull``), and the pull two-shot passed the pull
-    one-shot between 4 and 8 KiB (bench/RESULTS.md, "Sixteen ranks").
+    one-shot between 4 and 8 KiB (bench/RESULTS.md, "Sixteen ranks (W = 16) on one GPU under MPS").
     """
     if transport == "host":
         return AlgoTable((
