@@ -244,3 +244,28 @@ def test_trimmed_sglang_wheel_drops_only_its_native_server_extensions(tmp_path) 
             z.writestr(n, "x")
     with zipfile.ZipFile(wheels.trim_wheel("sglang", str(src), str(tmp_path))) as z:
         assert set(z.namelist()) == {names[0], names[2]}
+
+
+def test_torch_symm_algorithm_without_a_kernel_for_this_world_skips_the_case() -> None:
+    """torch's two-shot has no kernel for 16 ranks and says so before launching anything: that
+    case is skipped with torch's words, so the backend's other cases still run; any other error
+    stays an error."""
+    from bench.backend_torch_symm import TorchSymmBackend
+    from bench.outcome import CaseSkipped
+
+    def raising(message: str):
+        def op(*args: Any) -> torch.Tensor:
+            raise RuntimeError(message)
+        return op
+
+    backend = object.__new__(TorchSymmBackend)
+    backend._group_name = "g"
+    backend._one_shot_out = lambda inp, op, group, out: out.copy_(inp)
+    bufs = backends.Buffers(torch.arange(4.0), torch.zeros(4))
+    assert torch.equal(backend.call(bufs, "one_shot"), torch.arange(4.0))
+    backend._two_shot_out = raising("Not implemented for world_size=16")
+    with pytest.raises(CaseSkipped, match="two_shot: Not implemented for world_size=16"):
+        backend.call(bufs, "two_shot")
+    backend._two_shot_out = raising("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        backend.call(bufs, "two_shot")
