@@ -30,8 +30,11 @@ TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 16 << 20
 ISLAND_ALGOS = algo_mod.ISLAND_ALGORITHMS
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# (world, ranks per island): every split into >= 2 equal islands of >= 2 ranks up to W = 8.
+# (world, ranks per island): every split into >= 2 equal islands of >= 2 ranks up to W = 8, and
+# where $PCIE_AR_TEST_WORLDS names 16, the splits of 16 ranks (the 16-rank kernel instances).
 SPLITS = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)]
+if "16" in os.environ.get("PCIE_AR_TEST_WORLDS", "").split(","):
+    SPLITS += [(16, 2), (16, 4), (16, 8)]
 
 
 def _islands_env(world: int, size: int) -> dict[str, str]:
