@@ -2,8 +2,9 @@
 
 Rank r's element i is a small integer in [-7, 7] from a hash of (seed, r, i). Sums of up to 16 of
 them are integers of magnitude <= 112, exact in bfloat16 (every integer up to 256), float16 and
-float32, and addition of such integers is exact in any order. So NCCL (ring order), torch symmetric memory and ours can all be
-compared for EXACT equality with one expected tensor, computed on the device from the formula.
+float32, and addition of such integers is exact in any order. So NCCL (ring order), torch
+symmetric memory and ours can all be compared for EXACT equality with one expected tensor,
+computed on the device from the formula.
 The hash (not a short period) makes a misplaced chunk, a missing rank or a doubled rank show up.
 """
 

@@ -504,8 +504,8 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     under MPS they were slower than ``oneshot_full`` from 1 KiB: 15.8 against 13.5 us, 14 KiB: 20.7
     against 15.1; bench/RESULTS.md, "Sixteen ranks (W = 16) on one GPU under MPS"). One-shot
     against two-shot over a link of B ~ 52 GB/s (RTX PRO 6000 P2P) with t0 ~ 3 us per extra
-    exchange: the two-shot wins above
-    N = t0 B W / ((W-1)(W-2)), 25 KiB at W = 9, 17 KiB at 12, 11 KiB at 16, hence 16 KiB. On one
+    exchange: the two-shot wins above N = t0 B W / ((W-1)(W-2)), 25 KiB at W = 9, 17 KiB at 12,
+    11 KiB at 16, hence 16 KiB. On one
     GPU, where bytes are free and an exchange costs 16 ranks' share of its SMs, the one-shots stay
     faster far beyond (56 KiB: ``oneshot_full`` 21.0 us, ``twoshot`` 36.1): not a guide for a box
     where each rank puts (W - 1) x the message on its own link. Behind switches that throttle peer
