@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from pcie_allreduce.algo import availability_problem, fits_capacity
+from pcie_allreduce.algo import SYMMETRIC_INPUT_ALGORITHMS, availability_problem, fits_capacity
 from pcie_allreduce.ranks import RankContext
 
 from bench.backends import Backend, Buffers
@@ -17,6 +17,13 @@ if TYPE_CHECKING:
     from pcie_allreduce.communicator import Communicator
 
 SYNC_COUNT = 8  # elements of the tiny all-reduce that lines the GPUs up before a timed block
+
+
+def kernel_timeout_s(job: RankJob) -> float:
+    """How long our kernels wait for a peer in a bench run. They give up on a missing peer after it
+    and the next call raises CollectiveTimeout: well inside the bench watchdog, so a stuck peer is
+    reported by our own error (with rank/peer/stage) rather than as a killed process."""
+    return max(1.0, min(10.0, job.case_timeout_s / 3))
 
 
 class OursBackend(Backend):
@@ -35,13 +42,11 @@ class OursBackend(Backend):
     def __init__(self, ctx: RankContext, job: RankJob) -> None:
         from pcie_allreduce.communicator import Communicator
 
-        # Our kernels give up on a missing peer after timeout_s and the next call raises
-        # CollectiveTimeout: keep that well inside the bench watchdog, so a stuck peer is
-        # reported by our own error (with rank/peer/stage) rather than as a killed process.
-        timeout_s = max(1.0, min(10.0, job.case_timeout_s / 3))
-        self._comm = Communicator(ctx.group, ctx.device, max_bytes=max(job.max_bytes, 4096), timeout_s=timeout_s,
-                                  transport=self.transport)
+        self._comm = Communicator(ctx.group, ctx.device, max_bytes=max(job.max_bytes, 4096),
+                                  timeout_s=kernel_timeout_s(job), transport=self.transport)
         self._sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=ctx.device)
+        self._eager = job.eager
+        self._capture: torch.cuda.Stream | None = None
 
     @property
     def comm(self) -> "Communicator":
@@ -65,11 +70,30 @@ class OursBackend(Backend):
         return facts
 
     def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:
-        inp = torch.empty(count, dtype=dtype, device=self._comm.device)
+        if algo in SYMMETRIC_INPUT_ALGORITHMS:
+            # The input in the symmetric input area of the stream the timed calls run on (as torch
+            # symmetric memory's rows have theirs in its buffer): the capture stream's under graphs.
+            inp = self._comm.symmetric_input(count, dtype, stream=self._timed_stream())
+        else:
+            inp = torch.empty(count, dtype=dtype, device=self._comm.device)
         return Buffers(inp, torch.empty_like(inp))
 
     def call(self, bufs: Buffers, algo: str) -> torch.Tensor:
-        return self._comm.all_reduce(bufs.inp, out=bufs.out, algo=algo)
+        timed = self._timed_stream()
+        if algo not in SYMMETRIC_INPUT_ALGORITHMS or timed is None or torch.cuda.current_stream() == timed:
+            return self._comm.all_reduce(bufs.inp, out=bufs.out, algo=algo)
+        # An untimed check call of an in-place algorithm outside the capture: on the stream whose
+        # area holds the input, ordered after the input's writes and before the output's readers.
+        current = torch.cuda.current_stream()
+        timed.wait_stream(current)
+        with torch.cuda.stream(timed):
+            result = self._comm.all_reduce(bufs.inp, out=bufs.out, algo=algo)
+        current.wait_stream(timed)
+        return result
+
+    def _timed_stream(self) -> torch.cuda.Stream | None:
+        """The stream the timed calls run on (None: the current one, eager timing)."""
+        return None if self._eager else self._capture
 
     def mutates_input(self, algo: str) -> bool:
         return False
@@ -83,6 +107,7 @@ class OursBackend(Backend):
     def prepare_capture(self, stream: torch.cuda.Stream) -> None:
         # Creating the capture stream's workspace is collective (IPC handle exchange): do it once,
         # outside any capture and at the same point on every rank.
+        self._capture = stream
         self._comm.workspace(stream.cuda_stream)
 
     def device_sync(self) -> None:

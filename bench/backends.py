@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 from pcie_allreduce.algo import HOST_ONLY_ALGORITHMS
 from pcie_allreduce.cli import resolve
 
-from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIXES, VERIFY, forced_fused_algo
+from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIXES, OURS_HIER, VERIFY, forced_fused_algo
 
 if TYPE_CHECKING:  # torch only inside ranks and availability probes
     import torch
@@ -38,6 +38,7 @@ OUR_BACKENDS: tuple[str, ...] = (OURS, OURS_HOST)
 REGISTRY: Mapping[str, str] = MappingProxyType({
     OURS: "bench.backend_ours:OursBackend",
     OURS_HOST: "bench.backend_ours:OursHostBackend",
+    OURS_HIER: "bench.backend_ours_hier:OursHierBackend",
     "torch_symm": "bench.backend_torch_symm:TorchSymmBackend",
     "nccl": "bench.backend_nccl:NcclBackend",
     "nccl_ll": "bench.backend_nccl:NcclLowLatencyBackend",
@@ -49,7 +50,8 @@ REGISTRY: Mapping[str, str] = MappingProxyType({
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 # Rows of the comparison for boxes without usable P2P, run when named (on such a box the default
 # rows already are: "ours" takes the host transport there, and NCCL its shared-memory path).
-OPT_IN: tuple[str, ...] = (OURS_HOST, "nccl_shm")
+# The hierarchy across nodes, run when named (on one host it emulates two nodes).
+OPT_IN: tuple[str, ...] = (OURS_HOST, "nccl_shm", OURS_HIER)
 DEFAULT_BACKENDS: tuple[str, ...] = tuple(b for b in BACKENDS if b not in OPT_IN)
 
 

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from pcie_allreduce import sizes
-from pcie_allreduce.algo import ALGORITHMS, FUSED_ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS
+from pcie_allreduce.algo import ALGORITHMS, FUSED_ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, LOSSY_ALGORITHMS
 from pcie_allreduce.cli import non_negative_int, positive_float, positive_int, typed_arg
 from pcie_allreduce.sizes import DTYPE_SIZES
 from pcie_allreduce.tune import add_world_argument, default_worlds
@@ -18,10 +18,12 @@ from pcie_allreduce.tune import add_world_argument, default_worlds
 from bench.backends import BACKENDS, DEFAULT_BACKENDS, OPT_IN
 from bench.results import ALLREDUCE, FUSED
 
-OUR_ALGOS: tuple[str, ...] = ALGORITHMS + ("auto",)
+# twoshot_fp8 (the FP8 wire, checked against its own bits) runs where named: it is not lossless.
+OUR_ALGOS: tuple[str, ...] = ALGORITHMS + LOSSY_ALGORITHMS + ("auto",)
 # Without --algos: those that run on every transport and fabric (ours_host adds the host transport's
 # own; the island algorithms run where named, on a communicator with islands).
-DEFAULT_OUR_ALGOS: tuple[str, ...] = tuple(a for a in OUR_ALGOS if a not in HOST_ONLY_ALGORITHMS + ISLAND_ALGORITHMS)
+DEFAULT_OUR_ALGOS: tuple[str, ...] = tuple(a for a in OUR_ALGOS
+                                          if a not in HOST_ONLY_ALGORITHMS + ISLAND_ALGORITHMS + LOSSY_ALGORITHMS)
 DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES = "1K", "64M"
 # Seconds of timed replays per case: the default sweep (17 sizes x every backend's variants x
 # W = 2, 4, 8) then takes a few minutes; small sizes stop at --iters long before it runs out.

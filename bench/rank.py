@@ -149,7 +149,7 @@ def _run_cases(ctx: RankContext, job: RankJob, backend: Any, dog: Watchdog, log:
             dog.arm(job.case_timeout_s, "case", index=case.index, size_bytes=case.size_bytes, algo=case.algo)
             if log:
                 log.write("start", index=case.index)
-            if check is None or check.key != (case.count, case.hidden):
+            if check is None or check.key != checks.check_key(case):
                 check = None  # free the previous shape's tensors first
                 check = checks.make_check(ctx, job, case)
             event = _run_case(ctx, round_job, backend, case, check, capture_stream,

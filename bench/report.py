@@ -15,7 +15,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from bench.results import (
-    ALLREDUCE, FUSED, NOT_RUN, SKIPPED, VERIFY, Note, Report, Result, backend_order, best_per_backend,
+    ALLREDUCE, FUSED, NOT_RUN, OURS_HIER, SKIPPED, VERIFY, Note, Report, Result, backend_order, best_per_backend,
     sort_key,
 )
 from bench.table import WIRE_COLUMNS, Column, line, num, speedup
@@ -150,6 +150,26 @@ def format_summary(report: Report) -> str:
     return "\n".join(lines)
 
 
+def format_inter_node_bytes(results: Iterable[Result]) -> str:
+    """For the hierarchy's rows: the most bytes a rank puts on the inter-node link per call, beside
+    a flat ring's (NCCL's all-reduce on PCIe), which sends 2(W-1)/W of the message from each rank
+    whose ring neighbour sits on the next node."""
+    from pcie_allreduce.hierarchy import flat_ring_off_node_bytes
+
+    rows = sorted({(r.world, r.nodes, r.size_bytes, r.wire) for r in results
+                   if r.backend == OURS_HIER and r.wire is not None and r.algo == "auto"}, key=lambda t: (t[0], t[2], t[1]))
+    if not rows:
+        return ""
+    lines = ["# inter-node bytes per rank and call: the hierarchy (most any rank sends / receives) against a flat "
+             "ring (each node-boundary rank sends)",
+             "#" + "size(B)".rjust(10) + "  W  nodes" + "hier out".rjust(12) + "hier in".rjust(12)
+             + "flat ring".rjust(12)]
+    for world, nodes, size, wire in rows:
+        lines.append(" " + str(size).rjust(10) + f"{world:>3}{nodes:>7}" + str(wire.out).rjust(12)
+                     + str(wire.into).rjust(12) + str(flat_ring_off_node_bytes(size, world)).rjust(12))
+    return "\n".join(lines)
+
+
 def format_errors(results: Iterable[Result]) -> str:
     """One line per distinct error (world, backend, error) with the cases it hit."""
     seen: dict[tuple[int, str, str], list[str]] = {}
@@ -196,6 +216,9 @@ def format_report(report: Report) -> str:
         parts.append(format_verify_summary(report))
     else:
         parts.append(format_summary(report))
+        inter_node = format_inter_node_bytes(report.results)
+        if inter_node:
+            parts.append(inter_node)
     errors = format_errors(report.results)
     if errors:
         parts.append(errors)

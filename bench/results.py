@@ -20,6 +20,7 @@ STATUSES: tuple[str, ...] = (OK, WRONG, FAILED, NOT_RUN, SKIPPED)
 # What a run measures (BenchConfig.workload): plain all-reduces (the sweep), all-reduce + residual
 # add + RMSNorm (``--fused``), or one verify forward's collectives (``verify``).
 ALLREDUCE, FUSED, VERIFY = "allreduce", "fused", "verify"
+OURS_HIER = "ours_hier"  # the hierarchical communicator's backend (its wire: the inter-node link)
 WORKLOADS: tuple[str, ...] = (ALLREDUCE, FUSED, VERIFY)
 # A norm variant's algo is "<all-reduce algo><suffix>": the backend's all-reduce, then the
 # residual add + RMSNorm done one of these ways (baselines for our fused kernel):
@@ -104,6 +105,7 @@ class Result:
     hidden: int = 0
     model: str = ""               # verify: the preset's name
     island_ranks: int = 0         # ours: ranks per island where they formed equal islands (wire of island_*)
+    nodes: int = 0                # ours_hier: the nodes (equal runs of consecutive ranks) the hierarchy spans
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -152,9 +154,18 @@ class Result:
         residual rows where the plain one gathers the sums); norm rows, their all-reduce."""
         if not self.backend.startswith("ours") or self.workload not in (ALLREDUCE, FUSED):
             return None
+        if self.backend == OURS_HIER:  # the inter-node link: what a rank sends off its node and receives
+            if not self.nodes or self.world % self.nodes:
+                return None
+            from pcie_allreduce.hierarchy import off_node_wire
+            from pcie_allreduce.nodes import equal_nodes
+
+            elem = max(1, self.size_bytes // max(1, self.count))
+            return off_node_wire(self.count, elem, equal_nodes(self.world, self.nodes))
         algo = split_norm(self.resolved_algo or self.algo)[0]
         try:
-            return wire_bytes(algo, self.size_bytes, self.world, self.island_ranks)
+            return wire_bytes(algo, self.size_bytes, self.world, self.island_ranks,
+                              elem_size=max(1, self.size_bytes // max(1, self.count)))
         except ValueError:  # not one of ours (an "auto" that did not resolve), or islands unknown
             return None
 

@@ -210,9 +210,12 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
         rows[case.index] = make_result(cfg, world, backend, case, status=NOT_RUN, error=why)
     counted.advance(max(0, len(cases) - counted.total))  # cases that never finished still leave the bar
     island_ranks = int((facts or {}).get("island_ranks") or 0)
+    nodes = int((facts or {}).get("nodes") or 0)
     results = [rows[c.index] for c in cases]
     if island_ranks:  # what the island algorithms' wire bytes depend on
         results = [dataclasses.replace(r, island_ranks=island_ranks) for r in results]
+    if nodes:  # what the hierarchy's inter-node bytes depend on
+        results = [dataclasses.replace(r, nodes=nodes) for r in results]
     return BackendOutcome(results, notes, facts)
 
 

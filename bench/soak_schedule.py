@@ -19,7 +19,8 @@ import math
 import random
 from typing import Union
 
-from pcie_allreduce.algo import ALGORITHMS, DATA_AS_FLAG_ONESHOTS, UNFUSED, fits_capacity, runs_on
+from pcie_allreduce.algo import (ALGORITHMS, DATA_AS_FLAG_ONESHOTS, SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, fits_capacity,
+                                 runs_on)
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench.options import NORM_DTYPES
@@ -28,7 +29,8 @@ from bench.options import NORM_DTYPES
 PLAIN_DTYPES: tuple[str, ...] = tuple(DTYPE_SIZES)
 FUSED_DTYPES: tuple[str, ...] = NORM_DTYPES
 WEIGHT_FP32 = "float32"  # the fused kernels take a weight of x's dtype or fp32
-PLAIN_ALGOS: tuple[str, ...] = ("auto", *ALGORITHMS)
+# The in-place algorithms need their input in the symmetric area, which the soak's tensors are not.
+PLAIN_ALGOS: tuple[str, ...] = ("auto", *(a for a in ALGORITHMS if a not in SYMMETRIC_INPUT_ALGORITHMS))
 # Hidden sizes of the fused calls: models' (7168 twice, to weigh it), powers of two, and odd or
 # ragged ones.
 FUSED_HIDDENS: tuple[int, ...] = (7168, 7168, 4096, 5120, 8192, 2048, 1000, 2050, 129, 7, 1, 7167)

@@ -82,6 +82,8 @@ void register_workspace(py::module_& m) {
       .def_property_readonly("shared_bytes", &Workspace::shared_bytes)
       .def_property_readonly("full_offset", &Workspace::full_offset)
       .def_property_readonly("full_bytes", &Workspace::full_bytes)
+      .def_property_readonly("input_offset", &Workspace::input_offset)
+      .def_property_readonly("input_bytes", &Workspace::input_bytes)
       .def_property_readonly("total_bytes", &Workspace::total_bytes)
       .def_property_readonly("device", &Workspace::device)
       .def_property_readonly("rank", &Workspace::rank)
@@ -161,6 +163,7 @@ void register_constants(py::module_& m) {
   m.attr("FULL_HEADER_BYTES") = pcie_ar::kFullHeaderBytes;
   m.attr("FULL_TWOSHOT_MARGIN") = pcie_ar::kFullTwoShotMargin;
   m.attr("POISON_WORD") = pcie_ar::kPoisonWord;
+  m.attr("FP8_BLOCK") = pcie_ar::kFp8Block;
   m.attr("CONTROL_WORDS") = pcie_ar::kControlWords;
   m.attr("ERROR_WORDS") = pcie_ar::kErrorRecordWords;
   m.attr("ALGO_IDS") = names_table(pcie_ar::kAlgoNames);
@@ -178,6 +181,7 @@ void register_constants(py::module_& m) {
                         py::arg("control_offset") = l.control_offset, py::arg("stats_offset") = l.stats_offset,
                         py::arg("shared_offset") = l.shared_offset, py::arg("shared_bytes") = l.shared_bytes,
                         py::arg("full_offset") = l.full_offset, py::arg("full_bytes") = l.full_bytes,
+                        py::arg("input_offset") = l.input_offset, py::arg("input_bytes") = l.input_bytes,
                         py::arg("total_bytes") = l.total_bytes);
       },
       py::arg("max_bytes"), py::arg("world"), py::arg("transport") = 0,

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "checks.cuh"
+#include "fp8_twoshot.cuh"
 #include "host_oneshot.cuh"
 #include "host_twoshot.cuh"
 #include "island_oneshot.cuh"
@@ -111,6 +112,9 @@ void launch_typed(Algo algo, const KernelArgs& args, int blocks, cudaStream_t st
     case Algo::kIslandOneShot: start(island_oneshot_kernel<T, Unit>, blocks, stream, args, dependent); break;
     case Algo::kOneShotPull: start(oneshot_pull_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
     case Algo::kTwoShotPull: start(twoshot_pull_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
+    case Algo::kTwoShotSymm: start(twoshot_symm_kernel<T, Unit, kCap>, blocks, stream, args, dependent); break;
+    // Element-wise whatever the alignment (fp8_twoshot.cuh, Q1): one instance per dtype and capacity.
+    case Algo::kTwoShotFp8: start(twoshot_fp8_kernel<T, kCap>, blocks, stream, args, dependent); break;
     default: PCIE_AR_HOST_ASSERT(false, "unknown algorithm id " + std::to_string(static_cast<int>(algo)));
   }
 }

@@ -47,7 +47,7 @@ constexpr uint32_t kWrapSealMix = 0x85EBCA6Bu;
 enum class Algo : int {
   kOneShot = 0, kStaged = 1, kTwoShot = 2, kOneShotLL = 3, kHostOneShot = 4, kHostTwoShot = 5, kOneShotFull = 6,
   kTwoShotFull = 7, kIslandTwoShot = 8, kOneShotPull = 9, kTwoShotPull = 10, kTwoShotStaged = 11,
-  kIslandOneShot = 12
+  kIslandOneShot = 12, kTwoShotSymm = 13, kTwoShotFp8 = 14
 };
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class Stage : uint32_t { kNone = 0, kOneShotGather = 1, kReduceScatter = 2, kAllGather = 3, kFusedGather = 4,
@@ -79,7 +79,9 @@ constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
                                       {Algo::kIslandTwoShot, "island_twoshot"},
                                       {Algo::kOneShotPull, "oneshot_pull"}, {Algo::kTwoShotPull, "twoshot_pull"},
                                       {Algo::kTwoShotStaged, "twoshot_staged"},
-                                      {Algo::kIslandOneShot, "island_oneshot"}};
+                                      {Algo::kIslandOneShot, "island_oneshot"},
+                                      {Algo::kTwoShotSymm, "twoshot_symm"},
+                                      {Algo::kTwoShotFp8, "twoshot_fp8"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
@@ -169,6 +171,13 @@ constexpr uint64_t kFullHeaderBytes = (2 * kMaxRanks * kMaxFlagBlocks * sizeof(u
 // Before the host transport's buffers: one header word (epoch << 32 | signature) per (buffer, block).
 constexpr uint64_t kSharedHeaderBytes = (kSharedBuffers * kMaxFlagBlocks * sizeof(uint64_t) + kAlign - 1) / kAlign * kAlign;
 
+// The FP8 wire of twoshot_fp8 (fp8_twoshot.cuh, pcie_allreduce/fp8_wire.py): blocks of
+// kFp8Block elements, each kFp8Block e4m3 codes and one fp32 scale.
+constexpr uint64_t kFp8Block = 128;
+PCIE_AR_HOST_DEVICE constexpr uint64_t fp8_blocks(uint64_t numel) { return (numel + kFp8Block - 1) / kFp8Block; }
+PCIE_AR_HOST_DEVICE constexpr uint64_t fp8_wire_bytes(uint64_t numel) { return fp8_blocks(numel) * (kFp8Block + 4); }
+PCIE_AR_HOST_DEVICE constexpr uint64_t dtype_bytes(int dtype) { return dtype == static_cast<int>(DType::kFloat32) ? 4 : 2; }
+
 struct Layout {
   uint64_t slot_bytes;     // one sender's data slot: max_bytes rounded up
   uint64_t parity_bytes;   // world * slot_bytes
@@ -182,6 +191,11 @@ struct Layout {
   uint64_t shared_bytes;   // 0 for p2p
   uint64_t full_offset;    // the full-payload one-shot's headers, then 2 parities x W slots of ll_capacity
   uint64_t full_bytes;
+  // p2p: the symmetric input area, slot_bytes that a caller fills in place of a copy (the tensor
+  // Communicator.symmetric_input returns) and twoshot_symm reads on every rank (pull.cuh, S1-S2);
+  // 0 on the host transport, whose workspace lives in host memory.
+  uint64_t input_offset;
+  uint64_t input_bytes;
   uint64_t total_bytes;
 
   PCIE_AR_HOST_DEVICE static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -200,7 +214,9 @@ struct Layout {
     l.shared_bytes = transport == Transport::kHost ? kSharedHeaderBytes + kSharedBuffers * kSharedAreas * l.slot_bytes : 0;
     l.full_offset = l.shared_offset + l.shared_bytes;
     l.full_bytes = kFullHeaderBytes + 2 * static_cast<uint64_t>(world) * l.ll_capacity;
-    l.total_bytes = l.full_offset + l.full_bytes;
+    l.input_offset = round_up(l.full_offset + l.full_bytes, kAlign);
+    l.input_bytes = transport == Transport::kP2P ? l.slot_bytes : 0;
+    l.total_bytes = l.input_offset + l.input_bytes;
     return l;
   }
 };

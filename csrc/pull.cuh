@@ -25,6 +25,23 @@
 //  P3. In twoshot_pull a rank overwrites only its own shard's range of its own slot, which no
 //      peer reads in the reduce-scatter (each reads its own shard there), and flags kind 1 after.
 // In place is safe: the input is copied to the workspace before any of its output is written.
+//
+// twoshot_symm: twoshot_pull without the copy. The caller's input already lies in its rank's
+//   symmetric input area (Layout::input_offset, the tensor Communicator.symmetric_input returns),
+//   the same offset in every workspace, so the reduce-scatter reads every rank's input where it
+//   is; the reduced shard is published in our own slot as in twoshot_pull (P1, P3). Per rank the
+//   memory moves N + (W-1)N/W reads and (W+1)N/W writes where twoshot_pull adds a full copy
+//   (N more of each): torch symmetric memory's two-shot, whose input lives in its buffer too.
+//  S1. Peers read a rank's input area only in the reduce-scatter of twoshot_symm (shard and
+//      tail), after that rank's kind-0 flag of the call (released after the stream's earlier
+//      work wrote the input), and each reader's block finishes those reads before its kind-1
+//      flag. A rank's kernel ends only after every peer's kind-1 flag of every block, so once
+//      the call completes on its stream no peer reads its input area again: the caller may
+//      write the next input there (stream order), and out may be the input (in place: each
+//      output range is written after every rank's reads of that range, S1 with P3; the tail,
+//      which every rank reads, waits in our own slot until every peer's kind-1 flag).
+//  S2. Every rank agrees the input is the area: twoshot_symm is its own algorithm id, part of
+//      the call signature, and the launch refuses an input anywhere else.
 #pragma once
 
 #include "moves.cuh"
@@ -43,13 +60,22 @@ __device__ __forceinline__ Unit* own_slot(const KernelArgs& a, int owner, Epoch 
   return slot_units<Unit>(a, owner, owner, epoch);
 }
 
+// Rank `owner`'s symmetric input area (S1), as mapped here.
+template <typename Unit>
+__device__ __forceinline__ const Unit* symmetric_input(const KernelArgs& a, int owner) {
+  return reinterpret_cast<const Unit*>(a.bases[owner] + a.layout.input_offset);
+}
+
 // out[r] = the rank-order sum of every rank's staged input (ours from `own`, the peers' read from
-// their workspaces); with `publish`, also over our own slot's range (twoshot_pull's shard, P3).
-template <typename T, typename Unit, bool kPublish, int kCap>
+// their workspaces: their own slots, or with `kSymmetric` their input areas); with `publish`,
+// also over our own slot's range (twoshot_pull's shard, P3).
+template <typename T, typename Unit, bool kPublish, int kCap, bool kSymmetric = false>
 __device__ __forceinline__ void reduce_pulled(const KernelArgs& a, Epoch epoch, const Unit* own, Unit* out, Range r) {
   const Unit* src[kCap];
 #pragma unroll
-  for (int q = 0; q < kCap; ++q) src[q] = q < a.world ? own_slot<Unit>(a, q, epoch) : nullptr;
+  for (int q = 0; q < kCap; ++q) {
+    src[q] = q >= a.world ? nullptr : kSymmetric ? symmetric_input<Unit>(a, q) : own_slot<Unit>(a, q, epoch);
+  }
   Unit* mine = own_slot<Unit>(a, a.rank, epoch);
   for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     Pack<T, Unit> in[kCap];
@@ -125,6 +151,42 @@ __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_pull_kernel(const __
           const int peer = (a.rank + s) % a.world;
           copy_pulled<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
         }
+        done = true;
+      }
+    }
+  }
+  if (!done) fill_output_with_nan<T>(a);
+  end_call(a, epoch);
+}
+
+template <typename T, typename Unit, int kCap>
+__global__ void __launch_bounds__(kThreadsPerBlock) twoshot_symm_kernel(const __grid_constant__ KernelArgs a) {
+  bool aborted;
+  const Epoch epoch = begin_call(a, &aborted);
+  bool done = false;
+  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Unit* in = static_cast<const Unit*>(a.input);  // our own input area (S2)
+  const T* in_t = static_cast<const T*>(a.input);
+  Unit* out = static_cast<Unit*>(a.output);
+  if (__syncthreads_or(aborted) == 0) {
+    signal_all_peers(a, 0, epoch);  // our input is there (S1)
+    if (wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) {
+      reduce_pulled<T, Unit, true, kCap, true>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
+      // The tail is read from every rank's input, so it is reduced before the flag (after it a
+      // peer may finish and its caller rewrite its input, S1) into our own slot's tail, which no
+      // peer reads, and reaches the output only after every peer's flag: in place, our output's
+      // tail is our input's, which the peers read until then.
+      T* own_tail = own_slot<T>(a, a.rank, epoch);
+      reduce_pulled<T, T, false, kCap, true>(a, epoch, in_t, own_tail, tail);
+      __syncthreads();
+      signal_all_peers(a, 1, epoch);
+      if (wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) {
+        for (int s = 1; s < a.world; ++s) {
+          const int peer = (a.rank + s) % a.world;
+          copy_pulled<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
+        }
+        T* out_t = static_cast<T*>(a.output);
+        for (uint64_t i = tail.begin + threadIdx.x; i < tail.end; i += blockDim.x) out_t[i] = own_tail[i];  // same thread
         done = true;
       }
     }

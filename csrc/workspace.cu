@@ -490,6 +490,17 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kIslandTwoShot && static_cast<Algo>(algo) != Algo::kIslandOneShot) ||
                           state_->island_ranks != 0,
                       "island_twoshot and island_oneshot need islands: the workspace has none (set_island_ranks)");
+  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kTwoShotSymm ||
+                          (state_->layout.input_bytes != 0 &&
+                           input == reinterpret_cast<uint64_t>(state_->launch_template.bases[rank_]) +
+                                        state_->layout.input_offset),
+                      "twoshot_symm reads every rank's input in place: the input must start at this workspace's "
+                      "symmetric input area (Communicator.symmetric_input)");
+  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kTwoShotFp8 ||
+                          fp8_wire_bytes(nbytes / dtype_bytes(dtype)) <= state_->layout.slot_bytes,
+                      "twoshot_fp8: the coded message (" + std::to_string(fp8_wire_bytes(nbytes / dtype_bytes(dtype))) +
+                          " bytes) does not fit the workspace's slot (" + std::to_string(state_->layout.slot_bytes) +
+                          " bytes); use a larger max_bytes");
   KernelArgs args = state_->launch_template;
   args.input = reinterpret_cast<const void*>(input);
   args.output = reinterpret_cast<void*>(output);
@@ -563,6 +574,8 @@ uint64_t Workspace::shared_offset() const { return state_->layout.shared_offset;
 uint64_t Workspace::shared_bytes() const { return state_->layout.shared_bytes; }
 uint64_t Workspace::full_offset() const { return state_->layout.full_offset; }
 uint64_t Workspace::full_bytes() const { return state_->layout.full_bytes; }
+uint64_t Workspace::input_offset() const { return state_->layout.input_offset; }
+uint64_t Workspace::input_bytes() const { return state_->layout.input_bytes; }
 uint64_t Workspace::total_bytes() const { return state_->layout.total_bytes; }
 
 void Workspace::debug_set_epoch(uint64_t completed) {

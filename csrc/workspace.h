@@ -92,6 +92,8 @@ class Workspace {
   uint64_t shared_bytes() const;
   uint64_t full_offset() const;  // the full-payload one-shot's headers and slots
   uint64_t full_bytes() const;
+  uint64_t input_offset() const;  // the symmetric input area (p2p; input_bytes 0 on the host transport)
+  uint64_t input_bytes() const;
   uint64_t total_bytes() const;
 
   // Test hook: make this workspace believe `completed` calls already happened (wrap-around tests).

@@ -9,14 +9,15 @@ Importing never needs a GPU; :func:`is_available` says whether the kernels can r
 from __future__ import annotations
 
 from pcie_allreduce.algo import ALGORITHMS, AlgoTable, Choice, Rule, default_table, load_table
-from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
+from pcie_allreduce.errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, InterNodeError,
+                                   UnavailableError)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS", "AlgoTable", "Choice", "Rule", "default_table", "load_table",
-    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "UnavailableError",
-    "Communicator", "is_available", "unavailable_reason", "__version__",
+    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "InterNodeError", "UnavailableError",
+    "Communicator", "HierarchicalCommunicator", "is_available", "unavailable_reason", "__version__",
 ]
 
 
@@ -37,4 +38,8 @@ def __getattr__(name: str):  # lazy: keep `import pcie_allreduce` free of torch.
         from pcie_allreduce.communicator import Communicator
 
         return Communicator
+    if name == "HierarchicalCommunicator":
+        from pcie_allreduce.hierarchy import HierarchicalCommunicator
+
+        return HierarchicalCommunicator
     raise AttributeError(f"module 'pcie_allreduce' has no attribute {name!r}")

@@ -30,10 +30,18 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pcie_allreduce.constants import (ALGO_IDS, DTYPE_IDS, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS,
-                                      SMALL_WORLD)
+from pcie_allreduce.constants import (ALGO_IDS, DTYPE_IDS, FP8_BLOCK, FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS,
+                                      MIN_RANKS, SMALL_WORLD)
 
-ALGORITHMS: tuple[str, ...] = tuple(sorted(ALGO_IDS, key=ALGO_IDS.__getitem__))
+# The compressed wires: all_reduce(x, wire=NAME) runs the kernel named here. They change the
+# result (bounded, documented: pcie_allreduce/fp8_wire.py), so they are asked for per call and
+# never named by a table, chosen by auto, tuned or forced in a sweep: they are not in ALGORITHMS.
+WIRE_ALGORITHMS: dict[str, str] = {"fp8": "twoshot_fp8"}
+LOSSY_ALGORITHMS: tuple[str, ...] = tuple(WIRE_ALGORITHMS.values())
+#: The lossless algorithms: what a table may name, tune may time and a caller may force.
+ALGORITHMS: tuple[str, ...] = tuple(a for a in sorted(ALGO_IDS, key=ALGO_IDS.__getitem__) if a not in LOSSY_ALGORITHMS)
+#: What ``algo=`` takes besides "auto": the lossless algorithms and the wires' kernels by name.
+FORCEABLE_ALGORITHMS: tuple[str, ...] = ALGORITHMS + LOSSY_ALGORITHMS
 # The pull forms (csrc/pull.cuh): peers read each rank's staged input out of its own workspace,
 # for fabrics whose peer reads beat their peer writes; tune times them on P2P, and the host
 # table takes them for large messages (each byte written once, no re-poisoning: default_table).
@@ -44,6 +52,13 @@ CAPPED_ALGORITHMS: tuple[str, ...] = ("oneshot_ll", "oneshot_full", "twoshot_ful
 # The one-shots whose data is its own flag, in two wire formats (lines; full payload): one fused
 # all-reduce + RMSNorm kernel serves both (fused_oneshot_ll.py).
 DATA_AS_FLAG_ONESHOTS: tuple[str, ...] = ("oneshot_ll", "oneshot_full")
+# Algorithms that read every rank's input in place: the input must be the communicator's
+# symmetric input area (Communicator.symmetric_input) on every rank, which only p2p workspaces
+# have (so on the host transport such a rule never matches, and forcing one is refused). A table
+# rule naming one matches only such calls (Rule.matches), so it never covers a size for other
+# inputs (AlgoTable.coverage_problem). They pull like PULL_ALGORITHMS, but only for a caller who
+# placed the input there: reading in place is the point of the area.
+SYMMETRIC_INPUT_ALGORITHMS: tuple[str, ...] = ("twoshot_symm",)
 # Algorithms that need the host transport (their buffers exist only in shared host memory).
 HOST_ONLY_ALGORITHMS: tuple[str, ...] = ("host_oneshot", "host_twoshot")
 # The fused all-reduce + residual + RMSNorm: its Triton kernels, and "unfused", the plain
@@ -127,7 +142,7 @@ class WireBytes:
         return max(self.out, self.into)
 
 
-def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> WireBytes:
+def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0, elem_size: int = 2) -> WireBytes:
     """Bytes on this rank's link for one all-reduce of ``nbytes`` by ``algo`` on ``world`` ranks, a
     pure function of the call (the dtype does not enter: every format here moves the message's
     own bytes, the lines twice as many).
@@ -141,6 +156,10 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> Wir
     - ``oneshot_pull``, ``twoshot_pull``: as ``oneshot`` and ``twoshot``, each rank's data read
       by the peers out of its own workspace instead of written into theirs (the same bytes cross
       each link, as read completions: ``out`` counts what peers read of ours).
+    - ``twoshot_fp8``: as ``twoshot_pull``, the message coded as FP8 blocks (132 bytes per 128
+      elements of ``elem_size`` bytes, fp8_wire.wire_bytes), the only count the dtype enters.
+    - ``twoshot_symm``: as ``twoshot_pull`` on the link (the reduce-scatter reads every rank's
+      input in place, so it saves a local copy, not link bytes).
     - ``island_twoshot`` (islands of S = ``island_ranks`` ranks): a reduce-scatter and an
       all-gather inside the island, (S-1)/S of the message each way each, plus one shard across
       islands as an fp32 partial (2N/S for a 16-bit dtype, counted so) and the reduced shard
@@ -166,10 +185,13 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0) -> Wir
     others = world - 1
     if algo in ("oneshot", "staged", "oneshot_full", "oneshot_pull"):
         return WireBytes(others * nbytes, others * nbytes)
-    if algo in ("twoshot", "twoshot_staged", "twoshot_full", "twoshot_pull"):
+    if algo in ("twoshot", "twoshot_staged", "twoshot_full", "twoshot_pull", "twoshot_symm"):
         return WireBytes(2 * others * nbytes // world, 2 * others * nbytes // world)
     if algo == "oneshot_ll":
         return WireBytes(2 * others * nbytes, 2 * others * nbytes)
+    if algo in LOSSY_ALGORITHMS:
+        coded = -(-(nbytes // elem_size) // FP8_BLOCK) * (FP8_BLOCK + 4)
+        return WireBytes(2 * others * coded // world, 2 * others * coded // world)
     if algo in ISLAND_ALGORITHMS:
         if not island_ranks or world % island_ranks or world // island_ranks < 2:
             raise ValueError(f"{algo!r} needs island_ranks dividing world {world} into >= 2 islands, got {island_ranks}")
@@ -209,8 +231,12 @@ class Rule:
         if problem is not None:
             raise ValueError(f"algorithm table: {problem}")
 
-    def matches(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None) -> bool:
-        return ((self.world is None or world in self.world)
+    def matches(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None, *,
+                symmetric: bool = False) -> bool:
+        """Whether this rule serves the call; ``symmetric``: its input is the symmetric input area
+        (a rule naming a SYMMETRIC_INPUT_ALGORITHMS algorithm serves only such calls)."""
+        return ((symmetric or self.algo not in SYMMETRIC_INPUT_ALGORITHMS)
+                and (self.world is None or world in self.world)
                 and (self.dtypes is None or dtype in self.dtypes)
                 and (self.max_bytes is None or nbytes <= self.max_bytes)
                 and fits_capacity(self.algo, nbytes, ll_capacity))
@@ -239,6 +265,9 @@ def _world_problem(world: object) -> str | None:
 def _rule_problem(algo: object, max_bytes: object, world: object, dtypes: object, bytes_per_block: object,
                   max_blocks: object) -> str | None:
     """What is wrong with a rule's fields, naming the field, or None."""
+    if isinstance(algo, str) and algo in LOSSY_ALGORITHMS:
+        return (f"algo {algo!r} sends a compressed wire, which changes the result: a call asks for it "
+                "(all_reduce(x, wire=...)), a table never names it")
     if not isinstance(algo, str) or algo not in ALGORITHMS:
         return f"unknown algo {algo!r}; expected one of {ALGORITHMS}"
     if max_bytes is not None and not (_is_int(max_bytes) and 0 <= max_bytes <= _SIZE_LIMIT):
@@ -334,11 +363,13 @@ class AlgoTable:
                 return rule.algo
         return UNFUSED
 
-    def select(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None) -> Choice:
+    def select(self, nbytes: int, world: int, dtype: str, ll_capacity: int | None = None, *,
+               symmetric: bool = False) -> Choice:
         """The algorithm and block count for a message of ``nbytes`` bytes of ``dtype`` on ``world``
-        ranks; ``ll_capacity`` (bytes, None: unbounded) rules ``oneshot_ll`` out for larger messages."""
+        ranks; ``ll_capacity`` (bytes, None: unbounded) rules ``oneshot_ll`` out for larger messages;
+        ``symmetric``: the input is the symmetric input area, which the in-place rules need."""
         for rule in self.rules:
-            if rule.matches(nbytes, world, dtype, ll_capacity):
+            if rule.matches(nbytes, world, dtype, ll_capacity, symmetric=symmetric):
                 return Choice(rule.algo, rule.blocks_for(nbytes))
         raise ValueError(f"algorithm table has no rule for {nbytes} bytes of {dtype} at world size {world}")
 
@@ -348,7 +379,7 @@ class AlgoTable:
         table's choice for this message does (its rules' shapes are sized for the message: a
         generic shape would give a 14 KiB message one block where the table's gives four, and
         make a comparison of algorithms a comparison of launch shapes)."""
-        candidates = [r for r in self.rules if r.algo == algo and r.matches(nbytes, world, dtype)]
+        candidates = [r for r in self.rules if r.algo == algo and r.matches(nbytes, world, dtype, symmetric=True)]
         if not candidates:
             candidates = [r for r in self.rules if r.algo == algo]
         if not candidates:
@@ -363,11 +394,11 @@ class AlgoTable:
         for world in range(MIN_RANKS, MAX_RANKS + 1):
             for dtype in DTYPE_NAMES:
                 if not any(r.max_bytes is None and r.algo not in CAPPED_ALGORITHMS
-                           and (r.world is None or world in r.world) and (r.dtypes is None or dtype in r.dtypes)
+                           and r.algo not in SYMMETRIC_INPUT_ALGORITHMS and (r.world is None or world in r.world) and (r.dtypes is None or dtype in r.dtypes)
                            for r in self.rules):
                     return (f"no rule covers every message size at world size {world} for {dtype}: the table "
                             f'needs a last rule with "max_bytes": null and an algorithm other than '
-                            f'{CAPPED_ALGORITHMS} for it (e.g. {{"algo": "twoshot", "world": "*"}})')
+                            f'{CAPPED_ALGORITHMS + SYMMETRIC_INPUT_ALGORITHMS} for it (e.g. {{"algo": "twoshot", "world": "*"}})')
         return None
 
     def availability_problem(self, transport: str, island_ranks: int = 0) -> str | None:
@@ -499,6 +530,18 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     crossovers where it runs.
     Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
 
+    Inputs in the symmetric input area (``Communicator.symmetric_input``) take ``twoshot_symm``
+    where the table's two-shot would run: its reduce-scatter reads every rank's input in place,
+    where the flag-based two-shot copies (pushes) it into the owners' slots first and
+    ``twoshot_pull`` into its own. On one H200 under MPS, W ranks sharing the GPU's memory, that
+    copy is what the time goes to: 16 MiB at W = 4, 67.6 us against ``twoshot``'s 113.1 and torch
+    symmetric memory's two-shot 70.2 (bench/RESULTS.md, "Large messages"). At W = 2 it takes 64
+    blocks (38.7 us against 55.4 with 32, torch 47.3: one rank's 32 blocks left half the SMs idle);
+    with more ranks 32 (W ranks share the SMs on the testbed). Over a real PCIe link the local copy
+    costs little against the link (the bytes on the link are the same), and the reads are
+    non-posted: where a fabric's peer reads are slower than its writes, give such inputs a table
+    without the rule.
+
     W = 9-16 (an ESTIMATE: no box of more than 8 PCIe GPUs has been measured here): ``oneshot_full``
     up to 16 KiB, ``twoshot`` beyond; no lines (they send twice the bytes, and at W = 16 on one H200
     under MPS they were slower than ``oneshot_full`` from 1 KiB: 15.8 against 13.5 us, 14 KiB: 20.7
@@ -602,6 +645,8 @@ _FLAT_P2P_RULES: tuple[Rule, ...] = (
     Rule("oneshot", max_bytes=1 << 20, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=512 << 10, world=_LARGE_WORLDS, bytes_per_block=2 << 10, max_blocks=16),
     Rule("oneshot_full", max_bytes=16 << 10, world=_WIDE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("twoshot_symm", max_bytes=None, world=(2,), bytes_per_block=64 << 10, max_blocks=64),
+    Rule("twoshot_symm", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
     Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
 )
 

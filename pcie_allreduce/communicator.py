@@ -93,7 +93,7 @@ class Communicator:
         group: a CPU (gloo) process group used only for rendezvous (IPC handles) and teardown.
         device: this rank's CUDA device.
         max_bytes: largest message, in bytes; each rank allocates about
-            ``2 * world * (max_bytes + 3 * min(max_bytes, 512 KiB))`` of device memory per stream it
+            ``(2 * world + 1) * max_bytes + 6 * world * min(max_bytes, 512 KiB)`` of device memory per stream it
             uses (:class:`~pcie_allreduce.layout.Layout` has the exact figure).
         timeout_s: how long a kernel waits for a peer before giving up and recording a
             :class:`CollectiveTimeout` (default 10 s, or ``$PCIE_AR_TIMEOUT_S``).
@@ -105,6 +105,10 @@ class Communicator:
             test at creation passes, else host); default ``$PCIE_AR_TRANSPORT`` or ``"auto"``.
             Every rank must ask for the same; :attr:`transport` and :attr:`transport_reason` say
             what was chosen and why (also in ``repr`` and one INFO log line on rank 0).
+        ranks_per_gpu: the most ranks, of this group and of other groups whose calls may run at
+            the same time (a hierarchy's other nodes, emulated on the same GPUs), that run on one
+            of its GPUs; the block cap shares each GPU's SMs among them. Default: this group's own
+            count. Every rank must give the same.
     """
 
     #: What a call on a closed communicator raises (a forked child's copies say why instead).
@@ -123,11 +127,13 @@ class Communicator:
     #: Ranks per island where :attr:`islands` are two or more of one size, each a run of
     #: consecutive ranks (what ``algo="island_twoshot"`` needs), else 0.
     island_ranks: int = 0
+    #: The compressed wires ``all_reduce(x, wire=...)`` takes.
+    wires: tuple[str, ...] = tuple(algo_mod.WIRE_ALGORITHMS)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
                  algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None = None,
-                 transport: str | None = None) -> None:
+                 transport: str | None = None, ranks_per_gpu: int | None = None) -> None:
         self._group = group
         self._workspaces: dict[int, Any] = {}
         self._closed = True  # until created: close() and __del__ have nothing to do
@@ -137,7 +143,10 @@ class Communicator:
         if not MIN_RANKS <= self.world_size <= MAX_RANKS:
             raise ValueError(f"pcie_allreduce supports {MIN_RANKS} to {MAX_RANKS} ranks, "
                              f"the group has {self.world_size}")
-        self._choices: dict[tuple[int, torch.dtype, str], tuple[int, int]] = {}
+        self._choices: dict[tuple[int, torch.dtype, str, bool], tuple[int, int]] = {}
+        # stream -> the address of its workspace's symmetric input area, once symmetric_input
+        # handed it out (all_reduce compares the input's address with it)
+        self._input_areas: dict[int, int] = {}
         self._fused_choices: dict[tuple[int, int, torch.dtype], str] = {}
         self._fused_compiled: set[tuple[Any, ...]] = set()  # fused calls compiled on every rank
         self._meetings = 0  # meetings this communicator held (_meet): the same count on every rank
@@ -152,8 +161,8 @@ class Communicator:
         explicit_table = algo_table is not None or bool(os.environ.get(algo_mod.TABLE_ENV))
         agreed = self._collective_step("argument checks and GPU set-up",
                                        lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table,
-                                                                    transport))
-        for key in ("max_bytes", "timeout_s", "table", "transport", ISLANDS_KEY):
+                                                                    transport, ranks_per_gpu))
+        for key in ("max_bytes", "timeout_s", "table", "transport", "ranks_per_gpu", ISLANDS_KEY):
             self._check_agreement(agreed, key)
         self._meeting_id: str = agreed[0]["meeting_id"]  # names this communicator's keys in the group's store
         self.table_source: str = ("algo_table argument" if algo_table is not None
@@ -181,7 +190,8 @@ class Communicator:
         self.transport_reason = ("asked for" if requested == self.transport
                                       else f"no peer-to-peer: {no_peer_access}")
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
-        self.block_cap: int = dispatch.block_cap(topology.ranks_per_gpu(self.placements), self._sms)
+        sharing = max(topology.ranks_per_gpu(self.placements), agreed[0]["ranks_per_gpu"] or 1)
+        self.block_cap: int = dispatch.block_cap(sharing, self._sms)
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
@@ -211,33 +221,74 @@ class Communicator:
 
     # ---- public API ----------------------------------------------------------------------
 
-    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, algo: str = "auto") -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, algo: str = "auto", *,
+                   wire: str | None = None) -> torch.Tensor:
         """Sum ``x`` over all ranks; returns ``out`` (new tensor if None; ``out=x`` is in place).
 
         Enqueued on the current CUDA stream of the communicator's device; never synchronizes the
-        host. Results are bitwise identical on every rank and for every algorithm.
+        host. Results are bitwise identical on every rank and, with the default lossless wire,
+        for every algorithm.
+
+        ``wire="fp8"`` (opt-in, never chosen by ``auto``): the two-shot with the message coded as
+        FP8 e4m3 in blocks of 128 elements with a power-of-two scale each, 132 bytes per 128
+        values on the wire (0.52x of bf16). Each rank's contribution and each reduced shard are
+        coded; sums are fp32 in rank order, so results are still bitwise identical on every rank
+        and deterministic, but not the exact sum: :func:`pcie_allreduce.fp8_wire.error_bound`
+        bounds each element's error and :func:`pcie_allreduce.fp8_wire.all_reduce` gives the bits.
         """
         if self._closed:
             raise RuntimeError(self._closed_reason)
+        if wire is not None:
+            algo = validation.wire_algo(wire, algo)
         nbytes = validation.plain_call(x, out, algo, device=self.device, max_bytes=self.max_bytes)
         if out is None:
             out = torch.empty_like(x)
         if nbytes == 0:
             return out
         dtype = x.dtype
-        hit = self._choices.get((nbytes, dtype, algo))  # _choice's cache, without the call
-        algo_id, blocks = hit if hit is not None else self._choice(nbytes, dtype, algo)
         stream = current_stream_handle(self.device)
         workspace = self._workspaces.get(stream)
         if workspace is None:
             workspace = self._workspace_for(stream)
+        symmetric = x.data_ptr() == self._input_areas.get(stream)
+        hit = self._choices.get((nbytes, dtype, algo, symmetric))  # _choice's cache, without the call
+        algo_id, blocks = hit if hit is not None else self._choice(nbytes, dtype, algo, symmetric)
         if workspace.all_reduce(algo_id, x.data_ptr(), out.data_ptr(), nbytes, DTYPE_IDS[dtype], blocks, stream):
             raise self._error_of(workspace)
         return out
 
+    def symmetric_input(self, shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.bfloat16, *,
+                        stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` in this rank's symmetric input area: memory of the
+        workspace that serves ``stream`` (default: the current stream) which every peer has
+        mapped, like a buffer of torch symmetric memory.
+
+        Write a message there (``torch.matmul(a, b, out=buf)``, ``buf.copy_(x)``) and call
+        ``all_reduce(buf)`` on that stream on every rank: large messages then run ``twoshot_symm``
+        (when the table has it, as the built-in p2p table does from the size its two-shot takes
+        over), whose reduce-scatter reads every rank's input where it lies instead of copying it
+        into the workspace first. ``out=buf`` works in place. Every call returns the same memory
+        (the area's start): one message at a time per stream, and it may be rewritten as soon as
+        the all-reduce that read it has completed on that stream. Valid until :meth:`close`;
+        ``numel * itemsize`` at most ``max_bytes``. p2p transport only (the host transport's
+        workspace lives in host memory). Collective the first time a stream is used, like a call.
+        """
+        if self._closed:
+            raise RuntimeError(self._closed_reason)
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        numel = validation.symmetric_input_numel(dims, dtype, max_bytes=self.max_bytes, transport=self.transport)
+        handle = current_stream_handle(self.device) if stream is None else stream.cuda_stream
+        workspace = self._workspaces.get(handle) or self._workspace_for(handle)
+        area = self._input_areas.get(handle)
+        if area is None:
+            area = workspace.bases()[self.rank] + workspace.input_offset
+            self._input_areas[handle] = area
+        raw = torch.as_tensor(_DeviceBytes(area, workspace.input_bytes), device=self.device)
+        return raw.view(dtype)[:numel].view(dims)
+
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                            out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                           algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                           algo: str = "auto", wire: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused ``new_residual = residual + all_reduce(x)``; ``normed = rmsnorm(new_residual) * weight``.
 
         ``x`` and ``residual`` are ``[tokens, hidden]`` bf16/fp16; ``weight`` is ``[hidden]`` (same
@@ -247,7 +298,9 @@ class Communicator:
         ``normed`` is identical on every rank too (its last bit may depend on which kernel ran).
         ``algo="auto"`` (:meth:`select_fused_algo`) runs a fused Triton kernel where one beats the
         plain all-reduce followed by the library's one add + RMSNorm kernel, and that pair
-        (``"unfused"``) elsewhere; a fused kernel can also be forced by name.
+        (``"unfused"``) elsewhere; a fused kernel can also be forced by name. ``wire="fp8"``: the
+        all-reduce as :meth:`all_reduce` codes it, then the add + RMSNorm kernel (``algo`` must be
+        "auto" or "unfused"); ``new_residual`` is then ``residual + all_reduce(x, wire="fp8")``.
         """
         if self._closed:
             raise RuntimeError(self._closed_reason)
@@ -255,6 +308,12 @@ class Communicator:
                                                max_bytes=self.max_bytes, world=self.world_size)
         normed = torch.empty_like(x) if out is None else out
         new_residual = torch.empty_like(residual) if residual_out is None else residual_out
+        if wire is not None:
+            validation.wire_algo(wire, "auto")
+            if algo not in ("auto", algo_mod.UNFUSED):
+                raise ValueError(f"wire={wire!r} runs the all-reduce, then the add + RMSNorm kernel; algo={algo!r} "
+                                 f"cannot be combined with it (leave algo='auto')")
+            algo = algo_mod.UNFUSED
         if x.numel() == 0:
             return normed, new_residual
         if algo == "auto":
@@ -272,7 +331,7 @@ class Communicator:
                 self._compile_everywhere(call, lambda: add_rmsnorm.add_rmsnorm(
                     x, residual, weight, eps, normed, new_residual, compile_only=True,
                     after_all_reduce=self.dependent_launch))
-            self.all_reduce(x, out=normed)
+            self.all_reduce(x, out=normed, wire=wire)
             add_rmsnorm.add_rmsnorm(normed, residual, weight, eps, normed, new_residual,
                                     after_all_reduce=self.dependent_launch)
             return normed, new_residual
@@ -416,6 +475,7 @@ class Communicator:
                 else:
                     workspace.close()
             self._workspaces.clear()
+            self._input_areas.clear()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -444,15 +504,19 @@ class Communicator:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _choice(self, nbytes: int, dtype: torch.dtype, algo: str) -> tuple[int, int]:
-        key = (nbytes, dtype, algo)
+    def _choice(self, nbytes: int, dtype: torch.dtype, algo: str, symmetric: bool = False) -> tuple[int, int]:
+        key = (nbytes, dtype, algo, symmetric)
         hit = self._choices.get(key)
         if hit is None:
             problem = algo_mod.availability_problem(algo, self.transport, self.island_ranks)
             if problem is not None:
                 raise ValueError(problem)
+            if algo in algo_mod.LOSSY_ALGORITHMS:
+                problem = validation.fp8_fits(nbytes, dtype.itemsize, Layout.make(self.max_bytes, 1).slot_bytes)
+                if problem is not None:
+                    raise ValueError(problem)
             hit = dispatch.plain_launch(nbytes, self.world_size, dtype, self.table, ll_capacity=self.ll_capacity,
-                                        block_cap=self.block_cap, algo=algo)
+                                        block_cap=self.block_cap, algo=algo, symmetric=symmetric)
             if len(self._choices) < 4096:  # bounded: shapes in serving are few
                 self._choices[key] = hit
         return hit
@@ -499,9 +563,12 @@ class Communicator:
 
     def _set_up_locally(self, device: torch.device | int | str, max_bytes: object, timeout_s: object,
                         algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None,
-                        transport: str | None) -> dict[str, Any]:
+                        transport: str | None, ranks_per_gpu: object) -> dict[str, Any]:
         """This rank's part of creation before any memory is allocated: arguments, extension, GPU.
         Returns what every rank must agree on (and its placement)."""
+        if ranks_per_gpu is not None and (isinstance(ranks_per_gpu, bool) or not isinstance(ranks_per_gpu, int)
+                                          or ranks_per_gpu < 1):
+            raise ValueError(f"ranks_per_gpu must be a positive int or None, got {ranks_per_gpu!r}")
         self._ext: ModuleType = _ext.require()
         self.device: torch.device = _cuda_device(device)
         self.max_bytes: int = validation.validate_max_bytes(max_bytes)
@@ -518,6 +585,7 @@ class Communicator:
         self.dependent_launch: bool = _dependent_launch(self.device)
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
                 "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
+                "ranks_per_gpu": ranks_per_gpu,
                 ISLANDS_KEY: topology.islands_override(self.world_size),
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 
@@ -654,6 +722,15 @@ class Communicator:
                           f"{mib:.0f} MiB of workspaces stay allocated until the process exits, since peers may "
                           "still write into them. Call close() on every rank to free them.", ResourceWarning,
                           stacklevel=2)
+
+
+class _DeviceBytes:
+    """``nbytes`` bytes of device memory at ``address`` as the CUDA array interface describes them,
+    for ``torch.as_tensor`` (a view, no copy; the memory stays the workspace's)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "strides": None, "version": 3}
 
 
 def current_stream_handle(device: torch.device) -> int:

@@ -44,13 +44,15 @@ MIRROR: dict[str, Any] = {
     "SHARED_BUFFERS": 3,        # the host transport's write-once buffers, each of ...
     "SHARED_AREAS": 2,          # ... two areas (what a rank sends, its reduced shard), ...
     "SHARED_HEADER_BYTES": 3072,  # ... after one header word per (buffer, block)
+    "FP8_BLOCK": 128,          # elements per fp32 scale on the FP8 wire (fp8_wire.py, twoshot_fp8)
     "POISON_WORD": 0x80008000,  # an unwritten word of those buffers (and of the full-payload slots)
     "FULL_HEADER_BYTES": 32768,  # the full-payload one-shot's header words, before its slots
     "FULL_TWOSHOT_MARGIN": 16,  # the full-payload two-shot takes messages up to ll_capacity less this
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
     "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5,
                  "oneshot_full": 6, "twoshot_full": 7, "island_twoshot": 8,
-                 "oneshot_pull": 9, "twoshot_pull": 10, "twoshot_staged": 11, "island_oneshot": 12},
+                 "oneshot_pull": 9, "twoshot_pull": 10, "twoshot_staged": 11, "island_oneshot": 12,
+                 "twoshot_symm": 13, "twoshot_fp8": 14},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
     "TRANSPORT_IDS": {"p2p": 0, "host": 1},
@@ -107,6 +109,7 @@ SHARED_BUFFERS: int = _VALUES["SHARED_BUFFERS"]
 SHARED_AREAS: int = _VALUES["SHARED_AREAS"]
 SHARED_HEADER_BYTES: int = _VALUES["SHARED_HEADER_BYTES"]
 POISON_WORD: int = _VALUES["POISON_WORD"]
+FP8_BLOCK: int = _VALUES["FP8_BLOCK"]
 FULL_HEADER_BYTES: int = _VALUES["FULL_HEADER_BYTES"]
 FULL_TWOSHOT_MARGIN: int = _VALUES["FULL_TWOSHOT_MARGIN"]
 ERROR_WORDS: int = _VALUES["ERROR_WORDS"]

@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.algo import (DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, UNFUSED, AlgoTable, Choice, capacity_of,
-                                 fits_capacity)
+from pcie_allreduce.algo import (DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, LOSSY_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
+                                 UNFUSED, AlgoTable, Choice, capacity_of, fits_capacity)
 from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
 
+# The compressed wires' launch shape (no table names them): a block per 16 KiB of message, up to
+# the cap, so that many warps have their reads in flight at once (fp8_twoshot.cuh).
+LOSSY_BYTES_PER_BLOCK = 16 << 10
 #: torch dtype -> the kernels' dtype id (``constants.DTYPE_IDS`` is keyed by name).
 DTYPE_IDS: dict[torch.dtype, int] = {getattr(torch, name): i for name, i in constants.DTYPE_IDS.items()}
 #: torch dtype -> the name algorithm tables use for it.
@@ -23,29 +26,38 @@ DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in co
 
 
 def plain_choice(nbytes: int, world: int, dtype: torch.dtype | str, table: AlgoTable, *, ll_capacity: int | None,
-                 block_cap: int = MAX_LAUNCH_BLOCKS, algo: str = "auto") -> Choice:
+                 block_cap: int = MAX_LAUNCH_BLOCKS, algo: str = "auto", symmetric: bool = False) -> Choice:
     """The algorithm and block count of a plain all-reduce of ``nbytes`` bytes of ``dtype``.
 
     ``algo="auto"``: the table's first matching rule (``oneshot_ll`` rules only for messages
-    within ``ll_capacity``). A forced ``algo`` takes the launch shape of its own rule; raises
-    ValueError when it is ``oneshot_ll`` and the message exceeds ``ll_capacity``. The blocks are
-    capped at ``block_cap`` either way."""
+    within ``ll_capacity``; the in-place rules, ``SYMMETRIC_INPUT_ALGORITHMS``, only where
+    ``symmetric``: the input is the symmetric input area on every rank). A forced ``algo`` takes
+    the launch shape of its own rule; raises ValueError when it is ``oneshot_ll`` and the message
+    exceeds ``ll_capacity``, or an in-place one and the input is elsewhere. The blocks are capped
+    at ``block_cap`` either way."""
     dtype_name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, str(dtype))
     if algo == "auto":
-        choice = table.select(nbytes, world, dtype_name, ll_capacity)
+        choice = table.select(nbytes, world, dtype_name, ll_capacity, symmetric=symmetric)
     else:
+        if algo in SYMMETRIC_INPUT_ALGORITHMS and not symmetric:
+            raise ValueError(f"algo={algo!r} reads every rank's input in place: x must start at the tensor "
+                             "Communicator.symmetric_input() returned for the current stream, on every rank; "
+                             "use 'auto' for other inputs")
         if not fits_capacity(algo, nbytes, ll_capacity):
             raise ValueError(f"algo={algo!r} takes messages up to {capacity_of(algo, ll_capacity)} bytes (the "
                              f"low-latency capacity of this communicator), got {nbytes}; use 'auto' or another "
                              "algorithm")
-        choice = Choice(algo, table.blocks_for(algo, nbytes, world, dtype_name))
+        blocks = (min(MAX_LAUNCH_BLOCKS, max(1, -(-nbytes // LOSSY_BYTES_PER_BLOCK))) if algo in LOSSY_ALGORITHMS
+                  else table.blocks_for(algo, nbytes, world, dtype_name))
+        choice = Choice(algo, blocks)
     return choice if choice.blocks <= block_cap else Choice(choice.algo, block_cap)
 
 
 def plain_launch(nbytes: int, world: int, dtype: torch.dtype, table: AlgoTable, *, ll_capacity: int | None,
-                 block_cap: int = MAX_LAUNCH_BLOCKS, algo: str = "auto") -> tuple[int, int]:
+                 block_cap: int = MAX_LAUNCH_BLOCKS, algo: str = "auto", symmetric: bool = False) -> tuple[int, int]:
     """:func:`plain_choice` as the binding takes it: (algorithm id, blocks)."""
-    choice = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap, algo=algo)
+    choice = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap, algo=algo,
+                          symmetric=symmetric)
     return ALGO_IDS[choice.algo], choice.blocks
 
 

@@ -27,5 +27,10 @@ class CollectiveMismatch(CollectiveError):
     """Ranks issued different collectives (size, dtype or algorithm) as the same call."""
 
 
+class InterNodeError(CollectiveError):
+    """A send or receive between nodes (the hierarchical all-reduce) failed or did not complete in
+    time; ``stage`` names the step, ``peer`` the rank at its other end."""
+
+
 class UnavailableError(RuntimeError):
     """The CUDA kernels cannot be used here (no extension, no GPU, or no peer access)."""

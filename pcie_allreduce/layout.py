@@ -30,7 +30,8 @@ def _round_up(x: int, a: int) -> int:
 class Layout:
     """Byte offsets inside one rank's workspace allocation:
     [2 parities x W data slots][2 parities x W line slots][flags][control][row stats], then on the
-    host transport the host one-shot's headers and buffers."""
+    host transport the host one-shot's headers and buffers, then the full-payload slots, then on
+    p2p the symmetric input area (one slot that twoshot_symm reads in place on every rank)."""
 
     slot_bytes: int
     parity_bytes: int
@@ -44,6 +45,8 @@ class Layout:
     shared_bytes: int
     full_offset: int
     full_bytes: int
+    input_offset: int
+    input_bytes: int
     total_bytes: int
 
     @classmethod
@@ -60,8 +63,10 @@ class Layout:
         shared_bytes = SHARED_HEADER_BYTES + SHARED_BUFFERS * SHARED_AREAS * slot if transport == "host" else 0
         full = shared + shared_bytes
         full_bytes = FULL_HEADER_BYTES + 2 * world * ll_capacity
+        input_offset = _round_up(full + full_bytes, ALIGN)
+        input_bytes = slot if transport == "p2p" else 0
         return cls(slot, parity, ll_capacity, ll_slot, ll_offset, flags, control, stats, shared, shared_bytes,
-                   full, full_bytes, full + full_bytes)
+                   full, full_bytes, input_offset, input_bytes, input_offset + input_bytes)
 
     @classmethod
     def of_workspace(cls, workspace: Any) -> "Layout":

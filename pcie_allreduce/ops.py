@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -42,36 +42,36 @@ HANDLES = _Handles()
 
 
 @torch.library.custom_op("pcie_allreduce::all_reduce", mutates_args=())
-def all_reduce_op(x: torch.Tensor, handle: int, algo: str = "auto") -> torch.Tensor:
+def all_reduce_op(x: torch.Tensor, handle: int, algo: str = "auto", wire: Optional[str] = None) -> torch.Tensor:
     """Out-of-place all-reduce through the communicator registered under ``handle``."""
-    return HANDLES.get(handle).all_reduce(x, algo=algo)
+    return HANDLES.get(handle).all_reduce(x, algo=algo, wire=wire)
 
 
 @all_reduce_op.register_fake
-def _all_reduce_fake(x: torch.Tensor, handle: int, algo: str = "auto") -> torch.Tensor:
+def _all_reduce_fake(x: torch.Tensor, handle: int, algo: str = "auto", wire: Optional[str] = None) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("pcie_allreduce::all_reduce_", mutates_args=("x",))
-def all_reduce_inplace_op(x: torch.Tensor, handle: int, algo: str = "auto") -> None:
+def all_reduce_inplace_op(x: torch.Tensor, handle: int, algo: str = "auto", wire: Optional[str] = None) -> None:
     """In-place all-reduce through the communicator registered under ``handle``."""
-    HANDLES.get(handle).all_reduce(x, out=x, algo=algo)
+    HANDLES.get(handle).all_reduce(x, out=x, algo=algo, wire=wire)
 
 
 @all_reduce_inplace_op.register_fake
-def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, algo: str = "auto") -> None:
+def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, algo: str = "auto", wire: Optional[str] = None) -> None:
     return None
 
 
 @torch.library.custom_op("pcie_allreduce::all_reduce_rmsnorm", mutates_args=())
 def all_reduce_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int,
-                          algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                          algo: str = "auto", wire: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(residual + all_reduce(x)) * weight, residual + all_reduce(x))``, new tensors,
     through the communicator registered under ``handle`` (``Communicator.all_reduce_rmsnorm``)."""
-    return HANDLES.get(handle).all_reduce_rmsnorm(x, residual, weight, eps, algo=algo)
+    return HANDLES.get(handle).all_reduce_rmsnorm(x, residual, weight, eps, algo=algo, wire=wire)
 
 
 @all_reduce_rmsnorm_op.register_fake
 def _all_reduce_rmsnorm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int,
-                             algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                             algo: str = "auto", wire: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(residual)

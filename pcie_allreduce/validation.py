@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pcie_allreduce.algo import ALGORITHMS, FUSED_ALGORITHMS, fused_problem
+from pcie_allreduce.algo import FORCEABLE_ALGORITHMS, FUSED_ALGORITHMS, WIRE_ALGORITHMS, fused_problem
 from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 #: The dtypes the kernels take (those with a kernel dtype id), in id order.
@@ -94,6 +94,26 @@ def plain_call(x: object, out: object, algo: object, *, device: torch.device, ma
     return nbytes
 
 
+def symmetric_input_numel(shape: tuple[object, ...], dtype: object, *, max_bytes: int, transport: str) -> int:
+    """Elements of a ``Communicator.symmetric_input(shape, dtype)`` tensor, after checking the
+    shape (non-negative ints), the dtype (one the kernels take), the size (within ``max_bytes``,
+    the area's size) and the transport (p2p: the host transport's workspace has no such area)."""
+    if transport != "p2p":
+        raise ValueError(f"symmetric_input needs the p2p transport: this communicator's is {transport!r}, whose "
+                         "workspace lives in host memory; pass ordinary tensors to all_reduce")
+    if not isinstance(dtype, torch.dtype) or dtype not in _SUPPORTED_DTYPE_SET:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"symmetric_input's dtype must be one of {names}, got {dtype!r}")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"symmetric_input's shape must be non-negative ints, got {shape!r}")
+    numel = math.prod(shape)  # type: ignore[arg-type]
+    if numel * dtype.itemsize > max_bytes:
+        raise ValueError(f"symmetric_input({shape}, {dtype}) needs {numel * dtype.itemsize} bytes, more than the "
+                         f"communicator's max_bytes={max_bytes} (the area's size); create the Communicator with a "
+                         "larger max_bytes")
+    return numel
+
+
 def validate_max_bytes(max_bytes: object) -> int:
     """``max_bytes`` of a communicator: an int in [1, MAX_MESSAGE_BYTES]."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1 <= max_bytes <= MAX_MESSAGE_BYTES:
@@ -117,8 +137,33 @@ def validate_timeout(timeout_s: object, *, source: str = "timeout_s") -> float:
 def validate_algo(algo: object) -> str:
     """``algo`` must be 'auto' or one of the algorithms."""
     if not isinstance(algo, str) or (algo != "auto" and algo not in ALGO_IDS):
-        raise ValueError(f"unknown algo {algo!r}; expected 'auto' or one of {ALGORITHMS}")
+        raise ValueError(f"unknown algo {algo!r}; expected 'auto' or one of {FORCEABLE_ALGORITHMS}")
     return algo
+
+
+def wire_algo(wire: object, algo: str) -> str:
+    """The algorithm a call with ``wire`` (None: the message's own bytes; or a name of
+    WIRE_ALGORITHMS) and ``algo`` runs: ``algo`` itself without a wire, else the wire's kernel,
+    which ``algo`` must be "auto" or name."""
+    if wire is None:
+        return algo
+    if not isinstance(wire, str) or wire not in WIRE_ALGORITHMS:
+        raise ValueError(f"unknown wire {wire!r}; expected None (lossless) or one of {tuple(WIRE_ALGORITHMS)}")
+    kernel = WIRE_ALGORITHMS[wire]
+    if algo not in ("auto", kernel):
+        raise ValueError(f"wire={wire!r} runs {kernel!r}; algo={algo!r} cannot be combined with it (leave algo='auto')")
+    return kernel
+
+
+def fp8_fits(nbytes: int, elem_size: int, slot_bytes: int) -> str | None:
+    """Why a message of ``nbytes`` cannot travel coded as FP8 in a slot of ``slot_bytes``, or None."""
+    from pcie_allreduce import fp8_wire
+
+    coded = fp8_wire.wire_bytes(nbytes // elem_size)
+    if coded > slot_bytes:
+        return (f"wire='fp8': the coded message takes {coded} bytes, more than the workspace slot's {slot_bytes}; "
+                "create the Communicator with a larger max_bytes")
+    return None
 
 
 RMSNORM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)

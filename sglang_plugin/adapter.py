@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import algo as algo_mod, validation
-from sglang_plugin.settings import ALGO, Settings
+from sglang_plugin.settings import ALGO, WIRE, Settings
 
 logger = logging.getLogger("sglang_plugin")
 
@@ -37,6 +37,24 @@ def _default_factory() -> CommunicatorFactory:
     from pcie_allreduce.communicator import Communicator
 
     return Communicator
+
+
+def hierarchical_factory(layout: Any) -> CommunicatorFactory:
+    """What builds the communicator of a tp group across ``layout``'s nodes
+    (``pcie_allreduce.HierarchicalCommunicator``): the nodes' kernels on the gloo group SGLang
+    passes, the sends between nodes on an NCCL group of the same ranks made here. SGLang hands
+    its custom all-reduce only the CPU group, not the tp group's NCCL one, so the plugin makes its
+    own (collective over the group's ranks only)."""
+
+    def make(group: dist.ProcessGroup, device: torch.device, *, max_bytes: int, timeout_s: float) -> Any:
+        from pcie_allreduce.hierarchy import HierarchicalCommunicator
+
+        ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        between = dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
+        return HierarchicalCommunicator(group, device, layout=layout, inter_node_group=between, max_bytes=max_bytes,
+                                        timeout_s=timeout_s, inter_node_timeout_s=timeout_s)
+
+    return make
 
 
 class PcieAllReduceAdapter:
@@ -72,6 +90,16 @@ class PcieAllReduceAdapter:
         #: pass; declined, they take SGLang's own path.
         self.largest_served: int = self._largest_served()
         self.fused_enabled: bool = settings.fused
+        #: The compressed wire for messages of :attr:`wire_min_bytes` and more (None: exact),
+        #: where the communicator offers it (a hierarchical one does not; it then stays exact).
+        self.wire: str | None = None
+        self.wire_min_bytes: int = settings.wire_min_bytes
+        if settings.wire != "exact":
+            if settings.wire in getattr(self.comm, "wires", ()):
+                self.wire = settings.wire
+            else:
+                logger.warning("pcie_allreduce[sglang]: %s=%s: this group's communicator (%s) has no such wire; "
+                               "its all-reduces stay exact", WIRE, settings.wire, type(self.comm).__name__)
         self.disabled = False
 
     # ---- SGLang's ca_comm surface -------------------------------------------------------
@@ -99,6 +127,9 @@ class PcieAllReduceAdapter:
         # A failure recorded by a graph replay on another stream's workspace (decode and verify
         # run in graphs) surfaces here, at the server's next eager collective, not never.
         self.comm.check()
+        wire = self._wire_for(input)
+        if wire is not None:
+            return self.comm.all_reduce(input, wire=wire)
         return self.comm.all_reduce(input, algo=self.algo)
 
     @contextlib.contextmanager
@@ -160,10 +191,24 @@ class PcieAllReduceAdapter:
         if torch.compiler.is_compiling():
             # Under torch.compile (--enable-torch-compile) the call is one opaque op of the graph:
             # Dynamo never traces the Triton launch. (The forward-step hook does the check there.)
+            # A group across nodes has no such op: SGLang's unfused path serves it there.
+            handle = getattr(self.comm, "handle", None)
+            if handle is None:
+                return None
             return torch.ops.pcie_allreduce.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps),
-                                                               self.comm.handle, "auto")
+                                                               handle, "auto", self._wire_for(input_))
         self.comm.check()
+        wire = self._wire_for(input_)
+        if wire is not None:
+            return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps), wire=wire)
         return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps))
+
+    def _wire_for(self, x: torch.Tensor) -> str | None:
+        """The wire of a call on ``x``: the compressed one from :attr:`wire_min_bytes` up, else exact
+        (None). A pure function of the size, so every rank picks the same."""
+        if self.wire is None or x.numel() * x.element_size() < self.wire_min_bytes:
+            return None
+        return self.wire
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from pcie_allreduce import nodes
 from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
 from sglang_plugin.settings import Settings
 
@@ -31,16 +31,19 @@ class Decision:
 
     serve: bool
     reason: str
+    #: The group's nodes where it spans several (served by the hierarchical all-reduce); None: one node.
+    layout: nodes.NodeLayout | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RankFacts:
     """What one rank reports about itself."""
 
-    host: str
+    host: str  # pcie_allreduce.nodes.host_identity(): host name and boot id
     unavailable: str | None  # pcie_allreduce.unavailable_reason() on that rank
     physical_gpu: int  # index as NVML counts (CUDA_VISIBLE_DEVICES undone), -1 if unknown
     sm: str  # e.g. "SM120"
+    emulated_nodes: int | None = None  # $PCIE_AR_NODES on that rank (tests emulate nodes with it)
 
 
 FactsFn = Callable[[torch.device], RankFacts]
@@ -67,7 +70,12 @@ def local_facts(device: torch.device) -> RankFacts:
         major, minor = torch.cuda.get_device_capability(device)
         sm = f"SM{major}{minor}"
         physical = physical_gpu_index(device)
-    return RankFacts(host=socket.gethostname(), unavailable=reason, physical_gpu=physical, sm=sm)
+    try:
+        emulated = nodes.emulated_nodes()
+    except ValueError:
+        emulated = -1  # malformed: decide() declines, naming the variable
+    return RankFacts(host=nodes.host_identity(), unavailable=reason, physical_gpu=physical, sm=sm,
+                     emulated_nodes=emulated)
 
 
 def physical_gpu_index(device: torch.device) -> int:
@@ -107,20 +115,49 @@ def decide(group: dist.ProcessGroup, device: torch.device, settings: Settings, *
         return Decision(False, f"the group has {world} ranks; pcie_allreduce serves {MIN_WORLD} to {MAX_WORLD}")
     facts: list[Any] = [None] * world
     dist.all_gather_object(facts, dataclasses.asdict(facts_fn(device)), group=group)
-    hosts = sorted({f["host"] for f in facts})
-    if len(hosts) > 1:
-        return Decision(False, f"the group spans hosts {hosts}; P2P all-reduce needs one host")
+    if any(f.get("emulated_nodes") == -1 for f in facts):
+        return Decision(False, f"${nodes.NODES_ENV} is not a positive number of nodes on some rank")
+    try:
+        layout = nodes.layout_of([f["host"] for f in facts], [f.get("emulated_nodes") for f in facts])
+    except ValueError as exc:
+        return Decision(False, str(exc))
+    spread = multinode_problem(layout, settings) if layout.count > 1 else None
+    if spread is not None:
+        return Decision(False, spread)
+    hierarchy = layout if layout.count > 1 else None
     for rank, f in enumerate(facts):
         if f["unavailable"]:
             return Decision(False, f"rank {rank} cannot run the kernels: {f['unavailable']}")
     sms = sorted({f["sm"] for f in facts})
+    how = "" if hierarchy is None else f"; {hierarchical_summary(hierarchy)}"
     if settings.mode == "always":
-        return Decision(True, f"mode=always ({'/'.join(sms)})")
-    # Every rank asks NVML, then the answers are combined, so a flaky query cannot split ranks.
-    mine = bool(nvlink_fn([f["physical_gpu"] for f in facts]))
+        return Decision(True, f"mode=always ({'/'.join(sms)}){how}", hierarchy)
+    # Every rank asks NVML about its own node's GPUs, then the answers are combined, so a flaky
+    # query cannot split ranks.
+    node = layout.nodes[layout.node_of(dist.get_rank(group))]
+    mine = bool(nvlink_fn([facts[r]["physical_gpu"] for r in node]))
     answers: list[Any] = [None] * world
     dist.all_gather_object(answers, mine, group=group)
     if all(answers):
         return Decision(False, "the GPUs are fully NVLinked; mode=pcie leaves them to SGLang's own custom "
                                "all-reduce (set PCIE_AR_SGLANG_MODE=always to serve them anyway)")
-    return Decision(True, f"{world} GPUs without full NVLink ({'/'.join(sms)}, mode=pcie)")
+    return Decision(True, f"{world} GPUs without full NVLink ({'/'.join(sms)}, mode=pcie){how}", hierarchy)
+
+
+def multinode_problem(layout: nodes.NodeLayout, settings: Settings) -> str | None:
+    """Why a group that spans ``layout``'s nodes is left to SGLang, or None (served hierarchically)."""
+    where = f"the group spans {layout.count} nodes ({layout.describe()})"
+    if not settings.multinode:
+        return f"{where}; PCIE_AR_SGLANG_MULTINODE=0 leaves such groups to SGLang"
+    problem = layout.hierarchy_problem()
+    if problem is not None:
+        return f"{where}: {problem}"
+    if len(layout.nodes[0]) == 1:
+        return f"{where}, one GPU each: every step would be between nodes, where NCCL serves it"
+    return None
+
+
+def hierarchical_summary(layout: nodes.NodeLayout) -> str:
+    """How a group across nodes is served, for the log line."""
+    return (f"hierarchical across {layout.count} nodes of {len(layout.nodes[0])} GPUs ({layout.describe()}): "
+            "the kernels inside each node, NCCL between nodes")

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from sglang_plugin import eligibility, logline
-from sglang_plugin.adapter import PcieAllReduceAdapter
+from sglang_plugin.adapter import PcieAllReduceAdapter, hierarchical_factory
 from sglang_plugin.registry import REGISTRY
 
 logger = logging.getLogger("sglang_plugin")
@@ -69,8 +69,10 @@ class _AdapterFactory:
             sglang_class = self._original_dispatch(group=group, device=device)
             return sglang_class(group=group, device=device)
         try:
-            adapter = PcieAllReduceAdapter(group, device, state.settings,
-                                           communicator_factory=state.communicator_factory)
+            factory = state.communicator_factory
+            if decision.layout is not None and factory is None:  # a group across nodes
+                factory = hierarchical_factory(decision.layout)
+            adapter = PcieAllReduceAdapter(group, device, state.settings, communicator_factory=factory)
         except Exception as exc:
             # SGLang catches this, warns and leaves ca_comm None (NCCL serves); say why first.
             logger.error("pcie_allreduce[sglang] %s: could not create the communicator (%s: %s); "

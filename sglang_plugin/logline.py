@@ -42,6 +42,9 @@ def serving(adapter: Any, name: str, decision: Decision, settings: Settings) -> 
              else f"auto: {algorithm_ranges(adapter.comm, adapter.max_size)} for bf16")
     fused = ("fused all-reduce+residual+RMSNorm -> pcie_allreduce where SGLang's FlashInfer fusion is off "
              "(it runs only on SM90/SM100)" if settings.fused else "fused path off (PCIE_AR_SGLANG_FUSED=0)")
+    wire = getattr(adapter, "wire", None)
+    if wire is not None:
+        algos += f"; {wire} wire from {format_bytes(adapter.wire_min_bytes)} (lossy, bitwise equal on every rank)"
     transport = getattr(adapter.comm, "transport", None)
     over = f" over {transport} ({adapter.comm.transport_reason})" if transport else ""
     return (f"{_where(adapter.group, adapter.device, name)}: all-reduce of contiguous bf16/fp16/fp32 tensors "

@@ -11,7 +11,8 @@ import dataclasses
 import re
 from typing import Mapping
 
-from pcie_allreduce.algo import ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS
+from pcie_allreduce.algo import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
+                                 WIRE_ALGORITHMS)
 from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 PREFIX = "PCIE_AR_SGLANG_"
@@ -22,10 +23,18 @@ MODE = PREFIX + "MODE"
 FUSED = PREFIX + "FUSED"
 TIMEOUT_S = PREFIX + "TIMEOUT_S"
 ATTACH = PREFIX + "ATTACH"
+MULTINODE = PREFIX + "MULTINODE"
+WIRE = PREFIX + "WIRE"
+WIRE_MIN_BYTES = PREFIX + "WIRE_MIN_BYTES"
 
-ALGOS: tuple[str, ...] = ("auto",) + ALGORITHMS
+# SGLang's tensors never lie in the symmetric input area, so its in-place algorithms are not offered.
+ALGOS: tuple[str, ...] = ("auto",) + tuple(a for a in ALGORITHMS if a not in SYMMETRIC_INPUT_ALGORITHMS)
 MODES: tuple[str, ...] = ("pcie", "always")
 ATTACH_CHOICES: tuple[str, ...] = ("auto", "plugin", "import")
+# "exact": the message's own bytes; else a compressed wire of all_reduce(x, wire=NAME).
+WIRES: tuple[str, ...] = ("exact",) + tuple(WIRE_ALGORITHMS)
+# Where the FP8 wire starts to pay on one PCIe link: ~1 MiB (bench/RESULTS.md, "FP8 wire").
+DEFAULT_WIRE_MIN_BYTES = 1 << 20
 DEFAULT_MAX_BYTES = 8 << 20  # SGLang's own custom all-reduce default (8 MiB)
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -38,8 +47,8 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 DOCS: dict[str, tuple[str, str]] = {
     ENABLE: ("0", "1 turns the plugin on (it is installed but inert by default)"),
     MAX_BYTES: ("8MiB", "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
-                        "SGLang's next backend. Each rank allocates about 2 x W x (this + 3 x min(this, 512 KiB)) "
-                        "per CUDA stream"),
+                        "SGLang's next backend. Each rank allocates about (2 x W + 1) x this + 6 x W x min(this, "
+                        "512 KiB) per CUDA stream"),
     ALGO: ("auto", "force one algorithm: "
                    + " | ".join(a for a in ALGOS if a not in HOST_ONLY_ALGORITHMS + ISLAND_ALGORITHMS)
                    + " (" + " | ".join(HOST_ONLY_ALGORITHMS) + " on the host transport; "
@@ -50,6 +59,14 @@ DOCS: dict[str, tuple[str, str]] = {
                  "is unavailable"),
     TIMEOUT_S: ("300", "seconds a kernel waits for a peer before failing loudly instead of hanging (the "
                        "library's own default is 10; a serving step whose rank falls behind must not crash)"),
+    MULTINODE: ("1", "0 leaves tp groups that span nodes to SGLang (NCCL); 1 serves them hierarchically: the "
+                     "library's kernels inside each node, NCCL between nodes, each rank sending 1/L of a message "
+                     "off its node of L GPUs"),
+    WIRE: ("exact", "fp8 sends all-reduces of at least PCIE_AR_SGLANG_WIRE_MIN_BYTES as FP8 e4m3 blocks "
+                    "with an fp32 scale per 128 values (0.52x the bytes of bf16; about 3% relative error, "
+                    "bitwise identical on every rank; pcie_allreduce.fp8_wire); exact keeps every bit"),
+    WIRE_MIN_BYTES: ("1MiB", "smallest all-reduce that PCIE_AR_SGLANG_WIRE=fp8 compresses (bytes, or with "
+                             "KiB/MiB suffix); smaller ones stay exact"),
     ATTACH: ("auto", "how the hooks attach: plugin (SGLang's plugin framework), import (import hook, for "
                      "versions without plugins; needs `python -m sglang_plugin.import_hook install`), auto"),
 }
@@ -75,6 +92,10 @@ class Settings:
             (10 minutes for NCCL in torch); the plugin must not turn such a delay into a crashed
             server, and a dead peer still surfaces, naming rank, peer and stage, in 5 minutes.
         attach: "auto", "plugin" or "import".
+        multinode: serve tp groups that span nodes with the hierarchical all-reduce.
+        wire: "exact", or a compressed wire ("fp8") for all-reduces of ``wire_min_bytes`` and
+            more (plain and fused; opt-in: it changes the result within fp8_wire's bound).
+        wire_min_bytes: the smallest all-reduce the compressed wire takes.
     """
 
     enabled: bool = False
@@ -84,6 +105,9 @@ class Settings:
     fused: bool = True
     timeout_s: float = 300.0
     attach: str = "auto"
+    multinode: bool = True
+    wire: str = "exact"
+    wire_min_bytes: int = DEFAULT_WIRE_MIN_BYTES
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -138,7 +162,7 @@ def from_env(environ: Mapping[str, str]) -> Settings:
         raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     base = Settings()
     get = environ.get
-    return Settings(
+    settings = Settings(
         enabled=parse_bool(ENABLE, get(ENABLE, "0")),
         max_bytes=parse_size(MAX_BYTES, get(MAX_BYTES)) if get(MAX_BYTES) else base.max_bytes,
         algo=_choice(ALGO, get(ALGO, base.algo), ALGOS),
@@ -146,13 +170,23 @@ def from_env(environ: Mapping[str, str]) -> Settings:
         fused=parse_bool(FUSED, get(FUSED, "1")),
         timeout_s=_timeout(TIMEOUT_S, get(TIMEOUT_S)) if get(TIMEOUT_S) else base.timeout_s,
         attach=_choice(ATTACH, get(ATTACH, base.attach), ATTACH_CHOICES),
+        multinode=parse_bool(MULTINODE, get(MULTINODE, "1")),
+        wire=_choice(WIRE, get(WIRE, base.wire), WIRES),
+        wire_min_bytes=(parse_size(WIRE_MIN_BYTES, get(WIRE_MIN_BYTES)) if get(WIRE_MIN_BYTES)
+                        else base.wire_min_bytes),
     )
+    if settings.wire != "exact" and settings.algo != "auto":
+        raise SettingsError(f"{WIRE}={settings.wire} runs its own kernel ({WIRE_ALGORITHMS[settings.wire]}) from "
+                            f"{format_bytes(settings.wire_min_bytes)} up, and {ALGO}={settings.algo} forces another "
+                            f"for every size: set one of them, not both")
+    return settings
 
 
 def describe(settings: Settings) -> str:
     """A short ``key=value`` rendering for log lines."""
     return (f"max_bytes={format_bytes(settings.max_bytes)} algo={settings.algo} mode={settings.mode} "
-            f"fused={int(settings.fused)} timeout_s={settings.timeout_s:g}")
+            f"fused={int(settings.fused)} timeout_s={settings.timeout_s:g} multinode={int(settings.multinode)}"
+            + (f" wire={settings.wire}>={format_bytes(settings.wire_min_bytes)}" if settings.wire != "exact" else ""))
 
 
 def format_bytes(n: int) -> str:

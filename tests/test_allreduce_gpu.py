@@ -16,7 +16,7 @@ import torch
 
 import pcie_allreduce
 from pcie_allreduce import algo as algo_mod, ranks
-from pcie_allreduce.constants import SMALL_WORLD
+from pcie_allreduce.constants import ALGO_IDS, SMALL_WORLD
 from pcie_allreduce.errors import CollectiveMismatch, CollectiveTimeout
 from tests import _reference as ref
 
@@ -33,8 +33,11 @@ MAX_BYTES = 2 << 20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The algorithms of every transport and fabric; the host transport adds its own (HOST_ALGOS). The
 # island algorithms need islands: tests/test_island_gpu.py.
+# The in-place algorithms (SYMMETRIC_INPUT_ALGORITHMS) read the symmetric input area: their own
+# checks (_symmetric_results), on p2p.
 ALGOS = tuple(a for a in pcie_allreduce.ALGORITHMS
-              if a not in algo_mod.HOST_ONLY_ALGORITHMS + algo_mod.ISLAND_ALGORITHMS)
+              if a not in algo_mod.HOST_ONLY_ALGORITHMS + algo_mod.ISLAND_ALGORITHMS
+              + algo_mod.SYMMETRIC_INPUT_ALGORITHMS)
 HOST_ALGOS = ALGOS + algo_mod.HOST_ONLY_ALGORITHMS
 
 
@@ -48,6 +51,30 @@ def _sizes(dtype: torch.dtype, seed: int) -> list[int]:
     fixed = [1, 7, 4096, 7168, 4 * 7168, 32 * 7168, (1 << 20) // es, MAX_BYTES // es]
     odd = [rng.randrange(1, 4096) | 1, rng.randrange(4096, MAX_BYTES // es) | 1]
     return fixed + odd
+
+
+def _symmetric_results(comm: pcie_allreduce.Communicator, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``x`` all-reduced from the symmetric input area (p2p): every in-place algorithm forced and
+    auto, out of place and in place, with the area rewritten before each call (in place overwrites
+    it); forcing one on an ordinary tensor is refused. Empty on the host transport."""
+    if comm.transport != "p2p":
+        with pytest.raises(ValueError, match="p2p transport"):
+            comm.symmetric_input(x.shape, x.dtype)
+        return {}
+    results = {}
+    area = comm.symmetric_input(x.shape, x.dtype)
+    for algo in algo_mod.SYMMETRIC_INPUT_ALGORITHMS + ("auto",):
+        area.copy_(x)
+        out = torch.full_like(x, float("nan"))
+        comm.all_reduce(area, out=out, algo=algo)
+        results[f"symmetric-{algo}"] = out
+        area.copy_(x)
+        comm.all_reduce(area, out=area, algo=algo)
+        results[f"symmetric-{algo}-in-place"] = area.clone()
+    for algo in algo_mod.SYMMETRIC_INPUT_ALGORITHMS:
+        with pytest.raises(ValueError, match="symmetric_input"):
+            comm.all_reduce(x, algo=algo)
+    return results
 
 
 def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
@@ -76,6 +103,7 @@ def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(unaligned, out=out, algo=algo)
                 results[f"unaligned-{algo}"] = out
+            results.update(_symmetric_results(comm, x))
             for capped in algo_mod.CAPPED_ALGORITHMS:
                 if capped not in algos:
                     with pytest.raises(ValueError, match=capped):
@@ -160,6 +188,7 @@ def _large(ctx: ranks.RankContext, transport: str) -> dict:
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(x, out=out, algo=algo)
                 outs[algo] = out
+            outs.update(_symmetric_results(comm, x))
             torch.cuda.synchronize()
             what = f"W={ctx.world_size} rank {ctx.rank} {transport} {dtype} numel={numel}"
             ref.check(outs["twoshot"], inputs, f"{what} twoshot")  # the others: bitwise this checked result
@@ -178,6 +207,40 @@ def test_large_messages_up_to_16_mib_through_every_uncapped_algorithm(world: int
     results = ranks.run_ranks(_large, world, transport, timeout_s=600)
     assert all(r["checks"] == results[0]["checks"] > 0 for r in results)
 
+
+
+def _symmetric_graph(ctx: ranks.RankContext, replays: int) -> dict:
+    """Calls from the symmetric input area captured on one stream (out of place, then in place),
+    the area rewritten with fresh inputs before every replay; every output checked."""
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
+    stream = torch.cuda.Stream(ctx.device)
+    numel, dtype = (3 << 20) // 4 + 5, torch.bfloat16  # past the one-shots' sizes: auto takes twoshot_symm
+    area = comm.symmetric_input(numel, dtype, stream=stream)
+    assert comm._choice(numel * 2, dtype, "auto", symmetric=True)[0] == ALGO_IDS["twoshot_symm"]
+    outs = [torch.empty(numel, dtype=dtype, device=ctx.device) for _ in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        comm.all_reduce(area, out=outs[0], algo="twoshot_symm")
+        comm.all_reduce(area, out=outs[1])  # auto
+        comm.all_reduce(area, out=area)  # in place, last: it overwrites the input
+        outs[2].copy_(area)
+    for rep in range(replays):
+        inputs = ref.all_inputs(2000 + rep, ctx.world_size, numel, dtype)
+        area.copy_(inputs[ctx.rank])
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        for i, out in enumerate(outs):
+            ref.check(out, inputs, f"W={ctx.world_size} symmetric graph replay {rep} call {i}")
+    comm.check()
+    comm.close()
+    return {"checked": replays * len(outs)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_symmetric_input_calls_in_a_cuda_graph(world: int) -> None:
+    results = ranks.run_ranks(_symmetric_graph, world, 12, timeout_s=300)
+    assert all(r["checked"] == 36 for r in results)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

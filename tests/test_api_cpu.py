@@ -142,7 +142,7 @@ def _cpu_communicator(monkeypatch) -> tuple[pcie_allreduce.Communicator, _Record
     workspace = _RecordingWorkspace()
     comm._closed, comm.device, comm.max_bytes, comm.ll_capacity = False, torch.device("cpu"), 1 << 16, 1 << 12
     comm.world_size, comm.rank, comm.table, comm.block_cap = 4, 0, algo.default_table(), algo.MAX_LAUNCH_BLOCKS
-    comm._choices, comm._workspaces = {}, {0: workspace}
+    comm._choices, comm._workspaces, comm._input_areas = {}, {0: workspace}, {}
     return comm, workspace
 
 

@@ -87,7 +87,7 @@ def test_defaults() -> None:
     assert cfg.sizes == tuple(1 << p for p in range(10, 27))
     assert cfg.dtype == "bfloat16" and cfg.mode == "graph" and cfg.calls_per_graph == 16
     assert cfg.algos == ("oneshot", "staged", "twoshot", "oneshot_ll", "oneshot_full", "twoshot_full",
-                         "oneshot_pull", "twoshot_pull", "twoshot_staged", "auto")
+                         "oneshot_pull", "twoshot_pull", "twoshot_staged", "twoshot_symm", "auto")
     assert cfg.backends == ("ours", "torch_symm", "nccl", "nccl_ll", "flashinfer", "vllm", "sgl_kernel")
     assert not cfg.backends_explicit
     assert _config([], gpu_count=4).worlds == (4,)
@@ -695,7 +695,7 @@ def test_rows_for_boxes_without_p2p_run_when_named() -> None:
     from bench.backend_nccl import NcclSharedMemoryBackend
     from bench.backend_ours import OursBackend, OursHostBackend
 
-    assert set(backends.OPT_IN) == {"ours_host", "nccl_shm"} <= set(backends.BACKENDS)
+    assert set(backends.OPT_IN) == {"ours_host", "nccl_shm", "ours_hier"} <= set(backends.BACKENDS)
     assert not set(backends.OPT_IN) & set(backends.DEFAULT_BACKENDS)
     assert options.BenchConfig(worlds=(2,), sizes=(1024,)).backends == backends.DEFAULT_BACKENDS
     assert backends.backend_class("ours_host") is OursHostBackend and OursHostBackend.transport == "host"

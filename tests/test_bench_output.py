@@ -153,3 +153,41 @@ def test_island_rows_carry_their_wire_bytes_once_the_islands_are_known() -> None
                    p50_us=10.0, island_ranks=4)
     assert known.wire == wire_bytes("island_twoshot", 57344, 8, 4) and known.wire_gbps is not None
     assert Result.from_dict(known.to_dict()).island_ranks == 4  # survives the JSON round trip
+
+
+def test_hierarchy_rows_carry_the_inter_node_bytes_beside_a_flat_ring() -> None:
+    """ours_hier's wire is the inter-node link: 1/L of the message out of each rank (its fp32
+    shard, or its result shard), the whole fp32 partial into a later node's first rank; the
+    report puts a flat ring's 2(W-1)/W beside it."""
+    from bench.report import format_inter_node_bytes
+    from bench.results import Result
+
+    row = Result(world=8, backend="ours_hier", algo="auto", size_bytes=57344, count=28672, dtype="bfloat16",
+                 p50_us=40.0, nodes=2)
+    assert (row.wire.out, row.wire.into) == (4 * 7168, 4 * 28672)
+    assert Result.from_dict(row.to_dict()).nodes == 2
+    four = Result(world=8, backend="ours_hier", algo="auto", size_bytes=2000, count=1000, dtype="bfloat16",
+                  p50_us=40.0, nodes=4)
+    assert (four.wire.out, four.wire.into) == (3 * 500 * 2, 4 * 1000 + 500 * 2)
+    assert Result(world=8, backend="ours_hier", algo="auto", size_bytes=2000, count=1000, dtype="bfloat16",
+                  p50_us=1.0).wire is None  # nodes unknown: no accounting
+    text = format_inter_node_bytes([row, four])
+    assert "inter-node bytes per rank and call" in text
+    assert text.splitlines()[2].split() == ["2000", "8", "4", "3000", "5000", "3500"]
+    assert text.splitlines()[3].split() == ["57344", "8", "2", "28672", "114688", "100352"]
+    assert format_inter_node_bytes([Result(world=8, backend="ours", algo="auto", size_bytes=2000, count=1000,
+                                           dtype="bfloat16", p50_us=1.0)]) == ""
+
+
+def test_hierarchy_backend_needs_two_nodes_of_two_ranks(monkeypatch) -> None:
+    from bench import backends
+    from bench.backend_ours_hier import OursHierBackend
+
+    assert backends.backend_class("ours_hier") is OursHierBackend
+    monkeypatch.setattr("pcie_allreduce.unavailable_reason", lambda: None)
+    monkeypatch.delenv("PCIE_AR_NODES", raising=False)
+    assert OursHierBackend.runtime_problem(4, 1) is None and OursHierBackend.rank_env(4, 1) == {"PCIE_AR_NODES": "2"}
+    assert "2 or more nodes of 2 or more ranks" in OursHierBackend.runtime_problem(2, 1)
+    monkeypatch.setenv("PCIE_AR_NODES", "4")
+    assert OursHierBackend.runtime_problem(8, 1) is None and OursHierBackend.rank_env(8, 1) == {"PCIE_AR_NODES": "4"}
+    assert "$PCIE_AR_NODES=4 does not" in OursHierBackend.runtime_problem(6, 1)

@@ -86,7 +86,7 @@ def test_import_without_the_extension_uses_the_mirror() -> None:
         "from pcie_allreduce import _ext, algo, constants, layout\n"
         "assert _ext.load() is None\n"
         "assert {n: getattr(constants, n) for n in constants.MIRROR} == constants.MIRROR\n"
-        "assert algo.ALGORITHMS == ('oneshot', 'staged', 'twoshot', 'oneshot_ll', 'host_oneshot', 'host_twoshot', 'oneshot_full', 'twoshot_full', 'island_twoshot', 'oneshot_pull', 'twoshot_pull', 'twoshot_staged', 'island_oneshot')\n"
+        "assert algo.ALGORITHMS == ('oneshot', 'staged', 'twoshot', 'oneshot_ll', 'host_oneshot', 'host_twoshot', 'oneshot_full', 'twoshot_full', 'island_twoshot', 'oneshot_pull', 'twoshot_pull', 'twoshot_staged', 'island_oneshot', 'twoshot_symm')\n"
         "assert layout.Layout.make(1, 2).slot_bytes == constants.ALIGN\n"
         "print('ok')\n"
     )

@@ -113,11 +113,15 @@ def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int, transport: str
     timeout_s = 3.0 if fault == "timeout_differs" and ctx.rank == faulty_rank else 5.0
     if fault == "transport_differs" and ctx.rank == faulty_rank:
         transport = "host"
+    # ranks of other groups on the same GPU: 16 on every rank, or a rank that says 15, or nonsense
+    sharing = {"sharing_16": 16, "sharing_differs": 15 if ctx.rank == faulty_rank else 16,
+               "sharing_bad": 0 if ctx.rank == faulty_rank else None}.get(fault)
     failure = None
     gc.disable()  # a failed creation must leave nothing behind that only a cyclic collection frees
     try:
         comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=max_bytes, timeout_s=timeout_s,
-                                           algo_table=pcie_allreduce.default_table(), transport=transport)
+                                           algo_table=pcie_allreduce.default_table(), transport=transport,
+                                           ranks_per_gpu=sharing)
     except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
         failure = {"error": type(exc).__name__, "message": str(exc),
                    "all_closed": all(w.closed for w in FakeWorkspace.instances), "made": len(FakeWorkspace.instances)}
@@ -131,7 +135,7 @@ def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int, transport: str
     return {"error": None, "made": len(made), "open": not any(w.closed for w in made),
             "transport": comm.transport, "reason": comm.transport_reason, "repr": repr(comm),
             "workspace_transports": [w.transport for w in made], "names_released": all(w.name_released for w in made),
-            "segment_names": [w.segment_name for w in made],
+            "segment_names": [w.segment_name for w in made], "block_cap": comm.block_cap,
             "discarded": [(w.transport, w.closed) for w in FakeWorkspace.instances if w not in made]}
 
 
@@ -235,6 +239,21 @@ def test_a_p2p_peer_workspace_of_another_size_is_never_mapped() -> None:
         ext.p2p_export(handle[:63], 1)
 
 
+def test_the_block_cap_shares_the_gpu_with_the_ranks_of_other_groups_on_it() -> None:
+    alone = ranks.run_ranks(_create, WORLD, "none", 1, gpu=False, timeout_s=120)
+    beside = ranks.run_ranks(_create, WORLD, "sharing_16", 1, gpu=False, timeout_s=120)
+    cap = min(constants.MAX_LAUNCH_BLOCKS, _Properties.multi_processor_count // WORLD)
+    assert [r["block_cap"] for r in alone] == [cap] * WORLD
+    assert [r["block_cap"] for r in beside] == [_Properties.multi_processor_count // 16] * WORLD
+
+
+def test_ranks_per_gpu_is_agreed_and_checked() -> None:
+    for result in ranks.run_ranks(_create, WORLD, "sharing_differs", 1, gpu=False, timeout_s=120):
+        assert result["error"] == "ValueError" and "ranks disagree on ranks_per_gpu" in result["message"], result
+    bad = ranks.run_ranks(_create, WORLD, "sharing_bad", 1, gpu=False, timeout_s=120)
+    assert "ranks_per_gpu must be a positive int or None, got 0" in bad[1]["message"], bad
+
+
 def test_timeout_is_agreed() -> None:
     for result in ranks.run_ranks(_create, WORLD, "timeout_differs", 1, gpu=False, timeout_s=120):
         assert result["error"] == "ValueError" and "ranks disagree on timeout_s" in result["message"]
@@ -275,6 +294,7 @@ def _bare_communicator() -> communicator.Communicator:
     """A created communicator's state, without a process group or a GPU."""
     comm = communicator.Communicator.__new__(communicator.Communicator)
     comm._workspaces = {7: FakeWorkspace(0, 0, 2, 1 << 20, 5.0, fault="none")}
+    comm._input_areas = {}
     comm._closed, comm._closed_reason, comm._pid, comm.rank = False, "Communicator is closed", 12345, 0
     comm.device, comm.max_bytes = torch.device("cpu"), 1 << 20
     return comm

@@ -209,7 +209,8 @@ def test_island_algorithms_need_islands_and_say_so() -> None:
     assert problem is not None and "'island_twoshot'" in problem and "islands" in problem
     assert algo.default_table().availability_problem("p2p") is None
     # auto never picks the island form, nor on P2P the pull forms (whether a fabric's reads beat
-    # its writes is for `tune` to measure); the host table reads from host memory either way
+    # its writes is for `tune` to measure); the host table reads from host memory either way. The
+    # in-place two-shot reads too, but only inputs a caller placed in the symmetric area.
     for transport, islands in (("p2p", 1), ("p2p", 2), ("host", 1)):
         named = {r.algo for r in algo.default_table(transport, islands=islands).rules}
         assert not named & set(algo.ISLAND_ALGORITHMS), named

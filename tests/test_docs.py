@@ -17,12 +17,12 @@ from pcie_allreduce.constants import LOW_LATENCY_MAX_BYTES
 from pcie_allreduce.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
-FORMULA = "2*W*(max_bytes + 3*min(max_bytes, 512 KiB))"
-PLUGIN_FORMULA = "2 x W x (`MAX_BYTES` + 3 x min(`MAX_BYTES`, 512 KiB))"
+FORMULA = "(2*W + 1)*max_bytes + 6*W*min(max_bytes, 512 KiB)"
+PLUGIN_FORMULA = "(2 x W + 1) x `MAX_BYTES` + 6 x W x min(`MAX_BYTES`, 512 KiB)"
 
 
 def _formula(max_bytes: int, world: int) -> int:
-    return 2 * world * (max_bytes + 3 * min(max_bytes, LOW_LATENCY_MAX_BYTES))
+    return (2 * world + 1) * max_bytes + 6 * world * min(max_bytes, LOW_LATENCY_MAX_BYTES)
 
 
 def test_readmes_give_the_workspace_formula() -> None:

@@ -84,7 +84,7 @@ def _cpu_communicator(world: int = 4) -> tuple[Communicator, _FakeWorkspace]:
     comm.world_size = world
     comm.rank = 0
     comm.table = algo_mod.default_table()
-    comm._choices = {}
+    comm._choices, comm._input_areas = {}, {}
     comm.block_cap = algo_mod.MAX_LAUNCH_BLOCKS
     comm._workspaces = {_FakeStream.cuda_stream: workspace}
     return comm, workspace

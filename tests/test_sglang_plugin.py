@@ -48,7 +48,11 @@ def test_sglang_is_importable_where_required() -> None:
 def test_settings_defaults_are_off_and_documented() -> None:
     s = settings_mod.from_env({})
     assert s == Settings() and not s.enabled and s.max_bytes == 8 << 20 and s.mode == "pcie" and s.fused
-    names = {getattr(settings_mod, n) for n in ("ENABLE", "MAX_BYTES", "ALGO", "MODE", "FUSED", "TIMEOUT_S", "ATTACH")}
+    assert s.multinode
+    assert s.wire == "exact" and s.wire_min_bytes == 1 << 20
+    assert settings_mod.DOCS[settings_mod.WIRE_MIN_BYTES][0] == settings_mod.format_bytes(s.wire_min_bytes)
+    names = {getattr(settings_mod, n) for n in ("ENABLE", "MAX_BYTES", "ALGO", "MODE", "FUSED", "TIMEOUT_S", "ATTACH",
+                                                "MULTINODE", "WIRE", "WIRE_MIN_BYTES")}
     assert names == set(settings_mod.DOCS)
     assert all(n.startswith(settings_mod.PREFIX) for n in names)
 
@@ -57,10 +61,14 @@ def test_settings_parse_values() -> None:
     s = settings_mod.from_env({"PCIE_AR_SGLANG_ENABLE": "yes", "PCIE_AR_SGLANG_MAX_BYTES": "512KiB",
                                "PCIE_AR_SGLANG_ALGO": "TwoShot", "PCIE_AR_SGLANG_MODE": "always",
                                "PCIE_AR_SGLANG_FUSED": "off", "PCIE_AR_SGLANG_TIMEOUT_S": "2.5",
-                               "PCIE_AR_SGLANG_ATTACH": "import", "UNRELATED": "x"})
+                               "PCIE_AR_SGLANG_ATTACH": "import", "PCIE_AR_SGLANG_MULTINODE": "0", "UNRELATED": "x"})
     assert s == Settings(enabled=True, max_bytes=512 << 10, algo="twoshot", mode="always", fused=False,
-                         timeout_s=2.5, attach="import")
+                         timeout_s=2.5, attach="import", multinode=False)
     assert settings_mod.from_env({"PCIE_AR_SGLANG_MAX_BYTES": "1048576"}).max_bytes == 1 << 20
+    wired = settings_mod.from_env({"PCIE_AR_SGLANG_WIRE": "FP8", "PCIE_AR_SGLANG_WIRE_MIN_BYTES": "4MiB"})
+    assert (wired.wire, wired.wire_min_bytes) == ("fp8", 4 << 20)
+    assert "wire=fp8>=4MiB" in settings_mod.describe(wired)
+    assert "wire" not in settings_mod.describe(Settings())
     assert settings_mod.from_env({"PCIE_AR_SGLANG_MAX_BYTES": "2m"}).max_bytes == 2 << 20
 
 
@@ -78,11 +86,19 @@ def test_settings_parse_values() -> None:
     ("PCIE_AR_SGLANG_TIMEOUT_S", "soon", "seconds"),
     ("PCIE_AR_SGLANG_ATTACH", "magic", "auto, plugin, import"),
     ("PCIE_AR_SGLANG_MAXBYTES", "1", "unknown setting(s) PCIE_AR_SGLANG_MAXBYTES"),
+    ("PCIE_AR_SGLANG_WIRE", "int4", "exact, fp8"),
+    ("PCIE_AR_SGLANG_WIRE_MIN_BYTES", "big", "byte count"),
 ])
 def test_settings_errors_name_the_variable(name: str, value: str, needle: str) -> None:
     with pytest.raises(SettingsError) as info:
         settings_mod.from_env({name: value})
     assert name in str(info.value) and needle in str(info.value)
+
+
+def test_a_compressed_wire_and_a_forced_algorithm_are_one_too_many() -> None:
+    with pytest.raises(SettingsError) as info:
+        settings_mod.from_env({"PCIE_AR_SGLANG_WIRE": "fp8", "PCIE_AR_SGLANG_ALGO": "twoshot"})
+    assert "PCIE_AR_SGLANG_WIRE=fp8" in str(info.value) and "PCIE_AR_SGLANG_ALGO=twoshot" in str(info.value)
 
 
 def test_format_bytes() -> None:
@@ -550,7 +566,7 @@ ELIGIBILITY_CASES = [  # (facts per rank, NVML answer per rank, mode) -> (serve,
     (([FACT, GPU1], [True, True], "pcie"), (False, "fully NVLinked")),
     (([FACT, GPU1], [True, False], "pcie"), (True, "without full NVLink")),
     (([FACT, GPU1], [True, True], "always"), (True, "mode=always")),
-    (([FACT, {**GPU1, "host": "other"}], [False, False], "always"), (False, "spans hosts")),
+    (([FACT, {**GPU1, "host": "other"}], [False, False], "always"), (False, "spans 2 nodes (0;1), one GPU each")),
     (([FACT, {**GPU1, "unavailable": "no driver"}], [False, False], "always"),
      (False, "rank 1 cannot run the kernels: no driver")),
 ]
@@ -577,12 +593,55 @@ def test_eligibility_takes_tensor_parallel_groups_up_to_16_ranks(world: int, ser
             out[i] = {**obj, "physical_gpu": i} if isinstance(obj, dict) else obj
 
     monkeypatch.setattr(eligibility.dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(eligibility.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(eligibility.dist, "all_gather_object", gather)
     decision = eligibility.decide(None, torch.device("cpu"), Settings(enabled=True, mode="pcie"),
                                   facts_fn=lambda device: RankFacts(**FACT), nvlink_fn=lambda ids: False)
     assert decision.serve is serve, decision
     assert (f"{world} GPUs without full NVLink" if serve else f"the group has {world} ranks; pcie_allreduce serves "
             "2 to 16") in decision.reason
+
+
+def _decide_multinode(ctx, cases: list[tuple]) -> list[Decision]:
+    from sglang_plugin.eligibility import decide
+
+    decisions = []
+    for hosts, emulated, multinode, mode in cases:
+        facts = RankFacts(**{**FACT, "host": hosts[ctx.rank], "physical_gpu": ctx.rank % 2,
+                             "emulated_nodes": emulated})
+        decisions.append(decide(ctx.group, ctx.device, Settings(enabled=True, mode=mode, multinode=multinode),
+                                facts_fn=lambda device: facts, nvlink_fn=lambda ids: False))
+    return decisions
+
+
+MULTINODE_CASES = [  # (host per rank, $PCIE_AR_NODES, multinode setting, mode) -> (serve, in the reason, nodes)
+    ((["a", "a", "b", "b"], None, True, "pcie"),
+     (True, "4 GPUs without full NVLink (SM120, mode=pcie); hierarchical across 2 nodes of 2 GPUs (0-1;2-3): the "
+            "kernels inside each node, NCCL between nodes", ((0, 1), (2, 3)))),
+    ((["a", "a", "b", "b"], None, True, "always"), (True, "mode=always (SM120); hierarchical across 2 nodes", ((0, 1), (2, 3)))),
+    ((["a", "a", "b", "b"], None, False, "pcie"),
+     (False, "the group spans 2 nodes (0-1;2-3); PCIE_AR_SGLANG_MULTINODE=0 leaves such groups to SGLang", None)),
+    ((["a", "b", "a", "b"], None, True, "pcie"), (False, "node 0 holds ranks [0, 2], not a run of consecutive", None)),
+    ((["a", "a", "a", "b"], None, True, "pcie"), (False, "its nodes hold different numbers of ranks (0-2;3)", None)),
+    ((["a"] * 4, 2, True, "pcie"), (True, "hierarchical across 2 nodes of 2 GPUs (0-1;2-3)", ((0, 1), (2, 3)))),
+    ((["a"] * 4, 4, True, "pcie"), (False, "spans 4 nodes (0;1;2;3), one GPU each", None)),
+    ((["a"] * 4, -1, True, "pcie"), (False, "$PCIE_AR_NODES is not a positive number of nodes", None)),
+    ((["a"] * 4, None, True, "pcie"), (True, "4 GPUs without full NVLink (SM120, mode=pcie)", None)),
+]
+
+
+def test_eligibility_of_groups_across_nodes_is_one_decision() -> None:
+    """A tp group over nodes of equal runs of consecutive ranks is served hierarchically (the log
+    line says so and the decision carries the layout); other spreads, one GPU per node and
+    PCIE_AR_SGLANG_MULTINODE=0 are declined with the reason; nodes emulated with $PCIE_AR_NODES
+    decide like real ones; one node decides as before."""
+    cases = [case for case, _ in MULTINODE_CASES]
+    per_rank = ranks.run_ranks(_decide_multinode, 4, cases, gpu=False, timeout_s=120)
+    for (case, (serve, needle, layout)), *decisions in zip(MULTINODE_CASES, *per_rank):
+        assert len(set(decisions)) == 1, f"ranks decided differently for {case}: {decisions}"
+        mine = decisions[0]
+        assert mine.serve is serve and needle in mine.reason, (case, mine)
+        assert (mine.layout.nodes if mine.layout else None) == layout, (case, mine)
 
 
 def test_eligibility_group_name() -> None:
@@ -698,6 +757,69 @@ def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: s
     assert adapter.comm.launched if runs else not adapter.comm.launched
 
 
+class _Wired:
+    """A communicator as the adapter sees it that records each call's wire and algorithm."""
+
+    device, rank, world_size, max_bytes, island_ranks, transport = torch.device("cpu"), 0, 2, 8 << 20, 0, "host"
+    ll_capacity = 1 << 19
+
+    def __init__(self, *args, wires: tuple[str, ...] = ("fp8",), **kwargs) -> None:
+        self.wires = wires
+        self.calls: list[tuple] = []
+
+    def check(self) -> None:
+        pass
+
+    def all_reduce(self, x, out=None, algo="auto", wire=None):
+        self.calls.append(("all_reduce", x.numel() * x.element_size(), algo, wire))
+        return x.clone()
+
+    def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto", wire=None):
+        self.calls.append(("all_reduce_rmsnorm", x.numel() * x.element_size(), algo, wire))
+        return x.clone(), residual.clone()
+
+
+def test_the_fp8_wire_setting_compresses_from_its_threshold_up() -> None:
+    """PCIE_AR_SGLANG_WIRE=fp8: plain and fused calls of WIRE_MIN_BYTES and more ask for the FP8
+    wire, smaller ones stay exact; the threshold is a pure function of the size."""
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+
+    settings = Settings(enabled=True, wire="fp8", wire_min_bytes=64 << 10)
+    adapter = PcieAllReduceAdapter(None, "cpu", settings, communicator_factory=_Wired)
+    weight = torch.ones(512, dtype=torch.bfloat16)
+    for tokens in (1, 63, 64, 65, 2048):
+        x = torch.randn(tokens, 512).to(torch.bfloat16)
+        assert adapter.custom_all_reduce(x) is not None
+        assert adapter.fused_allreduce_rmsnorm(x, x.clone(), weight, 1e-6) is not None
+    want = []
+    for tokens in (1, 63, 64, 65, 2048):
+        nbytes = tokens * 512 * 2
+        wire = "fp8" if nbytes >= 64 << 10 else None
+        want += [("all_reduce", nbytes, "auto", wire), ("all_reduce_rmsnorm", nbytes, "auto", wire)]
+    assert adapter.comm.calls == want
+
+
+def test_the_fp8_wire_setting_leaves_a_communicator_without_it_exact(caplog: pytest.LogCaptureFixture) -> None:
+    """A group served hierarchically (no compressed wire between nodes) stays exact, and says so."""
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+
+    settings = Settings(enabled=True, wire="fp8", wire_min_bytes=1)
+    with caplog.at_level(logging.WARNING):
+        adapter = PcieAllReduceAdapter(None, "cpu", settings,
+                                       communicator_factory=lambda *a, **k: _Wired(wires=()))
+    assert adapter.wire is None and "PCIE_AR_SGLANG_WIRE=fp8" in caplog.text and "stay exact" in caplog.text
+    adapter.custom_all_reduce(torch.randn(4096).to(torch.bfloat16))
+    assert adapter.comm.calls == [("all_reduce", 8192, "auto", None)]
+
+
+def test_the_library_communicator_and_the_hierarchy_declare_their_wires() -> None:
+    from pcie_allreduce import Communicator, algo as algo_mod
+    from pcie_allreduce.hierarchy import HierarchicalCommunicator
+
+    assert Communicator.wires == tuple(algo_mod.WIRE_ALGORITHMS) == ("fp8",)
+    assert HierarchicalCommunicator.wires == ()
+
+
 # ---------------------------------------------------------------------------- every forward step
 
 
@@ -769,7 +891,8 @@ def _compiled_fused_step(ctx) -> dict:
             super().__init__(*args, **kwargs)
             self.handle = ops.HANDLES.register(self)
 
-        def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto"):
+        def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto", wire=None):
+            assert wire is None, wire
             return super().all_reduce_rmsnorm(x, residual, weight, eps)
 
     adapter = PcieAllReduceAdapter(ctx.group, "cpu", Settings(enabled=True), communicator_factory=Registered)

@@ -31,7 +31,7 @@ def _parse(argv: list[str]):
 
 def test_tune_options() -> None:
     args, job = _parse([])
-    assert job.algos == algo_mod.ALGORITHMS and job.blocks == tune.DEFAULT_BLOCKS
+    assert job.algos == tune.ALGORITHMS and job.blocks == tune.DEFAULT_BLOCKS
     assert job.sizes[0] == 1024 and job.sizes[-1] == 8 << 20 and len(job.sizes) == 14
     assert (job.iters, job.warmup, job.calls_per_graph, job.time_budget_s) == (30, 5, 16, 0.2)
     assert args.world is None and not args.dry_run and args.cache_dir is None
@@ -94,7 +94,7 @@ def test_derived_table_on_random_picks() -> None:
     rng = random.Random(7)
     for _ in range(50):
         sizes = sorted(rng.sample([1 << p for p in range(10, 27)], rng.randint(1, 10)))
-        picks = [Pick(4, s, rng.choice(algo_mod.ALGORITHMS), rng.choice([1, 2, 4, 8, 16, 32, 64]), 1.0, 1.0)
+        picks = [Pick(4, s, rng.choice(tune.ALGORITHMS), rng.choice([1, 2, 4, 8, 16, 32, 64]), 1.0, 1.0)
                  for s in sizes]
         table = tune.derive_table(picks)
         assert tune.check_table(table, picks, "bfloat16") == [], picks

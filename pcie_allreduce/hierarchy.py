@@ -1,0 +1,367 @@
+"""The all-reduce of a group that spans nodes: our kernels inside each node, torch.distributed between.
+
+Nodes are runs of L consecutive ranks (:mod:`pcie_allreduce.nodes`). The flat result of every
+algorithm is the fp32 sum in rank order, rounded once (protocol invariant 6). That sum splits at
+node boundaries into one chain of fp32 partials, which is what this module runs:
+
+1. Node 0 all-reduces its ranks' inputs, widened to fp32, with the library's kernels: every rank of
+   node 0 then holds P0 = x0 + x1 + ... + x(L-1), summed in that order in fp32.
+2. Each rank of node 0 sends its 1/L shard of P0 to node 1's first rank, which adds its own input
+   to the whole (P0 + xL, the very next addition of the flat sum); node 1 all-reduces in fp32 with
+   that as its first rank's input: ((P0 + xL) + x(L+1)) + ... = P1, the flat sum's next prefix.
+   And so on down the nodes.
+3. The last node rounds its partial once, to the input's dtype: the flat result, bit for bit. Each of
+   its ranks sends its 1/L shard of it to the rank of the same local index in every other node,
+   and those nodes gather the shards with one more all-reduce of their own, in which every rank
+   but a shard's owner adds -0.0 there (x + -0.0 is x for every x, -0.0 and NaN included).
+
+So the result is bitwise the single-node result on every rank, for every algorithm the nodes'
+tables pick. The exceptions are those of the full-payload algorithms (README, "sign of a
+zero"): they send -0.0 as +0.0 and the fp32 pattern 0x80008000 as -0.0. Here partials cross a
+node's all-reduce as fp32 data, so a partial of exactly that negative subnormal is the one value
+that may reach the sum altered. Off the node each rank sends 1/L of the message per call (4 bytes
+an element of the partial, or its dtype's of the result to each other node: ``off_node_bytes``). A
+node that is not the first receives the whole partial at its first rank. The cost is one all-reduce
+per node on fp32, plus one more on the result in every node but the last.
+
+Between nodes: point-to-point sends on the caller's group (or ``inter_node_group``), NCCL where
+that group is NCCL (GPU tensors, capturable in a CUDA graph), any other backend through host
+memory (eager only). A send or receive that fails or outlasts the timeout raises
+:class:`InterNodeError` naming the step, the rank and the peer: through host memory at once, on
+NCCL (where the host never waits) at the next :meth:`HierarchicalCommunicator.check` of an eager
+call. The communicator is unusable afterwards, like one whose kernel timed out.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from datetime import timedelta
+from typing import Any, Callable, NoReturn, Protocol
+
+import torch
+import torch.distributed as dist
+
+from pcie_allreduce import _ext, nodes as nodes_mod, validation
+from pcie_allreduce.algo import UNFUSED, WireBytes
+from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
+from pcie_allreduce.errors import InterNodeError
+
+#: Seconds a send or receive between nodes may take before the call fails.
+DEFAULT_INTER_NODE_TIMEOUT_S = 60.0
+_MAX_PENDING = 256  # NCCL works of eager calls kept for check(), the newest
+
+
+class IntraNode(Protocol):
+    """What the hierarchy needs of a node's own all-reduce: the fp32 sum in rank order."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` near-equal shards of ``numel`` elements, in order."""
+    return [(i * numel // parts, (i + 1) * numel // parts) for i in range(parts)]
+
+
+def off_node_bytes(numel: int, elem_size: int, layout: nodes_mod.NodeLayout, rank: int) -> int:
+    """Bytes ``rank`` sends off its node for one call of ``numel`` elements of ``elem_size`` bytes:
+    its shard of the node's fp32 partial (every node but the last), or its shard of the result to
+    each other node (the last node): 1/L of the message, L ranks a node."""
+    start, end = shard_bounds(numel, len(layout.nodes[0]))[layout.local_rank(rank)]
+    if layout.node_of(rank) == layout.count - 1:
+        return (layout.count - 1) * (end - start) * elem_size
+    return 4 * (end - start)
+
+
+def off_node_wire(numel: int, elem_size: int, layout: nodes_mod.NodeLayout) -> WireBytes:
+    """The most bytes any rank sends off its node (``out``) and receives from other nodes
+    (``into``) in one call: a non-first node's first rank receives the whole fp32 partial."""
+    shards = shard_bounds(numel, len(layout.nodes[0]))
+    last = layout.count - 1
+
+    def received(rank: int) -> int:
+        node, local = layout.node_of(rank), layout.local_rank(rank)
+        start, end = shards[local]
+        return (4 * numel if node > 0 and local == 0 else 0) + ((end - start) * elem_size if node < last else 0)
+
+    ranks = range(layout.world)
+    return WireBytes(max(off_node_bytes(numel, elem_size, layout, r) for r in ranks), max(received(r) for r in ranks))
+
+
+def flat_ring_off_node_bytes(nbytes: int, world: int) -> int:
+    """What a flat ring all-reduce (NCCL's on PCIe) sends per call from each rank whose ring
+    neighbour is on the next node: 2(W-1)/W of the message, as every rank of the ring sends."""
+    return 2 * (world - 1) * nbytes // world
+
+
+class HierarchicalCommunicator:
+    """All-reduce (and the all-reduce + residual add + RMSNorm) over ``group``, whose ranks span
+    nodes: ``pcie_allreduce.Communicator`` inside each node, point-to-point sends on ``group``
+    between nodes. Collective to create, like the Communicator.
+
+    Args:
+        group: the whole group (every rank of every node).
+        device: this rank's CUDA device.
+        layout: the group's nodes; default :func:`pcie_allreduce.nodes.gather_layout`.
+        inter_node_group: the same ranks as ``group``, whose point-to-point sends carry the step
+            between nodes (an NCCL group where ``group`` is gloo, as SGLang's device group beside
+            its CPU group); default ``group``.
+        inter_node_timeout_s: how long one send or receive between nodes may take.
+        intra_node: makes this node's all-reduce from the node's process group (default: a
+            ``Communicator`` on ``device`` with ``communicator_kwargs``); None for one-rank nodes.
+        max_bytes: the largest message (the nodes' communicators are made for twice it).
+        communicator_kwargs: passed to each node's ``Communicator`` (timeout_s, transport, ...).
+    """
+
+    #: The compressed wires it takes: none (the chain between nodes carries fp32 partials).
+    wires: tuple[str, ...] = ()
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, *,
+                 layout: nodes_mod.NodeLayout | None = None,
+                 inter_node_group: dist.ProcessGroup | None = None,
+                 inter_node_timeout_s: float = DEFAULT_INTER_NODE_TIMEOUT_S,
+                 intra_node: Callable[[dist.ProcessGroup], IntraNode] | None = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES, **communicator_kwargs: Any) -> None:
+        if not inter_node_timeout_s > 0:
+            raise ValueError(f"inter_node_timeout_s must be positive, got {inter_node_timeout_s!r}")
+        self._group = group
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
+        self.layout = nodes_mod.gather_layout(group) if layout is None else layout
+        if self.layout.world != self.world_size:
+            raise ValueError(f"the node layout covers {self.layout.world} ranks, the group has {self.world_size}")
+        problem = self.layout.hierarchy_problem()
+        if problem is not None:
+            raise ValueError(f"the hierarchical all-reduce cannot serve this group: {problem}")
+        self.node = self.layout.node_of(self.rank)
+        self.local_rank = self.layout.local_rank(self.rank)
+        self.node_size = len(self.layout.nodes[0])
+        self.inter_node_timeout_s = float(inter_node_timeout_s)
+        #: Largest message; the nodes' communicators take twice it (a 16-bit message's fp32 partials).
+        self.max_bytes = validation.validate_max_bytes(max_bytes)
+        self._data_group = group if inter_node_group is None else inter_node_group
+        if dist.get_world_size(self._data_group) != self.world_size:
+            raise ValueError(f"inter_node_group has {dist.get_world_size(self._data_group)} ranks, the group "
+                             f"{self.world_size}: it must hold the same ranks")
+        # "nccl", "gloo", or e.g. "cpu:gloo,cuda:nccl"
+        self.backend = str(dist.get_backend(self._data_group))
+        self._through_host = "nccl" not in self.backend
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        # Only this node's ranks make its group (local synchronization): the group may be a part of
+        # the world (one tensor-parallel group of several), whose other ranks never come here.
+        self.node_group = dist.new_group([self._global[r] for r in self.layout.nodes[self.node]],
+                                         backend=dist.get_backend(group), use_local_synchronization=True)
+        self._failed: str | None = None
+        self._pending: list[tuple[float, Any, int, str]] = []  # NCCL works of eager calls (check())
+        if self.node_size == 1:
+            self.intra: IntraNode | None = None
+        elif intra_node is not None:
+            self.intra = intra_node(self.node_group)
+        else:
+            # Emulated nodes share GPUs: every node's blocks must fit beside every other node's.
+            communicator_kwargs.setdefault("ranks_per_gpu", _ranks_per_gpu(group, self.device))
+            self.intra = Communicator(self.node_group, self.device, 2 * self.max_bytes, **communicator_kwargs)
+        # One call now: every pair of ranks the sends join meets here, outside any graph capture
+        # (NCCL makes a pair's communicator at its first send), and a broken setup fails at once.
+        self.all_reduce(torch.zeros(self.node_size, dtype=torch.float32, device=self.device))
+
+    # ---- the collective ----------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str = "auto") -> torch.Tensor:
+        """The sum of ``x`` over every rank of every node, bitwise the single-node result on
+        every rank (module docstring). ``out``: where to write it (default a new tensor);
+        ``algo``: what the nodes' all-reduces run ("auto": their tables)."""
+        self._refuse_if_failed()
+        validation.plain_call(x, out, algo, device=self.device, max_bytes=self.max_bytes)
+        if self._through_host and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the inter-node step runs on a {self.backend!r} group through host memory, which a "
+                               "CUDA graph cannot capture; use an NCCL group between nodes for graphs")
+        flat = x.reshape(-1)
+        if flat.numel() == 0:
+            return x.clone() if out is None else out
+        last, shards = self.layout.count - 1, shard_bounds(flat.numel(), self.node_size)
+        mine = slice(*shards[self.local_rank])
+        if self.node > 0 and self.local_rank == 0:
+            # The previous node's partial, a shard from each of its ranks, then our input onto it.
+            partial = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+            self._receive_all([(partial[slice(*b)], self._peer(self.node - 1, i)) for i, b in enumerate(shards)],
+                              f"the fp32 partial from node {self.node - 1}")
+            partial.add_(flat)  # previous + x: the flat sum's next addition (x widened exactly)
+        else:
+            partial = flat.to(torch.float32)  # exact; x itself when it is fp32 (never written)
+        node_sum = self._node_all_reduce(partial, algo)
+        if self.node < last:
+            self._send(node_sum[mine], self._peer(self.node + 1, 0), f"the fp32 partial to node {self.node + 1}")
+            # Our shard of the result from the last node; the node's shards gathered by an
+            # all-reduce in which every other rank adds -0.0 (x + -0.0 is x, for every x).
+            padded = torch.full(flat.shape, -0.0, dtype=flat.dtype, device=flat.device)
+            self._receive_all([(padded[mine], self._peer(last, self.local_rank))], f"the result from node {last}")
+            result = self._node_all_reduce(padded, algo)
+        else:
+            result = node_sum.to(flat.dtype)  # rounded once, as the kernels round (to nearest even)
+            for node in range(last):
+                self._send(result[mine], self._peer(node, self.local_rank), f"the result to node {node}")
+        result = result.view(x.shape)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                           out: torch.Tensor | None = None,
+                           residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``new_residual = residual + all_reduce(x)``, ``normed = rmsnorm(new_residual) * weight``:
+        the hierarchical all-reduce, then the library's one add + RMSNorm kernel (the pair
+        ``Communicator.all_reduce_rmsnorm`` runs unfused), so both outputs are bitwise those of a
+        single node's unfused call on the same inputs. Arguments as there."""
+        from pcie_allreduce import add_rmsnorm
+
+        validation.fused_call(x, residual, weight, eps, out, residual_out, UNFUSED, device=self.device,
+                              max_bytes=self.max_bytes, world=self.world_size)
+        normed = torch.empty_like(x) if out is None else out
+        new_residual = torch.empty_like(residual) if residual_out is None else residual_out
+        if x.numel() == 0:
+            return normed, new_residual
+        self.all_reduce(x, out=normed)
+        add_rmsnorm.add_rmsnorm(normed, residual, weight, eps, normed, new_residual)
+        return normed, new_residual
+
+    def check(self) -> None:
+        """Raise the error of an earlier failed call (between nodes, or of the node's kernels)."""
+        self._refuse_if_failed()
+        self._check_pending()
+        check = getattr(self.intra, "check", None)
+        if check is not None:
+            check()
+
+    # What the SGLang adapter and log line read of a communicator: the node's.
+    @property
+    def transport(self) -> str:
+        return getattr(self.intra, "transport", "p2p")
+
+    @property
+    def transport_reason(self) -> str:
+        return getattr(self.intra, "transport_reason", "one rank per node")
+
+    @property
+    def island_ranks(self) -> int:
+        return getattr(self.intra, "island_ranks", 0)
+
+    @property
+    def ll_capacity(self) -> int | None:
+        return getattr(self.intra, "ll_capacity", None)
+
+    def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
+        """What the nodes' all-reduces run for an ``nbytes`` message of ``dtype`` (on its fp32 partials)."""
+        if self.intra is None:
+            return "between nodes only"
+        return self.intra.select_algo(nbytes * 4 // max(1, torch.empty((), dtype=dtype).element_size()),
+                                      torch.float32)
+
+    def has_workspace(self, stream: int) -> bool:
+        return bool(self.intra.has_workspace(stream)) if self.intra is not None else True
+
+    def workspace(self, stream: int) -> Any:
+        """The node communicator's workspace of ``stream`` (collective over the node)."""
+        return self.intra.workspace(stream) if self.intra is not None else None
+
+    def close(self) -> None:
+        """Release the node's communicator (collective over the node)."""
+        close = getattr(self.intra, "close", None)
+        if close is not None:
+            close()
+
+    def _refuse_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"this hierarchical communicator failed earlier ({self._failed}); create a new one")
+
+    def _node_all_reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
+        if self.intra is None:
+            return x
+        return self.intra.all_reduce(x) if algo == "auto" else self.intra.all_reduce(x, algo=algo)
+
+    # ---- between nodes -----------------------------------------------------------------
+
+    def _peer(self, node: int, local_rank: int) -> int:
+        return self.layout.nodes[node][local_rank]
+
+    def _receive_all(self, parts: list[tuple[torch.Tensor, int]], step: str) -> None:
+        """Receive each ``(view, peer)`` pair, all posted at once (empty views skipped)."""
+        parts = [(into, peer) for into, peer in parts if into.numel()]
+        staged = [torch.empty(into.shape, dtype=into.dtype) if self._through_host else into for into, _ in parts]
+        works = []
+        for (_, peer), buf in zip(parts, staged):
+            start = lambda buf=buf, peer=peer: dist.irecv(buf, src=self._global[peer], group=self._data_group)  # noqa: E731
+            works.append((self._start(start, peer, step), peer))
+        for work, peer in works:
+            self._wait(work, peer, step)
+        for (into, _), buf in zip(parts, staged):
+            if buf is not into:
+                into.copy_(buf)
+
+    def _send(self, tensor: torch.Tensor, peer: int, step: str) -> None:
+        if not tensor.numel():
+            return
+        staged = tensor.cpu() if self._through_host else tensor.contiguous()
+        work = self._start(lambda: dist.isend(staged, dst=self._global[peer], group=self._data_group), peer, step)
+        self._wait(work, peer, step)
+
+    def _start(self, start: Callable[[], Any], peer: int, step: str) -> Any:
+        try:
+            return start()
+        except Exception as exc:  # noqa: BLE001 - any backend's failure becomes the library's error
+            self._fail(peer, step, " ".join(str(exc).split()) or type(exc).__name__)
+
+    def _wait(self, work: Any, peer: int, step: str) -> None:
+        """Wait for one send or receive, bounded: InterNodeError naming ``step``.
+
+        Through host memory the host waits (it must, to copy the data). On NCCL the current
+        stream waits instead, so the call never blocks the host and a graph capture records the
+        dependency; eager works are kept and :meth:`check` raises for one that failed or is
+        still pending past the timeout."""
+        try:
+            if self._through_host:
+                done = work.wait(timeout=timedelta(seconds=self.inter_node_timeout_s))
+            else:
+                done = work.wait()
+                if not torch.cuda.is_current_stream_capturing():
+                    self._pending = [p for p in self._pending if not p[1].is_completed()][-_MAX_PENDING:]
+                    self._pending.append((time.monotonic(), work, peer, step))
+        except Exception as exc:  # noqa: BLE001 - any backend's failure becomes the library's error
+            self._fail(peer, step, " ".join(str(exc).split()) or type(exc).__name__)
+        if done is False:
+            self._fail(peer, step, f"not complete after {self.inter_node_timeout_s:g} s")
+
+    def _check_pending(self) -> None:
+        """Raise for an NCCL send or receive of an eager call that failed, or is still not
+        complete ``inter_node_timeout_s`` after it was issued (no host wait)."""
+        now, still = time.monotonic(), []
+        for started, work, peer, step in self._pending:
+            try:
+                completed = work.is_completed()
+                failure = work.exception() if completed else None
+            except Exception as exc:  # noqa: BLE001 - the backend's failure becomes the library's error
+                self._fail(peer, step, " ".join(str(exc).split()) or type(exc).__name__)
+            if failure is not None:
+                self._fail(peer, step, " ".join(str(failure).split()) or type(failure).__name__)
+            if not completed:
+                if now - started > self.inter_node_timeout_s:
+                    self._fail(peer, step, f"not complete {now - started:.0f} s after it was issued")
+                still.append((started, work, peer, step))
+        self._pending = still
+
+    def _fail(self, peer: int, step: str, why: str) -> NoReturn:
+        self._failed = f"rank {self.rank}: {step} (rank {peer}) failed"
+        raise InterNodeError(f"rank {self.rank}: the inter-node step '{step}' with rank {peer} failed over "
+                             f"{self.backend}: {why}", rank=self.rank, peer=peer, stage=step)
+
+
+def _ranks_per_gpu(group: dist.ProcessGroup, device: torch.device) -> int:
+    """Collective over ``group``: the most of its ranks on one GPU (host identity and PCI bus id,
+    gathered). Where nodes are emulated on one machine every node's calls run on the same GPUs at
+    once, and each node's communicator must leave SMs for the others' blocks (dispatch.block_cap)."""
+    mine = (nodes_mod.host_identity(), _ext.require().pci_bus_id(device.index).lower())
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return max(collections.Counter(gathered).values())

@@ -1,0 +1,132 @@
+"""Which node (machine) each rank of a group runs on, for the all-reduce across nodes.
+
+The ranks of a group find their nodes by gathering a host identity over the group: the host name
+and the kernel's boot id (two containers or two boots of one name are not one node's shared
+memory). ``$PCIE_AR_NODES=K`` emulates K nodes on one machine for tests: the group's ranks split
+into K equal runs of consecutive ranks, whatever the machine is; every rank must set the same K.
+
+Pure functions over the gathered identities (:func:`layout_of`) with one collective entry point
+(:func:`gather_layout`), so the layout's rules run, and are tested, on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch.distributed as dist
+
+#: Emulate this many nodes (equal runs of consecutive ranks) on one machine.
+NODES_ENV = "PCIE_AR_NODES"
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def host_identity(boot_id_path: str = _BOOT_ID) -> str:
+    """This machine's identity: its host name and, where the kernel says it, its boot id."""
+    try:
+        with open(boot_id_path, encoding="ascii") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
+
+
+def emulated_nodes(environ: Mapping[str, str] | None = None) -> int | None:
+    """``$PCIE_AR_NODES`` as a node count, None when unset; ValueError naming it when malformed."""
+    text = (os.environ if environ is None else environ).get(NODES_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"${NODES_ENV} must be a positive number of nodes to emulate, got {text!r}")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The group's ranks by node: ``nodes[g]`` lists node g's ranks in rank order, nodes in the
+    order of their lowest rank."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    #: How the nodes were found: "host identity" or "$PCIE_AR_NODES".
+    source: str = "host identity"
+
+    @property
+    def world(self) -> int:
+        return sum(len(n) for n in self.nodes)
+
+    @property
+    def count(self) -> int:
+        return len(self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        return next(g for g, ranks in enumerate(self.nodes) if rank in ranks)
+
+    def local_rank(self, rank: int) -> int:
+        return self.nodes[self.node_of(rank)].index(rank)
+
+    def hierarchy_problem(self) -> str | None:
+        """Why the hierarchical all-reduce cannot serve this layout, or None. Its result is the
+        single-node sum bit for bit because the nodes are runs of consecutive ranks of one size:
+        the rank-order sum then splits at node boundaries into one chain of partials."""
+        if self.count < 2:
+            return "the group runs on one node"
+        sizes = sorted({len(n) for n in self.nodes})
+        if len(sizes) > 1:
+            return f"its nodes hold different numbers of ranks ({self.describe()})"
+        size = sizes[0]
+        for g, ranks in enumerate(self.nodes):
+            if ranks != tuple(range(g * size, (g + 1) * size)):
+                return (f"node {g} holds ranks {list(ranks)}, not a run of consecutive ranks ({self.describe()}); "
+                        "start the ranks node by node")
+        return None
+
+    def describe(self) -> str:
+        """``0-3;4-7``: each node's ranks (a run as first-last)."""
+        def run(ranks: tuple[int, ...]) -> str:
+            if ranks == tuple(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+                return f"{ranks[0]}-{ranks[-1]}"
+            return ",".join(map(str, ranks))
+        return ";".join(run(n) for n in self.nodes)
+
+
+def equal_nodes(world: int, count: int, source: str = f"${NODES_ENV}") -> NodeLayout:
+    """``world`` ranks as ``count`` nodes of equal runs of consecutive ranks (``count`` divides ``world``)."""
+    size = world // count
+    return NodeLayout(tuple(tuple(range(g * size, (g + 1) * size)) for g in range(count)), source)
+
+
+def layout_of(identities: Sequence[str], emulate: Sequence[int | None] = ()) -> NodeLayout:
+    """The layout from each rank's host identity (index = rank) and each rank's
+    ``$PCIE_AR_NODES`` (None: unset); ValueError when the ranks disagree on it or it does not
+    divide the group."""
+    world = len(identities)
+    counts = set(emulate) if emulate else {None}
+    if len(counts) > 1:
+        raise ValueError(f"the ranks set ${NODES_ENV} differently ({sorted(counts, key=str)}); set one value on all")
+    count = counts.pop()
+    if count is not None:
+        if world % count:
+            raise ValueError(f"${NODES_ENV}={count} does not divide the group's {world} ranks into equal nodes")
+        return equal_nodes(world, count)
+    order: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        order.setdefault(identity, []).append(rank)
+    return NodeLayout(tuple(tuple(ranks) for ranks in order.values()))
+
+
+def gather_layout(group: dist.ProcessGroup, environ: Mapping[str, str] | None = None) -> NodeLayout:
+    """Collective over ``group``: every rank's identity and ``$PCIE_AR_NODES``, gathered; the
+    same layout on every rank (or the same ValueError)."""
+    try:
+        mine: tuple[str, int | None, str] = (host_identity(), emulated_nodes(environ), "")
+    except ValueError as exc:
+        mine = (host_identity(), None, str(exc))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    problems = [(rank, p) for rank, (_, _, p) in enumerate(gathered) if p]
+    if problems:
+        rank, problem = problems[0]
+        raise ValueError(f"rank {rank}: {problem}")
+    return layout_of([g[0] for g in gathered], [g[1] for g in gathered])

@@ -1,0 +1,206 @@
+"""CPU tests of the all-reduce across nodes: node discovery and its emulation ($PCIE_AR_NODES),
+the layouts the hierarchy takes, and the hierarchy itself over gloo, each node's own all-reduce
+stood in for by the rank-order fp32 sum the kernels compute (the GPU suite runs the kernels)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pcie_allreduce import nodes, ranks
+from pcie_allreduce.errors import InterNodeError
+from pcie_allreduce.hierarchy import HierarchicalCommunicator, off_node_bytes, shard_bounds
+from pcie_allreduce.nodes import NodeLayout, layout_of
+from tests import _reference as ref
+
+
+def test_host_identity_is_the_host_name_and_the_boot_id(tmp_path) -> None:
+    boot = tmp_path / "boot_id"
+    boot.write_text("1234-abcd\n")
+    import socket
+
+    assert nodes.host_identity(str(boot)) == f"{socket.gethostname()}/1234-abcd"
+    assert nodes.host_identity(str(tmp_path / "missing")) == socket.gethostname()
+
+
+def test_emulated_nodes_parse_and_name_the_variable() -> None:
+    assert nodes.emulated_nodes({}) is None and nodes.emulated_nodes({"PCIE_AR_NODES": " "}) is None
+    assert nodes.emulated_nodes({"PCIE_AR_NODES": "4"}) == 4
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ValueError, match=r"\$PCIE_AR_NODES must be a positive number of nodes"):
+            nodes.emulated_nodes({"PCIE_AR_NODES": bad})
+
+
+def test_layouts_from_identities_and_emulation() -> None:
+    two = layout_of(["a", "a", "b", "b"])
+    assert two.nodes == ((0, 1), (2, 3)) and two.source == "host identity" and two.hierarchy_problem() is None
+    assert [two.node_of(r) for r in range(4)] == [0, 0, 1, 1] and [two.local_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert two.describe() == "0-1;2-3" and two.count == 2 and two.world == 4
+    assert "one node" in layout_of(["a"] * 4).hierarchy_problem()
+    interleaved = layout_of(["a", "b", "a", "b"])
+    assert interleaved.nodes == ((0, 2), (1, 3))
+    assert "not a run of consecutive ranks (0,2;1,3)" in interleaved.hierarchy_problem()
+    assert "different numbers of ranks (0-2;3)" in layout_of(["a", "a", "a", "b"]).hierarchy_problem()
+    emulated = layout_of(["a"] * 8, [4] * 8)
+    assert emulated == nodes.equal_nodes(8, 4)
+    assert emulated.nodes == ((0, 1), (2, 3), (4, 5), (6, 7)) and emulated.source == "$PCIE_AR_NODES"
+    assert layout_of(["a"] * 4, [4] * 4).nodes == ((0,), (1,), (2,), (3,))
+    with pytest.raises(ValueError, match="does not divide the group's 6 ranks"):
+        layout_of(["a"] * 6, [4] * 6)
+    with pytest.raises(ValueError, match="set \\$PCIE_AR_NODES differently"):
+        layout_of(["a"] * 2, [2, None])
+
+
+def test_off_node_bytes_per_rank() -> None:
+    """1/L of the message per rank: its shard of the fp32 partial, or (last node) of the result to
+    each other node."""
+    layout = nodes.equal_nodes(8, 2)  # 0-3;4-7
+    assert [off_node_bytes(1000, 2, layout, r) for r in range(8)] == [1000] * 4 + [500] * 4
+    assert [off_node_bytes(10, 2, layout, r) for r in range(8)] == [8, 12, 8, 12, 4, 6, 4, 6]
+    four = nodes.equal_nodes(4, 4)
+    assert [off_node_bytes(10, 2, four, r) for r in range(4)] == [40, 40, 40, 60]
+    assert shard_bounds(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)] and shard_bounds(1, 2) == [(0, 0), (0, 1)]
+
+
+CPU_CASES = [(1, torch.bfloat16), (3, torch.float32), (7, torch.float16), (4099, torch.bfloat16),
+             (7168 * 3 + 5, torch.float16), (1000, torch.float32)]
+
+
+class _RankOrderSum:
+    """A node's all-reduce as the kernels compute it: the fp32 sum in rank order (gloo, CPU)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, x, group=self.group)
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            acc += part
+        return acc
+
+
+def _hierarchy_rank(ctx: ranks.RankContext, node_counts: list[int]) -> dict:
+    gathered = nodes.gather_layout(ctx.group)  # $PCIE_AR_NODES=2 in every rank
+    checked = 0
+    for count in node_counts:
+        layout = nodes.equal_nodes(ctx.world_size, count)
+        comm = HierarchicalCommunicator(ctx.group, "cpu", layout=layout, intra_node=_RankOrderSum,
+                                        inter_node_timeout_s=30)
+        for seed, (numel, dtype) in enumerate(CPU_CASES):
+            inputs = ref.all_inputs(seed + 100 * count, ctx.world_size, numel, dtype)
+            out = torch.full_like(inputs[ctx.rank], float("nan"))
+            got = comm.all_reduce(inputs[ctx.rank].view(1, -1) if numel > 1000 else inputs[ctx.rank],
+                                  out=out.view(1, -1) if numel > 1000 else out)
+            want = ref.exact(inputs)  # the single-node result: the fp32 sum in rank order, rounded once
+            assert torch.equal(ref.bits(got.reshape(-1)), ref.bits(want)), f"{count} nodes, {numel} {dtype}"
+            checked += 1
+        # -0.0 on every rank stays -0.0, NaN (any payload) and infinities pass, as in the flat sum
+        edge = [torch.tensor([-0.0, float("nan"), float("inf"), -1.5, 0.0], dtype=torch.bfloat16)
+                for _ in range(ctx.world_size)]
+        got = comm.all_reduce(edge[ctx.rank])
+        assert not ref.bitwise_mismatches(got, ref.exact(edge)).any(), f"{count} nodes: edge values {got}"
+        checked += 1
+    return {"nodes": gathered.nodes, "source": gathered.source, "checked": checked}
+
+
+@pytest.mark.parametrize("world, node_counts", [(4, [2, 4]), (8, [2, 4])])
+def test_hierarchical_sum_is_bitwise_the_single_node_sum(world: int, node_counts: list[int]) -> None:
+    """Two and four nodes of 1, 2 and 4 ranks: the chain of fp32 partials gives the flat result
+    bit for bit on every rank, bf16 / fp16 / fp32, odd sizes."""
+    results = ranks.run_ranks(_hierarchy_rank, world, node_counts, gpu=False, timeout_s=240,
+                              env={"PCIE_AR_NODES": "2"})
+    half = world // 2
+    for r in results:
+        assert r["nodes"] == (tuple(range(half)), tuple(range(half, world))) and r["source"] == "$PCIE_AR_NODES"
+        assert r["checked"] == (len(CPU_CASES) + 1) * len(node_counts)
+
+
+def _silent_last_node_rank(ctx: ranks.RankContext) -> dict:
+    layout = nodes.equal_nodes(4, 2)
+    comm = HierarchicalCommunicator(ctx.group, "cpu", layout=layout, intra_node=_RankOrderSum,
+                                    inter_node_timeout_s=2)
+    if ctx.rank == 2:  # the last node's first rank never sends the result back
+        comm._send = lambda tensor, peer, step: None  # type: ignore[method-assign]
+    x = torch.randn(64)
+    started = time.monotonic()
+    raised = None
+    try:
+        comm.all_reduce(x)
+    except InterNodeError as exc:
+        raised = {"peer": exc.peer, "stage": exc.stage, "rank": exc.rank, "message": str(exc)}
+    except RuntimeError as exc:  # the node's own all-reduce, its peer gone (on GPUs: the kernel's timeout)
+        raised = {"node": " ".join(str(exc).split())[:200]}
+    elapsed = time.monotonic() - started
+    again = None
+    if raised:
+        try:
+            comm.all_reduce(x)
+        except RuntimeError as exc:
+            again = str(exc)
+    # no collective after this: a receive that timed out leaves gloo's connection to that peer closed
+    return {"raised": raised, "elapsed": elapsed, "again": again}
+
+
+def test_a_silent_inter_node_peer_raises_naming_the_step_never_hangs() -> None:
+    """The last node's first rank never sends node 0's first rank its shard of the result: that
+    rank raises InterNodeError naming the step and the peer after the timeout, and refuses later
+    calls; its node peer's gather fails in turn; nothing hangs."""
+    results = ranks.run_ranks(_silent_last_node_rank, 4, gpu=False, timeout_s=120)
+    r0 = results[0]
+    assert r0["raised"] == {"peer": 2, "stage": "the result from node 1", "rank": 0,
+                            "message": r0["raised"]["message"]}, r0
+    assert "rank 0: the inter-node step 'the result from node 1' with rank 2 failed over gloo" in r0["raised"]["message"]
+    assert r0["elapsed"] < 20 and "failed earlier" in r0["again"]
+    # rank 1 got its shard but then lost rank 0 in the node's gather; node 1 finished
+    assert results[1]["raised"] is not None and "node" in results[1]["raised"], results[1]
+    assert results[2]["raised"] is None and results[3]["raised"] is None, results
+
+
+def test_layout_the_hierarchy_refuses_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    group = object()
+    with pytest.raises(ValueError, match="cannot serve this group: the group runs on one node"):
+        HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0, 1, 2, 3),)))
+    with pytest.raises(ValueError, match="node 0 holds ranks \\[0, 2\\], not a run of consecutive ranks"):
+        HierarchicalCommunicator(group, "cpu", layout=layout_of(["a", "b", "a", "b"]))
+    with pytest.raises(ValueError, match="the node layout covers 2 ranks, the group has 4"):
+        HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0,), (1,))))
+    with pytest.raises(ValueError, match="inter_node_timeout_s must be positive"):
+        HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0, 1), (2, 3))), inter_node_timeout_s=0)
+
+
+class _FakeWork:
+    def __init__(self, completed: bool, failure: Exception | None = None) -> None:
+        self.completed, self.failure = completed, failure
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def exception(self) -> Exception | None:
+        return self.failure
+
+
+def test_nccl_works_are_checked_without_waiting_on_the_host() -> None:
+    """On NCCL the stream waits, not the host; check() raises InterNodeError for a work that
+    failed, or is still pending past the timeout, and forgets the completed ones."""
+    comm = object.__new__(HierarchicalCommunicator)
+    comm.rank, comm.backend, comm.inter_node_timeout_s, comm._failed, comm.intra = 0, "nccl", 5.0, None, None
+    now = time.monotonic()
+    comm._pending = [(now, _FakeWork(True), 1, "a"), (now, _FakeWork(False), 2, "the result from node 1")]
+    comm.check()
+    assert [p[2] for p in comm._pending] == [2]
+    comm._pending = [(now - 10, _FakeWork(False), 2, "the result from node 1")]
+    with pytest.raises(InterNodeError, match="'the result from node 1' with rank 2 failed over nccl: not complete"):
+        comm.check()
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        comm.check()
+    comm._failed = None
+    comm._pending = [(now, _FakeWork(True, RuntimeError("NCCL error: remote process exited")), 3, "x")]
+    with pytest.raises(InterNodeError, match="with rank 3 failed over nccl: NCCL error: remote process exited"):
+        comm.check()
