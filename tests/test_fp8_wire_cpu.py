@@ -75,3 +75,12 @@ def test_every_rank_and_every_block_aligned_split_gives_the_same_bits() -> None:
         parts = [fp8_wire.all_reduce([x[a:b] for x in inputs]) for a, b in zip(cuts, cuts[1:])]
         assert torch.equal(torch.cat(parts).view(torch.int16), whole.view(torch.int16))
     assert torch.equal(fp8_wire.all_reduce(inputs).view(torch.int16), whole.view(torch.int16))
+
+
+def test_the_error_report_runs_and_every_case_is_within_the_bound(capsys: pytest.CaptureFixture) -> None:
+    from bench import fp8_error
+
+    assert fp8_error.main(["--world", "2", "3", "--numel", "4099", "--seed", "5"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert [(r[0], r[1]) for r in rows] == [("2", "bfloat16"), ("2", "float16"), ("3", "bfloat16"), ("3", "float16")]
+    assert all(r[-1] == "yes" and 0 < float(r[2]) < 0.05 for r in rows), rows

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import pcie_allreduce
+from bench.fp8_error import activations  # the inputs RESULTS.md's error figures use
 from pcie_allreduce import fp8_wire, ranks
 from tests import _reference as ref
 
@@ -23,14 +24,6 @@ WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split
 TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 4 << 20
 SIZES = (1, 127, 128, 129, 4099, 4 * 7168, 32 * 7168 + 3, (1 << 20) // 2 + 77)
-
-
-def activations(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Normal values of a per-rank scale, 0.1% outliers 100x larger, 2% exact zeros."""
-    gen = torch.Generator().manual_seed(seed * 7919 + rank)
-    x = torch.randn(numel, generator=gen) * (0.5 + rank % 3)
-    x = torch.where(torch.rand(numel, generator=gen) < 1e-3, x * 100, x)
-    return torch.where(torch.rand(numel, generator=gen) < 0.02, torch.zeros_like(x), x).to(dtype)
 
 
 def _check(got: torch.Tensor, inputs: list[torch.Tensor], what: str) -> None:
