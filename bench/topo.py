@@ -21,7 +21,7 @@ import sys
 from typing import Any, Protocol
 
 from pcie_allreduce import environment, fabric
-from pcie_allreduce.errors import UnavailableError
+from pcie_allreduce.errors import UnavailableError, one_line
 
 SYSFS_PCI = "/sys/bus/pci/devices"
 JSON_NAME = "topo.json"
@@ -274,7 +274,7 @@ def _measure(args: argparse.Namespace, gpu_count: int, show: bool,
         try:
             data = topo_probe.run_probe(world, job)
         except Exception as exc:  # noqa: BLE001 - reported per W; the other worlds go on
-            errors[str(world)] = " ".join(str(exc).split()) or type(exc).__name__
+            errors[str(world)] = one_line(exc)
             if show:
                 print(f"\n# W={world}: measurement failed: {errors[str(world)]}", flush=True)
             continue

@@ -42,6 +42,15 @@ LOSSY_ALGORITHMS: tuple[str, ...] = tuple(WIRE_ALGORITHMS.values())
 ALGORITHMS: tuple[str, ...] = tuple(a for a in sorted(ALGO_IDS, key=ALGO_IDS.__getitem__) if a not in LOSSY_ALGORITHMS)
 #: What ``algo=`` takes besides "auto": the lossless algorithms and the wires' kernels by name.
 FORCEABLE_ALGORITHMS: tuple[str, ...] = ALGORITHMS + LOSSY_ALGORITHMS
+
+
+def fp8_wire_bytes(numel: int) -> int:
+    """Bytes a message of ``numel`` elements takes on the FP8 wire: per block of ``FP8_BLOCK``
+    elements (a last partial block included) its codes and one fp32 scale (the format:
+    pcie_allreduce/fp8_wire.py; csrc/protocol_constants.h's fp8_wire_bytes)."""
+    return -(-numel // FP8_BLOCK) * (FP8_BLOCK + 4)
+
+
 # The pull forms (csrc/pull.cuh): peers read each rank's staged input out of its own workspace,
 # for fabrics whose peer reads beat their peer writes; tune times them on P2P, and the host
 # table takes them for large messages (each byte written once, no re-poisoning: default_table).
@@ -157,7 +166,7 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0, elem_s
       by the peers out of its own workspace instead of written into theirs (the same bytes cross
       each link, as read completions: ``out`` counts what peers read of ours).
     - ``twoshot_fp8``: as ``twoshot_pull``, the message coded as FP8 blocks (132 bytes per 128
-      elements of ``elem_size`` bytes, fp8_wire.wire_bytes), the only count the dtype enters.
+      elements of ``elem_size`` bytes, fp8_wire_bytes), the only count the dtype enters.
     - ``twoshot_symm``: as ``twoshot_pull`` on the link (the reduce-scatter reads every rank's
       input in place, so it saves a local copy, not link bytes).
     - ``island_twoshot`` (islands of S = ``island_ranks`` ranks): a reduce-scatter and an
@@ -190,7 +199,7 @@ def wire_bytes(algo: str, nbytes: int, world: int, island_ranks: int = 0, elem_s
     if algo == "oneshot_ll":
         return WireBytes(2 * others * nbytes, 2 * others * nbytes)
     if algo in LOSSY_ALGORITHMS:
-        coded = -(-(nbytes // elem_size) // FP8_BLOCK) * (FP8_BLOCK + 4)
+        coded = fp8_wire_bytes(nbytes // elem_size)
         return WireBytes(2 * others * coded // world, 2 * others * coded // world)
     if algo in ISLAND_ALGORITHMS:
         if not island_ranks or world % island_ranks or world // island_ranks < 2:
@@ -393,8 +402,8 @@ class AlgoTable:
         graph capture."""
         for world in range(MIN_RANKS, MAX_RANKS + 1):
             for dtype in DTYPE_NAMES:
-                if not any(r.max_bytes is None and r.algo not in CAPPED_ALGORITHMS
-                           and r.algo not in SYMMETRIC_INPUT_ALGORITHMS and (r.world is None or world in r.world) and (r.dtypes is None or dtype in r.dtypes)
+                if not any(r.max_bytes is None and r.algo not in CAPPED_ALGORITHMS + SYMMETRIC_INPUT_ALGORITHMS
+                           and (r.world is None or world in r.world) and (r.dtypes is None or dtype in r.dtypes)
                            for r in self.rules):
                     return (f"no rule covers every message size at world size {world} for {dtype}: the table "
                             f'needs a last rule with "max_bytes": null and an algorithm other than '

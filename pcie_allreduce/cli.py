@@ -21,6 +21,8 @@ import importlib
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
+from pcie_allreduce.errors import one_line
+
 PROG = "pcie-allreduce"
 EXIT_FAILURES = 1
 EXIT_UNAVAILABLE = 3
@@ -101,11 +103,6 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             resolve(cmd.add_arguments)(child)
         child.set_defaults(handler=cmd.handler, parser=child)
     return parser
-
-
-def one_line(exc: BaseException) -> str:
-    """The exception's message on one line (its type name if it has none)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def run_handler(prefix: str, handler: str | Callable[..., Any], args: argparse.Namespace,

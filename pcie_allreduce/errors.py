@@ -34,3 +34,9 @@ class InterNodeError(CollectiveError):
 
 class UnavailableError(RuntimeError):
     """The CUDA kernels cannot be used here (no extension, no GPU, or no peer access)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (its type name if it has none), for error texts that
+    quote another library's failure."""
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -28,20 +28,19 @@ from __future__ import annotations
 
 import torch
 
+from pcie_allreduce.algo import fp8_wire_bytes
 from pcie_allreduce.constants import FP8_BLOCK
 
 #: Elements per scale (csrc/protocol_constants.h's kFp8Block).
 BLOCK = FP8_BLOCK
 #: e4m3's largest finite magnitude.
 FP8_MAX = 448.0
-#: Bytes on the wire per block: the codes and one fp32 scale.
-BLOCK_WIRE_BYTES = BLOCK + 4
 _MIN_EXPONENT = -126
 
 
 def wire_bytes(numel: int) -> int:
     """Bytes an ``numel``-element message takes in this format (a last partial block included)."""
-    return -(-numel // BLOCK) * BLOCK_WIRE_BYTES
+    return fp8_wire_bytes(numel)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:

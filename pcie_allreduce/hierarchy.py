@@ -45,7 +45,7 @@ import torch.distributed as dist
 from pcie_allreduce import _ext, nodes as nodes_mod, validation
 from pcie_allreduce.algo import UNFUSED, WireBytes
 from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
-from pcie_allreduce.errors import InterNodeError
+from pcie_allreduce.errors import InterNodeError, one_line
 
 #: Seconds a send or receive between nodes may take before the call fails.
 DEFAULT_INTER_NODE_TIMEOUT_S = 60.0
@@ -256,8 +256,7 @@ class HierarchicalCommunicator:
         """What the nodes' all-reduces run for an ``nbytes`` message of ``dtype`` (on its fp32 partials)."""
         if self.intra is None:
             return "between nodes only"
-        return self.intra.select_algo(nbytes * 4 // max(1, torch.empty((), dtype=dtype).element_size()),
-                                      torch.float32)
+        return self.intra.select_algo(nbytes * 4 // dtype.itemsize, torch.float32)
 
     def has_workspace(self, stream: int) -> bool:
         return bool(self.intra.has_workspace(stream)) if self.intra is not None else True
@@ -311,7 +310,7 @@ class HierarchicalCommunicator:
         try:
             return start()
         except Exception as exc:  # noqa: BLE001 - any backend's failure becomes the library's error
-            self._fail(peer, step, " ".join(str(exc).split()) or type(exc).__name__)
+            self._fail(peer, step, one_line(exc))
 
     def _wait(self, work: Any, peer: int, step: str) -> None:
         """Wait for one send or receive, bounded: InterNodeError naming ``step``.
@@ -329,7 +328,7 @@ class HierarchicalCommunicator:
                     self._pending = [p for p in self._pending if not p[1].is_completed()][-_MAX_PENDING:]
                     self._pending.append((time.monotonic(), work, peer, step))
         except Exception as exc:  # noqa: BLE001 - any backend's failure becomes the library's error
-            self._fail(peer, step, " ".join(str(exc).split()) or type(exc).__name__)
+            self._fail(peer, step, one_line(exc))
         if done is False:
             self._fail(peer, step, f"not complete after {self.inter_node_timeout_s:g} s")
 
@@ -342,9 +341,9 @@ class HierarchicalCommunicator:
                 completed = work.is_completed()
                 failure = work.exception() if completed else None
             except Exception as exc:  # noqa: BLE001 - the backend's failure becomes the library's error
-                self._fail(peer, step, " ".join(str(exc).split()) or type(exc).__name__)
+                self._fail(peer, step, one_line(exc))
             if failure is not None:
-                self._fail(peer, step, " ".join(str(failure).split()) or type(failure).__name__)
+                self._fail(peer, step, one_line(failure))
             if not completed:
                 if now - started > self.inter_node_timeout_s:
                     self._fail(peer, step, f"not complete {now - started:.0f} s after it was issued")

@@ -36,12 +36,13 @@ import sys
 from typing import Any, Iterable, Sequence
 
 from pcie_allreduce import algo as algo_mod, sizes, transport as transport_mod, tune_cache
-from pcie_allreduce.algo import ALGORITHMS as ALL_ALGORITHMS, MAX_LAUNCH_BLOCKS, SYMMETRIC_INPUT_ALGORITHMS, AlgoTable, Rule, default_table
+from pcie_allreduce.algo import ALGORITHMS as ALL_ALGORITHMS
+from pcie_allreduce.algo import MAX_LAUNCH_BLOCKS, SYMMETRIC_INPUT_ALGORITHMS, AlgoTable, Rule, default_table
+from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, one_line, positive_float, positive_int, typed_arg
+from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
 
 # What tune times: the algorithms that take any tensor (the in-place ones keep their built-in rules).
 ALGORITHMS: tuple[str, ...] = tuple(a for a in ALL_ALGORITHMS if a not in SYMMETRIC_INPUT_ALGORITHMS)
-from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, one_line, positive_float, positive_int, typed_arg
-from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
 
 MIN_WORLD, MAX_WORLD = MIN_RANKS, MAX_RANKS
 EMULATED_WORLDS: tuple[int, ...] = (2, 4, 8)  # on one GPU, under MPS

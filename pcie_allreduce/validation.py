@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pcie_allreduce.algo import FORCEABLE_ALGORITHMS, FUSED_ALGORITHMS, WIRE_ALGORITHMS, fused_problem
+from pcie_allreduce.algo import FORCEABLE_ALGORITHMS, FUSED_ALGORITHMS, WIRE_ALGORITHMS, fp8_wire_bytes, fused_problem
 from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
 #: The dtypes the kernels take (those with a kernel dtype id), in id order.
@@ -157,9 +157,7 @@ def wire_algo(wire: object, algo: str) -> str:
 
 def fp8_fits(nbytes: int, elem_size: int, slot_bytes: int) -> str | None:
     """Why a message of ``nbytes`` cannot travel coded as FP8 in a slot of ``slot_bytes``, or None."""
-    from pcie_allreduce import fp8_wire
-
-    coded = fp8_wire.wire_bytes(nbytes // elem_size)
+    coded = fp8_wire_bytes(nbytes // elem_size)
     if coded > slot_bytes:
         return (f"wire='fp8': the coded message takes {coded} bytes, more than the workspace slot's {slot_bytes}; "
                 "create the Communicator with a larger max_bytes")

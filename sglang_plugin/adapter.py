@@ -203,14 +203,14 @@ class PcieAllReduceAdapter:
             return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps), wire=wire)
         return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps))
 
+    # ---- internals -----------------------------------------------------------------------
+
     def _wire_for(self, x: torch.Tensor) -> str | None:
         """The wire of a call on ``x``: the compressed one from :attr:`wire_min_bytes` up, else exact
         (None). A pure function of the size, so every rank picks the same."""
         if self.wire is None or x.numel() * x.element_size() < self.wire_min_bytes:
             return None
         return self.wire
-
-    # ---- internals -----------------------------------------------------------------------
 
     def _largest_served(self) -> int:
         if self.algo == "auto":
