@@ -8,12 +8,11 @@ inherit the launcher's), which is what keeps their decisions identical.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Mapping
 
 from pcie_allreduce.algo import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
                                  WIRE_ALGORITHMS)
-from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+from pcie_allreduce.settings import SettingsError, parse_bool, parse_choice, parse_seconds, parse_size
 
 PREFIX = "PCIE_AR_SGLANG_"
 ENABLE = PREFIX + "ENABLE"
@@ -36,12 +35,6 @@ WIRES: tuple[str, ...] = ("exact",) + tuple(WIRE_ALGORITHMS)
 # Where the FP8 wire starts to pay on one PCIe link: ~1 MiB (bench/RESULTS.md, "FP8 wire").
 DEFAULT_WIRE_MIN_BYTES = 1 << 20
 DEFAULT_MAX_BYTES = 8 << 20  # SGLang's own custom all-reduce default (8 MiB)
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-_SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 
 # name -> (default shown in docs, what it does); the README table is written from this.
 DOCS: dict[str, tuple[str, str]] = {
@@ -70,10 +63,6 @@ DOCS: dict[str, tuple[str, str]] = {
     ATTACH: ("auto", "how the hooks attach: plugin (SGLang's plugin framework), import (import hook, for "
                      "versions without plugins; needs `python -m sglang_plugin.import_hook install`), auto"),
 }
-
-
-class SettingsError(ValueError):
-    """An environment variable of the plugin has a value it cannot use; the message names it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,46 +99,6 @@ class Settings:
     wire_min_bytes: int = DEFAULT_WIRE_MIN_BYTES
 
 
-def parse_bool(name: str, raw: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off`` (case-insensitive); else SettingsError naming ``name``."""
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise SettingsError(f"{name}={raw!r}: expected 1 or 0 (also true/false, yes/no, on/off)")
-
-
-def parse_size(name: str, raw: str) -> int:
-    """A positive byte count: ``8388608``, ``8MiB``, ``64KiB``, ``1M`` (binary units)."""
-    match = _SIZE.match(raw)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise SettingsError(f"{name}={raw!r}: expected a byte count such as 8388608, 8MiB or 512KiB")
-    value = int(match.group(1)) * _UNITS[unit]
-    if not 0 < value <= MAX_MESSAGE_BYTES:
-        raise SettingsError(f"{name}={raw!r}: must be between 1 byte and {MAX_MESSAGE_BYTES >> 20}MiB "
-                            "(the communicator's largest max_bytes; larger all-reduces stay on NCCL anyway)")
-    return value
-
-
-def _choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
-    value = raw.strip().lower()
-    if value not in choices:
-        raise SettingsError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
-    return value
-
-
-def _timeout(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: expected a number of seconds") from None
-    if not 0 < value <= MAX_TIMEOUT_S:
-        raise SettingsError(f"{name}={raw!r}: must be a number of seconds in (0, {MAX_TIMEOUT_S}]")
-    return value
-
-
 def from_env(environ: Mapping[str, str]) -> Settings:
     """Parse the plugin's variables from ``environ``; unknown ``PCIE_AR_SGLANG_*`` names are errors.
 
@@ -165,13 +114,13 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     settings = Settings(
         enabled=parse_bool(ENABLE, get(ENABLE, "0")),
         max_bytes=parse_size(MAX_BYTES, get(MAX_BYTES)) if get(MAX_BYTES) else base.max_bytes,
-        algo=_choice(ALGO, get(ALGO, base.algo), ALGOS),
-        mode=_choice(MODE, get(MODE, base.mode), MODES),
+        algo=parse_choice(ALGO, get(ALGO, base.algo), ALGOS),
+        mode=parse_choice(MODE, get(MODE, base.mode), MODES),
         fused=parse_bool(FUSED, get(FUSED, "1")),
-        timeout_s=_timeout(TIMEOUT_S, get(TIMEOUT_S)) if get(TIMEOUT_S) else base.timeout_s,
-        attach=_choice(ATTACH, get(ATTACH, base.attach), ATTACH_CHOICES),
+        timeout_s=parse_seconds(TIMEOUT_S, get(TIMEOUT_S)) if get(TIMEOUT_S) else base.timeout_s,
+        attach=parse_choice(ATTACH, get(ATTACH, base.attach), ATTACH_CHOICES),
         multinode=parse_bool(MULTINODE, get(MULTINODE, "1")),
-        wire=_choice(WIRE, get(WIRE, base.wire), WIRES),
+        wire=parse_choice(WIRE, get(WIRE, base.wire), WIRES),
         wire_min_bytes=(parse_size(WIRE_MIN_BYTES, get(WIRE_MIN_BYTES)) if get(WIRE_MIN_BYTES)
                         else base.wire_min_bytes),
     )
