@@ -350,13 +350,31 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+# A first build of the six default archs, measured: 2-vCPU x86_64, nvcc 13.0, MAX_JOBS=2.
+FIRST_BUILD_MINUTES = 4
+
+
 def build_time_hint(n_archs: int) -> str:
-    """How long the build takes (measured on 2 cores, CUDA 13.0) and how to make it shorter."""
-    hint = ("A first build takes about 1 minute per arch on 2 cores (5 minutes for the six default "
-            "archs), less with more cores; a re-install of an unchanged checkout compiles nothing.")
+    """How long a first build takes and how to make it shorter."""
+    hint = (f"A first build of the six default archs takes about {FIRST_BUILD_MINUTES} minutes on 2 cores, "
+            "less with more cores or fewer archs.")
     if n_archs > 1:
         hint += " PCIE_AR_CUDA_ARCHS=90 (your GPUs' arch) builds one arch."
     return hint
+
+
+def pending_steps(cmake: str, build_dir: Path, env: dict[str, str], generator: str) -> int | None:
+    """How many compile and link steps the build has left (ninja's dry run), None if unknown."""
+    if generator != "Ninja":
+        return None
+    try:
+        dry = subprocess.run([cmake, "--build", str(build_dir), "--", "-n"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if dry.returncode != 0:
+        return None
+    return sum(1 for line in dry.stdout.splitlines() if NINJA_STEP.match(line.strip()))
 
 
 class BuildProgress:
@@ -400,7 +418,9 @@ class BuildProgress:
         text = text.rstrip()
         if not NINJA_LINE.match(text):
             return
-        if text.startswith("[") and not text.startswith("[0/"):  # [0/2]: ninja's glob check
+        if text.startswith("[0/"):  # "[0/2] Re-checking globbed directories": not a build step
+            return
+        if text.startswith("["):
             self.steps = text[1:text.index("]")]
         step = NINJA_STEP.match(text)
         if step and step.group(2):
@@ -522,21 +542,30 @@ class CMakeBuild(build_ext):
             f"generator {generator or 'default'}",
             flush=True,
         )
-        progress.note(
-            f"compiling the CUDA extension for sm_{', sm_'.join(map(str, archs))} with nvcc "
-            f"{version[0]}.{version[1]}, {jobs} jobs. {build_time_hint(len(archs))}"
-        )
+        pending: int | None = None  # build steps left, once configured
         for step, cmd in (("configure", configure), ("build", build)):
             start = time.monotonic()
+            if step == "build":
+                pending = pending_steps(cmake, build_dir, env, generator)
+                if pending == 0:
+                    progress.note("the CUDA extension is up to date: nothing to compile")
+                else:
+                    count = f"{pending} steps, " if pending else ""
+                    progress.note(f"compiling the CUDA extension ({count}sm_{', sm_'.join(map(str, archs))}, nvcc "
+                                  f"{version[0]}.{version[1]}, {jobs} jobs). {build_time_hint(len(archs))}")
             print("pcie_allreduce:", shlex.join(cmd), flush=True)
             if progress.terminal is None:
                 returncode = subprocess.run(cmd, cwd=ROOT, env=env).returncode
             else:
-                progress.show("running CMake ..." if step == "configure" else f"compiling with {generator or 'the default generator'} ...")
+                if step == "configure":
+                    progress.show("running CMake ...")
+                elif pending != 0:
+                    progress.show(f"compiling with {generator or 'the default generator'} ...")
                 returncode = run_forwarding(cmd, env, progress)
             if returncode != 0:
                 _fail(f"CMake {step} failed (exit {returncode}); see the output above")
-            progress.note(f"{step} took {time.monotonic() - start:.1f}s")
+            if step == "configure" or pending != 0:
+                progress.note(f"{step} took {_duration(time.monotonic() - start)}")
         if not linked.is_file():
             _fail(f"CMake finished but {linked} was not produced")
         shutil.copy2(linked, out_file)

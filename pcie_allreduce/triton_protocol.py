@@ -27,7 +27,11 @@ import triton.language as tl
 from pcie_allreduce.constants import (ABORT_WORD, CLAIM_WORD, EPOCH_COPIES, LINE_FLAG_MIX, MAX_FLAG_BLOCKS, MAX_RANKS,
                                       NOTICE_KIND, WRAP_SEAL_MIX)
 
-INTERPRETER_SPIN_LIMIT = 10_000  # the interpreter has no clock; peers' flags are pre-filled there
+# The interpreter has no clock, so its waits give up after this many polls. It runs a launch's
+# programs one after another and the tests write the peers' flags before launching, so the first
+# poll already decides: the limit only needs a few verdict checks (every 64th spin: abort,
+# mismatch, then expiry), and each poll costs the interpreter milliseconds.
+INTERPRETER_SPIN_LIMIT = 128
 
 # The fused kernels' tensor arguments, never specialised on their alignment: a fused kernel's
 # compile key is then a function of the call's shapes and dtypes alone, the same on every rank, so

@@ -9,9 +9,10 @@ kernels cannot share a process, and TRITON_INTERPRET=1 for a whole run would sen
 kernels through the interpreter too.
 
 Instead the tests marked :data:`interpreted` run, in a run without TRITON_INTERPRET=1, in one
-child pytest with TRITON_INTERPRET=1 (tests/conftest.py starts it at the first such test, streams
-its progress, one line per test, and reports each test with the child's outcome: they count as
-what they did); a run with TRITON_INTERPRET=1 runs them in place.
+child pytest with TRITON_INTERPRET=1, started in the background when collection ends
+(tests/conftest.py), so that on a machine of few cores the interpreter and the rest of the run
+overlap; each interpreted test then reports the child's outcome and the child's time for it. A
+run with TRITON_INTERPRET=1 runs them in place.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Callable, Sequence
@@ -37,33 +40,70 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
-Outcome = tuple[str, str]  # ("passed" | "skipped" | "failed", message)
+Outcome = tuple[str, str, float]  # ("passed" | "skipped" | "failed", message, seconds in the child)
 
 
-def run_in_child(node_ids: Sequence[str], progress: Callable[[str], None]) -> dict[str, Outcome]:
-    """Run ``node_ids`` in a child pytest with TRITON_INTERPRET=1, from the repository root,
-    passing each line of its output (one per test) to ``progress``; the outcome of each node id."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "interpreted.xml")
+class Child:
+    """The interpreted child pytest, running in the background; :meth:`finish` waits for it."""
+
+    def __init__(self, node_ids: Sequence[str], process: subprocess.Popen, tmp: tempfile.TemporaryDirectory,
+                 report: str) -> None:
+        self.node_ids = list(node_ids)
+        self._process = process
+        self._tmp = tmp
+        self._report = report
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, node_ids: Sequence[str]) -> "Child":
+        """Start the child on ``node_ids`` (from the repository root) and return at once."""
+        tmp = tempfile.TemporaryDirectory()
+        report = os.path.join(tmp.name, "interpreted.xml")
         env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-p", "no:randomly",
                    f"--junitxml={report}", *node_ids]
-        lines: list[str] = []
-        try:
-            with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) as child:
-                assert child.stdout is not None
-                for line in child.stdout:
-                    lines.append(line)
-                    progress(line.rstrip("\n"))
-                child.wait(timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            lines.append(f"(the child did not finish within {CHILD_TIMEOUT_S} s)\n")
-        outcomes = _outcomes(report) if os.path.exists(report) else {}
-    tail = "".join(lines[-60:])
-    missing: Outcome = ("failed", f"the interpreter child did not report this test; its output ended with:\n{tail}")
-    return {node: outcomes.get(_junit_key(node), missing) for node in node_ids}
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        return cls(node_ids, process, tmp, report)
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            self._lines.append(line.rstrip("\n"))
+
+    def finish(self, progress: Callable[[str], None]) -> dict[str, Outcome]:
+        """Wait for the child (at most CHILD_TIMEOUT_S from now), passing each line of its output
+        to ``progress`` as it comes; the outcome of each node id."""
+        shown = 0
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while self._reader.is_alive() and time.monotonic() < deadline:
+            self._reader.join(timeout=0.5)
+            shown = self._show(progress, shown)
+        if self._reader.is_alive():
+            self.stop()
+            self._lines.append(f"(the child did not finish within {CHILD_TIMEOUT_S} s)")
+        self._process.wait()
+        self._show(progress, shown)
+        outcomes = _outcomes(self._report) if os.path.exists(self._report) else {}
+        self._tmp.cleanup()
+        tail = "\n".join(self._lines[-60:])
+        missing: Outcome = ("failed", f"the interpreter child did not report this test; its output ended with:\n{tail}",
+                            0.0)
+        return {node: outcomes.get(_junit_key(node), missing) for node in self.node_ids}
+
+    def _show(self, progress: Callable[[str], None], shown: int) -> int:
+        lines = self._lines[shown:]
+        for line in lines:
+            progress(line)
+        return shown + len(lines)
+
+    def stop(self) -> None:
+        """Kill the child if it still runs (a run that ends before reaching its tests)."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
 
 
 def _junit_key(node_id: str) -> tuple[str, str]:
@@ -79,10 +119,11 @@ def _outcomes(report: str) -> dict[tuple[str, str], Outcome]:
         key = (case.get("classname", ""), case.get("name", ""))
         problem = next((c for c in case if c.tag in ("failure", "error")), None)
         skipped = case.find("skipped")
+        seconds = float(case.get("time") or 0.0)
         if problem is not None:
-            outcomes[key] = ("failed", (problem.get("message") or "") + "\n" + (problem.text or ""))
+            outcomes[key] = ("failed", (problem.get("message") or "") + "\n" + (problem.text or ""), seconds)
         elif skipped is not None:
-            outcomes[key] = ("skipped", skipped.get("message") or "skipped in the interpreter child")
+            outcomes[key] = ("skipped", skipped.get("message") or "skipped in the interpreter child", seconds)
         else:
-            outcomes[key] = ("passed", "")
+            outcomes[key] = ("passed", "", seconds)
     return outcomes

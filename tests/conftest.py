@@ -1,10 +1,12 @@
-"""Tests marked ``interpreted`` (tests/_interpreted.py): in a run without TRITON_INTERPRET=1 the
-first of them starts one interpreted child for all of them (those this run selected), whose
-progress is printed as it goes; each then reports the child's outcome for it."""
+"""Tests marked ``interpreted`` (tests/_interpreted.py): in a run without TRITON_INTERPRET=1 they
+run in one interpreted child, started in the background as soon as collection ends, so it works
+while this process runs the other tests; they are moved to the end of the run, where each reports
+the child's outcome for it, with the child's own time for it (``--durations`` shows where the time
+went), after the child's progress lines."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -13,17 +15,55 @@ from tests import _interpreted
 # The child's session header and report file line, not repeated on the terminal.
 _CHILD_HEADER = ("platform ", "benchmark: ", "rootdir: ", "configfile: ", "plugins: ", "cachedir: ")
 _CHILD_NOISE = ("test session starts", "generated xml file")
-_SELECTED = pytest.StashKey[list]()
+_CHILD = pytest.StashKey[_interpreted.Child]()
 _OUTCOMES = pytest.StashKey[dict]()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    # pytest-benchmark times only where asked (--benchmark-enable or --benchmark-only): an
+    # ordinary run calls a benchmarked function once, checks it, and prints no timing table.
+    if hasattr(config.option, "benchmark_disable") and not (config.option.benchmark_enable
+                                                            or config.option.benchmark_only):
+        config.option.benchmark_disable = True
     config.addinivalue_line("markers", "interpreted: the test's kernels run under Triton's CPU interpreter "
                                        "(in a TRITON_INTERPRET=1 child unless this run sets it)")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[Any]) -> None:
-    config.stash[_SELECTED] = [item.nodeid for item in items if item.get_closest_marker("interpreted")]
+    """Interpreted tests last, so the child (started at the end of collection) overlaps the rest."""
+    if _interpreted.interpreting():
+        return
+    items[:] = ([item for item in items if item.get_closest_marker("interpreted") is None]
+                + [item for item in items if item.get_closest_marker("interpreted") is not None])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    config = session.config
+    selected = [item.nodeid for item in session.items if item.get_closest_marker("interpreted")]
+    if selected and not _interpreted.interpreting() and not config.option.collectonly:
+        config.stash[_CHILD] = _interpreted.Child.start(selected)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    child = config.stash.get(_CHILD, None)
+    if child is not None:
+        child.stop()  # a run stopped early (-x, Ctrl-C) leaves no child behind
+
+
+def _show(config: pytest.Config, line: str) -> None:
+    """One line of the child's output on the terminal now (past this test's output capture)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if (reporter is None or not line.strip() or line.startswith(_CHILD_HEADER)
+            or any(noise in line for noise in _CHILD_NOISE)):
+        return
+    if capture is None:
+        reporter.write_line(f"[interpreter child] {line}")
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(f"[interpreter child] {line}")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -32,24 +72,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None  # an ordinary test, or an interpreted run: the test runs here
     config = pyfuncitem.config
     if _OUTCOMES not in config.stash:
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        capture = config.pluginmanager.get_plugin("capturemanager")
-        selected = config.stash[_SELECTED]
-
-        def progress(line: str) -> None:
-            """One line of the child's output on the terminal now (past this test's output capture)."""
-            if (reporter is None or not line.strip() or line.startswith(_CHILD_HEADER)
-                    or any(noise in line for noise in _CHILD_NOISE)):
-                return
-            if capture is None:
-                reporter.write_line(f"[interpreter child] {line}")
-                return
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(f"[interpreter child] {line}")
-
-        progress(f"running {len(selected)} tests under TRITON_INTERPRET=1")
-        config.stash[_OUTCOMES] = _interpreted.run_in_child(selected, progress)
-    outcome, message = config.stash[_OUTCOMES][pyfuncitem.nodeid]
+        child = config.stash[_CHILD]
+        _show(config, f"{len(child.node_ids)} tests ran under TRITON_INTERPRET=1 beside this run; its output:")
+        config.stash[_OUTCOMES] = child.finish(lambda line: _show(config, line))
+    outcome, message, _ = config.stash[_OUTCOMES][pyfuncitem.nodeid]
     if outcome == "skipped":
         pytest.skip(message)
     if outcome != "passed":
@@ -57,9 +83,23 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """An interpreted test's call takes the child's time for it, not this process's wait."""
+    outcome = yield
+    if call.when != "call" or item.get_closest_marker("interpreted") is None:
+        return
+    outcomes = item.config.stash.get(_OUTCOMES, None)
+    if outcomes and item.nodeid in outcomes:
+        outcome.get_result().duration = outcomes[item.nodeid][2]
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line on the SGLang plugin's conformance tests: how many ran, and how to run the rest
-    (they skip where SGLang is not importable)."""
+    """Where the skip reasons are, when the run's options do not print them; and one line on the
+    SGLang plugin's conformance tests: how many ran, and what the skipped ones need."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped and not any(char in (config.option.reportchars or "") for char in "sSaA"):
+        terminalreporter.write_line(f"{len(skipped)} skipped: add -rs for each reason (mostly: no GPU here)")
     counts = {}
     for outcome in ("passed", "failed", "skipped", "error"):
         counts[outcome] = sum(1 for report in terminalreporter.stats.get(outcome, [])
@@ -69,5 +109,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     line = "SGLang plugin tests: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
     if counts["skipped"]:
-        line += " (skipped ones need SGLang's modules, or a GPU: README.md, '# sglang.' one-liner)"
+        line += f" ({_sglang_skip_reason()})"
     terminalreporter.write_line(line)
+
+
+def _sglang_skip_reason() -> str:
+    from tests._sglang import sglang_skip_reason
+
+    if sglang_skip_reason() is not None:
+        return "skipped ones need SGLang's modules: README.md, '# sglang.' one-liner; or a GPU"
+    return "skipped ones need a GPU"

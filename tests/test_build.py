@@ -466,7 +466,6 @@ def test_build_progress_lines(setup_py: ModuleType, capsys) -> None:
     assert terminal.getvalue().split("\n") == [
         "",  # below pip's "Building ... (pyproject.toml) ... " line
         "  pcie_allreduce: compiling",
-        "\r  pcie_allreduce: [0/2] Re-checking globbed directories... (1s)",
         "\r  pcie_allreduce: [1/6] compiled csrc/bindings.cpp (12s)",
         "\r  pcie_allreduce: still compiling: 42s so far, 1/6 steps done",
         "\r  pcie_allreduce: [6/6] linked _C.cpython-311-x86_64-linux-gnu.so (1m47s)",
@@ -483,7 +482,7 @@ def test_build_progress_heartbeat_before_the_first_step(setup_py: ModuleType) ->
     progress.line("[0/2] Re-checking globbed directories...\n")  # not a step of the build
     clock.now += 34
     progress.tick()
-    assert terminal.getvalue().endswith("\r  pcie_allreduce: still compiling: 34s so far\n")
+    assert terminal.getvalue() == "\n  pcie_allreduce: still compiling: 34s so far\n"
 
 
 def test_build_progress_without_terminal(setup_py: ModuleType, capsys) -> None:
@@ -512,3 +511,21 @@ def test_run_forwarding_copies_everything_shows_ninja_lines(setup_py: ModuleType
     shown = terminal.getvalue()
     assert "[1/2] Building CUDA object a.cu.o" in shown and "[2/2] Linking" in shown
     assert "warning" not in shown and "bytes" not in shown
+
+
+@pytest.mark.parametrize("dry_run, expected", [
+    ("[0/2] Re-checking globbed directories...\n[1/2] Building CUDA object CMakeFiles/_C.dir/csrc/launch.cu.o\n"
+     "[2/2] Linking CXX shared module lib/_C.so\n", 2),
+    ("[0/2] Re-checking globbed directories...\nninja: no work to do.\n", 0),
+])
+def test_pending_steps_counts_what_the_build_will_compile(setup_py: ModuleType, tmp_path, dry_run: str,
+                                                          expected: int) -> None:
+    """The banner says "compiling" only when ninja's dry run lists steps; a re-install of an
+    unchanged checkout says the extension is up to date instead."""
+    fake = tmp_path / "cmake"
+    fake.write_text(f"#!/bin/sh\n[ \"$4\" = -n ] || exit 9\nprintf '%s' '{dry_run}'\n")
+    fake.chmod(0o755)
+    assert setup_py.pending_steps(str(fake), tmp_path, dict(os.environ), "Ninja") == expected
+    assert setup_py.pending_steps(str(fake), tmp_path, dict(os.environ), "Unix Makefiles") is None
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    assert setup_py.pending_steps(str(fake), tmp_path, dict(os.environ), "Ninja") is None

@@ -1,6 +1,6 @@
 """Host-side cost of one eager all-reduce call (pytest-benchmark); the goal is under 10 us.
 
-- ``test_host_cost_python_path`` (runs anywhere, CI records it): ``Communicator.all_reduce`` on
+- ``test_host_cost_python_path`` (runs anywhere): ``Communicator.all_reduce`` on
   a CPU tensor with a fake workspace, so it times exactly the Python part (validation, algorithm
   choice, the call into the binding) with a no-op binding.
 - ``test_host_cost_reference_torch_launch`` (GPU): one eager torch kernel launch on the same
@@ -17,7 +17,8 @@
   makes up the rest of the last batch untimed. With one GPU both ranks share it as clients of a
   private MPS daemon (no context time-slicing inside the measurement).
 
-Run on a GPU machine:  pytest tests/test_host_overhead.py --benchmark-columns=min,median,mean,max
+An ordinary test run calls each benchmarked function once (tests/conftest.py); to time them:
+    pytest tests/test_host_overhead.py --benchmark-enable --benchmark-columns=min,median,mean,max
 """
 
 from __future__ import annotations
