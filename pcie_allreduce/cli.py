@@ -21,6 +21,7 @@ import importlib
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
+from pcie_allreduce.argtypes import typed_arg
 from pcie_allreduce.errors import one_line
 
 PROG = "pcie-allreduce"
@@ -52,27 +53,6 @@ def resolve(path: str) -> Callable[..., Any]:
     """The function a "module:function" path names (imports the module)."""
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def typed_arg(convert: Callable[[str], Any], check: Callable[[Any], bool], what: str,
-              *, explains: bool = False) -> Callable[[str], Any]:
-    """An argparse ``type=`` that converts and checks, so bad values become usage errors (exit 2).
-
-    ``explains``: the converter's ValueError message is meant for users (``parse_size``); int() and
-    float() messages are not, so those get "'x' is not <what>".
-    """
-
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc) if explains else f"{text!r} is not {what}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
-        return value
-
-    parse.__name__ = what  # argparse names the type in some messages
-    return parse
 
 
 positive_int = typed_arg(int, lambda v: v >= 1, "an integer >= 1")

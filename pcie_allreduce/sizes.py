@@ -6,7 +6,7 @@ import re
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from pcie_allreduce.cli import typed_arg
+from pcie_allreduce.argtypes import typed_arg
 
 if TYPE_CHECKING:
     import argparse
