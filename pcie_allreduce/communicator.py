@@ -526,7 +526,7 @@ class Communicator:
         if any, else the transport's built-in one.
 
         Rank 0 reads it and every rank adopts rank 0's copy, so the table is agreed once, here.
-        A missing file means the default; an unreadable one warns and means the default too.
+        A missing file means the default; one it cannot read or trust warns and means the default too.
         """
         self.table = algo_mod.default_table(self.transport, islands=len(self.islands))
         self.table_source = ("built-in default" if self.transport == "host" or len(self.islands) < 2
@@ -538,12 +538,7 @@ class Communicator:
             fp = tune_cache.fingerprint_of(self._ext, [p.pci_bus_id for p in self.placements], self.islands)
             path = tune_cache.table_path(torch.cuda.get_device_name(self.device), self.world_size, fp,
                                          transport=self.transport)
-            if os.path.isfile(path):
-                try:
-                    with open(path, encoding="utf-8") as fh:
-                        found = (path, fh.read())
-                except (OSError, UnicodeDecodeError) as exc:
-                    warnings.warn(f"pcie_allreduce: cannot read tuned table {path} ({exc}); using the default")
+            found = None if (text := tune_cache.read_table(path)) is None else (path, text)  # None: none, or refused
         path, text = self._gather({"tuned": found})[0]["tuned"] or (None, None)
         if text is None:
             return

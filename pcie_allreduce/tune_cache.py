@@ -11,15 +11,27 @@ where there are two or more (``Communicator.islands``: switches, NUMA nodes, or
 is never loaded by a group that sees another. One island adds nothing, so flat fingerprints are
 the same as before islands counted. A communicator can compute it at creation from facts it
 already exchanges (see :func:`fingerprint_of`), so the table it loads is keyed exactly like the
-one ``tune`` wrote. Pure except for :func:`fingerprint_of`, which asks the extension.
+one ``tune`` wrote. Pure except for :func:`fingerprint_of`, which asks the extension, and the
+reading and writing of tables.
+
+A cached table decides what every Communicator here runs, so only the user's own may be used:
+:func:`read_table` refuses (a warning, then the built-in table) a directory that is not the user's
+(or root's) or that group or others can write, and a file that is a symbolic link, not a regular
+file, not the user's, or writable by group or others. :func:`write_table` refuses such a
+directory too, and writes through a new file of its own (``mkstemp``: created exclusively, never
+through a link) renamed over the table, so nobody can make it write anywhere else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import stat
+import tempfile
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 CACHE_ENV = "PCIE_AR_CACHE_DIR"
@@ -77,12 +89,69 @@ def table_path(gpu_name: str, world: int, fp: str, directory: str | None = None,
 
 
 def write_table(path: str, table_json: str, meta: dict[str, Any]) -> None:
-    """Write an AlgoTable's JSON with a ``meta`` object beside its ``rules`` (the loader ignores it)."""
+    """Write an AlgoTable's JSON with a ``meta`` object beside its ``rules`` (the loader ignores it).
+
+    Raises PermissionError where the directory is one :func:`read_table` would not trust."""
     data = json.loads(table_json)
     data["meta"] = meta
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-    os.replace(tmp, path)  # readers never see a half-written table
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    problem = _untrusted(os.stat(directory), "directory")
+    if problem is not None:
+        raise PermissionError(f"refusing to write the tuned table {path}: its {problem}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, path)  # readers never see a half-written table; a link at ``path`` is replaced, not followed
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_table(path: str) -> str | None:
+    """The text of the cached table at ``path``; None where there is none, or (with a warning) where
+    it cannot be read or trusted (module docstring)."""
+    try:
+        problem = _untrusted(os.stat(os.path.dirname(os.path.abspath(path))), "directory")
+        if problem is not None:
+            if os.path.lexists(path):
+                warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: its {problem}; using the default")
+            return None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link
+        why = "it is a symbolic link" if os.path.islink(path) else f"cannot open it ({exc.strerror})"
+        warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: {why}; using the default")
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        problem = _untrusted(os.fstat(fh.fileno()), "file")
+        if problem is not None:
+            warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: the {problem}; using the default")
+            return None
+        try:
+            return fh.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            warnings.warn(f"pcie_allreduce: cannot read tuned table {path} ({exc}); using the default")
+            return None
+
+
+def _untrusted(st: os.stat_result, what: str) -> str | None:
+    """Why a cache ``what`` ("file" or "directory") with this ``stat`` may not be trusted, or None."""
+    kind = stat.S_ISDIR if what == "directory" else stat.S_ISREG
+    if not kind(st.st_mode):
+        return f"{what} is not a regular {what}" if what == "file" else "directory is not a directory"
+    if st.st_uid not in _owners():
+        return f"{what} belongs to user id {st.st_uid}, not to this user ({os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+        return f"{what} is writable by {who} (mode {st.st_mode & 0o7777:o})"
+    return None
+
+
+def _owners() -> tuple[int, ...]:
+    """Who may own a cache directory or table: this user, and root (who can write anything anyway)."""
+    return (os.geteuid(), 0)

@@ -7,6 +7,7 @@ answers the peer-access questions, and the GPU name is patched.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -29,6 +30,7 @@ class _FakeExt:
 
 @pytest.fixture
 def comm(tmp_path, monkeypatch):
+    tmp_path.chmod(0o700)  # the user's own cache directory, whatever the umask
     monkeypatch.setenv(tune_cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
@@ -120,3 +122,94 @@ def test_any_corrupt_cached_table_warns_and_keeps_the_default(comm, content: byt
         comm._adopt_tuned_table()
     assert comm.table == algo.default_table() and comm.table_source == "built-in default"
     assert any(path in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def _warnings_of(call) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught]
+
+
+def test_a_planted_link_never_makes_the_writer_overwrite_another_file(tmp_path) -> None:
+    """Every name another user could plant in a shared cache directory, as a link to a file of the
+    victim's: the table is written beside it, and the file the link points to keeps its bytes."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    path = str(cache / "nvidia-test-gpu-w2-0123456789ab.json")
+    for planted in (f"{path}.tmp{os.getpid()}", path):
+        os.symlink(victim, planted)
+    tune_cache.write_table(path, algo.default_table().to_json(), {"by": "test"})
+    assert victim.read_text() == "precious\n"
+    assert not os.path.islink(path) and json.loads(open(path, encoding="utf-8").read())["meta"] == {"by": "test"}
+    assert (os.stat(path).st_mode & 0o077) == 0
+    planted = f"{os.path.basename(path)}.tmp{os.getpid()}"
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(path), planted])  # no temporary file left
+
+
+def test_a_cache_directory_others_can_write_is_refused(tmp_path) -> None:
+    """Read: a warning and no table. Write: PermissionError naming the problem."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    path = str(shared / "t.json")
+    tune_cache.write_table(path, algo.default_table().to_json(), {})
+    for mode, who in ((0o777, "others"), (0o1777, "others"), (0o770, "its group")):
+        shared.chmod(mode)
+        found: list = []
+        messages = _warnings_of(lambda: found.append(tune_cache.read_table(path)))
+        assert found == [None]
+        assert any(f"ignoring tuned table {path}: its directory is writable by {who}" in m for m in messages), messages
+        with pytest.raises(PermissionError, match=f"refusing to write the tuned table .*writable by {who}"):
+            tune_cache.write_table(path, algo.default_table().to_json(), {})
+    shared.chmod(0o755)
+    assert json.loads(tune_cache.read_table(path))["rules"]
+
+
+def test_a_cached_table_that_is_a_link_or_writable_by_others_is_refused(tmp_path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    real = str(tmp_path / "elsewhere.json")
+    tune_cache.write_table(real, algo.default_table().to_json(), {})
+    link = str(cache / "link.json")
+    os.symlink(real, link)
+    loose = str(cache / "loose.json")
+    tune_cache.write_table(loose, algo.default_table().to_json(), {})
+    os.chmod(loose, 0o666)
+    fifo = str(cache / "fifo.json")
+    os.mkfifo(fifo)
+    for path, why in ((link, "it is a symbolic link"), (loose, "the file is writable by others (mode 666)"),
+                      (fifo, "the file is not a regular file")):
+        found: list = []
+        messages = _warnings_of(lambda: found.append(tune_cache.read_table(path)))
+        assert found == [None] and any(f"ignoring tuned table {path}: {why}" in m for m in messages), messages
+    assert tune_cache.read_table(str(cache / "missing.json")) is None
+    assert _warnings_of(lambda: tune_cache.read_table(str(cache / "missing.json"))) == []
+
+
+def test_a_communicator_keeps_the_default_where_the_cache_is_not_the_users_own(comm, tmp_path) -> None:
+    tuned = algo.AlgoTable((algo.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
+    tune_cache.write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
+    tmp_path.chmod(0o777)
+    try:
+        messages = _warnings_of(comm._adopt_tuned_table)
+    finally:
+        tmp_path.chmod(0o700)
+    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+    assert any("its directory is writable by others" in m for m in messages), messages
+    comm._adopt_tuned_table()
+    assert comm.table == tuned
+
+
+def test_a_cache_of_another_user_is_refused(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    path = str(cache / "t.json")
+    tune_cache.write_table(path, algo.default_table().to_json(), {})
+    monkeypatch.setattr(tune_cache, "_owners", lambda: (4242,))  # as if another user owned it all
+    found: list = []
+    messages = _warnings_of(lambda: found.append(tune_cache.read_table(path)))
+    assert found == [None] and any(f"its directory belongs to user id {os.stat(cache).st_uid}" in m for m in messages)
+    with pytest.raises(PermissionError, match="its directory belongs to user id"):
+        tune_cache.write_table(path, algo.default_table().to_json(), {})
