@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, algo as algo_mod, dispatch, ops, topology, transport as transport_mod, validation
+from pcie_allreduce import (_ext, algo as algo_mod, dispatch, ops, settings, topology, transport as transport_mod,
+                            validation)
 from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
 from pcie_allreduce.dispatch import DTYPE_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
@@ -58,12 +59,12 @@ _NEVER_FREED: list[Any] = []
 
 def _dependent_launch(device: torch.device) -> bool:
     """Whether this rank launches the unfused pair's norm kernel as the all-reduce's dependent."""
-    return os.environ.get(PDL_ENV, "").strip() == "1" and torch.cuda.get_device_capability(device)[0] >= 9
+    return settings.env_bool(PDL_ENV, False) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _default_timeout() -> float:
     raw = os.environ.get(TIMEOUT_ENV)
-    return DEFAULT_TIMEOUT_S if raw is None else validation.validate_timeout(raw, source=TIMEOUT_ENV)
+    return DEFAULT_TIMEOUT_S if raw is None else settings.parse_seconds(TIMEOUT_ENV, raw)
 
 
 def _disown_after_fork() -> None:

@@ -11,12 +11,13 @@ Pure functions over the gathered identities (:func:`layout_of`) with one collect
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
+
+from pcie_allreduce import settings
 
 #: Emulate this many nodes (equal runs of consecutive ranks) on one machine.
 NODES_ENV = "PCIE_AR_NODES"
@@ -34,13 +35,9 @@ def host_identity(boot_id_path: str = _BOOT_ID) -> str:
 
 
 def emulated_nodes(environ: Mapping[str, str] | None = None) -> int | None:
-    """``$PCIE_AR_NODES`` as a node count, None when unset; ValueError naming it when malformed."""
-    text = (os.environ if environ is None else environ).get(NODES_ENV, "").strip()
-    if not text:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"${NODES_ENV} must be a positive number of nodes to emulate, got {text!r}")
-    return int(text)
+    """``$PCIE_AR_NODES`` as a node count, None when unset or blank; SettingsError naming it when
+    it is not a whole number of at least 1."""
+    return settings.env_int(NODES_ENV, lo=1, environ=environ)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ This module describes; which algorithm a fabric calls for is decided elsewhere.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from types import ModuleType
@@ -196,7 +197,7 @@ def parse_islands(text: str, world: int, source: str = ISLANDS_ENV) -> Islands:
 
 def _parse_item(item: str, where: str, world: int) -> list[int]:
     low_text, dash, high_text = item.partition("-")
-    if not low_text.isdigit() or (dash and not high_text.isdigit()):
+    if not re.fullmatch(r"[0-9]+", low_text) or (dash and not re.fullmatch(r"[0-9]+", high_text)):  # ASCII only
         raise ValueError(f"{where}: {item!r} is not a rank or a range of ranks (N or N-M)"
                          if item else f"{where}: an empty entry (two commas in a row, or one at an end)")
     low = int(low_text)

@@ -103,7 +103,9 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     """Parse the plugin's variables from ``environ``; unknown ``PCIE_AR_SGLANG_*`` names are errors.
 
     Raises:
-        SettingsError: a value cannot be used, or a variable with the prefix is misspelt.
+        SettingsError: a value cannot be used, a variable with the prefix is misspelt, or two
+            settings contradict each other (a forced algorithm and a compressed wire; a wire
+            threshold above the largest all-reduce served).
     """
     known = set(DOCS)
     unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
@@ -128,6 +130,10 @@ def from_env(environ: Mapping[str, str]) -> Settings:
         raise SettingsError(f"{WIRE}={settings.wire} runs its own kernel ({WIRE_ALGORITHMS[settings.wire]}) from "
                             f"{format_bytes(settings.wire_min_bytes)} up, and {ALGO}={settings.algo} forces another "
                             f"for every size: set one of them, not both")
+    if settings.wire != "exact" and settings.wire_min_bytes > settings.max_bytes:
+        raise SettingsError(f"{WIRE_MIN_BYTES}={format_bytes(settings.wire_min_bytes)} is above {MAX_BYTES}="
+                            f"{format_bytes(settings.max_bytes)}, so {WIRE}={settings.wire} would compress nothing: "
+                            f"lower {WIRE_MIN_BYTES} or raise {MAX_BYTES}")
     return settings
 
 

@@ -14,6 +14,7 @@ from pcie_allreduce import nodes, ranks
 from pcie_allreduce.errors import InterNodeError
 from pcie_allreduce.hierarchy import HierarchicalCommunicator, off_node_bytes, shard_bounds
 from pcie_allreduce.nodes import NodeLayout, layout_of
+from pcie_allreduce.settings import SettingsError
 from tests import _reference as ref
 
 
@@ -28,9 +29,11 @@ def test_host_identity_is_the_host_name_and_the_boot_id(tmp_path) -> None:
 
 def test_emulated_nodes_parse_and_name_the_variable() -> None:
     assert nodes.emulated_nodes({}) is None and nodes.emulated_nodes({"PCIE_AR_NODES": " "}) is None
-    assert nodes.emulated_nodes({"PCIE_AR_NODES": "4"}) == 4
-    for bad in ("0", "-2", "two", "1.5"):
-        with pytest.raises(ValueError, match=r"\$PCIE_AR_NODES must be a positive number of nodes"):
+    assert nodes.emulated_nodes({"PCIE_AR_NODES": "4"}) == 4 and nodes.emulated_nodes({"PCIE_AR_NODES": " 2 "}) == 2
+    for bad, why in (("0", "must be at least 1"), ("-2", "must be at least 1"), ("two", "expected a whole number"),
+                     ("1.5", "expected a whole number"), ("\u00b2", "expected a whole number"),
+                     ("\u0664", "expected a whole number")):
+        with pytest.raises(SettingsError, match=f"PCIE_AR_NODES={bad!r}: {why}"):
             nodes.emulated_nodes({"PCIE_AR_NODES": bad})
 
 
