@@ -10,13 +10,11 @@ the inter-node link (``hierarchy.off_node_wire``); the report sets flat NCCL's b
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from pcie_allreduce.nodes import NODES_ENV
+from pcie_allreduce.nodes import NODES_ENV, emulated_nodes
 from pcie_allreduce.ranks import RankContext
 
 from bench.backend_ours import SYNC_COUNT, OursBackend, kernel_timeout_s
@@ -37,7 +35,7 @@ class OursHierBackend(OursBackend):
         problem = super().runtime_problem(world, gpu_count)
         if problem is not None:
             return problem
-        nodes = int(os.environ.get(NODES_ENV) or EMULATED_NODES)
+        nodes = emulated_nodes() or EMULATED_NODES  # SettingsError naming $PCIE_AR_NODES where malformed
         if nodes < 2 or world % nodes or world // nodes < 2:
             return (f"the hierarchy needs {world} ranks split into 2 or more nodes of 2 or more ranks; "
                     f"${NODES_ENV}={nodes} does not")
@@ -45,18 +43,16 @@ class OursHierBackend(OursBackend):
 
     @classmethod
     def rank_env(cls, world: int, gpu_count: int) -> dict[str, str]:
-        return {NODES_ENV: os.environ.get(NODES_ENV) or str(EMULATED_NODES)}
+        return {NODES_ENV: str(emulated_nodes() or EMULATED_NODES)}
 
     def __init__(self, ctx: RankContext, job: RankJob) -> None:  # its own communicator: not ours
         from pcie_allreduce.hierarchy import HierarchicalCommunicator
 
         # NCCL refuses two ranks on one GPU: between emulated nodes of one GPU the sends take gloo.
         self._graphable = torch.cuda.device_count() >= ctx.world_size
-        between = None
-        if self._graphable:
-            between = dist.new_group(list(range(ctx.world_size)), backend="nccl")
         timeout_s = kernel_timeout_s(job)
-        self._comm = HierarchicalCommunicator(ctx.group, ctx.device, inter_node_group=between,
+        self._comm = HierarchicalCommunicator(ctx.group, ctx.device,
+                                              inter_node_backend="nccl" if self._graphable else None,
                                               inter_node_timeout_s=timeout_s, max_bytes=max(job.max_bytes, 4096),
                                               timeout_s=timeout_s)
         self._sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=ctx.device)

@@ -440,6 +440,10 @@ class Communicator:
         return dispatch.fused_algo(tokens, hidden, dtype, self.world_size, self.table, ll_capacity=self.ll_capacity,
                                    block_cap=self.block_cap, interpret=interpreting())
 
+    def capacity_of(self, algo: str) -> int | None:
+        """Largest message (bytes) a forced ``algo`` takes here; None: up to ``max_bytes``."""
+        return None if algo == "auto" else algo_mod.capacity_of(algo, self.ll_capacity)
+
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
         """The algorithm ``algo="auto"`` uses for a message of ``nbytes`` bytes of ``dtype``."""
         return dispatch.plain_choice(nbytes, self.world_size, dtype, self.table, ll_capacity=self.ll_capacity,

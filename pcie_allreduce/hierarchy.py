@@ -24,17 +24,29 @@ an element of the partial, or its dtype's of the result to each other node: ``of
 node that is not the first receives the whole partial at its first rank. The cost is one all-reduce
 per node on fp32, plus one more on the result in every node but the last.
 
-Between nodes: point-to-point sends on the caller's group (or ``inter_node_group``), NCCL where
-that group is NCCL (GPU tensors, capturable in a CUDA graph), any other backend through host
-memory (eager only). A send or receive that fails or outlasts the timeout raises
-:class:`InterNodeError` naming the step, the rank and the peer: through host memory at once, on
-NCCL (where the host never waits) at the next :meth:`HierarchicalCommunicator.check` of an eager
-call. The communicator is unusable afterwards, like one whose kernel timed out.
+Between nodes: point-to-point sends on the caller's group (or ``inter_node_group``, or a group
+made here of ``inter_node_backend``), NCCL where that group is NCCL (GPU tensors, capturable in a
+CUDA graph), any other backend through host memory (eager only). A send or receive that fails or
+outlasts ``inter_node_timeout_s`` raises :class:`InterNodeError` naming the step, the rank and the
+peer: through host memory at once; on NCCL (where the host never waits) at the next call or
+:meth:`HierarchicalCommunicator.check` after it failed, or after that time passed with it pending.
+The communicator is unusable afterwards, like one whose kernel timed out.
+
+Inside a CUDA graph no host code runs at replay, so this module cannot time a replayed send or
+receive, and torch's NCCL watchdog does not track works captured in a graph. A replayed receive
+whose peer never sends waits until the NCCL communicator of the group between nodes is aborted:
+where the group was made here (``inter_node_backend="nccl"``) its timeout is
+``inter_node_timeout_s``, so torch's watchdog aborts it (and then acts as
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says; torch's default ends the process) once an eager send or
+receive on it has been pending that long; else at :meth:`HierarchicalCommunicator.close` or the
+process's end. The node's own kernels around it stay bounded by their ``timeout_s``: the other
+ranks of that node record CollectiveTimeout and write NaN.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from datetime import timedelta
 from typing import Any, Callable, NoReturn, Protocol
@@ -42,14 +54,22 @@ from typing import Any, Callable, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, nodes as nodes_mod, validation
+from pcie_allreduce import _ext, algo as algo_mod, nodes as nodes_mod, validation
 from pcie_allreduce.algo import UNFUSED, WireBytes
 from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
+from pcie_allreduce.constants import MAX_MESSAGE_BYTES
 from pcie_allreduce.errors import InterNodeError, one_line
 
 #: Seconds a send or receive between nodes may take before the call fails.
 DEFAULT_INTER_NODE_TIMEOUT_S = 60.0
-_MAX_PENDING = 256  # NCCL works of eager calls kept for check(), the newest
+#: The largest message: the nodes all-reduce a 16-bit message's fp32 partials, twice its bytes,
+#: and a node's communicator takes at most MAX_MESSAGE_BYTES.
+MAX_BYTES = MAX_MESSAGE_BYTES // 2
+_MAX_PENDING = 256  # NCCL works of eager calls not yet complete; at this many the host waits for the oldest
+_POLL_S = 0.0005
+# NCCL groups between nodes that served a CUDA graph capture: never destroyed (the graph may be
+# replayed after close(), and its kernels use the group's NCCL communicator).
+_NEVER_DESTROYED: list[Any] = []
 
 
 class IntraNode(Protocol):
@@ -102,14 +122,20 @@ class HierarchicalCommunicator:
     Args:
         group: the whole group (every rank of every node).
         device: this rank's CUDA device.
-        layout: the group's nodes; default :func:`pcie_allreduce.nodes.gather_layout`.
+        layout: the group's nodes; default :func:`pcie_allreduce.nodes.gather_layout`. Every rank
+            must give the same (or None): the ranks compare them first, and raise ValueError
+            together where they differ.
         inter_node_group: the same ranks as ``group``, whose point-to-point sends carry the step
             between nodes (an NCCL group where ``group`` is gloo, as SGLang's device group beside
             its CPU group); default ``group``.
+        inter_node_backend: instead of ``inter_node_group``, make that group here, of this backend
+            ("nccl"), with ``inter_node_timeout_s`` as its timeout (module docstring: what that
+            bounds in a CUDA graph); :meth:`close` destroys it.
         inter_node_timeout_s: how long one send or receive between nodes may take.
         intra_node: makes this node's all-reduce from the node's process group (default: a
             ``Communicator`` on ``device`` with ``communicator_kwargs``); None for one-rank nodes.
-        max_bytes: the largest message (the nodes' communicators are made for twice it).
+        max_bytes: the largest message, at most :data:`MAX_BYTES` (the nodes' communicators are
+            made for twice it).
         communicator_kwargs: passed to each node's ``Communicator`` (timeout_s, transport, ...).
     """
 
@@ -119,16 +145,28 @@ class HierarchicalCommunicator:
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, *,
                  layout: nodes_mod.NodeLayout | None = None,
                  inter_node_group: dist.ProcessGroup | None = None,
+                 inter_node_backend: str | None = None,
                  inter_node_timeout_s: float = DEFAULT_INTER_NODE_TIMEOUT_S,
                  intra_node: Callable[[dist.ProcessGroup], IntraNode] | None = None,
                  max_bytes: int = DEFAULT_MAX_BYTES, **communicator_kwargs: Any) -> None:
-        if not inter_node_timeout_s > 0:
-            raise ValueError(f"inter_node_timeout_s must be positive, got {inter_node_timeout_s!r}")
+        self._closed = False
+        self._failed: str | None = None
+        self._owned_groups: list[dist.ProcessGroup] = []  # destroyed by close()
+        self.intra: IntraNode | None = None
+        self.inter_node_timeout_s = validation.validate_timeout(inter_node_timeout_s, source="inter_node_timeout_s")
+        if inter_node_group is not None and inter_node_backend is not None:
+            raise ValueError("pass inter_node_group or inter_node_backend, not both")
+        validation.validate_max_bytes(max_bytes)
+        if max_bytes > MAX_BYTES:
+            raise ValueError(f"max_bytes={max_bytes} is above {MAX_BYTES >> 20} MiB, the most a group across nodes "
+                             "takes: its nodes all-reduce fp32 partials, twice a 16-bit message's bytes")
+        #: Largest message; the nodes' communicators take twice it (a 16-bit message's fp32 partials).
+        self.max_bytes: int = max_bytes
         self._group = group
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
-        self.layout = nodes_mod.gather_layout(group) if layout is None else layout
+        self.layout = nodes_mod.agree_on_layout(group, layout)
         if self.layout.world != self.world_size:
             raise ValueError(f"the node layout covers {self.layout.world} ranks, the group has {self.world_size}")
         problem = self.layout.hierarchy_problem()
@@ -137,9 +175,12 @@ class HierarchicalCommunicator:
         self.node = self.layout.node_of(self.rank)
         self.local_rank = self.layout.local_rank(self.rank)
         self.node_size = len(self.layout.nodes[0])
-        self.inter_node_timeout_s = float(inter_node_timeout_s)
-        #: Largest message; the nodes' communicators take twice it (a 16-bit message's fp32 partials).
-        self.max_bytes = validation.validate_max_bytes(max_bytes)
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        if inter_node_backend is not None:
+            inter_node_group = dist.new_group(self._global, backend=inter_node_backend,
+                                              timeout=timedelta(seconds=self.inter_node_timeout_s),
+                                              use_local_synchronization=True)
+            self._owned_groups.append(inter_node_group)
         self._data_group = group if inter_node_group is None else inter_node_group
         if dist.get_world_size(self._data_group) != self.world_size:
             raise ValueError(f"inter_node_group has {dist.get_world_size(self._data_group)} ranks, the group "
@@ -147,24 +188,29 @@ class HierarchicalCommunicator:
         # "nccl", "gloo", or e.g. "cpu:gloo,cuda:nccl"
         self.backend = str(dist.get_backend(self._data_group))
         self._through_host = "nccl" not in self.backend
-        self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self._captured = False  # a send or receive was captured in a CUDA graph (close() keeps the group)
         # Only this node's ranks make its group (local synchronization): the group may be a part of
         # the world (one tensor-parallel group of several), whose other ranks never come here.
         self.node_group = dist.new_group([self._global[r] for r in self.layout.nodes[self.node]],
                                          backend=dist.get_backend(group), use_local_synchronization=True)
-        self._failed: str | None = None
-        self._pending: list[tuple[float, Any, int, str]] = []  # NCCL works of eager calls (check())
-        if self.node_size == 1:
-            self.intra: IntraNode | None = None
-        elif intra_node is not None:
-            self.intra = intra_node(self.node_group)
-        else:
-            # Emulated nodes share GPUs: every node's blocks must fit beside every other node's.
-            communicator_kwargs.setdefault("ranks_per_gpu", _ranks_per_gpu(group, self.device))
-            self.intra = Communicator(self.node_group, self.device, 2 * self.max_bytes, **communicator_kwargs)
-        # One call now: every pair of ranks the sends join meets here, outside any graph capture
-        # (NCCL makes a pair's communicator at its first send), and a broken setup fails at once.
-        self.all_reduce(torch.zeros(self.node_size, dtype=torch.float32, device=self.device))
+        self._owned_groups.append(self.node_group)
+        self._pending: list[tuple[float, Any, int, str]] = []  # NCCL works of eager calls, until read
+        try:
+            if self.node_size == 1:
+                self.intra = None
+            elif intra_node is not None:
+                self.intra = intra_node(self.node_group)
+            else:
+                # Emulated nodes share GPUs: every node's blocks must fit beside every other node's.
+                communicator_kwargs.setdefault("ranks_per_gpu", _ranks_per_gpu(group, self.device))
+                self.intra = Communicator(self.node_group, self.device, 2 * self.max_bytes, **communicator_kwargs)
+            # One call now: every pair of ranks the sends join meets here, outside any graph capture
+            # (NCCL makes a pair's communicator at its first send), and a broken setup fails at once.
+            self.all_reduce(torch.zeros(self.node_size, dtype=torch.float32, device=self.device))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the failure that got us here is the one to see
+                self.close()
+            raise
 
     # ---- the collective ----------------------------------------------------------------
 
@@ -172,11 +218,18 @@ class HierarchicalCommunicator:
         """The sum of ``x`` over every rank of every node, bitwise the single-node result on
         every rank (module docstring). ``out``: where to write it (default a new tensor);
         ``algo``: what the nodes' all-reduces run ("auto": their tables)."""
-        self._refuse_if_failed()
+        self._refuse_if_unusable()
         validation.plain_call(x, out, algo, device=self.device, max_bytes=self.max_bytes)
-        if self._through_host and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = _capturing()
+        if self._through_host and capturing:
             raise RuntimeError(f"the inter-node step runs on a {self.backend!r} group through host memory, which a "
                                "CUDA graph cannot capture; use an NCCL group between nodes for graphs")
+        limit = self.capacity_of(algo)
+        if limit is not None and x.numel() * x.element_size() > limit:
+            raise ValueError(f"algo={algo!r} takes at most {limit} bytes across nodes (its capacity on the nodes' "
+                             f"fp32 partials), got {x.numel() * x.element_size()}")
+        if not capturing:
+            self._check_pending()  # a failure of an earlier call's send or receive raises before this one posts
         flat = x.reshape(-1)
         if flat.numel() == 0:
             return x.clone() if out is None else out
@@ -217,6 +270,7 @@ class HierarchicalCommunicator:
         single node's unfused call on the same inputs. Arguments as there."""
         from pcie_allreduce import add_rmsnorm
 
+        self._refuse_if_unusable()
         validation.fused_call(x, residual, weight, eps, out, residual_out, UNFUSED, device=self.device,
                               max_bytes=self.max_bytes, world=self.world_size)
         normed = torch.empty_like(x) if out is None else out
@@ -252,6 +306,15 @@ class HierarchicalCommunicator:
     def ll_capacity(self) -> int | None:
         return getattr(self.intra, "ll_capacity", None)
 
+    def capacity_of(self, algo: str) -> int | None:
+        """Largest message (bytes, any dtype) a forced ``algo`` takes here; None: unbounded. The
+        nodes run it on fp32 partials, twice a 16-bit message's bytes, so half its capacity on the
+        node's workspace (:func:`pcie_allreduce.algo.capacity_of`)."""
+        if algo == "auto" or self.intra is None:
+            return None
+        limit = algo_mod.capacity_of(algo, self.ll_capacity)
+        return None if limit is None else max(0, limit) // 2
+
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
         """What the nodes' all-reduces run for an ``nbytes`` message of ``dtype`` (on its fp32 partials)."""
         if self.intra is None:
@@ -266,10 +329,29 @@ class HierarchicalCommunicator:
         return self.intra.workspace(stream) if self.intra is not None else None
 
     def close(self) -> None:
-        """Release the node's communicator (collective over the node)."""
-        close = getattr(self.intra, "close", None)
-        if close is not None:
-            close()
+        """Release the node's communicator, then destroy the process groups made here: the node's,
+        and the one between nodes where ``inter_node_backend`` made it, unless a CUDA graph
+        captured a send on it (the graph may be replayed; it then lives until the process
+        ends). Collective over the group. Calls after it raise at once, posting nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            close = getattr(self.intra, "close", None)
+            if close is not None:
+                close()
+        finally:
+            for group in self._owned_groups:
+                if self._captured and group is self._data_group:
+                    _NEVER_DESTROYED.append(group)
+                else:
+                    dist.destroy_process_group(group)
+            self._owned_groups = []
+
+    def _refuse_if_unusable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this hierarchical communicator is closed")
+        self._refuse_if_failed()
 
     def _refuse_if_failed(self) -> None:
         if self._failed is not None:
@@ -317,36 +399,58 @@ class HierarchicalCommunicator:
 
         Through host memory the host waits (it must, to copy the data). On NCCL the current
         stream waits instead, so the call never blocks the host and a graph capture records the
-        dependency; eager works are kept and :meth:`check` raises for one that failed or is
-        still pending past the timeout."""
+        dependency; eager works are kept until read (:meth:`_track`)."""
         try:
             if self._through_host:
                 done = work.wait(timeout=timedelta(seconds=self.inter_node_timeout_s))
             else:
                 done = work.wait()
-                if not torch.cuda.is_current_stream_capturing():
-                    self._pending = [p for p in self._pending if not p[1].is_completed()][-_MAX_PENDING:]
-                    self._pending.append((time.monotonic(), work, peer, step))
         except Exception as exc:  # noqa: BLE001 - any backend's failure becomes the library's error
             self._fail(peer, step, one_line(exc))
         if done is False:
             self._fail(peer, step, f"not complete after {self.inter_node_timeout_s:g} s")
+        if not self._through_host:
+            if _capturing():
+                self._captured = True
+            else:
+                self._track(work, peer, step)
+
+    def _track(self, work: Any, peer: int, step: str) -> None:
+        """Keep an eager NCCL work until it is read (:meth:`_check_pending`), never dropping one
+        unread: at ``_MAX_PENDING`` still pending, the host waits for the oldest, at most until
+        ``inter_node_timeout_s`` after it was issued."""
+        while len(self._pending) >= _MAX_PENDING:
+            started, oldest, old_peer, old_step = self._pending[0]
+            while not self._completed(oldest, old_peer, old_step):
+                waited = time.monotonic() - started
+                if waited > self.inter_node_timeout_s:
+                    self._fail(old_peer, old_step, f"not complete {waited:.1f} s after it was issued")
+                time.sleep(_POLL_S)
+            self._pending.pop(0)
+        self._pending.append((time.monotonic(), work, peer, step))
+
+    def _completed(self, work: Any, peer: int, step: str) -> bool:
+        """Whether ``work`` is complete; InterNodeError where it failed (torch reports a failed
+        work complete: its exception says it failed, or reading it raises)."""
+        try:
+            if not work.is_completed():
+                return False
+            failure = work.exception()
+        except Exception as exc:  # noqa: BLE001 - the backend's failure becomes the library's error
+            self._fail(peer, step, one_line(exc))
+        if failure is not None:
+            self._fail(peer, step, one_line(failure))
+        return True
 
     def _check_pending(self) -> None:
         """Raise for an NCCL send or receive of an eager call that failed, or is still not
-        complete ``inter_node_timeout_s`` after it was issued (no host wait)."""
+        complete ``inter_node_timeout_s`` after it was issued (no host wait); forget the ones
+        that completed."""
         now, still = time.monotonic(), []
         for started, work, peer, step in self._pending:
-            try:
-                completed = work.is_completed()
-                failure = work.exception() if completed else None
-            except Exception as exc:  # noqa: BLE001 - the backend's failure becomes the library's error
-                self._fail(peer, step, one_line(exc))
-            if failure is not None:
-                self._fail(peer, step, one_line(failure))
-            if not completed:
+            if not self._completed(work, peer, step):
                 if now - started > self.inter_node_timeout_s:
-                    self._fail(peer, step, f"not complete {now - started:.0f} s after it was issued")
+                    self._fail(peer, step, f"not complete {now - started:.1f} s after it was issued")
                 still.append((started, work, peer, step))
         self._pending = still
 
@@ -354,6 +458,10 @@ class HierarchicalCommunicator:
         self._failed = f"rank {self.rank}: {step} (rank {peer}) failed"
         raise InterNodeError(f"rank {self.rank}: the inter-node step '{step}' with rank {peer} failed over "
                              f"{self.backend}: {why}", rank=self.rank, peer=peer, stage=step)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _ranks_per_gpu(group: dist.ProcessGroup, device: torch.device) -> int:

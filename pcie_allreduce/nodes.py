@@ -127,3 +127,19 @@ def gather_layout(group: dist.ProcessGroup, environ: Mapping[str, str] | None = 
         rank, problem = problems[0]
         raise ValueError(f"rank {rank}: {problem}")
     return layout_of([g[0] for g in gathered], [g[1] for g in gathered])
+
+
+def agree_on_layout(group: dist.ProcessGroup, layout: NodeLayout | None) -> NodeLayout:
+    """Collective over ``group``: the one layout every rank uses. Each rank's ``layout`` (None:
+    :func:`gather_layout`, which then runs on every rank) is gathered and compared, so ranks given
+    different layouts raise ValueError together instead of waiting in process groups that the
+    others never make."""
+    given: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(given, None if layout is None else layout.nodes, group=group)
+    gathered = gather_layout(group) if any(g is None for g in given) else None
+    resolved = [g if g is not None else gathered.nodes for g in given]  # type: ignore[union-attr]
+    if len(set(resolved)) > 1:
+        views = "; ".join(f"rank {r}: {NodeLayout(n).describe()}" for r, n in enumerate(resolved))
+        raise ValueError(f"the ranks were given different node layouts ({views}); every rank must pass the same "
+                         "layout= (or None on every rank)")
+    return layout if layout is not None else gathered  # type: ignore[return-value]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import algo as algo_mod, validation
-from sglang_plugin.settings import ALGO, WIRE, Settings
+from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE, Settings, SettingsError, format_bytes
 
 logger = logging.getLogger("sglang_plugin")
 
@@ -42,17 +42,21 @@ def _default_factory() -> CommunicatorFactory:
 def hierarchical_factory(layout: Any) -> CommunicatorFactory:
     """What builds the communicator of a tp group across ``layout``'s nodes
     (``pcie_allreduce.HierarchicalCommunicator``): the nodes' kernels on the gloo group SGLang
-    passes, the sends between nodes on an NCCL group of the same ranks made here. SGLang hands
-    its custom all-reduce only the CPU group, not the tp group's NCCL one, so the plugin makes its
-    own (collective over the group's ranks only)."""
+    passes, the sends between nodes on an NCCL group of the same ranks that the communicator
+    makes, with the plugin's timeout as that group's (and destroys on close). SGLang hands its
+    custom all-reduce only the CPU group, not the tp group's NCCL one. A ``max_bytes`` above what
+    a group across nodes takes is a SettingsError naming the variable, on every rank alike."""
 
     def make(group: dist.ProcessGroup, device: torch.device, *, max_bytes: int, timeout_s: float) -> Any:
-        from pcie_allreduce.hierarchy import HierarchicalCommunicator
+        from pcie_allreduce import hierarchy
 
-        ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-        between = dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
-        return HierarchicalCommunicator(group, device, layout=layout, inter_node_group=between, max_bytes=max_bytes,
-                                        timeout_s=timeout_s, inter_node_timeout_s=timeout_s)
+        if max_bytes > hierarchy.MAX_BYTES:
+            raise SettingsError(f"{MAX_BYTES}={format_bytes(max_bytes)}: a tp group across nodes takes at most "
+                                f"{format_bytes(hierarchy.MAX_BYTES)} (its nodes all-reduce fp32 partials, twice a "
+                                "16-bit message)")
+        return hierarchy.HierarchicalCommunicator(group, device, layout=layout, inter_node_backend="nccl",
+                                                  max_bytes=max_bytes, timeout_s=timeout_s,
+                                                  inter_node_timeout_s=timeout_s)
 
     return make
 
@@ -220,7 +224,7 @@ class PcieAllReduceAdapter:
             logger.warning("pcie_allreduce[sglang]: %s=%s: %s: every all-reduce stays on SGLang's own path", ALGO,
                            self.algo, problem)
             return 0
-        limit = algo_mod.capacity_of(self.algo, self.comm.ll_capacity)
+        limit = self.comm.capacity_of(self.algo)  # a hierarchy's: on its fp32 partials
         return self.max_size if limit is None else max(0, min(self.max_size, limit))
 
     def _agree_on_stream_workspace(self) -> None:

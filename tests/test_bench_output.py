@@ -12,6 +12,7 @@ import pytest
 from bench import command, plot
 from bench.progress_bar import Bar
 from bench.results import Report
+from pcie_allreduce.settings import SettingsError
 
 from tests.test_bench_fused import fake_fused_report
 from tests.test_bench_verify import fake_verify_report
@@ -191,3 +192,8 @@ def test_hierarchy_backend_needs_two_nodes_of_two_ranks(monkeypatch) -> None:
     monkeypatch.setenv("PCIE_AR_NODES", "4")
     assert OursHierBackend.runtime_problem(8, 1) is None and OursHierBackend.rank_env(8, 1) == {"PCIE_AR_NODES": "4"}
     assert "$PCIE_AR_NODES=4 does not" in OursHierBackend.runtime_problem(6, 1)
+    monkeypatch.setenv("PCIE_AR_NODES", "\u00b2")  # passes str.isdigit(), is no number int() takes
+    with pytest.raises(SettingsError, match="PCIE_AR_NODES='\u00b2': expected a whole number"):
+        OursHierBackend.runtime_problem(4, 1)
+    with pytest.raises(SettingsError, match="PCIE_AR_NODES"):
+        OursHierBackend.rank_env(4, 1)

@@ -167,6 +167,8 @@ def test_a_silent_inter_node_peer_raises_naming_the_step_never_hangs() -> None:
 def test_layout_the_hierarchy_refuses_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None),
+                                                                                             [obj] * len(out)))
     group = object()
     with pytest.raises(ValueError, match="cannot serve this group: the group runs on one node"):
         HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0, 1, 2, 3),)))
@@ -174,19 +176,47 @@ def test_layout_the_hierarchy_refuses_is_a_clear_error(monkeypatch) -> None:
         HierarchicalCommunicator(group, "cpu", layout=layout_of(["a", "b", "a", "b"]))
     with pytest.raises(ValueError, match="the node layout covers 2 ranks, the group has 4"):
         HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0,), (1,))))
-    with pytest.raises(ValueError, match="inter_node_timeout_s must be positive"):
-        HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0, 1), (2, 3))), inter_node_timeout_s=0)
+    for bad in (0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="inter_node_timeout_s must be a number of seconds"):
+            HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0, 1), (2, 3))), inter_node_timeout_s=bad)
+    with pytest.raises(ValueError, match="max_bytes=134217729 is above 128 MiB, the most a group across nodes takes"):
+        HierarchicalCommunicator(group, "cpu", layout=NodeLayout(((0, 1), (2, 3))), max_bytes=(128 << 20) + 1)
 
 
 class _FakeWork:
-    def __init__(self, completed: bool, failure: Exception | None = None) -> None:
-        self.completed, self.failure = completed, failure
+    """An NCCL work as torch reports it: complete once it ran or failed; ``exception()`` says which.
+    ``polls``: complete after that many ``is_completed()`` calls."""
+
+    def __init__(self, completed: bool, failure: BaseException | None = None, polls: int | None = None) -> None:
+        self.completed, self.failure, self.polls = completed, failure, polls
 
     def is_completed(self) -> bool:
+        if self.polls is not None:
+            self.polls -= 1
+            self.completed = self.polls <= 0
         return self.completed
 
-    def exception(self) -> Exception | None:
+    def exception(self) -> BaseException | None:
+        if isinstance(self.failure, _Unreadable):
+            raise RuntimeError("NCCL communicator was aborted on rank 0")
         return self.failure
+
+    def wait(self, timeout=None) -> bool:  # on NCCL: the current stream waits, the host does not
+        return True
+
+
+class _Unreadable(Exception):
+    """A failure whose work raises when its exception is read."""
+
+
+def _nccl_comm(timeout_s: float = 5.0) -> HierarchicalCommunicator:
+    """Rank 0 of two nodes of two ranks, sends on NCCL, no node all-reduce (the host side only)."""
+    comm = object.__new__(HierarchicalCommunicator)
+    comm.rank, comm.backend, comm._through_host, comm.inter_node_timeout_s = 0, "nccl", False, timeout_s
+    comm._failed, comm._closed, comm._captured, comm.intra, comm._pending = None, False, False, None, []
+    comm.device, comm.max_bytes, comm.layout = torch.device("cpu"), 1 << 20, nodes.equal_nodes(4, 2)
+    comm.node, comm.local_rank, comm.node_size, comm._global = 0, 0, 2, [0, 1, 2, 3]
+    return comm
 
 
 def test_nccl_works_are_checked_without_waiting_on_the_host() -> None:
@@ -207,3 +237,136 @@ def test_nccl_works_are_checked_without_waiting_on_the_host() -> None:
     comm._pending = [(now, _FakeWork(True, RuntimeError("NCCL error: remote process exited")), 3, "x")]
     with pytest.raises(InterNodeError, match="with rank 3 failed over nccl: NCCL error: remote process exited"):
         comm.check()
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("NCCL error: remote process exited"), _Unreadable()])
+def test_a_failed_nccl_work_is_never_forgotten_unread(monkeypatch, failure: BaseException) -> None:
+    """torch reports a failed NCCL work complete: the sends of the calls after it must not drop it
+    unread; check() raises for it, and so does the next call, before it posts anything."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager, on a CPU
+    comm = _nccl_comm()
+    work = _FakeWork(False)
+    comm._wait(work, 2, "the fp32 partial to node 1")
+    work.completed, work.failure = True, failure
+    comm._wait(_FakeWork(True), 3, "the result from node 1")  # a later send of the same call
+    why = "NCCL error: remote process exited" if isinstance(failure, RuntimeError) else "communicator was aborted"
+    with pytest.raises(InterNodeError, match=f"'the fp32 partial to node 1' with rank 2 failed over nccl: .*{why}"):
+        comm.check()
+    comm = _nccl_comm()
+    comm._wait(work, 2, "the fp32 partial to node 1")
+    posted: list = []
+    comm._start = lambda start, peer, step: posted.append(step)  # type: ignore[method-assign]
+    with pytest.raises(InterNodeError, match="with rank 2 failed over nccl"):
+        comm.all_reduce(torch.ones(64, dtype=torch.bfloat16))
+    assert posted == []
+
+
+def test_the_pending_nccl_works_are_bounded_without_dropping_one(monkeypatch) -> None:
+    """At _MAX_PENDING works still pending the host waits for the oldest, at most until its
+    timeout: a work that completes meanwhile is read and forgotten, one that does not raises."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager, on a CPU
+    from pcie_allreduce import hierarchy
+
+    comm = _nccl_comm(timeout_s=0.5)
+    oldest = _FakeWork(False, polls=3)
+    comm._wait(oldest, 2, "oldest")
+    for _ in range(hierarchy._MAX_PENDING - 1):
+        comm._wait(_FakeWork(False), 3, "newer")
+    comm._wait(_FakeWork(False), 3, "one more")  # waits for the oldest, which completes
+    assert len(comm._pending) == hierarchy._MAX_PENDING and all(p[3] != "oldest" for p in comm._pending)
+    comm._pending[0] = (time.monotonic(), _FakeWork(False), 2, "stuck")
+    started = time.monotonic()
+    with pytest.raises(InterNodeError, match=r"'stuck' with rank 2 failed over nccl: not complete 0\.[5-9] s after"):
+        comm._wait(_FakeWork(False), 3, "one too many")
+    assert 0.4 < time.monotonic() - started < 5
+    comm = _nccl_comm()
+    comm._wait(_FakeWork(False), 2, "fails later")
+    comm._pending[0][1].completed, comm._pending[0][1].failure = True, RuntimeError("NCCL timeout")
+    with pytest.raises(InterNodeError, match="'fails later' with rank 2 failed over nccl: NCCL timeout"):
+        for _ in range(hierarchy._MAX_PENDING):
+            comm._wait(_FakeWork(False), 3, "newer")
+
+
+class _ClosableSum(_RankOrderSum):
+    """A node's all-reduce that says whether it was closed; ``fail``: its every call raises."""
+
+    made: list["_ClosableSum"] = []
+
+    def __init__(self, group: dist.ProcessGroup, fail: bool = False) -> None:
+        super().__init__(group)
+        self.fail, self.closed = fail, False
+        _ClosableSum.made.append(self)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("the node's all-reduce failed")
+        return super().all_reduce(x)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _destroyed(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return True
+    return False
+
+
+def _lifetime_rank(ctx: ranks.RankContext) -> dict:
+    from datetime import timedelta
+
+    out: dict = {}
+    # Different layouts: every rank raises at once, before any process group is made.
+    started = time.monotonic()
+    try:
+        HierarchicalCommunicator(ctx.group, "cpu", layout=nodes.equal_nodes(4, 4 if ctx.rank == 3 else 2),
+                                 intra_node=_ClosableSum, inter_node_timeout_s=30)
+    except ValueError as exc:
+        out["layouts"] = (str(exc), time.monotonic() - started)
+    # One rank gathers the layout ($PCIE_AR_NODES=2), the others pass the same one: agreed.
+    comm = HierarchicalCommunicator(ctx.group, "cpu", layout=None if ctx.rank == 0 else nodes.equal_nodes(4, 2),
+                                    intra_node=_ClosableSum, inter_node_backend="gloo", inter_node_timeout_s=7)
+    between = comm._data_group
+    out["made"] = between is not ctx.group and comm.layout.nodes == ((0, 1), (2, 3))
+    out["between_timeout"] = between._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=7)
+    x = torch.ones(64)
+    out["sum"] = comm.all_reduce(x).tolist() == [4.0] * 64
+    comm.close()
+    comm.close()  # a second close does nothing
+    out["closed"] = (_ClosableSum.made[-1].closed, _destroyed(comm.node_group), _destroyed(between))
+    posted: list = []
+    comm._start = lambda start, peer, step: posted.append(step)  # type: ignore[method-assign]
+    for call in (lambda: comm.all_reduce(x), lambda: comm.all_reduce_rmsnorm(x.view(1, 64), x.view(1, 64),
+                                                                             torch.ones(64), 1e-6)):
+        try:
+            call()
+        except RuntimeError as exc:
+            out.setdefault("after_close", []).append(str(exc))
+    out["posted"] = posted
+    # A warm-up that fails closes the node's all-reduce and the groups made for it.
+    try:
+        HierarchicalCommunicator(ctx.group, "cpu", layout=nodes.equal_nodes(4, 2), inter_node_backend="gloo",
+                                 intra_node=lambda group: _ClosableSum(group, fail=True), inter_node_timeout_s=2)
+    except (RuntimeError, InterNodeError) as exc:
+        made = _ClosableSum.made[-1]
+        out["warm_up"] = (type(exc).__name__, made.closed, _destroyed(made.group))
+    # no collective on ctx.group's peers after this: rank 2's receive timed out on the group made for it
+    return out
+
+
+def test_layouts_lifetime_and_the_group_between_nodes() -> None:
+    """Ranks given different layouts raise together, at once; the group between nodes made here
+    has inter_node_timeout_s as its timeout; close() closes the node's all-reduce and destroys
+    both groups, and a call after it raises without posting a send; a failed warm-up closes the
+    node's all-reduce and its group."""
+    results = ranks.run_ranks(_lifetime_rank, 4, gpu=False, timeout_s=240, env={"PCIE_AR_NODES": "2"})
+    for rank, r in enumerate(results):
+        message, elapsed = r["layouts"]
+        assert "the ranks were given different node layouts (rank 0: 0-1;2-3; rank 1: 0-1;2-3; rank 2: 0-1;2-3; " \
+               "rank 3: 0;1;2;3)" in message and elapsed < 10, r
+        assert r["made"] and r["between_timeout"] and r["sum"], r
+        assert r["closed"] == (True, True, True), r
+        assert r["after_close"] == ["this hierarchical communicator is closed"] * 2 and r["posted"] == [], r
+        assert r["warm_up"][1:] == (True, True), (rank, r)

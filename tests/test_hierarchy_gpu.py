@@ -100,3 +100,52 @@ def test_a_silent_inter_node_peer_raises_on_gpus_never_hangs() -> None:
     assert results[0]["raised"] == {"peer": 2, "stage": "the result from node 1", "rank": 0}, results
     assert results[1]["raised"] is not None, results
     assert all(r["elapsed"] < 60 for r in results), results
+
+
+def _graph_across_nodes(ctx: ranks.RankContext, replays: int) -> dict:
+    from pcie_allreduce import hierarchy
+
+    comm = HierarchicalCommunicator(ctx.group, ctx.device, layout=equal_nodes(ctx.world_size, 2),
+                                    inter_node_backend="nccl", inter_node_timeout_s=30, max_bytes=MAX_BYTES,
+                                    timeout_s=30)
+    between = comm._data_group
+    shapes = [(4 * 7168, torch.bfloat16), (7, torch.float16), (1000, torch.float32)]
+    static_in = [torch.zeros(n, dtype=d, device=ctx.device) for n, d in shapes]
+    outs = [torch.full_like(x, float("nan")) for x in static_in]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, out in zip(static_in, outs):
+            comm.all_reduce(x, out=out)
+    checked = 0
+    for rep in range(replays):
+        inputs = [ref.all_inputs(500 + rep, ctx.world_size, n, d) for n, d in shapes]
+        for buf, per_rank in zip(static_in, inputs):
+            buf.copy_(per_rank[ctx.rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, per_rank, (n, d) in zip(outs, inputs, shapes):
+            assert torch.equal(ref.bits(out.cpu()), ref.bits(ref.exact(per_rank))), f"replay {rep}: {n} x {d}"
+            checked += 1
+    comm.check()
+    captured = comm._captured
+    comm.close()
+    kept = any(g is between for g in hierarchy._NEVER_DESTROYED)  # a graph may still replay its sends
+    return {"checked": checked, "captured": captured, "kept": kept}
+
+
+def _graph_skip_reason() -> str | None:
+    if SKIP_REASON is not None:
+        return SKIP_REASON
+    count = ranks.gpu_count()
+    return None if count >= 2 else (f"the graph path sends between nodes over NCCL, which takes one GPU per rank "
+                                    f"and two ranks at least: {count} GPU here")
+
+
+@pytest.mark.skipif(_graph_skip_reason() is not None, reason=_graph_skip_reason() or "")
+def test_the_hierarchy_in_a_cuda_graph_over_nccl() -> None:
+    """The plugin's decode path: the hierarchy captured in a CUDA graph, NCCL between two nodes
+    (of one rank each on two GPUs, of two on four), every replay bitwise the flat rank-order sum
+    on every rank; close() keeps the NCCL group a graph captured sends on."""
+    world = 4 if ranks.gpu_count() >= 4 else 2
+    results = ranks.run_ranks(_graph_across_nodes, world, 5, timeout_s=300)
+    assert all(r == {"checked": 15, "captured": True, "kept": True} for r in results), results

@@ -722,6 +722,11 @@ class _Capped:
     def check(self) -> None:
         pass
 
+    def capacity_of(self, algo: str) -> int | None:
+        from pcie_allreduce import algo as algo_mod
+
+        return algo_mod.capacity_of(algo, self.ll_capacity)
+
     def all_reduce(self, x, out=None, algo="auto"):
         from pcie_allreduce import algo as algo_mod, dispatch
 
@@ -755,6 +760,91 @@ def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: s
         out = adapter.custom_all_reduce(x)
         assert (out is not None) is served, (algo, transport, nbytes)
     assert adapter.comm.launched if runs else not adapter.comm.launched
+
+
+class _NodeSum:
+    """A node's ``Communicator`` as the hierarchy sees it: its capacity, and a forced algorithm that
+    raises as the real one does for a message it cannot take."""
+
+    def __init__(self, max_bytes: int, node_size: int) -> None:
+        self.ll_capacity = Layout.make(max_bytes, node_size).ll_capacity
+        self.node_size, self.ran = node_size, []
+
+    def all_reduce(self, x, algo="auto"):
+        from pcie_allreduce import algo as algo_mod, dispatch
+
+        dispatch.plain_choice(x.numel() * x.element_size(), self.node_size, x.dtype, algo_mod.default_table(),
+                              ll_capacity=self.ll_capacity, algo=algo)
+        self.ran.append((x.numel() * x.element_size(), algo))
+        return x.clone()
+
+
+def _hierarchy_rank(rank: int, max_bytes: int):
+    """The real HierarchicalCommunicator, ``rank`` of two nodes of two ranks, its sends stubbed out."""
+    from pcie_allreduce.hierarchy import HierarchicalCommunicator
+    from pcie_allreduce.nodes import equal_nodes
+
+    comm = object.__new__(HierarchicalCommunicator)
+    comm.layout, comm.rank, comm.world_size, comm.max_bytes = equal_nodes(4, 2), rank, 4, max_bytes
+    comm.node, comm.local_rank, comm.node_size = comm.layout.node_of(rank), comm.layout.local_rank(rank), 2
+    comm.device, comm._closed, comm._failed, comm._through_host, comm._pending = torch.device("cpu"), False, None, True, []
+    comm.intra = _NodeSum(2 * max_bytes, 2)
+    comm._send = lambda tensor, peer, step: None
+    comm._receive_all = lambda parts, step: [into.zero_() for into, _ in parts]
+    return comm
+
+
+@pytest.mark.parametrize("algo", ["oneshot_ll", "oneshot_full", "twoshot_full", "oneshot", "twoshot", "auto"])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_forced_algorithm_across_nodes_never_raises_in_the_forward(algo: str, rank: int) -> None:
+    """A group across nodes runs the forced algorithm on fp32 partials, twice a 16-bit message's
+    bytes: the adapter serves what the hierarchy's capacity for it takes, and every call it
+    serves runs; the rest is declined up front."""
+    from sglang_plugin.adapter import PcieAllReduceAdapter
+
+    max_bytes = 2 << 20
+    adapter = PcieAllReduceAdapter(None, "cpu", Settings(enabled=True, algo=algo, max_bytes=max_bytes),
+                                   communicator_factory=lambda *a, **k: _hierarchy_rank(rank, max_bytes))
+    node_capacity = adapter.comm.ll_capacity  # the node's workspace: 512 KiB
+    assert node_capacity == 512 << 10
+    edge = adapter.largest_served & ~1
+    for nbytes in sorted({edge, min(edge + 2, max_bytes), 256 << 10, (256 << 10) + 16, node_capacity, max_bytes}):
+        x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+        served = adapter.should_custom_ar(x)
+        assert served is (nbytes <= adapter.largest_served), (algo, nbytes)
+        if served:
+            assert adapter.custom_all_reduce(x).shape == x.shape, (algo, nbytes)  # ran, no ValueError
+        else:
+            assert adapter.custom_all_reduce(x) is None
+            with pytest.raises(ValueError, match=f"algo={algo!r} takes at most .* bytes across nodes"):
+                adapter.comm.all_reduce(x, algo=algo)  # refused before anything is sent
+    capped = algo in ("oneshot_ll", "oneshot_full", "twoshot_full")
+    assert adapter.largest_served == (adapter.comm.capacity_of(algo) if capped else max_bytes)
+    assert not capped or (node_capacity - 1024) // 2 <= adapter.largest_served <= node_capacity // 2
+    assert adapter.comm.intra.ran  # the node all-reduces ran the forced algorithm, on fp32 partials
+
+
+def test_a_group_across_nodes_refuses_more_than_it_takes_naming_the_variable() -> None:
+    from pcie_allreduce import hierarchy
+    from sglang_plugin.adapter import hierarchical_factory
+
+    make = hierarchical_factory(layout=None)
+    with pytest.raises(SettingsError, match="PCIE_AR_SGLANG_MAX_BYTES=256MiB: a tp group across nodes takes at "
+                                            "most 128MiB"):
+        make(None, torch.device("cpu"), max_bytes=256 << 20, timeout_s=300.0)
+    assert hierarchy.MAX_BYTES == 128 << 20
+
+
+def test_a_wire_threshold_above_the_largest_all_reduce_is_an_error_naming_both() -> None:
+    with pytest.raises(SettingsError) as info:
+        settings_mod.from_env({"PCIE_AR_SGLANG_WIRE": "fp8", "PCIE_AR_SGLANG_MAX_BYTES": "4MiB",
+                               "PCIE_AR_SGLANG_WIRE_MIN_BYTES": "8MiB"})
+    assert "PCIE_AR_SGLANG_WIRE_MIN_BYTES=8MiB is above PCIE_AR_SGLANG_MAX_BYTES=4MiB" in str(info.value)
+    same = settings_mod.from_env({"PCIE_AR_SGLANG_WIRE": "fp8", "PCIE_AR_SGLANG_MAX_BYTES": "4MiB",
+                                  "PCIE_AR_SGLANG_WIRE_MIN_BYTES": "4MiB"})
+    assert same.wire_min_bytes == same.max_bytes == 4 << 20
+    exact = settings_mod.from_env({"PCIE_AR_SGLANG_MAX_BYTES": "4MiB", "PCIE_AR_SGLANG_WIRE_MIN_BYTES": "8MiB"})
+    assert exact.wire == "exact"  # the threshold of no wire is no contradiction
 
 
 class _Wired:
