@@ -4,9 +4,12 @@
 //
 // The format and its rounding are pcie_allreduce/fp8_wire.py's, bit for bit:
 //   scale s of a block: its largest finite magnitude a = m * 2^E (frexp, 0.5 <= m < 1) gives
-//     s = 2^(E - 9 + (m > 0.875)), never below 2^-126; s = 1 for a block without a nonzero finite;
-//   code: x * (1/s) (exact: a power of two) rounded to nearest even e4m3; Inf and NaN code as NaN;
-//   value: code * s (exact).
+//     s = 2^(E - 9 + (m > 0.8125)), never below 2^-126; s = 1 for a block without a nonzero finite;
+//     finite values then code within +-416, and the codes +-448 carry +-Inf (e4m3fn has no Inf);
+//   code: x clamped to +-kFp8Largest (1.875 * 2^127: four significant bits of anything larger
+//     round to 2^128, beyond fp32) times 1/s (exact: a power of two) rounded to nearest even
+//     e4m3; +-Inf codes as +-448, NaN as NaN;
+//   value: code * s (exact), +-Inf for the codes +-448.
 // Dataflow per call: every rank codes its input's blocks of the other ranks' shards into its own
 // slot (local stores, on the host transport its own host segment), flags kind 0; the owner of a
 // shard decodes every rank's blocks of it (its own coded in registers from its input, the peers'
@@ -45,7 +48,11 @@ constexpr int kFp8GroupBlocks = 8;                              // blocks a warp
 constexpr int kFp8LanesPerBlock = 32 / (kFp8GroupBlocks / 2);   // each lane holds two blocks' worth
 constexpr int kFp8PerLane = static_cast<int>(kFp8Block) / kFp8LanesPerBlock;  // values per lane per block
 constexpr int kFp8MinExponent = -126;
-constexpr uint8_t kFp8NaN = 0x7F;  // e4m3's NaN, what a NaN or an infinity codes as
+constexpr uint8_t kFp8NaN = 0x7F;      // e4m3's NaN, what a NaN codes as
+constexpr uint8_t kFp8PosInf = 0x7E;   // e4m3's +448, which the wire gives to +Inf
+constexpr uint8_t kFp8NegInf = 0xFE;   // and -448 to -Inf
+constexpr float kFp8InfValue = 448.0f;
+constexpr float kFp8Largest = 0x1.ep127f;  // 1.875 * 2^127 = 240 * 2^120, where finite values saturate
 
 static_assert(kFp8PerLane == 16, "a lane's codes of one block are one 16-byte vector (Q3)");
 static_assert(kFp8GroupBlocks <= 32, "a group's scales are loaded by one lane each");
@@ -61,7 +68,8 @@ __device__ __forceinline__ Fp8Wire fp8_wire_of(const KernelArgs& a, int owner, E
   return {base, reinterpret_cast<float*>(base + blocks * kFp8Block)};
 }
 
-// The scale of a block whose largest finite magnitude is `amax` (fp8_wire.block_scales).
+// The scale of a block whose largest finite magnitude is `amax` (fp8_wire.block_scales): at most
+// 416 / amax, so no finite code reaches 448 (+-Inf's).
 __device__ __forceinline__ float fp8_scale(float amax, float* inverse) {
   if (!(amax > 0.0f)) {
     *inverse = 1.0f;
@@ -69,21 +77,25 @@ __device__ __forceinline__ float fp8_scale(float amax, float* inverse) {
   }
   int e;
   const float m = frexpf(amax, &e);
-  int exponent = e - 9 + (m > 0.875f ? 1 : 0);
+  int exponent = e - 9 + (m > 0.8125f ? 1 : 0);
   exponent = exponent < kFp8MinExponent ? kFp8MinExponent : exponent;
   *inverse = ldexpf(1.0f, -exponent);
   return ldexpf(1.0f, exponent);
 }
 
 __device__ __forceinline__ uint32_t fp8_code(float x, float inverse) {
-  if (!isfinite(x)) return kFp8NaN;
-  // |x * inverse| <= 448 by the scale, so the saturation never acts; round to nearest even.
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fmul_rn(x, inverse), __NV_SATFINITE, __NV_E4M3));
+  if (!isfinite(x)) return isnan(x) ? kFp8NaN : (x > 0.0f ? kFp8PosInf : kFp8NegInf);
+  // The clamp acts only in blocks of scale 2^120 (their rounding would reach 2^128); then
+  // |x * inverse| <= 416 by the scale, so the saturation never acts; round to nearest even.
+  const float clamped = fminf(fmaxf(x, -kFp8Largest), kFp8Largest);
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fmul_rn(clamped, inverse), __NV_SATFINITE, __NV_E4M3));
 }
 
 __device__ __forceinline__ float fp8_value(uint32_t code, float scale) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code & 0xFFu), __NV_E4M3);
-  return __fmul_rn(__half2float(__half(h)), scale);
+  const float f = __half2float(__half(h));
+  // +-448 is +-Inf (f * Inf); any other code times its scale, exact.
+  return __fmul_rn(f, fabsf(f) == kFp8InfValue ? __int_as_float(0x7f800000) : scale);
 }
 
 // Where this lane's part of a group starting at block `group` lies (Q3): half h is block

@@ -2,8 +2,9 @@
 the bits of the reference (pcie_allreduce/fp8_wire.py), so bitwise identical across ranks, and
 within its error bound of the fp64 sum; both transports, every dtype, odd sizes and partial
 blocks, activations with outliers and zeros, Inf and NaN, in place, unaligned, captured in a
-CUDA graph and replayed with fresh inputs, and the fused all-reduce + RMSNorm. Skipped with a
-reason on a machine without a GPU or without the built extension.
+CUDA graph and replayed with fresh inputs, and the fused all-reduce + RMSNorm; at the dtypes'
+top, values that saturate, sums that cancel or overflow to +-Inf, NaN only from NaN inputs.
+Skipped with a reason on a machine without a GPU or without the built extension.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import pcie_allreduce
 from bench.fp8_error import activations  # the inputs RESULTS.md's error figures use
 from pcie_allreduce import fp8_wire, ranks
+from tests import _fp8_model as model
 from tests import _reference as ref
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
@@ -58,6 +60,7 @@ def _fp8_rank(ctx: ranks.RankContext, transport: str) -> dict:
             for name, got in (("out", out), ("in place", inplace), ("unaligned", got_unaligned)):
                 _check(got, inputs, f"{what} {name}")
                 checks += 1
+    checks += _edges(ctx, comm)
     with pytest.raises(ValueError, match="wire"):
         comm.all_reduce(torch.zeros(8, device=ctx.device), wire="int4")
     with pytest.raises(ValueError, match="cannot be combined"):
@@ -104,6 +107,29 @@ def _fp8_rank(ctx: ranks.RankContext, transport: str) -> dict:
     comm.check()
     comm.close()
     return {"checks": checks}
+
+
+def _edges(ctx: ranks.RankContext, comm: pcie_allreduce.Communicator) -> int:
+    """The edges of the format (tests/_fp8_model.py's inputs, which the CPU tests hold the
+    reference to): values at each dtype's top that saturate, sums that cancel to 0 or overflow
+    to the exact wire's +-Inf, NaN and +-Inf inputs; the reference's bits on every rank, and
+    the non-finite elements exactly the exact wire's."""
+    checks = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for numel in (4099, 32 * 7168 + 3):
+            large, _ = model.large_inputs(ctx.world_size, numel, dtype)
+            special, _ = model.special_inputs(ctx.world_size, numel, dtype)
+            for name, inputs in (("large", large), ("special", special)):
+                got = comm.all_reduce(inputs[ctx.rank].to(ctx.device), wire="fp8").cpu()
+                what = f"W={ctx.world_size} rank {ctx.rank} {dtype} numel={numel} {name} values"
+                _check(got, inputs, what)
+                exact_wire = model.exact_wire(inputs)
+                assert torch.equal(torch.isnan(got), torch.isnan(exact_wire)), f"{what}: NaN not the exact wire's"
+                inf = torch.isinf(exact_wire)
+                assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], exact_wire[inf]), \
+                    f"{what}: +-Inf not the exact wire's"
+                checks += 1
+    return checks
 
 
 def _plugin_wire(ctx: ranks.RankContext, comm: pcie_allreduce.Communicator) -> int:
