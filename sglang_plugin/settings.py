@@ -10,56 +10,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from pcie_allreduce.algo import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
-                                 WIRE_ALGORITHMS)
-from pcie_allreduce.settings import SettingsError, parse_bool, parse_choice, parse_seconds, parse_size
+from pcie_allreduce import plugin_settings as shared
+from pcie_allreduce.plugin_settings import (ALGOS, DEFAULT_MAX_BYTES, DEFAULT_WIRE_MIN_BYTES, MODES, WIRES,  # noqa: F401
+                                            format_bytes)
+from pcie_allreduce.settings import SettingsError, parse_bool, parse_choice
 
 PREFIX = "PCIE_AR_SGLANG_"
-ENABLE = PREFIX + "ENABLE"
-MAX_BYTES = PREFIX + "MAX_BYTES"
-ALGO = PREFIX + "ALGO"
-MODE = PREFIX + "MODE"
-FUSED = PREFIX + "FUSED"
-TIMEOUT_S = PREFIX + "TIMEOUT_S"
+# The settings the vLLM plugin shares (same meaning, same parser): pcie_allreduce/plugin_settings.py.
+NAMES = shared.names(PREFIX)
+ENABLE = NAMES.enable
+MAX_BYTES = NAMES.max_bytes
+ALGO = NAMES.algo
+MODE = NAMES.mode
+FUSED = NAMES.fused
+TIMEOUT_S = NAMES.timeout_s
+WIRE = NAMES.wire
+WIRE_MIN_BYTES = NAMES.wire_min_bytes
+# SGLang's own.
 ATTACH = PREFIX + "ATTACH"
 MULTINODE = PREFIX + "MULTINODE"
-WIRE = PREFIX + "WIRE"
-WIRE_MIN_BYTES = PREFIX + "WIRE_MIN_BYTES"
 
-# SGLang's tensors never lie in the symmetric input area, so its in-place algorithms are not offered.
-ALGOS: tuple[str, ...] = ("auto",) + tuple(a for a in ALGORITHMS if a not in SYMMETRIC_INPUT_ALGORITHMS)
-MODES: tuple[str, ...] = ("pcie", "always")
 ATTACH_CHOICES: tuple[str, ...] = ("auto", "plugin", "import")
-# "exact": the message's own bytes; else a compressed wire of all_reduce(x, wire=NAME).
-WIRES: tuple[str, ...] = ("exact",) + tuple(WIRE_ALGORITHMS)
-# Where the FP8 wire starts to pay on one PCIe link: ~1 MiB (bench/RESULTS.md, "FP8 wire").
-DEFAULT_WIRE_MIN_BYTES = 1 << 20
-DEFAULT_MAX_BYTES = 8 << 20  # SGLang's own custom all-reduce default (8 MiB)
 
 # name -> (default shown in docs, what it does); the README table is written from this.
 DOCS: dict[str, tuple[str, str]] = {
-    ENABLE: ("0", "1 turns the plugin on (it is installed but inert by default)"),
-    MAX_BYTES: ("8MiB", "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
-                        "SGLang's next backend. Each rank allocates about (2 x W + 1) x this + 6 x W x min(this, "
-                        "512 KiB) per CUDA stream"),
-    ALGO: ("auto", "force one algorithm: "
-                   + " | ".join(a for a in ALGOS if a not in HOST_ONLY_ALGORITHMS + ISLAND_ALGORITHMS)
-                   + " (" + " | ".join(HOST_ONLY_ALGORITHMS) + " on the host transport; "
-                   + " | ".join(ISLAND_ALGORITHMS) + " where the ranks form equal islands)"),
-    MODE: ("pcie", "pcie: serve only GPUs without full NVLink (leave NVLink to SGLang's own kernels); "
-                   "always: serve every single-node tp group of 2-16 GPUs"),
-    FUSED: ("1", "0 keeps SGLang's unfused all-reduce + add + RMSNorm on GPUs where its FlashInfer fusion "
-                 "is unavailable"),
-    TIMEOUT_S: ("300", "seconds a kernel waits for a peer before failing loudly instead of hanging (the "
-                       "library's own default is 10; a serving step whose rank falls behind must not crash)"),
+    **shared.docs(NAMES, "SGLang"),
     MULTINODE: ("1", "0 leaves tp groups that span nodes to SGLang (NCCL); 1 serves them hierarchically: the "
                      "library's kernels inside each node, NCCL between nodes, each rank sending 1/L of a message "
                      "off its node of L GPUs"),
-    WIRE: ("exact", "fp8 sends all-reduces of at least PCIE_AR_SGLANG_WIRE_MIN_BYTES as FP8 e4m3 blocks "
-                    "with an fp32 scale per 128 values (0.52x the bytes of bf16; about 3% relative error, "
-                    "bitwise identical on every rank; pcie_allreduce.fp8_wire); exact keeps every bit"),
-    WIRE_MIN_BYTES: ("1MiB", "smallest all-reduce that PCIE_AR_SGLANG_WIRE=fp8 compresses (bytes, or with "
-                             "KiB/MiB suffix); smaller ones stay exact"),
     ATTACH: ("auto", "how the hooks attach: plugin (SGLang's plugin framework), import (import hook, for "
                      "versions without plugins; needs `python -m sglang_plugin.import_hook install`), auto"),
 }
@@ -107,34 +85,11 @@ def from_env(environ: Mapping[str, str]) -> Settings:
             settings contradict each other (a forced algorithm and a compressed wire; a wire
             threshold above the largest all-reduce served).
     """
-    known = set(DOCS)
-    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
-    if unknown:
-        raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    base = Settings()
-    get = environ.get
-    settings = Settings(
-        enabled=parse_bool(ENABLE, get(ENABLE, "0")),
-        max_bytes=parse_size(MAX_BYTES, get(MAX_BYTES)) if get(MAX_BYTES) else base.max_bytes,
-        algo=parse_choice(ALGO, get(ALGO, base.algo), ALGOS),
-        mode=parse_choice(MODE, get(MODE, base.mode), MODES),
-        fused=parse_bool(FUSED, get(FUSED, "1")),
-        timeout_s=parse_seconds(TIMEOUT_S, get(TIMEOUT_S)) if get(TIMEOUT_S) else base.timeout_s,
-        attach=parse_choice(ATTACH, get(ATTACH, base.attach), ATTACH_CHOICES),
-        multinode=parse_bool(MULTINODE, get(MULTINODE, "1")),
-        wire=parse_choice(WIRE, get(WIRE, base.wire), WIRES),
-        wire_min_bytes=(parse_size(WIRE_MIN_BYTES, get(WIRE_MIN_BYTES)) if get(WIRE_MIN_BYTES)
-                        else base.wire_min_bytes),
-    )
-    if settings.wire != "exact" and settings.algo != "auto":
-        raise SettingsError(f"{WIRE}={settings.wire} runs its own kernel ({WIRE_ALGORITHMS[settings.wire]}) from "
-                            f"{format_bytes(settings.wire_min_bytes)} up, and {ALGO}={settings.algo} forces another "
-                            f"for every size: set one of them, not both")
-    if settings.wire != "exact" and settings.wire_min_bytes > settings.max_bytes:
-        raise SettingsError(f"{WIRE_MIN_BYTES}={format_bytes(settings.wire_min_bytes)} is above {MAX_BYTES}="
-                            f"{format_bytes(settings.max_bytes)}, so {WIRE}={settings.wire} would compress nothing: "
-                            f"lower {WIRE_MIN_BYTES} or raise {MAX_BYTES}")
-    return settings
+    shared.check_known(PREFIX, set(DOCS), environ)
+    common = shared.parse(NAMES, environ)
+    return Settings(**common,
+                    attach=parse_choice(ATTACH, environ.get(ATTACH, "auto"), ATTACH_CHOICES),
+                    multinode=parse_bool(MULTINODE, environ.get(MULTINODE, "1")))
 
 
 def describe(settings: Settings) -> str:
@@ -142,11 +97,3 @@ def describe(settings: Settings) -> str:
     return (f"max_bytes={format_bytes(settings.max_bytes)} algo={settings.algo} mode={settings.mode} "
             f"fused={int(settings.fused)} timeout_s={settings.timeout_s:g} multinode={int(settings.multinode)}"
             + (f" wire={settings.wire}>={format_bytes(settings.wire_min_bytes)}" if settings.wire != "exact" else ""))
-
-
-def format_bytes(n: int) -> str:
-    """``8388608`` -> ``8MiB``; exact binary units only, else plain bytes."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n}B"

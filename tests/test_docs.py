@@ -81,7 +81,7 @@ def test_bench_readme_gives_the_algos_default_and_the_sleep() -> None:
 # ------------------------------------------------------------------ environment variables
 
 ENV_NAME = re.compile(r"\bPCIE_AR_[A-Z0-9_]*[A-Z0-9]\b")
-SOURCE_DIRS = ("pcie_allreduce", "sglang_plugin", "bench")
+SOURCE_DIRS = ("pcie_allreduce", "sglang_plugin", "vllm_plugin", "bench")
 TEST_ONLY_PREFIXES = ("PCIE_AR_TEST_", "PCIE_AR_REQUIRE_")
 
 
@@ -109,12 +109,14 @@ def _name_literals(files) -> set[str]:
 
 def _code_variables() -> set[str]:
     from sglang_plugin import settings
+    from vllm_plugin import settings as vllm_settings
 
     files = [ROOT / "setup.py"] + [p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")]
-    return _name_literals(files) | set(settings.DOCS)
+    return _name_literals(files) | set(settings.DOCS) | set(vllm_settings.DOCS)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "bench/README.md", "sglang_plugin/README.md"])
+@pytest.mark.parametrize("doc", ["README.md", "bench/README.md", "sglang_plugin/README.md",
+                                 "vllm_plugin/README.md"])
 def test_every_variable_a_readme_names_is_read_by_the_code(doc: str) -> None:
     """Each PCIE_AR_* name in the READMEs is a key the library, the plugin, the harness or
     setup.py uses (the test suites' own switches: a key the tests use)."""

@@ -1,0 +1,122 @@
+"""Helpers for the vLLM plugin's tests (CPU conformance and the multi-rank GPU test); not part of the plugin."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tempfile
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
+
+SKIP_NO_VLLM = "vllm is not importable here (CI installs vllm==0.34.0 with --no-deps; see README.md, '# vllm.')"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def vllm_skip_reason() -> str | None:
+    """Why the vLLM-dependent tests cannot run here, or None."""
+    try:
+        import vllm.distributed.device_communicators.cuda_communicator  # noqa: F401
+        import vllm.plugins  # noqa: F401
+    except Exception as exc:  # ImportError, or a dependency failing at import
+        return f"{SKIP_NO_VLLM}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def ensure_entry_point() -> str | None:
+    """Make ``load_general_plugins()`` find the plugin in this process, installed or not: where the
+    installed metadata lacks the entry point, a minimal ``*.dist-info`` declaring it is put first on
+    ``sys.path`` (returns its directory), so vLLM discovers the plugin as it would an installed one."""
+    if any(ep.name == PLUGIN_NAME and ep.value == ENTRY_POINT for ep in entry_points(group=ENTRY_POINT_GROUP)):
+        return None
+    root = tempfile.mkdtemp(prefix="vllm_plugin_ep_")
+    info = os.path.join(root, "vllm_plugin_entrypoint-0.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
+        f.write("Metadata-Version: 2.1\nName: vllm-plugin-entrypoint\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as f:
+        f.write(f"[{ENTRY_POINT_GROUP}]\n{PLUGIN_NAME} = {ENTRY_POINT}\n")
+    sys.path.insert(0, root)
+    importlib.invalidate_caches()
+    return root
+
+
+def plugin_env(**extra: str) -> dict[str, str]:
+    """The ranks' environment: the plugin on and allow-listed, this checkout importable."""
+    return {"PCIE_AR_VLLM_ENABLE": "1", "VLLM_PLUGINS": PLUGIN_NAME,
+            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+def tp_group(ctx: Any, device: torch.device) -> Any:
+    """vLLM's real ``GroupCoordinator`` named ``tp`` over the ranks, with NCCL off (gloo device
+    group: NCCL refuses ranks that share a GPU), its device communicator vLLM's real
+    ``CudaCommunicator`` (the one vLLM builds on CUDA platforms), registered as vLLM's tp group.
+    The plugin must have been loaded (``load_general_plugins()``) first."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    local_rank = device.index if device.type == "cuda" else ctx.rank
+    tp = parallel_state.GroupCoordinator(group_ranks=[list(range(ctx.world_size))], local_rank=local_rank,
+                                         torch_distributed_backend="gloo", use_device_communicator=False,
+                                         group_name="tp")
+    tp.device = device
+    tp.device_communicator = CudaCommunicator(cpu_group=tp.cpu_group, device=device, device_group=tp.device_group,
+                                              unique_name=tp.unique_name)
+    parallel_state._TP = tp
+    return tp
+
+
+class GlooStandIn:
+    """Stand-in for ``pcie_allreduce.Communicator`` (ours: its kernels need a GPU) on gloo, with the
+    methods the adapter uses; records what it was asked."""
+
+    wires = ("fp8",)
+
+    def __init__(self, group: Any, device: Any, max_bytes: int, timeout_s: float) -> None:
+        from pcie_allreduce.layout import Layout
+
+        self.group, self.device = group, torch.device(device)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.ll_capacity = Layout.make(max_bytes, self.world_size).ll_capacity
+        self.transport, self.transport_reason, self.island_ranks = "p2p", "asked for", 0
+        self.calls: list[tuple] = []
+        self.streams = {0}
+        self.closed = False
+
+    def all_reduce(self, x, out=None, algo="auto", wire=None):
+        assert x.numel() * x.element_size() <= self.max_bytes
+        y = x.clone()
+        dist.all_reduce(y, group=self.group)
+        self.calls.append(("all_reduce", tuple(x.shape), x.dtype, algo))
+        return y
+
+    def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto", wire=None):
+        reduced = x.clone()
+        dist.all_reduce(reduced, group=self.group)
+        self.calls.append(("all_reduce_rmsnorm", tuple(x.shape), x.dtype))
+        total = reduced.float() + residual.float()
+        normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        return normed.to(x.dtype), total.to(x.dtype)
+
+    def select_algo(self, nbytes, dtype):
+        return "oneshot" if nbytes <= 256 << 10 else "twoshot"
+
+    def has_workspace(self, stream):
+        return stream in self.streams
+
+    def workspace(self, stream=None):
+        self.calls.append(("workspace", stream))
+        self.streams.add(stream)
+
+    def check(self):
+        self.calls.append(("check",))
+
+    def close(self):
+        self.closed = True
+        dist.barrier(group=self.group)
