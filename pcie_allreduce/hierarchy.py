@@ -38,9 +38,10 @@ whose peer never sends waits until the NCCL communicator of the group between no
 where the group was made here (``inter_node_backend="nccl"``) its timeout is
 ``inter_node_timeout_s``, so torch's watchdog aborts it (and then acts as
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says; torch's default ends the process) once an eager send or
-receive on it has been pending that long; else at :meth:`HierarchicalCommunicator.close` or the
-process's end. The node's own kernels around it stay bounded by their ``timeout_s``: the other
-ranks of that node record CollectiveTimeout and write NaN.
+receive on it has been pending that long; else at the process's end
+(:meth:`HierarchicalCommunicator.close` keeps a group whose sends a graph captured). The node's
+own kernels around it stay bounded by their ``timeout_s``: the other ranks of that node record
+CollectiveTimeout and write NaN.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ DEFAULT_INTER_NODE_TIMEOUT_S = 60.0
 MAX_BYTES = MAX_MESSAGE_BYTES // 2
 _MAX_PENDING = 256  # NCCL works of eager calls not yet complete; at this many the host waits for the oldest
 _POLL_S = 0.0005
-# NCCL groups between nodes that served a CUDA graph capture: never destroyed (the graph may be
+# NCCL groups between nodes that served a CUDA graph capture: never shut down (the graph may be
 # replayed after close(), and its kernels use the group's NCCL communicator).
-_NEVER_DESTROYED: list[Any] = []
+_NEVER_SHUT_DOWN: list[Any] = []
 
 
 class IntraNode(Protocol):
@@ -129,8 +130,8 @@ class HierarchicalCommunicator:
             between nodes (an NCCL group where ``group`` is gloo, as SGLang's device group beside
             its CPU group); default ``group``.
         inter_node_backend: instead of ``inter_node_group``, make that group here, of this backend
-            ("nccl"), with ``inter_node_timeout_s`` as its timeout (module docstring: what that
-            bounds in a CUDA graph); :meth:`close` destroys it.
+            ("nccl"; an NCCL group gets ``inter_node_timeout_s`` as its timeout: the module
+            docstring says what that bounds in a CUDA graph); :meth:`close` shuts it down.
         inter_node_timeout_s: how long one send or receive between nodes may take.
         intra_node: makes this node's all-reduce from the node's process group (default: a
             ``Communicator`` on ``device`` with ``communicator_kwargs``); None for one-rank nodes.
@@ -151,7 +152,7 @@ class HierarchicalCommunicator:
                  max_bytes: int = DEFAULT_MAX_BYTES, **communicator_kwargs: Any) -> None:
         self._closed = False
         self._failed: str | None = None
-        self._owned_groups: list[dist.ProcessGroup] = []  # destroyed by close()
+        self._owned_groups: list[dist.ProcessGroup] = []  # shut down by close()
         self.intra: IntraNode | None = None
         self.inter_node_timeout_s = validation.validate_timeout(inter_node_timeout_s, source="inter_node_timeout_s")
         if inter_node_group is not None and inter_node_backend is not None:
@@ -177,8 +178,11 @@ class HierarchicalCommunicator:
         self.node_size = len(self.layout.nodes[0])
         self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         if inter_node_backend is not None:
-            inter_node_group = dist.new_group(self._global, backend=inter_node_backend,
-                                              timeout=timedelta(seconds=self.inter_node_timeout_s),
+            # NCCL's watchdog bounds an eager work by its group's timeout (module docstring). Through
+            # host memory each wait passes its own, and a gloo group's timeout would also bound its
+            # connections at creation, which a rank that comes late there must not fail.
+            bound = timedelta(seconds=self.inter_node_timeout_s) if "nccl" in inter_node_backend else None
+            inter_node_group = dist.new_group(self._global, backend=inter_node_backend, timeout=bound,
                                               use_local_synchronization=True)
             self._owned_groups.append(inter_node_group)
         self._data_group = group if inter_node_group is None else inter_node_group
@@ -329,10 +333,16 @@ class HierarchicalCommunicator:
         return self.intra.workspace(stream) if self.intra is not None else None
 
     def close(self) -> None:
-        """Release the node's communicator, then destroy the process groups made here: the node's,
-        and the one between nodes where ``inter_node_backend`` made it, unless a CUDA graph
-        captured a send on it (the graph may be replayed; it then lives until the process
-        ends). Collective over the group. Calls after it raise at once, posting nothing."""
+        """Release the node's communicator, then shut down the process groups made here (their
+        connections and NCCL communicators): the node's, and the one between nodes where
+        ``inter_node_backend`` made it, unless a CUDA graph captured a send on it (the graph may
+        be replayed; it then lives until the process ends). Collective over the group. Calls
+        after it raise at once, posting nothing.
+
+        Shut down, not destroyed: torch names a group made with local synchronization by its
+        ranks and the number of groups alive, so a destroyed group's name would be taken by the
+        next group of the same ranks (a new communicator over this group), whose ranks would
+        then meet the old group's keys in the store and wait forever."""
         if self._closed:
             return
         self._closed = True
@@ -343,9 +353,9 @@ class HierarchicalCommunicator:
         finally:
             for group in self._owned_groups:
                 if self._captured and group is self._data_group:
-                    _NEVER_DESTROYED.append(group)
+                    _NEVER_SHUT_DOWN.append(group)
                 else:
-                    dist.destroy_process_group(group)
+                    group.shutdown()
             self._owned_groups = []
 
     def _refuse_if_unusable(self) -> None:

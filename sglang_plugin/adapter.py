@@ -43,7 +43,7 @@ def hierarchical_factory(layout: Any) -> CommunicatorFactory:
     """What builds the communicator of a tp group across ``layout``'s nodes
     (``pcie_allreduce.HierarchicalCommunicator``): the nodes' kernels on the gloo group SGLang
     passes, the sends between nodes on an NCCL group of the same ranks that the communicator
-    makes, with the plugin's timeout as that group's (and destroys on close). SGLang hands its
+    makes, with the plugin's timeout as that group's (and shuts down on close). SGLang hands its
     custom all-reduce only the CPU group, not the tp group's NCCL one. A ``max_bytes`` above what
     a group across nodes takes is a SettingsError naming the variable, on every rank alike."""
 

@@ -129,7 +129,7 @@ def _graph_across_nodes(ctx: ranks.RankContext, replays: int) -> dict:
     comm.check()
     captured = comm._captured
     comm.close()
-    kept = any(g is between for g in hierarchy._NEVER_DESTROYED)  # a graph may still replay its sends
+    kept = any(g is between for g in hierarchy._NEVER_SHUT_DOWN)  # a graph may still replay its sends
     return {"checked": checked, "captured": captured, "kept": kept}
 
 
