@@ -3,8 +3,11 @@
 ``GroupCoordinator`` (sglang/srt/distributed/parallel_state.py) uses its ``ca_comm`` through
 ``disabled``, ``should_custom_ar(t)``, ``custom_all_reduce(t)`` (out of place, a tensor whenever
 ``should_custom_ar`` said yes), ``capture()`` around CUDA-graph capture, ``close()`` and
-``max_size``; ``fused_allreduce_rmsnorm(...)`` is probed with ``hasattr``. This class offers
-exactly that, nothing SGLang's other call sites test with ``isinstance(.., CustomAllReduceV2)``.
+``max_size``; ``fused_allreduce_rmsnorm(...)`` is probed with ``hasattr``. It also answers
+SGLang's newer ("V2") interface (surface.INTERFACES): ``custom_all_reduce(input,
+override_algo=None)``, the per-direction ceilings ``max_push_size`` / ``max_pull_size`` and the
+``override_algo`` attribute. Nothing SGLang's call sites test with ``isinstance(..,
+CustomAllReduceV2)`` (they use that class's own kernels and planes, which this is not).
 
 CUDA-graph safety: every rank must capture the same sequence of collectives, so every decision
 here (serve or decline, fuse or decline) is a pure function of the tensor's dtype, shape,
@@ -24,6 +27,11 @@ from pcie_allreduce import algo as algo_mod, validation
 from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE, Settings, SettingsError, format_bytes
 
 logger = logging.getLogger("sglang_plugin")
+
+# Our algorithms that read each rank's staged data out of its own memory (SGLang's "pull");
+# every other one writes it into the peers' memory, or into shared host memory they poll ("push").
+PULL_ALGORITHMS: tuple[str, ...] = (*algo_mod.PULL_ALGORITHMS, *algo_mod.SYMMETRIC_INPUT_ALGORITHMS,
+                                    *algo_mod.LOSSY_ALGORITHMS)
 
 # What the communicator accepts, so the adapter declines the rest up front.
 DTYPES: tuple[torch.dtype, ...] = validation.SUPPORTED_DTYPES
@@ -93,6 +101,9 @@ class PcieAllReduceAdapter:
         #: communicator's transport. The communicator would raise for the rest inside the forward
         #: pass; declined, they take SGLang's own path.
         self.largest_served: int = self._largest_served()
+        #: SGLang V2's persistent algorithm pin, which call sites read (``is None``) and may set;
+        #: ignored like the per-call one (:meth:`custom_all_reduce`).
+        self.override_algo: Any = None
         self.fused_enabled: bool = settings.fused
         #: The compressed wire for messages of :attr:`wire_min_bytes` and more (None: exact),
         #: where the communicator offers it (a hierarchical one does not; it then stays exact).
@@ -120,11 +131,20 @@ class PcieAllReduceAdapter:
         nbytes = inp.numel() * inp.element_size()
         return 0 < nbytes <= self.largest_served and inp.device == self.device
 
-    def custom_all_reduce(self, input: torch.Tensor) -> torch.Tensor | None:  # noqa: A002 - SGLang's name
+    def custom_all_reduce(self, input: torch.Tensor,  # noqa: A002 - SGLang's name
+                          override_algo: Any = None) -> torch.Tensor | None:
         """Sum over the group into a NEW tensor; None when :meth:`should_custom_ar` declines.
 
         Unlike SGLang's kernel, warm-up runs inside ``capture()`` (outside stream capture) do the
         real reduction: every rank runs the same warm-ups, and real values keep them honest.
+
+        ``override_algo`` (the V2 interface; SGLang's ``AllReduceAlgo``: ``ONE_SHOT_PUSH``,
+        ``TWO_SHOT_PUSH``, ``ONE_SHOT_PULL``, ``TWO_SHOT_PULL``, or anything else) is accepted and
+        does not change what runs: SGLang's callers pin an algorithm so that a call's floating-point
+        summation order does not depend on the size-based choice, and every algorithm here already
+        sums in fp32 in rank order, bitwise equal to every other, so that holds whatever runs;
+        the choice stays the table's (tuned for this fabric; SGLang's pins are for its NVLink
+        kernels) or the forced ``PCIE_AR_SGLANG_ALGO``. Never raises for it.
         """
         if not self.should_custom_ar(input):
             return None
@@ -135,6 +155,25 @@ class PcieAllReduceAdapter:
         if wire is not None:
             return self.comm.all_reduce(input, wire=wire)
         return self.comm.all_reduce(input, algo=self.algo)
+
+    @property
+    def max_push_size(self) -> int:
+        """The V2 interface's ceiling of push messages: in SGLang the largest message its push
+        algorithms can take (a capacity, not where its selection switches; 0: none). Here the
+        largest message served by ours that push (each rank's data written into its peers' memory,
+        or into shared host memory they poll): every size :meth:`should_custom_ar` takes, 0 when a
+        pull algorithm is forced."""
+        return 0 if self.disabled or self.algo in PULL_ALGORITHMS else self.largest_served
+
+    @property
+    def max_pull_size(self) -> int:
+        """The V2 interface's ceiling of pull messages (peers read each rank's staged data): every
+        size :meth:`should_custom_ar` takes where the table may pick ``oneshot_pull`` /
+        ``twoshot_pull`` (``auto``) or one is forced, else 0. The larger of the two is the largest
+        message :meth:`should_custom_ar` takes, as in SGLang (:attr:`max_size` keeps 0.5.23's
+        meaning: the communicator's ``max_bytes``)."""
+        served = self.algo == "auto" or self.algo in PULL_ALGORITHMS
+        return self.largest_served if served and not self.disabled else 0
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:

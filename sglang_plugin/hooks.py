@@ -12,7 +12,9 @@ an SGLang upgrade that changes one fails loudly instead of silently serving noth
   adapter serves (a pure function of the batch size, the same on all ranks).
 - ``flashinfer_allreduce_residual_rmsnorm``: the fused op behind
   ``RMSNorm.forward_with_allreduce_fusion``; SGLang's FlashInfer kernel when configured, else
-  ``Communicator.all_reduce_rmsnorm``; ``(None, None)`` makes SGLang run its unfused fallback.
+  ``Communicator.all_reduce_rmsnorm`` on the group its ``use_attn_tp_group=`` names, where that
+  is the group our adapter serves; ``(None, None)`` makes SGLang run its unfused fallback. One
+  hook per interface (surface.INTERFACES): the V2 entry's ``fp32_acc`` defaults differently.
 - ``model_runner_forward``: every forward step first raises a failure an earlier step recorded
   (a collective in a replayed CUDA graph that timed out left NaN and an error record; without
   this a server whose every collective runs in graphs would go on decoding from NaN). A host
@@ -102,8 +104,36 @@ def flashinfer_allreduce_residual_rmsnorm(
     fp32_acc: bool = True,
     use_attn_tp_group: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """AROUND the fused op: SGLang's FlashInfer kernel where configured, else ours, else
-    ``(None, None)`` (SGLang then all-reduces and norms unfused, with the same result)."""
+    """AROUND the fused op (SGLang 0.5.23's defaults): SGLang's FlashInfer kernel where
+    configured, else ours on the group ``use_attn_tp_group`` names, else ``(None, None)`` (SGLang
+    then all-reduces and norms unfused, with the same result)."""
+    return _fused_op(original, input_tensor, residual, weight, eps, max_token_num, use_oneshot,
+                     trigger_completion_at_end, fp32_acc, use_attn_tp_group)
+
+
+def flashinfer_allreduce_residual_rmsnorm_v2(
+    original: Callable[..., Any],
+    input_tensor: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    max_token_num: int = 2048,
+    use_oneshot: bool | None = None,
+    trigger_completion_at_end: bool = False,
+    fp32_acc: bool = False,
+    use_attn_tp_group: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The same hook for the V2 interface, whose fused entry defaults ``fp32_acc`` to False
+    (surface.FUSED_ENTRY_DEFAULTS): a call that leaves it out reaches SGLang's kernel as SGLang
+    would have run it."""
+    return _fused_op(original, input_tensor, residual, weight, eps, max_token_num, use_oneshot,
+                     trigger_completion_at_end, fp32_acc, use_attn_tp_group)
+
+
+def _fused_op(original: Callable[..., Any], input_tensor: torch.Tensor, residual: torch.Tensor,
+              weight: torch.Tensor, eps: float, max_token_num: int, use_oneshot: bool | None,
+              trigger_completion_at_end: bool, fp32_acc: bool,
+              use_attn_tp_group: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if _sglang_fusion_configured():
         result = original(input_tensor, residual, weight, eps, max_token_num, use_oneshot,
                           trigger_completion_at_end, fp32_acc, use_attn_tp_group)
@@ -157,6 +187,7 @@ class HookTarget:
             lost and serving goes on.
         owner_depth: how many trailing components of ``target`` are attributes rather than the
             module (1 for a module function, 2 for a class's method).
+        variants: the hooks for the target's signature in SGLang's other interfaces.
     """
 
     target: str
@@ -164,6 +195,13 @@ class HookTarget:
     fused: bool
     lazy: bool = False
     owner_depth: int = 1
+    variants: tuple[Callable[..., Any], ...] = ()
+
+    @property
+    def hooks(self) -> tuple[Callable[..., Any], ...]:
+        """``hook`` (SGLang 0.5.23's signature), then the hooks for the other interfaces'
+        signatures of the same target (surface.INTERFACES); registration takes the one that fits."""
+        return (self.hook, *self.variants)
 
     @property
     def module(self) -> str:
@@ -174,7 +212,8 @@ class HookTarget:
 TARGETS: tuple[HookTarget, ...] = (
     HookTarget(DISPATCH, dispatch_custom_allreduce, fused=False),
     HookTarget(FUSION_GATE, flashinfer_ar_fusion_applies, fused=True),
-    HookTarget(FUSED_OP, flashinfer_allreduce_residual_rmsnorm, fused=True),
+    HookTarget(FUSED_OP, flashinfer_allreduce_residual_rmsnorm, fused=True,
+               variants=(flashinfer_allreduce_residual_rmsnorm_v2,)),
     HookTarget(FORWARD_STEP, model_runner_forward, fused=False, lazy=True, owner_depth=2),
 )
 
@@ -206,21 +245,43 @@ def _sglang_fusion_configured() -> bool:
 
 
 def _adapter_of_fusion_group(use_attn_tp_group: bool) -> PcieAllReduceAdapter | None:
-    """Our adapter on the group SGLang's fused kernel would reduce over, if it serves it.
+    """Our adapter on the group SGLang's fused kernel would reduce over, if it serves that group;
+    None (SGLang's own path) otherwise, and wherever the group cannot be found, never raising
+    inside a forward.
 
-    The attention-TP case reads ``get_parallel().attn_tp_group``, which is what SGLang's
-    ``resolve_fusion_group(use_attn_tp_group=True)`` returns, without importing the MoE package
-    that function pulls in for its other case.
+    ``use_attn_tp_group=True`` names the attention-TP group (``get_parallel().attn_tp_group``,
+    what SGLang's ``resolve_fusion_group(use_attn_tp_group=True)`` returns, read without
+    importing the MoE package that function pulls in for its other case): ours only when it is
+    the ``tp`` group our communicator serves (not under DP attention, whose attention-TP group is
+    a subgroup). False names the post-experts reduction group SGLang's
+    ``resolve_fusion_group(use_attn_tp_group=False)`` returns: ours only when that is the ``tp``
+    group; an SGLang without that function declines.
     """
-    if use_attn_tp_group:
-        from sglang.srt.runtime_context import get_parallel
+    try:
+        if use_attn_tp_group:
+            from sglang.srt.runtime_context import get_parallel
 
-        coordinator = get_parallel().attn_tp_group
-    else:
-        from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
+            coordinator = get_parallel().attn_tp_group
+        else:
+            from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
 
-        _, _, coordinator = resolve_fusion_group(use_attn_tp_group=False)
+            _, _, coordinator = resolve_fusion_group(use_attn_tp_group=False)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        _log_unresolved(use_attn_tp_group, exc)
+        return None
     comm = getattr(coordinator, "ca_comm", None)
     if isinstance(comm, PcieAllReduceAdapter) and not comm.disabled:
         return comm
     return None
+
+
+_UNRESOLVED_LOGGED: set[bool] = set()
+
+
+def _log_unresolved(use_attn_tp_group: bool, exc: Exception) -> None:
+    """One warning per group kind: the fused calls on it stay on SGLang's unfused path."""
+    if use_attn_tp_group in _UNRESOLVED_LOGGED:
+        return
+    _UNRESOLVED_LOGGED.add(use_attn_tp_group)
+    logger.warning("pcie_allreduce[sglang]: cannot find the group of fused calls with use_attn_tp_group=%s "
+                   "(%s: %s); they stay on SGLang's unfused path", use_attn_tp_group, type(exc).__name__, exc)

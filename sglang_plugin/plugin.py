@@ -84,11 +84,11 @@ def attach_target(state: PluginState, target: HookTarget) -> bool:
     """Wrap one target ourselves (import-hook path); False, with a log line, if it does not fit."""
     if target.target in state.targets:
         return True
-    problem = surface.hook_problem(target.target, target.hook)
-    if problem is not None:
-        _report_problem(target, problem)
+    hook, problem = surface.fitting_hook(target.target, target.hooks)
+    if hook is None:
+        _report_problem(target, problem or "no hook fits")
         return False
-    state.targets[target.target] = patching.attach(target.target, target.hook)
+    state.targets[target.target] = patching.attach(target.target, hook)
     return True
 
 
@@ -101,7 +101,7 @@ def unregister() -> bool:
     state = REGISTRY.set(None)
     if state is None:
         return False
-    ours = {t.hook for t in TARGETS}
+    ours = {hook for t in TARGETS for hook in t.hooks}
     reapply = False
     for target, patch in state.targets.items():
         if patch is not None and patch.wrapped is not None:  # attached by us (import hook, lazy targets)
@@ -151,12 +151,12 @@ def plugin_framework_present() -> bool:
 def _register_with_hook_registry(state: PluginState, target: HookTarget) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    problem = surface.hook_problem(target.target, target.hook)
-    if problem is not None:
-        _report_problem(target, problem)
+    hook, problem = surface.fitting_hook(target.target, target.hooks)
+    if hook is None:
+        _report_problem(target, problem or "no hook fits")
         return
     owner, attr, current = patching.resolve(target.target)
-    HookRegistry.register(target.target, target.hook, HookType.AROUND)
+    HookRegistry.register(target.target, hook, HookType.AROUND)
     # Remember what was there before HookRegistry wraps it, for unregister().
     state.targets[target.target] = patching.Patch(target.target, owner, attr, current, None)
 

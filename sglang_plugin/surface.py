@@ -20,6 +20,32 @@ from sglang_plugin import patching
 
 SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.23",)
 
+# ---- the two interfaces the plugin serves ----------------------------------------------------
+#
+# "0.5.23": SGLang 0.5.23's, checked against the installed package (EXPECTED below).
+# "V2": the JIT custom all-reduce's, as SGLang's newer sources spell it
+# (python/sglang/srt/distributed/device_communicators/custom_all_reduce_v2.py,
+# CustomAllReduceV2; python/sglang/srt/layers/flashinfer_comm_fusion.py): ``ca_comm`` is asked
+# ``custom_all_reduce(input, override_algo=None)`` and read for its per-direction message
+# ceilings ``max_push_size`` / ``max_pull_size`` (0: that direction absent; the larger of the two
+# is the largest message it takes), and the fused entry is called with ``use_attn_tp_group=``.
+# Everything else the plugin hooks or serves is the same in both.
+INTERFACES: tuple[str, ...] = ("0.5.23", "V2")
+
+#: ``CustomAllReduceV2.custom_all_reduce``'s parameters in the V2 interface; the adapter takes
+#: them (0.5.23's ``(self, input)`` is their prefix, so a 0.5.23 call binds the same).
+V2_CUSTOM_ALL_REDUCE: tuple[str, ...] = ("self", "input", "override_algo")
+#: The names of SGLang's ``AllReduceAlgo`` (sglang/jit_kernel/all_reduce.py, later
+#: sglang/kernels/ops/communication/all_reduce.py) that callers pass as ``override_algo``.
+V2_OVERRIDE_ALGOS: tuple[str, ...] = ("ONE_SHOT_PUSH", "TWO_SHOT_PUSH", "ONE_SHOT_PULL", "TWO_SHOT_PULL")
+#: Attributes of ``CustomAllReduceV2`` that call sites read off any ``ca_comm``; the adapter has
+#: each (SGLang 0.5.23's own V2 class assigns them too: tests/test_sglang_v2_interface.py).
+V2_ATTRIBUTES: tuple[str, ...] = ("max_push_size", "max_pull_size", "max_size", "override_algo", "disabled")
+#: The fused entry ``flashinfer_allreduce_residual_rmsnorm`` has the same parameters in both
+#: interfaces; these defaults differ from 0.5.23's (the V2 one is a registered custom op whose
+#: ``fp32_acc`` defaults to False). hooks.py has one hook per interface, checked against this.
+FUSED_ENTRY_DEFAULTS: dict[str, dict[str, Any]] = {"0.5.23": {}, "V2": {"fp32_acc": False}}
+
 
 @dataclasses.dataclass(frozen=True)
 class Expectation:
@@ -105,6 +131,18 @@ def hook_problem(target: str, hook: Callable[..., Any]) -> str | None:
     if defaults != _defaults(hook, skip_first=True):
         return f"{target} has defaults {defaults}, the plugin was written for {_defaults(hook, skip_first=True)}"
     return None
+
+
+def fitting_hook(target: str, hooks: tuple[Callable[..., Any], ...]) -> tuple[Callable[..., Any] | None, str | None]:
+    """The first of ``hooks`` (one per interface, 0.5.23's first) that fits ``target`` in the
+    installed SGLang, and None; or None and why the first does not fit."""
+    first_problem = None
+    for hook in hooks:
+        problem = hook_problem(target, hook)
+        if problem is None:
+            return hook, None
+        first_problem = first_problem or problem
+    return None, first_problem
 
 
 def _defaults(fn: Callable[..., Any], skip_first: bool = False) -> dict[str, Any]:

@@ -199,9 +199,13 @@ def test_adapter_mirrors_sglang_custom_allreduce_surface() -> None:
 
     from sglang_plugin.adapter import PcieAllReduceAdapter
 
-    for name in ("should_custom_ar", "custom_all_reduce", "capture", "close"):
+    for name in ("should_custom_ar", "capture", "close"):
         assert surface.parameters(getattr(PcieAllReduceAdapter, name)) == surface.parameters(
             getattr(CustomAllreduce, name)), name
+    # custom_all_reduce also takes the V2 interface's override_algo, after 0.5.23's parameters.
+    ours, theirs = surface.parameters(PcieAllReduceAdapter.custom_all_reduce), surface.parameters(
+        CustomAllreduce.custom_all_reduce)
+    assert ours[:len(theirs)] == theirs and ours == surface.V2_CUSTOM_ALL_REDUCE
     gc_fused = surface.resolve_parameters(surface.GC + ".fused_allreduce_rmsnorm")
     assert surface.parameters(PcieAllReduceAdapter.fused_allreduce_rmsnorm) == gc_fused
 
