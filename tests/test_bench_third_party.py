@@ -246,6 +246,44 @@ def test_trimmed_sglang_wheel_drops_only_its_native_server_extensions(tmp_path) 
         assert set(z.namelist()) == {names[0], names[2]}
 
 
+def test_trimmed_vllm_wheel_keeps_python_and_configs_and_stands_in_for_its_kernel_library(tmp_path) -> None:
+    import base64
+    import csv
+    import hashlib
+    import io
+    import zipfile
+
+    from bench import wheels
+
+    names = ["vllm/__init__.py", "vllm/py.typed", "vllm/distributed/parallel_state.py",
+             "vllm/model_executor/layers/fused_moe/configs/E=8,N=14336.json", "vllm/entrypoints/chat.jinja",
+             "vllm/third_party/fmha_sm100/cute/requirements.txt", "vllm-0.34.0.dist-info/METADATA",
+             "vllm-0.34.0.dist-info/entry_points.txt", "vllm/_C_stable_libtorch.abi3.so",
+             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs",
+             "vllm/third_party/deep_gemm/include/cute/tensor.hpp",
+             "vllm/entrypoints/serve/instrumentator/static/swagger-ui-bundle.js",
+             "vllm/distributed/kv_transfer/README.md"]
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = src_dir / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    lines = io.StringIO()
+    csv.writer(lines, lineterminator="\n").writerows([(n, "sha256=x", "1") for n in names])
+    record = lines.getvalue() + "vllm-0.34.0.dist-info/RECORD,,\n"  # a name with a comma is quoted
+    with zipfile.ZipFile(src, "w") as z:
+        for n in names:
+            z.writestr(n, "x")
+        z.writestr("vllm-0.34.0.dist-info/RECORD", record)
+    with zipfile.ZipFile(wheels.trim_wheel("vllm", str(src), str(tmp_path))) as z:
+        kept = set(z.namelist())
+        new_record = z.read("vllm-0.34.0.dist-info/RECORD").decode().splitlines()
+        stand_in = z.read("vllm/_C_stable_libtorch.py")
+    assert kept == set(names[:8]) | {"vllm-0.34.0.dist-info/RECORD", "vllm/_C_stable_libtorch.py"}
+    assert {row[0] for row in csv.reader(new_record)} == kept
+    digest = base64.urlsafe_b64encode(hashlib.sha256(stand_in).digest()).rstrip(b"=").decode()
+    assert f"vllm/_C_stable_libtorch.py,sha256={digest},{len(stand_in)}" in new_record
+    compile(stand_in, "vllm/_C_stable_libtorch.py", "exec")
+
+
 def test_torch_symm_algorithm_without_a_kernel_for_this_world_skips_the_case() -> None:
     """torch's two-shot has no kernel for 16 ranks and says so before launching anything: that
     case is skipped with torch's words, so the backend's other cases still run; any other error
