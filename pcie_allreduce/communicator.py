@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import (_ext, algo as algo_mod, dispatch, mps, ops, settings, topology,
-                            transport as transport_mod, validation)
+from pcie_allreduce import (_ext, algo as algo_mod, dispatch, ops, settings, topology, transport as transport_mod,
+                            validation)
 from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
 from pcie_allreduce.dispatch import DTYPE_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
@@ -192,13 +192,7 @@ class Communicator:
                                       else f"no peer-to-peer: {no_peer_access}")
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
         sharing = max(topology.ranks_per_gpu(self.placements), agreed[0]["ranks_per_gpu"] or 1)
-        # The fewest SMs any rank sees, and whether every rank is capped to its own share of its
-        # GPU (MPS active thread percentages that add up to at most the GPU, as the rank spawner
-        # sets them): the same cap on every rank.
-        shares = [a["mps_percentage"] for a in agreed]
-        self.block_cap: int = dispatch.block_cap(
-            sharing, min(a["sms"] for a in agreed),
-            provisioned=all(p is not None and p * sharing <= 100 for p in shares))
+        self.block_cap: int = dispatch.block_cap(sharing, self._sms)
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
@@ -592,7 +586,6 @@ class Communicator:
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
                 "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
                 "ranks_per_gpu": ranks_per_gpu,
-                "sms": self._sms, "mps_percentage": mps.provisioned_percentage(os.environ),
                 ISLANDS_KEY: topology.islands_override(self.world_size),
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 

@@ -115,19 +115,14 @@ def fused_kernel(tokens: int, hidden: int, dtype: torch.dtype, world: int, table
     return "oneshot"
 
 
-def block_cap(ranks_per_gpu: int, sms_per_gpu: int, provisioned: bool = False) -> int:
+def block_cap(ranks_per_gpu: int, sms_per_gpu: int) -> int:
     """Most blocks (CUDA) or programs (Triton) one call may launch.
 
     Every block spins on the same-numbered block of every peer, so all ranks' blocks of a call
     must be able to run at once. On distinct GPUs (``ranks_per_gpu`` 1) that always holds. When
     ranks share a GPU (tests under MPS) their blocks compete for its SMs: each rank gets
-    ``sms_per_gpu // ranks_per_gpu``, since one block per SM always fits. ``provisioned``: each
-    rank is an MPS client capped to its own share of the SMs (mps.share_percentage, the caps
-    adding up to at most the GPU), and ``sms_per_gpu`` is that share, as MPS reports it to the
-    client: the rank's blocks then take its share, which no other client can hold. Computed from
-    the agreed placements and values, so the same on every rank."""
+    ``sms_per_gpu // ranks_per_gpu``, since one block per SM always fits. Computed from the
+    agreed placements, so the same on every rank."""
     if ranks_per_gpu <= 1:
         return MAX_LAUNCH_BLOCKS
-    if provisioned:
-        return max(1, min(MAX_LAUNCH_BLOCKS, sms_per_gpu))
     return max(1, min(MAX_LAUNCH_BLOCKS, sms_per_gpu // ranks_per_gpu))

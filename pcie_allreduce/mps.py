@@ -21,41 +21,6 @@ MPS_CONTROL_BINARY = "nvidia-cuda-mps-control"
 _LOG_PROBLEM = re.compile(r"error|fail|fault|exception|terminat|invalid", re.IGNORECASE)
 
 
-# Per-client SM provisioning (Volta and later). Set in a client's environment, this caps the SMs
-# its kernels may hold at once, and the driver reports the capped count to the client as its
-# multiprocessor count (so cuBLAS, Triton and our block cap size their grids to it).
-ACTIVE_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-
-
-def share_percentage(ranks_per_gpu: int) -> int:
-    """The active thread percentage that gives each of ``ranks_per_gpu`` clients of one GPU its own share.
-
-    The caps of all clients of a GPU must add up to at most the whole GPU, so that no set of other
-    clients can ever hold the SMs one client needs: a client whose kernel spins on a peer's (our
-    collectives, torch symmetric memory, a persistent or stream-K GEMM sized to the SMs it sees)
-    then always finds its whole share free, whatever the others run. 1.5 % is left off each share
-    for the driver's rounding of a cap up to whole SMs (up to one SM per client on GPUs of 67 SMs
-    or more): 132 SMs at 11 % -> 14.5, at most 15 each, 8 x 15 = 120. 100 (no cap) for a GPU of
-    its own.
-    """
-    if ranks_per_gpu <= 1:
-        return 100
-    return max(1, (200 - 3 * ranks_per_gpu) // (2 * ranks_per_gpu))  # floor(100 / n - 1.5)
-
-
-def provisioned_percentage(environ: Mapping[str, str]) -> float | None:
-    """The active thread percentage this process asks for, when it caps the GPU below 100 %, else None.
-
-    Under MPS such a client sees only its share of the SMs as the device's multiprocessor count.
-    """
-    value = environ.get(ACTIVE_THREAD_PERCENTAGE_ENV, "").strip()
-    try:
-        percentage = float(value)
-    except ValueError:
-        return None
-    return percentage if 0 < percentage < 100 else None
-
-
 class MpsError(RuntimeError):
     """A private MPS control daemon could not be started."""
 

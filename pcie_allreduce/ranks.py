@@ -37,14 +37,12 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from pcie_allreduce.mps import (  # noqa: F401 - re-exported: part of the spawner API
-    ACTIVE_THREAD_PERCENTAGE_ENV,
     MPS_CONTROL_BINARY,
     MpsDaemon,
     MpsError,
     MpsUnavailableWarning,
     _external_mps_env,
     _tail,
-    share_percentage,
 )
 
 __all__ = [
@@ -294,7 +292,7 @@ def patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
 
 
 def _child_env(
-    mps_env: Mapping[str, str] | None, user_env: Mapping[str, str] | None, ranks_per_gpu: int = 1
+    mps_env: Mapping[str, str] | None, user_env: Mapping[str, str] | None
 ) -> dict[str, str]:
     env: dict[str, str] = {}
     # W interpreters each spinning up one OpenMP thread per core oversubscribe the host; torchrun
@@ -306,12 +304,6 @@ def _child_env(
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.update(mps_env or {})
     env[MPS_ENV_VAR] = "1" if mps_env else "0"
-    # Ranks sharing a GPU under MPS each get their own share of its SMs (mps.share_percentage):
-    # without it one rank's spinning blocks can hold the SMs that a lagging rank's GEMM (a
-    # persistent grid sized to every SM) or collective needs, and MPS guarantees no forward
-    # progress between clients. A setting of the caller's (100: no cap) wins.
-    if mps_env and ranks_per_gpu > 1 and ACTIVE_THREAD_PERCENTAGE_ENV not in os.environ:
-        env[ACTIVE_THREAD_PERCENTAGE_ENV] = str(share_percentage(ranks_per_gpu))
     env.update({str(k): str(v) for k, v in (user_env or {}).items()})
     return env
 
@@ -597,9 +589,6 @@ def run_ranks(
         mps: "auto" starts a private MPS daemon when ranks share a GPU; True always; False never.
             A daemon already running (``$CUDA_MPS_PIPE_DIRECTORY`` or /tmp/nvidia-mps) is reused.
             If one cannot be started, :class:`MpsUnavailableWarning` is issued and the run goes on.
-            Ranks that share a GPU under MPS are each capped to their own share of its SMs
-            (``$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = :func:`pcie_allreduce.mps.share_percentage`),
-            unless the caller sets that variable itself (100: no cap).
         env: extra environment variables for the ranks (present from their interpreter start).
 
     Returns:
@@ -657,8 +646,7 @@ def run_ranks(
         readers = []
         stack.callback(lambda: [r.close() for r in readers])
         stack.callback(_kill_all, procs)  # a no-op when every rank has exited
-        ranks_per_gpu = -(-world_size // n_gpus) if shared_gpu else 1
-        with patched_environ(_child_env(mps_env, env, ranks_per_gpu)):
+        with patched_environ(_child_env(mps_env, env)):
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
