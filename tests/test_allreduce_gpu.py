@@ -874,13 +874,24 @@ def _transports_agree(ctx: ranks.RankContext) -> dict:
             for host_algo in algo_mod.HOST_ONLY_ALGORITHMS:
                 if not torch.equal(comms["host"].all_reduce(x, algo=host_algo), outs["p2p"]):
                     differ.append(f"{dtype} numel={numel} {host_algo} vs p2p {algo}")
-    hidden = 7168
-    inputs = ref.all_inputs(31, ctx.world_size, 4 * hidden, torch.bfloat16)
-    x = inputs[ctx.rank].to(ctx.device).view(4, hidden)
-    residual = ref.rank_input(32, 0, 4 * hidden, torch.bfloat16).view(4, hidden).to(ctx.device)
-    weight = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device)
-    for algo in ("oneshot", "twoshot", "oneshot_ll", "oneshot_full"):
-        fused = {name: comm.all_reduce_rmsnorm(x, residual, weight, 1e-6, algo=algo) for name, comm in comms.items()}
+    hidden, tokens = 7168, 4
+    for call, algo in enumerate(("oneshot", "twoshot", "oneshot_ll", "oneshot_full")):
+        # Fresh inputs per call, a weight that is not all ones, outputs poisoned first; each
+        # transport's new residual is bitwise residual + the rank-order sum, its normed output
+        # within the fp64 RMSNorm's bound, and the two transports bitwise equal.
+        inputs = ref.all_inputs(31 + call, ctx.world_size, tokens * hidden, torch.bfloat16)
+        x = inputs[ctx.rank].to(ctx.device).view(tokens, hidden)
+        residual = ref.rank_input(32 + call, 0, tokens * hidden, torch.bfloat16).view(tokens, hidden).to(ctx.device)
+        weight = (1 + 0.1 * ref.rank_input(33 + call, 0, hidden, torch.float32)).to(torch.bfloat16).to(ctx.device)
+        want_residual = residual + ref.exact([t.to(ctx.device) for t in inputs]).view(tokens, hidden)
+        fused = {}
+        for name, comm in comms.items():
+            normed, new_residual = torch.full_like(x, float("nan")), torch.full_like(residual, float("nan"))
+            comm.all_reduce_rmsnorm(x, residual, weight, 1e-6, out=normed, residual_out=new_residual, algo=algo)
+            if not torch.equal(new_residual, want_residual):
+                differ.append(f"fused {algo} on {name}: the new residual is not residual + the rank-order sum")
+            ref.check_rmsnorm(normed, new_residual, weight, 1e-6, f"fused {algo} on {name}")
+            fused[name] = (normed, new_residual)
         if not all(torch.equal(a, b) for a, b in zip(fused["p2p"], fused["host"])):
             differ.append(f"fused {algo}")
     torch.cuda.synchronize()
