@@ -27,7 +27,7 @@ def _formula(max_bytes: int, world: int) -> int:
 
 def test_readmes_give_the_workspace_formula() -> None:
     assert LOW_LATENCY_MAX_BYTES == 512 << 10, "the READMEs' formula names 512 KiB"
-    assert FORMULA in (ROOT / "README.md").read_text()
+    assert FORMULA in _user_docs()
     assert PLUGIN_FORMULA in (ROOT / "sglang_plugin" / "README.md").read_text()
 
 
@@ -61,7 +61,7 @@ def test_readme_gives_the_driver_each_runtime_needs() -> None:
     """README's driver requirements are the ones the extension's loader checks."""
     from pcie_allreduce import _ext
 
-    readme = (ROOT / "README.md").read_text()
+    readme = _user_docs()
     for floor, branch in _ext._MIN_DRIVER_FOR_RUNTIME:
         version = f"{floor // 1000}.{floor % 1000 // 10}"
         assert re.search(rf"{re.escape(version)} needs\s+(driver\s+)?{branch}", readme), (version, branch)
@@ -87,6 +87,11 @@ TEST_ONLY_PREFIXES = ("PCIE_AR_TEST_", "PCIE_AR_REQUIRE_")
 
 def _doc(path: str) -> str:
     return (ROOT / path).read_text()
+
+
+def _user_docs() -> str:
+    """README.md and the guide it links to for everything past the first screen."""
+    return _doc("README.md") + "\n" + _doc("docs/guide.md")
 
 
 def _flat(text: str) -> str:
@@ -115,7 +120,7 @@ def _code_variables() -> set[str]:
     return _name_literals(files) | set(settings.DOCS) | set(vllm_settings.DOCS)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "bench/README.md", "sglang_plugin/README.md",
+@pytest.mark.parametrize("doc", ["README.md", "docs/guide.md", "bench/README.md", "sglang_plugin/README.md",
                                  "vllm_plugin/README.md"])
 def test_every_variable_a_readme_names_is_read_by_the_code(doc: str) -> None:
     """Each PCIE_AR_* name in the READMEs is a key the library, the plugin, the harness or
@@ -132,7 +137,7 @@ def test_every_library_setting_is_documented() -> None:
     """The variables the library reads at run time are each named in README.md or bench/README.md."""
     from pcie_allreduce import _archs, algo, communicator, transport, tune_cache
 
-    docs = _doc("README.md") + _doc("bench/README.md")
+    docs = _user_docs() + _doc("bench/README.md")
     for name in (transport.ENV, algo.TABLE_ENV, communicator.TIMEOUT_ENV, tune_cache.CACHE_ENV, _archs.ENV_VAR):
         assert f"`{name}" in docs or f"${name}" in docs, name
 
@@ -212,14 +217,14 @@ def test_readme_gives_the_default_full_payload_range() -> None:
     large = {hi for w, (_, hi) in ranges.items() if w > 4}
     assert len(low) == len(small) == len(large) == 1, ranges
     expected = f"by default above {low.pop()} KiB up to {small.pop()} KiB at W <= 4, {large.pop()} KiB above"
-    assert expected in _flat(_doc("README.md"))
+    assert expected in _flat(_user_docs())
 
 
 def test_readme_gives_the_communicators_limits() -> None:
     from pcie_allreduce import communicator
     from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
-    text = _flat(_doc("README.md"))
+    text = _flat(_user_docs())
     assert f"`max_bytes` up to {MAX_MESSAGE_BYTES >> 20} MiB" in text
     assert MAX_TIMEOUT_S == 24 * 3600 and "`timeout_s` / `PCIE_AR_TIMEOUT_S` up to a day" in text
     assert f"after `timeout_s` (default {communicator.DEFAULT_TIMEOUT_S:g} s)" in text
@@ -296,3 +301,17 @@ def test_package_data_files_exist() -> None:
         for pattern in patterns:
             if not any(c in pattern for c in "*?["):
                 assert (ROOT / package.replace(".", "/") / pattern).is_file(), f"{package}/{pattern}"
+
+
+def test_readme_layout_names_every_module_and_kernel_header() -> None:
+    """README's layout lists what exists: every module of the library and every file of csrc/."""
+    readme = _doc("README.md")
+    layout = readme[readme.index("## Layout"):]
+    files = [p.name for p in (ROOT / "pcie_allreduce").glob("*.py")] + [p.name for p in (ROOT / "csrc").iterdir()]
+    missing = sorted(name for name in files if f"`{name}`" not in layout and name != "__init__.py")
+    assert not missing, f"README.md's layout does not name {missing}"
+
+
+def test_readme_is_short() -> None:
+    """The README is the first screen and links; details live in docs/guide.md."""
+    assert len(_doc("README.md").splitlines()) <= 200
