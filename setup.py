@@ -271,10 +271,9 @@ def stable_pybind11(cmake_dir: Path, dest: Path) -> Path:
 
 
 PROGRESS_ENV = "PCIE_AR_BUILD_PROGRESS"
-NINJA_LINE = re.compile(r"^(\[\d+/\d+\] |ninja: )")
 # Without a terminal ninja prints "[n/m] <description>" as each step finishes (CMake's
 # descriptions: "Building CUDA object CMakeFiles/_C.dir/csrc/launch.cu.o", "Linking CXX shared
-# module <path>"); the terminal gets them as "[n/m] compiled csrc/launch.cu".
+# module <path>"); the terminal gets them as "compiled csrc/launch.cu".
 NINJA_STEP = re.compile(r"^(\[\d+/\d+\]) (?:Building \S+ object \S*?CMakeFiles/[^/]+\.dir/(\S+)\.o"
                         r"|Linking \S+ shared module (\S+))$")
 
@@ -364,20 +363,6 @@ def build_time_hint(n_archs: int) -> str:
     return hint
 
 
-def pending_steps(cmake: str, build_dir: Path, env: dict[str, str], generator: str) -> int | None:
-    """How many compile and link steps the build has left (ninja's dry run), None if unknown."""
-    if generator != "Ninja":
-        return None
-    try:
-        dry = subprocess.run([cmake, "--build", str(build_dir), "--", "-n"], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if dry.returncode != 0:
-        return None
-    return sum(1 for line in dry.stdout.splitlines() if NINJA_STEP.match(line.strip()))
-
-
 class BuildProgress:
     """Progress lines: ``note`` to stdout and the terminal, ``show`` to the terminal only.
 
@@ -393,7 +378,7 @@ class BuildProgress:
         self.clock = clock
         self.start = self.last = clock()
         self.quiet_after = quiet_after
-        self.steps = ""
+        self.compiled = 0  # compile and link steps ninja reported: 0 means nothing was rebuilt
         self._lock = threading.Lock()
         self._first = True
 
@@ -415,25 +400,20 @@ class BuildProgress:
             self.last = self.clock()
 
     def line(self, text: str) -> None:
-        """One line of CMake's output: ninja's progress and result lines go to the terminal."""
-        text = text.rstrip()
-        if not NINJA_LINE.match(text):
+        """One line of CMake's output: each compile and link step ninja finishes goes to the
+        terminal. Ninja's own "[n/m]" counter is left out: its total counts the glob re-check
+        and the CMake re-run too, which are no compile steps, so it never read m/m."""
+        step = NINJA_STEP.match(text.rstrip())
+        if not step:
             return
-        if text.startswith("[0/"):  # "[0/2] Re-checking globbed directories": not a build step
-            return
-        if text.startswith("["):
-            self.steps = text[1:text.index("]")]
-        step = NINJA_STEP.match(text)
-        if step and step.group(2):
-            text = f"{step.group(1)} compiled {step.group(2)}"
-        elif step:
-            text = f"{step.group(1)} linked {Path(step.group(3)).name}"
-        self.show(f"{text} ({_duration(self.clock() - self.start)})")
+        self.compiled += 1
+        what = f"compiled {step.group(2)}" if step.group(2) else f"linked {Path(step.group(3)).name}"
+        self.show(f"{what} ({_duration(self.clock() - self.start)})")
 
     def tick(self) -> None:
         """After ``quiet_after`` seconds without a line: say the build is still going."""
         if self.terminal is not None and self.clock() - self.last >= self.quiet_after:
-            done = f", {self.steps} steps done" if self.steps else ""
+            done = f", {self.compiled} step{'s' if self.compiled > 1 else ''} done" if self.compiled else ""
             self.show(f"still compiling: {_duration(self.clock() - self.start)} so far{done}")
 
 
@@ -543,30 +523,25 @@ class CMakeBuild(build_ext):
             f"generator {generator or 'default'}",
             flush=True,
         )
-        pending: int | None = None  # build steps left, once configured
         for step, cmd in (("configure", configure), ("build", build)):
             start = time.monotonic()
             if step == "build":
-                pending = pending_steps(cmake, build_dir, env, generator)
-                if pending == 0:
-                    progress.note("the CUDA extension is up to date: nothing to compile")
-                else:
-                    count = f"{pending} steps, " if pending else ""
-                    progress.note(f"compiling the CUDA extension ({count}sm_{', sm_'.join(map(str, archs))}, nvcc "
-                                  f"{version[0]}.{version[1]}, {jobs} jobs). {build_time_hint(len(archs))}")
+                progress.note(f"building the CUDA extension (sm_{', sm_'.join(map(str, archs))}, nvcc "
+                              f"{version[0]}.{version[1]}, {jobs} jobs); a re-install compiles only what changed. "
+                              f"{build_time_hint(len(archs))}")
             print("pcie_allreduce:", shlex.join(cmd), flush=True)
-            if progress.terminal is None:
-                returncode = subprocess.run(cmd, cwd=ROOT, env=env).returncode
-            else:
-                if step == "configure":
-                    progress.show("running CMake ...")
-                elif pending != 0:
-                    progress.show(f"compiling with {generator or 'the default generator'} ...")
-                returncode = run_forwarding(cmd, env, progress)
+            progress.show("running CMake ..." if step == "configure" else
+                          f"building with {generator or 'the default generator'} ...")
+            returncode = run_forwarding(cmd, env, progress)
             if returncode != 0:
                 _fail(f"CMake {step} failed (exit {returncode}); see the output above")
-            if step == "configure" or pending != 0:
-                progress.note(f"{step} took {_duration(time.monotonic() - start)}")
+            took = _duration(time.monotonic() - start)
+            if step == "configure":
+                progress.note(f"configure took {took}")
+            elif progress.compiled:
+                progress.note(f"build took {took} ({progress.compiled} steps)")
+            else:
+                progress.note(f"nothing to compile: the CUDA extension is up to date ({took})")
         if not linked.is_file():
             _fail(f"CMake finished but {linked} was not produced")
         shutil.copy2(linked, out_file)
