@@ -78,6 +78,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from pcie_allreduce.algo import default_table
+from pcie_allreduce.sizes import size_arg
 
 KIB = 1024
 
@@ -538,14 +539,6 @@ VERIFY_CALLS = 122          # Kimi-K2.5 verify pass: 61 layers x 2 all-reduces
 VERIFY_BYTES = 4 * 7168 * 2  # 4 tokens x hidden 7168 bf16 = 56 KiB
 
 
-def _size(text: str) -> int:
-    t = text.strip().upper()
-    for suffix, mult in (("KIB", KIB), ("MIB", KIB * KIB), ("K", KIB), ("M", KIB * KIB)):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t)
-
-
 def _fmt_size(nbytes: int) -> str:
     return f"{nbytes // KIB} KiB" if nbytes % KIB == 0 else f"{nbytes} B"
 
@@ -617,7 +610,8 @@ def report(fab: Fabric, sizes: Sequence[int], mild: Fabric | None = None, out=No
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fabric_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["14K", "56K", "448K"], help="message sizes (bf16 bytes)")
+    parser.add_argument("--sizes", nargs="+", type=size_arg, default=[14 << 10, 56 << 10, 448 << 10],
+                        help="message sizes (bf16 bytes: 4096, 14K, 56KiB, 1M)")
     parser.add_argument("--a2a", type=float, default=None,
                         help=f"all-to-all write fraction of the seed box (default: the fitted {SEED_BOX.a2a_fraction}, "
                              f"with {MILD_A2A} beside it)")
@@ -627,9 +621,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(fit_calibration())
         return 0
     if args.a2a is None:
-        report(SEED_BOX, [_size(s) for s in args.sizes], mild=replace(SEED_BOX, a2a_fraction=MILD_A2A))
+        report(SEED_BOX, list(args.sizes), mild=replace(SEED_BOX, a2a_fraction=MILD_A2A))
     else:
-        report(replace(SEED_BOX, a2a_fraction=args.a2a), [_size(s) for s in args.sizes])
+        report(replace(SEED_BOX, a2a_fraction=args.a2a), list(args.sizes))
     return 0
 
 
