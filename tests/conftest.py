@@ -60,9 +60,11 @@ def _show(config: pytest.Config, line: str) -> None:
             or any(noise in line for noise in _CHILD_NOISE)):
         return
     if capture is None:
+        reporter.ensure_newline()
         reporter.write_line(f"[interpreter child] {line}")
         return
     with capture.global_and_fixture_disabled():
+        reporter.ensure_newline()  # the first line lands after the progress dots otherwise
         reporter.write_line(f"[interpreter child] {line}")
 
 
