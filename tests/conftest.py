@@ -6,6 +6,7 @@ went), after the child's progress lines."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import pytest
@@ -59,12 +60,9 @@ def _show(config: pytest.Config, line: str) -> None:
     if (reporter is None or not line.strip() or line.startswith(_CHILD_HEADER)
             or any(noise in line for noise in _CHILD_NOISE)):
         return
-    if capture is None:
-        reporter.ensure_newline()
-        reporter.write_line(f"[interpreter child] {line}")
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.ensure_newline()  # the first line lands after the progress dots otherwise
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        if getattr(reporter._tw, "width_of_current_line", 0):  # after progress dots: a line of its own
+            reporter.write("\n")
         reporter.write_line(f"[interpreter child] {line}")
 
 
