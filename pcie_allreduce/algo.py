@@ -520,75 +520,9 @@ def default_table(transport: str = "p2p", islands: int = 1) -> AlgoTable:
     """The built-in table of ``transport`` for a group of ``islands`` islands (GPUs under one PCIe
     switch or one NUMA node: :attr:`pcie_allreduce.Communicator.islands`); P2P groups of two or
     more islands take :func:`island_fabric_table`. P2P: crossovers measured on one H200 under MPS
-    (bench/PERF_NOTES.md; `pcie-allreduce tune` measures yours), and for the two data-as-flag
-    one-shots the bytes a PCIe link carries.
-
-    One-shot moves (W-1) x the message per rank but needs one exchange; two-shot moves 2(W-1)/W
-    but needs two. Small blocks-per-byte ratios win for small messages (more blocks in flight).
-    ``oneshot_ll`` sends twice the bytes of ``oneshot_full``. On one GPU, where bytes are free,
-    the lines were faster only at the smallest sizes (1 KiB: by ~0.1 us at W = 2 and 4, ~0.9 us
-    at W = 8); from 14 KiB ``oneshot_full`` was as fast or faster at every W. Over a PCIe link the
-    lines' extra (W - 1) N bytes cost (W - 1) N / ~53 GB/s, 0.08 us at W = 2 and 0.5 us at W = 8
-    for 4 KiB: so the lines serve up to 4 KiB, and ``oneshot_full`` (half the bytes) from there.
-    At W = 8, 56 KiB that is 392 KiB per rank instead of 784. Both one-shots put the same bytes on
-    the wire, so where ``oneshot_full`` ends and the flag-based ``oneshot`` begins follows the
-    one-GPU timings: ``oneshot_full`` was faster up to its capacity (512 KiB) at W = 2-4 (448 KiB:
-    4.1 / 6.8 us against 6.0 / 9.6) and at W = 8 up to ~200 KiB (56 KiB: 7.3 against 9.9 us;
-    448 KiB: 23.6 against 20.6). The lines-versus-payload crossover is a model from one-GPU
-    timings and the links' published rate, not a measurement over P2P PCIe; ``tune`` measures the
-    crossovers where it runs.
-    Tune per machine with a JSON file in $PCIE_AR_ALGO_TABLE.
-
-    Inputs in the symmetric input area (``Communicator.symmetric_input``) take ``twoshot_symm``
-    where the table's two-shot would run: its reduce-scatter reads every rank's input in place,
-    where the flag-based two-shot copies (pushes) it into the owners' slots first and
-    ``twoshot_pull`` into its own. On one H200 under MPS, W ranks sharing the GPU's memory, that
-    copy is what the time goes to: 16 MiB at W = 4, 67.6 us against ``twoshot``'s 113.1 and torch
-    symmetric memory's two-shot 70.2 (bench/RESULTS.md, "Large messages"). At W = 2 it takes 64
-    blocks (38.7 us against 55.4 with 32, torch 47.3: one rank's 32 blocks left half the SMs idle);
-    with more ranks 32 (W ranks share the SMs on the testbed). Over a real PCIe link the local copy
-    costs little against the link (the bytes on the link are the same), and the reads are
-    non-posted: where a fabric's peer reads are slower than its writes, give such inputs a table
-    without the rule.
-
-    W = 9-16 (an ESTIMATE: no box of more than 8 PCIe GPUs has been measured here): ``oneshot_full``
-    up to 16 KiB, ``twoshot`` beyond; no lines (they send twice the bytes, and at W = 16 on one H200
-    under MPS they were slower than ``oneshot_full`` from 1 KiB: 15.8 against 13.5 us, 14 KiB: 20.7
-    against 15.1; bench/RESULTS.md, "Sixteen ranks (W = 16) on one GPU under MPS"). One-shot
-    against two-shot over a link of B ~ 52 GB/s (RTX PRO 6000 P2P) with t0 ~ 3 us per extra
-    exchange: the two-shot wins above N = t0 B W / ((W-1)(W-2)), 25 KiB at W = 9, 17 KiB at 12,
-    11 KiB at 16, hence 16 KiB. On one
-    GPU, where bytes are free and an exchange costs 16 ranks' share of its SMs, the one-shots stay
-    faster far beyond (56 KiB: ``oneshot_full`` 21.0 us, ``twoshot`` 36.1): not a guide for a box
-    where each rank puts (W - 1) x the message on its own link. Behind switches that throttle peer
-    writes (b12x's 16 RTX PRO 6000 behind PEX89144 switches: reads ~52 GB/s, writes 2.6 GB/s) the
-    pull forms win: `pcie-allreduce tune` measures them and writes them into the table there.
-
-    Host transport: the write-once algorithms for small messages, the flag-based pull forms for
-    large ones. Per rank over its own PCIe link the one-shot reads (W-1) N, the two-shot 2(W-1)N/W
-    in two exchanges. With an exchange costing t0 ~ 3.2 us and a link reading ~22 GB/s (a minimal
-    write-once kernel on two H200s: 3.85 us at 14 KiB, 23.9 us at 448 KiB), the two-shot wins
-    above N = t0 B W / ((W-1)(W-2)): never at W = 2, ~104 KiB at W = 3, ~46 KiB at 4, ~30 / 21
-    KiB at 5 / 6, ~16 / 13 KiB at 7 / 8. The write-once kernels need no flag round trip (the data
-    is its own flag) but write twice what they send (the data, then its re-poisoning: 2N up the
-    link for the one-shot, 2(N + N/W) for the two-shot), while the pull forms write it once (N,
-    and N + N/W) and read the same bytes; a link's writes and reads go opposite ways, so where
-    bytes dominate the pull form's busier direction carries 0.5x (W = 2), 0.6x (W = 4) and 0.78x
-    (W = 8) of the write-once kernel's. That saving passes the pull form's extra read round trip
-    per exchange (~1.5 us) above ~33 KiB at W = 2, ~66 KiB at W = 4, ~130 KiB at W = 8; above 64
-    KiB at W = 2, 96 / 64 KiB at W = 3 / 4 and 128 KiB at W = 5-8 the table takes the pull forms
-    (``oneshot_pull`` up to 1 MiB at W = 2, ``twoshot_pull`` beyond). On one H200 under MPS (one
-    link for all ranks) the pull forms were faster still, and already at 56 KiB from W = 4:
-    `twoshot_pull` 0.42x `host_twoshot` at W = 8, 448 KiB, `oneshot_pull` 0.77x `host_oneshot`
-    at W = 2 (bench/RESULTS.md), with the launch shapes these rules give. An estimate from those
-    figures, to be replaced by crossovers measured with a GPU per link (`pcie-allreduce tune
-    --transport host`).
-
-    W = 9-16: the pull forms only, ``oneshot_pull`` up to 4 KiB and ``twoshot_pull`` beyond. On
-    one H200 under MPS at W = 16 the write-once kernels were 2-4x slower than the pull forms at
-    every size from 4 KiB (4 KiB: 134 us against 43 for ``oneshot_pull``; 56 KiB: 217 us for
-    ``host_twoshot`` against 84 for ``twoshot_pull``), and the pull two-shot passed the pull
-    one-shot between 4 and 8 KiB (bench/RESULTS.md, "Sixteen ranks (W = 16) on one GPU under MPS").
+    (`pcie-allreduce tune` measures yours), and for the two data-as-flag one-shots the bytes a
+    PCIe link carries. Why each rule sits where it does, with the figures and the link model behind
+    it: bench/PERF_NOTES.md, "Why the built-in tables choose what they do".
     """
     if transport == "host":
         return AlgoTable((

@@ -162,7 +162,7 @@ def test_no_import_cycles_across_packages() -> None:
 
 MAX_LINES = 500
 # Modules already longer than MAX_LINES, with their length today: each may only shrink.
-OVER_THE_LIMIT = {"pcie_allreduce/algo.py": 688, "pcie_allreduce/communicator.py": 749,
+OVER_THE_LIMIT = {"pcie_allreduce/algo.py": 622, "pcie_allreduce/communicator.py": 749,
                   "pcie_allreduce/fused_oneshot_ll.py": 512, "pcie_allreduce/ranks.py": 664,
                   "pcie_allreduce/tune.py": 568}
 
