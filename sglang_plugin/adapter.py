@@ -16,35 +16,20 @@ contiguity and the world size, which all ranks share; none looks at pointers or 
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import algo as algo_mod, validation
-from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE, Settings, SettingsError, format_bytes
-
-logger = logging.getLogger("sglang_plugin")
+from pcie_allreduce import algo as algo_mod
+from pcie_allreduce.plugin_adapter import (DTYPES, FUSED_DTYPES, MAX_FUSED_HIDDEN, CaCommAdapter,  # noqa: F401
+                                           CommunicatorFactory)
+from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE, SettingsError, format_bytes
 
 # Our algorithms that read each rank's staged data out of its own memory (SGLang's "pull");
 # every other one writes it into the peers' memory, or into shared host memory they poll ("push").
 PULL_ALGORITHMS: tuple[str, ...] = (*algo_mod.PULL_ALGORITHMS, *algo_mod.SYMMETRIC_INPUT_ALGORITHMS,
                                     *algo_mod.LOSSY_ALGORITHMS)
-
-# What the communicator accepts, so the adapter declines the rest up front.
-DTYPES: tuple[torch.dtype, ...] = validation.SUPPORTED_DTYPES
-FUSED_DTYPES: tuple[torch.dtype, ...] = validation.RMSNORM_DTYPES
-MAX_FUSED_HIDDEN: int = validation.MAX_RMSNORM_HIDDEN
-
-CommunicatorFactory = Callable[..., Any]
-
-
-def _default_factory() -> CommunicatorFactory:
-    from pcie_allreduce.communicator import Communicator
-
-    return Communicator
 
 
 def hierarchical_factory(layout: Any) -> CommunicatorFactory:
@@ -69,67 +54,17 @@ def hierarchical_factory(layout: Any) -> CommunicatorFactory:
     return make
 
 
-class PcieAllReduceAdapter:
-    """SGLang's custom-all-reduce interface over :class:`pcie_allreduce.Communicator`.
-
-    Construction is collective over ``group`` (a gloo group; SGLang passes its ``cpu_group``):
-    every rank of the group must construct it at the same point.
-
-    Args:
-        group: the CPU process group of the tp group.
-        device: this rank's CUDA device.
-        settings: the plugin's settings (max bytes, algorithm override, timeout).
-        communicator_factory: builds the communicator (tests on CPU pass a stand-in for
-            pcie_allreduce's, never for SGLang's classes).
+class PcieAllReduceAdapter(CaCommAdapter):
+    """SGLang's custom-all-reduce interface over :class:`pcie_allreduce.Communicator`
+    (:class:`~pcie_allreduce.plugin_adapter.CaCommAdapter` holds what does not depend on SGLang).
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, settings: Settings, *,
-                 communicator_factory: CommunicatorFactory | None = None) -> None:
-        # SGLang code reads these two on every ca_comm (getattr(ca_comm, "_IS_CAPTURING", False)).
-        self._IS_CAPTURING = False
-        self.disabled = True
-        factory = communicator_factory or _default_factory()
-        self.comm = factory(group, device, max_bytes=settings.max_bytes, timeout_s=settings.timeout_s)
-        self.group = group
-        self.device: torch.device = self.comm.device
-        self.rank: int = self.comm.rank
-        self.world_size: int = self.comm.world_size
-        self.max_size: int = self.comm.max_bytes
-        self.algo: str = settings.algo
-        #: Largest message :meth:`should_custom_ar` takes: ``max_size``, less where the forced
-        #: algorithm takes less (the capped one-shots and two-shot), 0 where it cannot run on this
-        #: communicator's transport. The communicator would raise for the rest inside the forward
-        #: pass; declined, they take SGLang's own path.
-        self.largest_served: int = self._largest_served()
-        #: SGLang V2's persistent algorithm pin, which call sites read (``is None``) and may set;
-        #: ignored like the per-call one (:meth:`custom_all_reduce`).
-        self.override_algo: Any = None
-        self.fused_enabled: bool = settings.fused
-        #: The compressed wire for messages of :attr:`wire_min_bytes` and more (None: exact),
-        #: where the communicator offers it (a hierarchical one does not; it then stays exact).
-        self.wire: str | None = None
-        self.wire_min_bytes: int = settings.wire_min_bytes
-        if settings.wire != "exact":
-            if settings.wire in getattr(self.comm, "wires", ()):
-                self.wire = settings.wire
-            else:
-                logger.warning("pcie_allreduce[sglang]: %s=%s: this group's communicator (%s) has no such wire; "
-                               "its all-reduces stay exact", WIRE, settings.wire, type(self.comm).__name__)
-        self.disabled = False
+    ENGINE, ENGINE_NAME, ALGO_VARIABLE, WIRE_VARIABLE = "sglang", "SGLang", ALGO, WIRE
+    #: SGLang V2's persistent algorithm pin, which call sites read (``is None``) and may set on an
+    #: instance; ignored like the per-call one (:meth:`custom_all_reduce`).
+    override_algo: Any = None
 
     # ---- SGLang's ca_comm surface -------------------------------------------------------
-
-    def should_custom_ar(self, inp: torch.Tensor) -> bool:
-        """Whether this call is ours: a pure function of dtype, size and contiguity (and of what every
-        rank shares: W, and the forced algorithm's reach, :attr:`largest_served`).
-
-        SGLang's own kernel also wants ``nbytes % 16 == 0`` and weak contiguity; ours takes any
-        size but needs a contiguous tensor, so that is what is checked.
-        """
-        if self.disabled or inp.dtype not in DTYPES or not inp.is_contiguous():
-            return False
-        nbytes = inp.numel() * inp.element_size()
-        return 0 < nbytes <= self.largest_served and inp.device == self.device
 
     def custom_all_reduce(self, input: torch.Tensor,  # noqa: A002 - SGLang's name
                           override_algo: Any = None) -> torch.Tensor | None:
@@ -146,15 +81,7 @@ class PcieAllReduceAdapter:
         the choice stays the table's (tuned for this fabric; SGLang's pins are for its NVLink
         kernels) or the forced ``PCIE_AR_SGLANG_ALGO``. Never raises for it.
         """
-        if not self.should_custom_ar(input):
-            return None
-        # A failure recorded by a graph replay on another stream's workspace (decode and verify
-        # run in graphs) surfaces here, at the server's next eager collective, not never.
-        self.comm.check()
-        wire = self._wire_for(input)
-        if wire is not None:
-            return self.comm.all_reduce(input, wire=wire)
-        return self.comm.all_reduce(input, algo=self.algo)
+        return self._all_reduce(input)
 
     @property
     def max_push_size(self) -> int:
@@ -175,51 +102,7 @@ class PcieAllReduceAdapter:
         served = self.algo == "auto" or self.algo in PULL_ALGORITHMS
         return self.largest_served if served and not self.disabled else 0
 
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        """SGLang's ``graph_capture()`` context: make the capture stream's workspace now.
-
-        ``GroupCoordinator.graph_capture`` enters this with the capture stream already current,
-        before any capture starts. The communicator keeps one workspace per stream and creates a
-        missing one collectively on first use, so creating it here, where every rank is at the
-        same point, keeps that collective out of the captured region. First the ranks agree that
-        the stream is new to all of them or to none: a stream handle that one rank reused and
-        another did not would otherwise pair different workspaces and hang.
-        """
-        if self.disabled:
-            yield
-            return
-        self._agree_on_stream_workspace()
-        self._IS_CAPTURING = True
-        try:
-            yield
-        finally:
-            self._IS_CAPTURING = False
-        self.comm.check()
-
-    def close(self) -> None:
-        """Free the workspaces (collective: every rank of the group must call it)."""
-        if self.disabled:
-            return
-        self.disabled = True
-        self.comm.close()
-
     # ---- fused all-reduce + residual add + RMSNorm ----------------------------------------
-
-    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether :meth:`fused_allreduce_rmsnorm` serves these shapes (pure, like should_custom_ar)."""
-        if self.disabled or not self.fused_enabled:
-            return False
-        if x.dim() != 2 or x.dtype not in FUSED_DTYPES or not 1 <= x.shape[1] <= MAX_FUSED_HIDDEN:
-            return False
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            return False
-        if tuple(weight.shape) != (x.shape[1],) or weight.dtype not in (x.dtype, torch.float32):
-            return False
-        if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
-            return False
-        nbytes = x.numel() * x.element_size()
-        return 0 < nbytes <= self.max_size and x.device == self.device
 
     def fused_allreduce_rmsnorm(self, input_: torch.Tensor, residual_inp_: torch.Tensor, weight_: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -240,57 +123,4 @@ class PcieAllReduceAdapter:
                 return None
             return torch.ops.pcie_allreduce.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps),
                                                                handle, "auto", self._wire_for(input_))
-        self.comm.check()
-        wire = self._wire_for(input_)
-        if wire is not None:
-            return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps), wire=wire)
-        return self.comm.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps))
-
-    # ---- internals -----------------------------------------------------------------------
-
-    def _wire_for(self, x: torch.Tensor) -> str | None:
-        """The wire of a call on ``x``: the compressed one from :attr:`wire_min_bytes` up, else exact
-        (None). A pure function of the size, so every rank picks the same."""
-        if self.wire is None or x.numel() * x.element_size() < self.wire_min_bytes:
-            return None
-        return self.wire
-
-    def _largest_served(self) -> int:
-        if self.algo == "auto":
-            return self.max_size
-        problem = algo_mod.availability_problem(self.algo, self.comm.transport, self.comm.island_ranks)
-        if problem is not None:
-            logger.warning("pcie_allreduce[sglang]: %s=%s: %s: every all-reduce stays on SGLang's own path", ALGO,
-                           self.algo, problem)
-            return 0
-        limit = self.comm.capacity_of(self.algo)  # a hierarchy's: on its fp32 partials
-        return self.max_size if limit is None else max(0, min(self.max_size, limit))
-
-    def _agree_on_stream_workspace(self) -> None:
-        stream = _current_stream_handle(self.device)
-        known = _knows_stream(self.comm, stream)
-        views: list[Any] = [None] * self.world_size
-        dist.all_gather_object(views, known, group=self.group)
-        if len(set(views)) != 1:
-            raise RuntimeError(
-                f"pcie_allreduce sglang plugin: ranks disagree on whether the graph-capture stream is new "
-                f"(per rank: {views}); a CUDA stream handle was reused on some ranks only. Capture on a fresh "
-                "torch.cuda.Stream() created in the same order on every rank.")
-        if not known:
-            self.comm.workspace(stream)  # collective on every rank, outside any capture
-
-    def __repr__(self) -> str:
-        return (f"PcieAllReduceAdapter(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
-                f"max_size={self.max_size}, algo={self.algo!r}, disabled={self.disabled})")
-
-
-def _current_stream_handle(device: torch.device) -> int:
-    """The raw handle the communicator keys its workspaces by (0 off CUDA, for CPU stand-ins)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _knows_stream(comm: Any, stream: int) -> bool:
-    """Whether ``comm`` already has a workspace for ``stream`` (no collective, no creation)."""
-    return bool(comm.has_workspace(stream))
+        return self._all_reduce_rmsnorm(input_, residual_inp_, weight_, eps)

@@ -107,6 +107,11 @@ class GlooStandIn:
     def select_algo(self, nbytes, dtype):
         return "oneshot" if nbytes <= 256 << 10 else "twoshot"
 
+    def capacity_of(self, algo):
+        from pcie_allreduce import algo as algo_mod
+
+        return None if algo == "auto" else algo_mod.capacity_of(algo, self.ll_capacity)
+
     def has_workspace(self, stream):
         return stream in self.streams
 

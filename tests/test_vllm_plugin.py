@@ -390,6 +390,11 @@ class _Capped:
     def check(self) -> None:
         pass
 
+    def capacity_of(self, algo: str) -> int | None:
+        from pcie_allreduce import algo as algo_mod
+
+        return algo_mod.capacity_of(algo, self.ll_capacity)
+
     def all_reduce(self, x, out=None, algo="auto"):
         from pcie_allreduce import algo as algo_mod, dispatch
 
