@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 from pcie_allreduce.algo import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
                                  WIRE_ALGORITHMS)
-from pcie_allreduce.settings import SettingsError, parse_bool, parse_choice, parse_seconds, parse_size
+from pcie_allreduce.settings import (SettingsError, format_bytes, parse_bool, parse_choice, parse_seconds,  # noqa: F401
+                                     parse_size)
 
 # An engine's tensors never lie in the symmetric input area, so the in-place algorithms are not offered.
 ALGOS: tuple[str, ...] = ("auto",) + tuple(a for a in ALGORITHMS if a not in SYMMETRIC_INPUT_ALGORITHMS)
@@ -115,9 +116,9 @@ def parse(n: Names, environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def format_bytes(n: int) -> str:
-    """``8388608`` -> ``8MiB``; exact binary units only, else plain bytes."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n}B"
+def describe(settings: Any, extra: str = "") -> str:
+    """A plugin's settings as ``key=value`` pairs for its log line; ``extra``: the plugin's own,
+    placed before the wire."""
+    return (f"max_bytes={format_bytes(settings.max_bytes)} algo={settings.algo} mode={settings.mode} "
+            f"fused={int(settings.fused)} timeout_s={settings.timeout_s:g}{extra}"
+            + (f" wire={settings.wire}>={format_bytes(settings.wire_min_bytes)}" if settings.wire != "exact" else ""))

@@ -41,7 +41,7 @@ def parse_size(name: str, raw: str, *, max_bytes: int = MAX_MESSAGE_BYTES) -> in
             raise SettingsError(f"{name}={raw!r}: expected a byte count such as 8388608, 8MiB or 512KiB") from None
         value = 0
     if not 0 < value <= max_bytes:
-        raise SettingsError(f"{name}={raw!r}: must be between 1 byte and {_format(max_bytes)}")
+        raise SettingsError(f"{name}={raw!r}: must be between 1 byte and {format_bytes(max_bytes)}")
     return value
 
 
@@ -90,7 +90,8 @@ def env_int(name: str, *, lo: int, hi: int | None = None,
     return parse_int(name, raw, lo=lo, hi=hi) if raw.strip() else None
 
 
-def _format(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``8388608`` -> ``8MiB``: exact binary units only, else plain bytes (how settings are written)."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"

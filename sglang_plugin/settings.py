@@ -94,6 +94,4 @@ def from_env(environ: Mapping[str, str]) -> Settings:
 
 def describe(settings: Settings) -> str:
     """A short ``key=value`` rendering for log lines."""
-    return (f"max_bytes={format_bytes(settings.max_bytes)} algo={settings.algo} mode={settings.mode} "
-            f"fused={int(settings.fused)} timeout_s={settings.timeout_s:g} multinode={int(settings.multinode)}"
-            + (f" wire={settings.wire}>={format_bytes(settings.wire_min_bytes)}" if settings.wire != "exact" else ""))
+    return shared.describe(settings, f" multinode={int(settings.multinode)}")
