@@ -10,7 +10,6 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from vllm_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
 
@@ -71,57 +70,3 @@ def tp_group(ctx: Any, device: torch.device) -> Any:
     return tp
 
 
-class GlooStandIn:
-    """Stand-in for ``pcie_allreduce.Communicator`` (ours: its kernels need a GPU) on gloo, with the
-    methods the adapter uses; records what it was asked."""
-
-    wires = ("fp8",)
-
-    def __init__(self, group: Any, device: Any, max_bytes: int, timeout_s: float) -> None:
-        from pcie_allreduce.layout import Layout
-
-        self.group, self.device = group, torch.device(device)
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.max_bytes, self.timeout_s = max_bytes, timeout_s
-        self.ll_capacity = Layout.make(max_bytes, self.world_size).ll_capacity
-        self.transport, self.transport_reason, self.island_ranks = "p2p", "asked for", 0
-        self.calls: list[tuple] = []
-        self.streams = {0}
-        self.closed = False
-
-    def all_reduce(self, x, out=None, algo="auto", wire=None):
-        assert x.numel() * x.element_size() <= self.max_bytes
-        y = x.clone()
-        dist.all_reduce(y, group=self.group)
-        self.calls.append(("all_reduce", tuple(x.shape), x.dtype, algo))
-        return y
-
-    def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto", wire=None):
-        reduced = x.clone()
-        dist.all_reduce(reduced, group=self.group)
-        self.calls.append(("all_reduce_rmsnorm", tuple(x.shape), x.dtype))
-        total = reduced.float() + residual.float()
-        normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-        return normed.to(x.dtype), total.to(x.dtype)
-
-    def select_algo(self, nbytes, dtype):
-        return "oneshot" if nbytes <= 256 << 10 else "twoshot"
-
-    def capacity_of(self, algo):
-        from pcie_allreduce import algo as algo_mod
-
-        return None if algo == "auto" else algo_mod.capacity_of(algo, self.ll_capacity)
-
-    def has_workspace(self, stream):
-        return stream in self.streams
-
-    def workspace(self, stream=None):
-        self.calls.append(("workspace", stream))
-        self.streams.add(stream)
-
-    def check(self):
-        self.calls.append(("check",))
-
-    def close(self):
-        self.closed = True
-        dist.barrier(group=self.group)

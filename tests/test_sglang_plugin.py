@@ -29,6 +29,7 @@ from sglang_plugin import hooks, import_watch, patching, settings as settings_mo
 from sglang_plugin.eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
 from tests._sglang import ensure_entry_point, fake_model_runner_module, sglang_skip_reason
+from tests._standins import GlooCommunicator, rmsnorm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG_SKIP = sglang_skip_reason()
@@ -344,60 +345,6 @@ def test_import_hook_attaches_without_the_plugin_framework(tmp_path, enable: str
 # ---------------------------------------------------------------------------- the adapter, on CPU
 
 
-class GlooStandIn:
-    """Stand-in for ``pcie_allreduce.Communicator`` (ours, whose kernels need a GPU) on gloo.
-
-    Same methods the adapter uses; sums through ``dist.all_reduce`` on the CPU group and records
-    what it was asked, so the tests can see what SGLang routed to the plugin.
-    """
-
-    def __init__(self, group, device, max_bytes: int, timeout_s: float) -> None:
-        self.group, self.device = group, torch.device(device)
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.max_bytes, self.timeout_s = max_bytes, timeout_s
-        self.ll_capacity = Layout.make(max_bytes, self.world_size).ll_capacity
-        self.transport, self.transport_reason = "p2p", "asked for"
-        self.calls: list[tuple] = []
-        self.streams = {0}
-        self.closed = False
-
-    def all_reduce(self, x, out=None, algo="auto"):
-        assert x.numel() * x.element_size() <= self.max_bytes
-        y = x.clone()
-        dist.all_reduce(y, group=self.group)
-        self.calls.append(("all_reduce", tuple(x.shape), x.dtype, algo))
-        return y
-
-    def all_reduce_rmsnorm(self, x, residual, weight, eps):
-        reduced = x.clone()
-        dist.all_reduce(reduced, group=self.group)
-        new_residual = residual + reduced
-        self.calls.append(("all_reduce_rmsnorm", tuple(x.shape), x.dtype))
-        return _rmsnorm(new_residual, weight, eps), new_residual
-
-    def select_algo(self, nbytes, dtype):
-        return "oneshot" if nbytes <= 256 << 10 else "twoshot"
-
-    def has_workspace(self, stream):
-        return stream in self.streams
-
-    def workspace(self, stream=None):
-        self.calls.append(("workspace", stream))
-        self.streams.add(stream)
-
-    def check(self):
-        self.calls.append(("check",))
-
-    def close(self):
-        self.closed = True
-        dist.barrier(group=self.group)
-
-
-def _rmsnorm(v: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    f = v.float()
-    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(v.dtype)
-
-
 def _cpu_facts(unavailable_on: int | None):
     def facts(device) -> RankFacts:
         rank = dist.get_rank()
@@ -439,8 +386,8 @@ def _plugin_rank(ctx, unavailable_on: int | None = None) -> dict:
     load_plugins()
     state = REGISTRY.state
     assert state is not None, "load_plugins() did not run the plugin's entry point"
-    # The two test seams: our communicator and the GPU facts (see GlooStandIn).
-    state.communicator_factory = GlooStandIn
+    # The two test seams: our communicator and the GPU facts (see GlooCommunicator).
+    state.communicator_factory = GlooCommunicator
     state.facts_fn = _cpu_facts(unavailable_on)
     out: dict = {}
 
@@ -482,7 +429,7 @@ def _plugin_rank(ctx, unavailable_on: int | None = None) -> dict:
     normed, new_residual = tp.fused_allreduce_rmsnorm(x, residual, weight, 1e-6)
     plain = tp._all_reduce_out_place(x, "ca")  # the unfused path: all-reduce, then add + norm
     out["fused_residual_equal"] = bool(torch.equal(new_residual, residual + plain))
-    out["fused_norm_equal"] = bool(torch.equal(normed, _rmsnorm(residual + plain, weight, 1e-6)))
+    out["fused_norm_equal"] = bool(torch.equal(normed, rmsnorm(residual + plain, weight, 1e-6)))
     out["fused_declines_3d"] = tp.fused_allreduce_rmsnorm(x.view(2, 2, 64), residual.view(2, 2, 64), weight, 1e-6)
 
     # The fused-op hook, through SGLang's runtime context (attention-TP group = this tp group).
@@ -980,7 +927,7 @@ def _compiled_fused_step(ctx) -> dict:
     from pcie_allreduce import ops
     from sglang_plugin.adapter import PcieAllReduceAdapter
 
-    class Registered(GlooStandIn):  # as the real communicator, reachable by its handle
+    class Registered(GlooCommunicator):  # as the real communicator, reachable by its handle
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.handle = ops.HANDLES.register(self)

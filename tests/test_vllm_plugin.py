@@ -24,7 +24,8 @@ import torch
 from pcie_allreduce import plugin_settings, ranks
 from pcie_allreduce.settings import SettingsError
 from sglang_plugin import settings as sglang_settings
-from tests._vllm import REPO, GlooStandIn, ensure_entry_point, plugin_env, tp_group, vllm_skip_reason
+from tests._standins import GlooCommunicator
+from tests._vllm import REPO, ensure_entry_point, plugin_env, tp_group, vllm_skip_reason
 from vllm_plugin import settings as settings_mod
 from vllm_plugin.eligibility import RankFacts
 from vllm_plugin.settings import Settings
@@ -211,7 +212,7 @@ def _rank(ctx, unavailable_on: int | None = None) -> dict:
     logging.getLogger("vllm_plugin").setLevel(logging.INFO)
     load_general_plugins()
     assert plugin.STATE is not None, "load_general_plugins() did not run the entry point"
-    plugin.STATE.communicator_factory = GlooStandIn  # the two seams: our communicator, the GPU facts
+    plugin.STATE.communicator_factory = GlooCommunicator  # the two seams: our communicator, the GPU facts
     plugin.STATE.facts_fn = _cpu_facts(unavailable_on)
     device = torch.device("cpu")
     tp = tp_group(ctx, device)

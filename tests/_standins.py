@@ -1,0 +1,70 @@
+"""``GlooCommunicator``: a stand-in for ``pcie_allreduce.Communicator`` on gloo, for the engine
+plugins' CPU conformance tests (the real one's kernels need a GPU; the engines' classes are never
+stood in for). It has the methods the plugins' adapters use, sums through ``dist.all_reduce`` on
+the CPU group, and records what it was asked, so a test can see what the engine routed to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pcie_allreduce import algo as algo_mod
+from pcie_allreduce.layout import Layout
+
+
+def rmsnorm(v: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``v`` times ``weight`` in fp32, rounded to ``v``'s dtype."""
+    f = v.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(v.dtype)
+
+
+class GlooCommunicator:
+    """The communicator as the adapters see it, on gloo."""
+
+    wires = ("fp8",)
+
+    def __init__(self, group: Any, device: Any, max_bytes: int, timeout_s: float) -> None:
+        self.group, self.device = group, torch.device(device)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.ll_capacity = Layout.make(max_bytes, self.world_size).ll_capacity
+        self.transport, self.transport_reason, self.island_ranks = "p2p", "asked for", 0
+        self.calls: list[tuple] = []
+        self.streams = {0}
+        self.closed = False
+
+    def all_reduce(self, x, out=None, algo="auto", wire=None):
+        assert x.numel() * x.element_size() <= self.max_bytes
+        y = x.clone()
+        dist.all_reduce(y, group=self.group)
+        self.calls.append(("all_reduce", tuple(x.shape), x.dtype, algo))
+        return y
+
+    def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto", wire=None):
+        reduced = x.clone()
+        dist.all_reduce(reduced, group=self.group)
+        new_residual = residual + reduced
+        self.calls.append(("all_reduce_rmsnorm", tuple(x.shape), x.dtype))
+        return rmsnorm(new_residual, weight, eps), new_residual
+
+    def select_algo(self, nbytes, dtype):
+        return "oneshot" if nbytes <= 256 << 10 else "twoshot"
+
+    def capacity_of(self, algo):
+        return None if algo == "auto" else algo_mod.capacity_of(algo, self.ll_capacity)
+
+    def has_workspace(self, stream):
+        return stream in self.streams
+
+    def workspace(self, stream=None):
+        self.calls.append(("workspace", stream))
+        self.streams.add(stream)
+
+    def check(self):
+        self.calls.append(("check",))
+
+    def close(self):
+        self.closed = True
+        dist.barrier(group=self.group)
