@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import tempfile
 from importlib.metadata import entry_points
 from typing import Any
 
 from sglang_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
+from tests import _standins
 
 SKIP_NO_SGLANG = "sglang is not importable here (CI installs sglang==0.5.23 with --no-deps; see sglang_plugin/README.md)"
 
@@ -30,25 +28,8 @@ def entry_point_installed() -> bool:
 
 
 def ensure_entry_point() -> str | None:
-    """Make ``load_plugins()`` find the plugin in this process, installed or not.
-
-    When the package is installed (``pip install -e .``) its metadata already declares the entry
-    point and nothing is done (returns None). Otherwise a minimal ``*.dist-info`` declaring the
-    same entry point is written to a temporary directory put first on ``sys.path`` (returns it):
-    SGLang then discovers the plugin exactly as it would an installed one.
-    """
-    if entry_point_installed():
-        return None
-    root = tempfile.mkdtemp(prefix="sglang_plugin_ep_")
-    info = os.path.join(root, "sglang_plugin_entrypoint-0.0.dist-info")
-    os.makedirs(info)
-    with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
-        f.write("Metadata-Version: 2.1\nName: sglang-plugin-entrypoint\nVersion: 0.0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as f:
-        f.write(f"[{ENTRY_POINT_GROUP}]\n{PLUGIN_NAME} = {ENTRY_POINT}\n")
-    sys.path.insert(0, root)
-    importlib.invalidate_caches()
-    return root
+    """Make ``load_plugins()`` find the plugin in this process, installed or not (tests/_standins.py)."""
+    return _standins.ensure_entry_point(ENTRY_POINT_GROUP, PLUGIN_NAME, ENTRY_POINT, "sglang_plugin")
 
 
 def plugin_tp_coordinator(ctx: Any, *, served: bool = True) -> Any:

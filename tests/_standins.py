@@ -1,10 +1,18 @@
-"""``GlooCommunicator``: a stand-in for ``pcie_allreduce.Communicator`` on gloo, for the engine
-plugins' CPU conformance tests (the real one's kernels need a GPU; the engines' classes are never
-stood in for). It has the methods the plugins' adapters use, sums through ``dist.all_reduce`` on
-the CPU group, and records what it was asked, so a test can see what the engine routed to it."""
+"""What both engine plugins' tests stand in for: our communicator, and the plugin's installation.
+
+``GlooCommunicator`` stands in for ``pcie_allreduce.Communicator`` on gloo in the CPU conformance
+tests (the real one's kernels need a GPU; the engines' classes are never stood in for): it has the
+methods the plugins' adapters use, sums through ``dist.all_reduce`` on the CPU group, and records
+what it was asked, so a test can see what the engine routed to it. ``ensure_entry_point`` makes an
+engine's plugin loader find the plugin in a checkout that was not pip-installed."""
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+import tempfile
+from importlib.metadata import entry_points
 from typing import Any
 
 import torch
@@ -68,3 +76,23 @@ class GlooCommunicator:
     def close(self):
         self.closed = True
         dist.barrier(group=self.group)
+
+
+def ensure_entry_point(group: str, name: str, value: str, prefix: str) -> str | None:
+    """Make an engine's plugin loader find entry point ``name = value`` of ``group`` in this
+    process, installed or not. When the package is installed its metadata already declares it and
+    nothing is done (returns None); otherwise a minimal ``*.dist-info`` declaring it is written to a
+    temporary directory put first on ``sys.path`` (returns it), so the engine discovers the plugin
+    exactly as it would an installed one. ``prefix`` names the directory and distribution."""
+    if any(ep.name == name and ep.value == value for ep in entry_points(group=group)):
+        return None
+    root = tempfile.mkdtemp(prefix=f"{prefix}_ep_")
+    info = os.path.join(root, f"{prefix}_entrypoint-0.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {prefix.replace('_', '-')}-entrypoint\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as f:
+        f.write(f"[{group}]\n{name} = {value}\n")
+    sys.path.insert(0, root)
+    importlib.invalidate_caches()
+    return root

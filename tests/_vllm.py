@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import tempfile
-from importlib.metadata import entry_points
 from typing import Any
 
 import torch
 
 from vllm_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
+from tests import _standins
 
 SKIP_NO_VLLM = "vllm is not importable here (CI installs vllm==0.34.0 with --no-deps; see README.md, '# vllm.')"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,21 +25,8 @@ def vllm_skip_reason() -> str | None:
 
 
 def ensure_entry_point() -> str | None:
-    """Make ``load_general_plugins()`` find the plugin in this process, installed or not: where the
-    installed metadata lacks the entry point, a minimal ``*.dist-info`` declaring it is put first on
-    ``sys.path`` (returns its directory), so vLLM discovers the plugin as it would an installed one."""
-    if any(ep.name == PLUGIN_NAME and ep.value == ENTRY_POINT for ep in entry_points(group=ENTRY_POINT_GROUP)):
-        return None
-    root = tempfile.mkdtemp(prefix="vllm_plugin_ep_")
-    info = os.path.join(root, "vllm_plugin_entrypoint-0.0.dist-info")
-    os.makedirs(info)
-    with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
-        f.write("Metadata-Version: 2.1\nName: vllm-plugin-entrypoint\nVersion: 0.0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as f:
-        f.write(f"[{ENTRY_POINT_GROUP}]\n{PLUGIN_NAME} = {ENTRY_POINT}\n")
-    sys.path.insert(0, root)
-    importlib.invalidate_caches()
-    return root
+    """Make ``load_general_plugins()`` find the plugin in this process, installed or not (tests/_standins.py)."""
+    return _standins.ensure_entry_point(ENTRY_POINT_GROUP, PLUGIN_NAME, ENTRY_POINT, "vllm_plugin")
 
 
 def plugin_env(**extra: str) -> dict[str, str]:
