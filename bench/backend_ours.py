@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from pcie_allreduce.algo import SYMMETRIC_INPUT_ALGORITHMS, availability_problem, fits_capacity
+from pcie_allreduce.plan.algorithms import SYMMETRIC_INPUT_ALGORITHMS, availability_problem, fits_capacity
 from pcie_allreduce.ranks import RankContext
 
 from bench.backends import Backend, Buffers

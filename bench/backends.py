@@ -19,7 +19,7 @@ import importlib.util
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 
-from pcie_allreduce.algo import HOST_ONLY_ALGORITHMS
+from pcie_allreduce.plan.algorithms import HOST_ONLY_ALGORITHMS
 from pcie_allreduce.cli import resolve
 
 from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIXES, OURS_HIER, VERIFY, forced_fused_algo

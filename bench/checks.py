@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import fp8_wire
-from pcie_allreduce.algo import LOSSY_ALGORITHMS
+from pcie_allreduce.plan.algorithms import LOSSY_ALGORITHMS
 from pcie_allreduce.ranks import RankContext
 
 from bench import pattern

@@ -77,7 +77,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from pcie_allreduce.algo import default_table
+from pcie_allreduce.plan.tables import default_table
 from pcie_allreduce.sizes import size_arg
 
 KIB = 1024
@@ -235,7 +235,7 @@ def _per_block(bytes_per_block: int, max_blocks: int) -> Callable[[int], int]:
 
 def ours(fab: Fabric) -> list[Algorithm]:
     """This library's algorithms as they are (csrc/*.cuh), flat over all W ranks, launch widths
-    from the built-in table a group of the fabric's islands takes (pcie_allreduce.algo.default_table)."""
+    from the built-in table a group of the fabric's islands takes (pcie_allreduce.plan.tables.default_table)."""
     w, i = fab.world, fab.island_size
     intra, cross = i - 1, w - i
     shard = 1.0 / w
@@ -405,7 +405,7 @@ def all_algorithms(fab: Fabric) -> list[Algorithm]:
 
 def our_default(fab: Fabric, nbytes: int) -> Algorithm:
     """What this library's built-in table for a group of the fabric's islands runs for ``nbytes``
-    bf16 at the fabric's W (pcie_allreduce.algo.default_table: the island table from 2 islands)."""
+    bf16 at the fabric's W (pcie_allreduce.plan.tables.default_table: the island table from 2 islands)."""
     choice = default_table(islands=fab.islands).select(nbytes, fab.world, "bfloat16", ll_capacity=512 * KIB)
     return next(a for a in ours(fab) if a.name == choice.algo)
 

@@ -84,7 +84,8 @@ def _rank(ctx, sizes: list[int], algos: list[str], transport: str) -> list[tuple
 def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport: str) -> list[tuple[str, int, float]]:
     import torch
 
-    from pcie_allreduce import Communicator, dispatch
+    from pcie_allreduce import Communicator
+    from pcie_allreduce.plan import dispatch
 
     rows = []
     eps = 1e-6

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from pcie_allreduce.algo import WireBytes, wire_bytes
+from pcie_allreduce.plan.algorithms import WireBytes, wire_bytes
 
 OK = "ok"
 WRONG = "wrong"      # the all-reduce returned a wrong sum: not timed

@@ -19,8 +19,9 @@ import math
 import random
 from typing import Union
 
-from pcie_allreduce.algo import (ALGORITHMS, DATA_AS_FLAG_ONESHOTS, SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, fits_capacity,
-                                 runs_on)
+from pcie_allreduce.plan.algorithms import (ALGORITHMS, DATA_AS_FLAG_ONESHOTS, SYMMETRIC_INPUT_ALGORITHMS, UNFUSED,
+                                            fits_capacity, runs_on)
+from pcie_allreduce.fused import shapes
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench.options import NORM_DTYPES
@@ -299,13 +300,11 @@ class Schedule:
         return algos
 
     def _ll_fused_fits(self, tokens: int, hidden: int) -> bool:
-        """Whether the fused data-as-flag kernels have a launch shape for the call (their module's rule)."""
+        """Whether the fused data-as-flag kernels have a launch shape for the call (their shapes' rule)."""
         key = (tokens, hidden)
         hit = self._fused_ll_ok.get(key)
         if hit is None:
-            from pcie_allreduce import fused_oneshot_ll  # Triton: only once a fused call is drawn
-
-            hit = fused_oneshot_ll.launch_shape(tokens, hidden, self.params.world, self.params.block_cap) is not None
+            hit = shapes.data_as_flag(tokens, hidden, self.params.world, self.params.block_cap) is not None
             self._fused_ll_ok[key] = hit
         return hit
 

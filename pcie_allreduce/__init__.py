@@ -8,7 +8,9 @@ Importing never needs a GPU; :func:`is_available` says whether the kernels can r
 
 from __future__ import annotations
 
-from pcie_allreduce.algo import ALGORITHMS, AlgoTable, Choice, Rule, default_table, load_table
+from pcie_allreduce.plan.algorithms import ALGORITHMS
+from pcie_allreduce.plan.rules import Choice, Rule
+from pcie_allreduce.plan.tables import AlgoTable, default_table, load_table
 from pcie_allreduce.errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, InterNodeError,
                                    UnavailableError)
 

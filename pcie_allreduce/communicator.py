@@ -1,6 +1,6 @@
 """The object users hold: rendezvous, per-stream workspaces, caches of choices, errors.
 
-What a call launches is decided by :mod:`pcie_allreduce.dispatch` (pure functions); the
+What a call launches is decided by :mod:`pcie_allreduce.plan.dispatch` (pure functions); the
 communicator holds the state those choices read (agreed table, capacity, block cap) and caches
 their results per call shape."""
 
@@ -20,11 +20,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import (_ext, algo as algo_mod, dispatch, ops, settings, topology, transport as transport_mod,
-                            validation)
+from pcie_allreduce import _ext, ops, settings, topology, transport as transport_mod, validation
 from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
-from pcie_allreduce.dispatch import DTYPE_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
+from pcie_allreduce.plan import algorithms, dispatch, tables
+from pcie_allreduce.plan.dispatch import DTYPE_IDS
 from pcie_allreduce.layout import Layout, WorkspaceView
 
 DEFAULT_MAX_BYTES = 8 << 20
@@ -98,7 +98,7 @@ class Communicator:
             uses (:class:`~pcie_allreduce.layout.Layout` has the exact figure).
         timeout_s: how long a kernel waits for a peer before giving up and recording a
             :class:`CollectiveTimeout` (default 10 s, or ``$PCIE_AR_TIMEOUT_S``).
-        algo_table: an :class:`~pcie_allreduce.algo.AlgoTable`, a JSON path or inline JSON;
+        algo_table: an :class:`~pcie_allreduce.plan.tables.AlgoTable`, a JSON path or inline JSON;
             default ``$PCIE_AR_ALGO_TABLE`` or the built-in table.
         transport: where the workspaces live: ``"p2p"`` (device memory over CUDA peer access),
             ``"host"`` (pinned host memory shared through /dev/shm, for boxes without usable
@@ -129,11 +129,11 @@ class Communicator:
     #: consecutive ranks (what ``algo="island_twoshot"`` needs), else 0.
     island_ranks: int = 0
     #: The compressed wires ``all_reduce(x, wire=...)`` takes.
-    wires: tuple[str, ...] = tuple(algo_mod.WIRE_ALGORITHMS)
+    wires: tuple[str, ...] = tuple(algorithms.WIRE_ALGORITHMS)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str,
                  max_bytes: int = DEFAULT_MAX_BYTES, *, timeout_s: float | None = None,
-                 algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None = None,
+                 algo_table: tables.AlgoTable | str | os.PathLike[str] | None = None,
                  transport: str | None = None, ranks_per_gpu: int | None = None) -> None:
         self._group = group
         self._workspaces: dict[int, Any] = {}
@@ -159,7 +159,7 @@ class Communicator:
         # Creation is all or nothing: each step that can fail on one rank runs on every rank and
         # ends in a gather of every rank's outcome (see _collective_step), so a failure anywhere
         # makes every rank raise at once instead of leaving peers in a later rendezvous.
-        explicit_table = algo_table is not None or bool(os.environ.get(algo_mod.TABLE_ENV))
+        explicit_table = algo_table is not None or bool(os.environ.get(tables.TABLE_ENV))
         agreed = self._collective_step("argument checks and GPU set-up",
                                        lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table,
                                                                     transport, ranks_per_gpu))
@@ -167,7 +167,7 @@ class Communicator:
             self._check_agreement(agreed, key)
         self._meeting_id: str = agreed[0]["meeting_id"]  # names this communicator's keys in the group's store
         self.table_source: str = ("algo_table argument" if algo_table is not None
-                                  else f"${algo_mod.TABLE_ENV}" if explicit_table else "built-in default")
+                                  else f"${tables.TABLE_ENV}" if explicit_table else "built-in default")
         self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
         fabrics = [p.fabric for p in self.placements]  # each read by its own rank
         override = agreed[0][ISLANDS_KEY]
@@ -311,10 +311,10 @@ class Communicator:
         new_residual = torch.empty_like(residual) if residual_out is None else residual_out
         if wire is not None:
             validation.wire_algo(wire, "auto")
-            if algo not in ("auto", algo_mod.UNFUSED):
+            if algo not in ("auto", algorithms.UNFUSED):
                 raise ValueError(f"wire={wire!r} runs the all-reduce, then the add + RMSNorm kernel; algo={algo!r} "
                                  f"cannot be combined with it (leave algo='auto')")
-            algo = algo_mod.UNFUSED
+            algo = algorithms.UNFUSED
         if x.numel() == 0:
             return normed, new_residual
         if algo == "auto":
@@ -325,7 +325,7 @@ class Communicator:
                 if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
                     self._fused_choices[key] = algo
         call = (algo, tuple(x.shape), x.dtype, weight.dtype)
-        if algo == algo_mod.UNFUSED:
+        if algo == algorithms.UNFUSED:
             from pcie_allreduce import add_rmsnorm
 
             if call not in self._fused_compiled:
@@ -434,7 +434,7 @@ class Communicator:
         """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: a
         fused kernel where the table's fused rules say one wins at this token count and W (it then
         follows the plain table for the same message size), else ``"unfused"``
-        (:func:`pcie_allreduce.dispatch.fused_algo`)."""
+        (:func:`pcie_allreduce.plan.dispatch.fused_algo`)."""
         from pcie_allreduce.triton_protocol import interpreting
 
         return dispatch.fused_algo(tokens, hidden, dtype, self.world_size, self.table, ll_capacity=self.ll_capacity,
@@ -442,7 +442,7 @@ class Communicator:
 
     def capacity_of(self, algo: str) -> int | None:
         """Largest message (bytes) a forced ``algo`` takes here; None: up to ``max_bytes``."""
-        return None if algo == "auto" else algo_mod.capacity_of(algo, self.ll_capacity)
+        return None if algo == "auto" else algorithms.capacity_of(algo, self.ll_capacity)
 
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
         """The algorithm ``algo="auto"`` uses for a message of ``nbytes`` bytes of ``dtype``."""
@@ -513,10 +513,10 @@ class Communicator:
         key = (nbytes, dtype, algo, symmetric)
         hit = self._choices.get(key)
         if hit is None:
-            problem = algo_mod.availability_problem(algo, self.transport, self.island_ranks)
+            problem = algorithms.availability_problem(algo, self.transport, self.island_ranks)
             if problem is not None:
                 raise ValueError(problem)
-            if algo in algo_mod.LOSSY_ALGORITHMS:
+            if algo in algorithms.LOSSY_ALGORITHMS:
                 problem = validation.fp8_fits(nbytes, dtype.itemsize, Layout.make(self.max_bytes, 1).slot_bytes)
                 if problem is not None:
                     raise ValueError(problem)
@@ -533,7 +533,7 @@ class Communicator:
         Rank 0 reads it and every rank adopts rank 0's copy, so the table is agreed once, here.
         A missing file means the default; one it cannot read or trust warns and means the default too.
         """
-        self.table = algo_mod.default_table(self.transport, islands=len(self.islands))
+        self.table = tables.default_table(self.transport, islands=len(self.islands))
         self.table_source = ("built-in default" if self.transport == "host" or len(self.islands) < 2
                              else f"built-in default for {len(self.islands)} islands (an estimate)")
         from pcie_allreduce import tune_cache
@@ -548,7 +548,7 @@ class Communicator:
         if text is None:
             return
         try:
-            tuned = algo_mod.AlgoTable.from_json(text, source=f"tuned table {path}")
+            tuned = tables.AlgoTable.from_json(text, source=f"tuned table {path}")
         except ValueError as exc:
             warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
             return
@@ -562,7 +562,7 @@ class Communicator:
         self.table_source = f"tune cache {path}"
 
     def _set_up_locally(self, device: torch.device | int | str, max_bytes: object, timeout_s: object,
-                        algo_table: algo_mod.AlgoTable | str | os.PathLike[str] | None,
+                        algo_table: tables.AlgoTable | str | os.PathLike[str] | None,
                         transport: str | None, ranks_per_gpu: object) -> dict[str, Any]:
         """This rank's part of creation before any memory is allocated: arguments, extension, GPU.
         Returns what every rank must agree on (and its placement)."""
@@ -575,7 +575,7 @@ class Communicator:
         #: Largest message ``oneshot_ll`` takes (its line slots cost twice the payload).
         self.ll_capacity: int = Layout.make(self.max_bytes, self.world_size).ll_capacity
         self.timeout_s: float = _default_timeout() if timeout_s is None else validation.validate_timeout(timeout_s)
-        self.table: algo_mod.AlgoTable = algo_mod.load_table(algo_table)
+        self.table: tables.AlgoTable = tables.load_table(algo_table)
         requested = transport_mod.requested(transport)
         status = self._ext.runtime_status()
         if status:

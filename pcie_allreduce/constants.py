@@ -6,7 +6,9 @@ without the extension (CPU machines, docs builds); when ``pcie_allreduce._C`` lo
 are the ones used. tests/test_constants.py checks that the mirror equals the extension, so a
 constant changed on one side only fails CI instead of mislabelling an error or launching the
 wrong kernel. Every Python user (layout, dispatch, validation, the Triton kernels) imports from
-here; nothing else types these numbers.
+here; nothing else types these numbers. The one exception is the algorithm ids (``ALGO_IDS``): each
+is a field of its algorithm's record in :mod:`pcie_allreduce.plan.algorithms`, the one Python list
+of the algorithms, which checks them against the extension's at import.
 """
 
 from __future__ import annotations
@@ -49,10 +51,6 @@ MIRROR: dict[str, Any] = {
     "FULL_HEADER_BYTES": 32768,  # the full-payload one-shot's header words, before its slots
     "FULL_TWOSHOT_MARGIN": 16,  # the full-payload two-shot takes messages up to ll_capacity less this
     "ERROR_WORDS": 8,          # kind, rank, peer, stage, block, epoch, expected and observed signature
-    "ALGO_IDS": {"oneshot": 0, "staged": 1, "twoshot": 2, "oneshot_ll": 3, "host_oneshot": 4, "host_twoshot": 5,
-                 "oneshot_full": 6, "twoshot_full": 7, "island_twoshot": 8,
-                 "oneshot_pull": 9, "twoshot_pull": 10, "twoshot_staged": 11, "island_oneshot": 12,
-                 "twoshot_symm": 13, "twoshot_fp8": 14},
     "DTYPE_IDS": {"float32": 0, "float16": 1, "bfloat16": 2},
     "ERROR_KINDS": {"timeout": 1, "mismatch": 2},
     "TRANSPORT_IDS": {"p2p": 0, "host": 1},
@@ -63,6 +61,10 @@ MIRROR: dict[str, Any] = {
                     13: "island chain", 14: "island result", 15: "pull gather", 16: "pull reduce-scatter",
                     17: "pull all-gather", 18: "island gather"},
 }
+
+
+#: Names the extension exports that are mirrored outside :data:`MIRROR`, and where.
+MIRRORED_ELSEWHERE: dict[str, str] = {"ALGO_IDS": "pcie_allreduce.plan.algorithms"}
 
 
 def exported(module: Any) -> dict[str, Any]:
@@ -113,8 +115,6 @@ FP8_BLOCK: int = _VALUES["FP8_BLOCK"]
 FULL_HEADER_BYTES: int = _VALUES["FULL_HEADER_BYTES"]
 FULL_TWOSHOT_MARGIN: int = _VALUES["FULL_TWOSHOT_MARGIN"]
 ERROR_WORDS: int = _VALUES["ERROR_WORDS"]
-#: Algorithm name -> the kernels' algorithm id.
-ALGO_IDS: dict[str, int] = _VALUES["ALGO_IDS"]
 #: dtype name (as torch spells it after ``torch.``) -> the kernels' dtype id.
 DTYPE_IDS: dict[str, int] = _VALUES["DTYPE_IDS"]
 #: Error kind name -> the kind a failed wait records (0: none).

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from pcie_allreduce.algo import fp8_wire_bytes
+from pcie_allreduce.plan.algorithms import fp8_wire_bytes
 from pcie_allreduce.constants import FP8_BLOCK
 
 #: Elements per scale (csrc/protocol_constants.h's kFp8Block).

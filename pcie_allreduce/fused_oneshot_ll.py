@@ -26,8 +26,8 @@ Grid: T rows x C column chunks, one program each.
  4. normed = new_residual * rstd * weight.
 
 Needs an even hidden size (a word never straddles two chunks), T*C programs that can all be
-resident at once and a message within the line slots' capacity; :func:`launch_shape` says None
-otherwise and the caller takes the flag-based one-shot. "Resident at once" is the communicator's
+resident at once and a message within the line slots' capacity;
+:func:`~pcie_allreduce.fused.shapes.data_as_flag` says None otherwise and the caller takes the flag-based one-shot. "Resident at once" is the communicator's
 block cap (one program per SM when ranks share a GPU): step 3 waits for the other programs of
 the row, so a program that never got an SM would stall its row until the timeout.
 Under the interpreter (programs run one after another) C is 1, so no program waits for another.
@@ -45,6 +45,7 @@ import triton.language as tl
 
 from pcie_allreduce import constants
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS, SMALL_WORLD
+from pcie_allreduce.fused.shapes import PUSH_WORDS, data_as_flag, shape_with_chunks
 from pcie_allreduce.layout import Layout, WorkspaceView
 from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call, compile_and_load,
                                             end_call, wait_for_previous_kernel,
@@ -58,18 +59,6 @@ _MAX_RANKS: tl.constexpr = tl.constexpr(MAX_RANKS)
 _MAX_FLAG_BLOCKS: tl.constexpr = tl.constexpr(constants.MAX_FLAG_BLOCKS)
 _POISON: tl.constexpr = tl.constexpr(constants.POISON_WORD)
 STAGE_ROW_STATS: tl.constexpr = tl.constexpr(constants.STAGE_FUSED_ROW_STATS)
-MAX_PROGRAMS = constants.MAX_LAUNCH_BLOCKS  # the CUDA kernels' cap
-MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
-MIN_CHUNK = 512     # below this, more programs only add statistics traffic
-PUSH_WORDS = 1024   # words per push step
-MAX_WARPS = 32      # 1024 threads: one word per thread up to MAX_CHUNK columns
-# Programs of this many columns when there are at least MIN_SPREAD_PROGRAMS of them within the
-# block cap (one program per SM). Several programs per SM (register-capped, at 2x or 4x the cap)
-# were tried and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold
-# part of an SM, so register arithmetic is no residency guarantee) and 4-warp ones at 4x were
-# slower at W=8 than the regular shape (16.6 vs 13.1 us, bench/PERF_NOTES.md).
-MEDIUM_COLUMNS = 1024
-MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
 
 
 # The worst state a program's wait has seen, ordered so that a block-wide max decides: its words
@@ -399,59 +388,6 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
 # ---- host side ---------------------------------------------------------------------------
 
 
-Shape = tuple[int, int, int, int, int]
-
-
-@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
-def launch_shape(tokens: int, hidden: int, world: int, max_programs: int, interpret: bool = False) -> Shape | None:
-    """(programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps), or None
-    when this kernel cannot take the call (odd hidden size, or more programs than may run at
-    once). A pure function of the call's shape and the communicator's agreed block cap
-    (``max_programs``, one program per SM when ranks share a GPU).
-
-    1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
-    W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
-    the cap allows, 512 to 2048 columns each (W=8, cap 16: 1792-column programs, 13.1 us against
-    16.6 for 56 small ones; bench/RESULTS.md). Always one word (two elements) per thread: at
-    4 x 7168, 16 warps instead of 8 at W=4 and 32 instead of 16 at W=8 were faster (bench/PERF_NOTES.md)."""
-    if hidden % 2 or tokens < 1:
-        return None
-    cap = max(1, min(MAX_PROGRAMS, max_programs))
-    if not interpret:
-        medium = shape_with_chunks(tokens, hidden, math.ceil(hidden / MEDIUM_COLUMNS))
-        if _fits(tokens, medium[1], cap) and medium[0] >= MIN_SPREAD_PROGRAMS:
-            return medium
-    return _regular_shape(tokens, hidden, cap, interpret)
-
-
-def _fits(tokens: int, chunks: int, cap: int) -> bool:
-    return tokens * chunks <= cap and tokens * chunks * chunks <= ROW_STATS_SLOTS
-
-
-def _regular_shape(tokens: int, hidden: int, cap: int, interpret: bool) -> Shape | None:
-    if interpret:
-        chunks = 1
-    else:
-        chunks = max(math.ceil(hidden / MAX_CHUNK), min(cap // tokens, math.ceil(hidden / MIN_CHUNK)))
-    shape = shape_with_chunks(tokens, hidden, chunks)
-    return shape if _fits(tokens, shape[1], cap) else None
-
-
-def _even_chunks(hidden: int, chunks: int) -> tuple[int, int]:
-    """(chunks, width): about ``chunks`` column chunks of one even width (a word never straddles two)."""
-    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)
-    return math.ceil(hidden / width), width
-
-
-def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> Shape:
-    """The launch shape with (about) ``chunks`` even-width column chunks per row: BLOCK_W is the
-    chunk's words rounded up to a power of two, one per thread (at least 4 warps, at most
-    MAX_WARPS; wider chunks, which only forced shapes have, give each thread several)."""
-    chunks, width = _even_chunks(hidden, chunks)
-    block_w = max(triton.next_power_of_2(width // 2), 128)
-    return tokens * chunks, chunks, width, block_w, min(block_w // 32, MAX_WARPS)
-
-
 @functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
 def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int, full: bool = False) -> int:
     """32-bit call signature (peers must agree); differs from every other call's."""
@@ -476,14 +412,14 @@ def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight:
     ``full``: the full-payload wire format (the slots and headers of csrc/oneshot_full.cuh, half
     the lines' bytes) instead of the lines.
 
-    ``chunks`` forces that many column chunks per row instead of :func:`launch_shape`'s choice
+    ``chunks`` forces that many column chunks per row instead of :func:`~pcie_allreduce.fused.shapes.data_as_flag`'s choice
     (tests: under the interpreter the choice is 1, which never exercises the row statistics
     exchange between programs). ``backoff_ns`` > 0 sleeps that long between polls (an experiment
     for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without the knob).
     ``compile_only``: compile both word-pairing variants of this shape, launch nothing.
     ``dependent``: launch as the previous kernel's programmatic dependent (``$PCIE_AR_PDL``)."""
     tokens, hidden = x.shape
-    shape = (launch_shape(tokens, hidden, view.world, max_programs, interpret) if chunks is None
+    shape = (data_as_flag(tokens, hidden, view.world, max_programs, interpret) if chunks is None
              else shape_with_chunks(tokens, hidden, chunks))
     nbytes = x.numel() * x.element_size()
     if shape is None or nbytes > view.layout.ll_capacity:

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from pcie_allreduce import constants, fused_oneshot_ll
 from pcie_allreduce.add_rmsnorm import TRITON_DTYPES, finish_row, is_aligned, typed_pointer
-from pcie_allreduce.algo import DATA_AS_FLAG_ONESHOTS
+from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, SMALL_WORLD
 from pcie_allreduce.layout import WorkspaceView
 from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state

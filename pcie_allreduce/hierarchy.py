@@ -55,8 +55,9 @@ from typing import Any, Callable, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, algo as algo_mod, nodes as nodes_mod, validation
-from pcie_allreduce.algo import UNFUSED, WireBytes
+from pcie_allreduce import _ext, nodes as nodes_mod, validation
+from pcie_allreduce.plan import algorithms
+from pcie_allreduce.plan.algorithms import UNFUSED, WireBytes
 from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
 from pcie_allreduce.constants import MAX_MESSAGE_BYTES
 from pcie_allreduce.errors import InterNodeError, one_line
@@ -313,10 +314,10 @@ class HierarchicalCommunicator:
     def capacity_of(self, algo: str) -> int | None:
         """Largest message (bytes, any dtype) a forced ``algo`` takes here; None: unbounded. The
         nodes run it on fp32 partials, twice a 16-bit message's bytes, so half its capacity on the
-        node's workspace (:func:`pcie_allreduce.algo.capacity_of`)."""
+        node's workspace (:func:`pcie_allreduce.plan.algorithms.capacity_of`)."""
         if algo == "auto" or self.intra is None:
             return None
-        limit = algo_mod.capacity_of(algo, self.ll_capacity)
+        limit = algorithms.capacity_of(algo, self.ll_capacity)
         return None if limit is None else max(0, limit) // 2
 
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import algo as algo_mod, validation
+from pcie_allreduce import validation
+from pcie_allreduce.plan import algorithms
 
 # What the communicator accepts, so an adapter declines the rest up front.
 DTYPES: tuple[torch.dtype, ...] = validation.SUPPORTED_DTYPES
@@ -181,7 +182,7 @@ class CaCommAdapter:
     def _largest_served(self) -> int:
         if self.algo == "auto":
             return self.max_size
-        problem = algo_mod.availability_problem(self.algo, self.comm.transport, self.comm.island_ranks)
+        problem = algorithms.availability_problem(self.algo, self.comm.transport, self.comm.island_ranks)
         if problem is not None:
             self._logger().warning("pcie_allreduce[%s]: %s=%s: %s: every all-reduce stays on %s's own path",
                                    self.ENGINE, self.ALGO_VARIABLE, self.algo, problem, self.ENGINE_NAME)

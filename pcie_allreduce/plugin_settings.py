@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from pcie_allreduce.algo import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
-                                 WIRE_ALGORITHMS)
+from pcie_allreduce.plan.algorithms import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS,
+                                            SYMMETRIC_INPUT_ALGORITHMS, WIRE_ALGORITHMS)
 from pcie_allreduce.settings import (SettingsError, format_bytes, parse_bool, parse_choice, parse_seconds,  # noqa: F401
                                      parse_size)
 

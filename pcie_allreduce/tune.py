@@ -35,11 +35,14 @@ import os
 import sys
 from typing import Any, Iterable, Sequence
 
-from pcie_allreduce import algo as algo_mod, sizes, transport as transport_mod, tune_cache
-from pcie_allreduce.algo import ALGORITHMS as ALL_ALGORITHMS
-from pcie_allreduce.algo import MAX_LAUNCH_BLOCKS, SYMMETRIC_INPUT_ALGORITHMS, AlgoTable, Rule, default_table
+from pcie_allreduce import sizes, transport as transport_mod, tune_cache
 from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, one_line, positive_float, positive_int, typed_arg
-from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
+from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS
+from pcie_allreduce.plan import algorithms
+from pcie_allreduce.plan.algorithms import ALGO_IDS, SYMMETRIC_INPUT_ALGORITHMS, fits_capacity
+from pcie_allreduce.plan.algorithms import ALGORITHMS as ALL_ALGORITHMS
+from pcie_allreduce.plan.rules import Rule
+from pcie_allreduce.plan.tables import AlgoTable, default_table
 
 # What tune times: the algorithms that take any tensor (the in-place ones keep their built-in rules).
 ALGORITHMS: tuple[str, ...] = tuple(a for a in ALL_ALGORITHMS if a not in SYMMETRIC_INPUT_ALGORITHMS)
@@ -193,8 +196,6 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def skip_reason(algo: str, blocks: int, size_bytes: int, block_cap: int, ll_capacity: int | None) -> str | None:
     """Why a shape cannot run on this communicator (the same on every rank: both limits are agreed)."""
-    from pcie_allreduce.algo import fits_capacity
-
     if blocks > block_cap:
         return f"{blocks} blocks > block cap {block_cap} (ranks share a GPU)"
     if not fits_capacity(algo, size_bytes, ll_capacity):
@@ -221,7 +222,7 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
             inp = _rank_input(count, ctx.rank, dtype, ctx.device)
             expected = sum(_rank_input(count, r, torch.int64, ctx.device) for r in range(ctx.world_size)).to(dtype)
             out = torch.empty_like(inp)
-            for algo in (a for a in job.algos if algo_mod.runs_on(a, comm.transport, comm.island_ranks)):
+            for algo in (a for a in job.algos if algorithms.runs_on(a, comm.transport, comm.island_ranks)):
                 for blocks in job.blocks:
                     rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
         facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps,
@@ -254,8 +255,7 @@ def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out
                    blocks: int) -> dict[str, Any]:
     import torch
 
-    from pcie_allreduce.algo import ALGO_IDS
-    from pcie_allreduce.dispatch import DTYPE_IDS
+    from pcie_allreduce.plan.dispatch import DTYPE_IDS
 
     size = inp.numel() * inp.element_size()
     row: dict[str, Any] = {"size_bytes": size, "algo": algo, "blocks": blocks}

@@ -9,8 +9,9 @@ import math
 
 import torch
 
-from pcie_allreduce.algo import FORCEABLE_ALGORITHMS, FUSED_ALGORITHMS, WIRE_ALGORITHMS, fp8_wire_bytes, fused_problem
-from pcie_allreduce.constants import ALGO_IDS, DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+from pcie_allreduce.constants import DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+from pcie_allreduce.plan.algorithms import (ALGO_IDS, FORCEABLE_ALGORITHMS, FUSED_ALGORITHMS, WIRE_ALGORITHMS,
+                                            fp8_wire_bytes, fused_problem)
 
 #: The dtypes the kernels take (those with a kernel dtype id), in id order.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name)

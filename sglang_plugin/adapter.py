@@ -21,15 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import algo as algo_mod
+from pcie_allreduce.plan import algorithms
 from pcie_allreduce.plugin_adapter import (DTYPES, FUSED_DTYPES, MAX_FUSED_HIDDEN, CaCommAdapter,  # noqa: F401
                                            CommunicatorFactory)
 from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE, SettingsError, format_bytes
 
 # Our algorithms that read each rank's staged data out of its own memory (SGLang's "pull");
 # every other one writes it into the peers' memory, or into shared host memory they poll ("push").
-PULL_ALGORITHMS: tuple[str, ...] = (*algo_mod.PULL_ALGORITHMS, *algo_mod.SYMMETRIC_INPUT_ALGORITHMS,
-                                    *algo_mod.LOSSY_ALGORITHMS)
+PULL_ALGORITHMS: tuple[str, ...] = (*algorithms.PULL_ALGORITHMS, *algorithms.SYMMETRIC_INPUT_ALGORITHMS,
+                                    *algorithms.LOSSY_ALGORITHMS)
 
 
 def hierarchical_factory(layout: Any) -> CommunicatorFactory:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import algo as algo_mod
+from pcie_allreduce.plan import algorithms
 from pcie_allreduce.layout import Layout
 
 
@@ -61,7 +61,7 @@ class GlooCommunicator:
         return "oneshot" if nbytes <= 256 << 10 else "twoshot"
 
     def capacity_of(self, algo):
-        return None if algo == "auto" else algo_mod.capacity_of(algo, self.ll_capacity)
+        return None if algo == "auto" else algorithms.capacity_of(algo, self.ll_capacity)
 
     def has_workspace(self, stream):
         return stream in self.streams

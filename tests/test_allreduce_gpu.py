@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import algo as algo_mod, ranks
-from pcie_allreduce.constants import ALGO_IDS, SMALL_WORLD
+from pcie_allreduce import ranks
+from pcie_allreduce.plan import algorithms
+from pcie_allreduce.constants import SMALL_WORLD
+from pcie_allreduce.plan.algorithms import ALGO_IDS
 from pcie_allreduce.errors import CollectiveMismatch, CollectiveTimeout
 from tests import _reference as ref
 
@@ -36,9 +38,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The in-place algorithms (SYMMETRIC_INPUT_ALGORITHMS) read the symmetric input area: their own
 # checks (_symmetric_results), on p2p.
 ALGOS = tuple(a for a in pcie_allreduce.ALGORITHMS
-              if a not in algo_mod.HOST_ONLY_ALGORITHMS + algo_mod.ISLAND_ALGORITHMS
-              + algo_mod.SYMMETRIC_INPUT_ALGORITHMS)
-HOST_ALGOS = ALGOS + algo_mod.HOST_ONLY_ALGORITHMS
+              if a not in algorithms.HOST_ONLY_ALGORITHMS + algorithms.ISLAND_ALGORITHMS
+              + algorithms.SYMMETRIC_INPUT_ALGORITHMS)
+HOST_ALGOS = ALGOS + algorithms.HOST_ONLY_ALGORITHMS
 
 
 def _algos_of(comm: pcie_allreduce.Communicator) -> tuple[str, ...]:
@@ -63,7 +65,7 @@ def _symmetric_results(comm: pcie_allreduce.Communicator, x: torch.Tensor) -> di
         return {}
     results = {}
     area = comm.symmetric_input(x.shape, x.dtype)
-    for algo in algo_mod.SYMMETRIC_INPUT_ALGORITHMS + ("auto",):
+    for algo in algorithms.SYMMETRIC_INPUT_ALGORITHMS + ("auto",):
         area.copy_(x)
         out = torch.full_like(x, float("nan"))
         comm.all_reduce(area, out=out, algo=algo)
@@ -71,7 +73,7 @@ def _symmetric_results(comm: pcie_allreduce.Communicator, x: torch.Tensor) -> di
         area.copy_(x)
         comm.all_reduce(area, out=area, algo=algo)
         results[f"symmetric-{algo}-in-place"] = area.clone()
-    for algo in algo_mod.SYMMETRIC_INPUT_ALGORITHMS:
+    for algo in algorithms.SYMMETRIC_INPUT_ALGORITHMS:
         with pytest.raises(ValueError, match="symmetric_input"):
             comm.all_reduce(x, algo=algo)
     return results
@@ -87,7 +89,7 @@ def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
             x = inputs[ctx.rank].to(ctx.device)
             results = {}
             algos = tuple(a for a in _algos_of(comm)
-                          if algo_mod.fits_capacity(a, numel * x.element_size(), comm.ll_capacity))
+                          if algorithms.fits_capacity(a, numel * x.element_size(), comm.ll_capacity))
             for algo in algos + ("auto",):
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(x, out=out, algo=algo)
@@ -104,7 +106,7 @@ def _matrix(ctx: ranks.RankContext, transport: str) -> dict:
                 comm.all_reduce(unaligned, out=out, algo=algo)
                 results[f"unaligned-{algo}"] = out
             results.update(_symmetric_results(comm, x))
-            for capped in algo_mod.CAPPED_ALGORITHMS:
+            for capped in algorithms.CAPPED_ALGORITHMS:
                 if capped not in algos:
                     with pytest.raises(ValueError, match=capped):
                         comm.all_reduce(x, algo=capped)
@@ -184,7 +186,7 @@ def _large(ctx: ranks.RankContext, transport: str) -> dict:
             inputs = ref.all_inputs(300 + seed, ctx.world_size, numel, dtype)
             x = inputs[ctx.rank].to(ctx.device)
             outs = {}
-            for algo in ("twoshot",) + tuple(a for a in _algos_of(comm) if a not in algo_mod.CAPPED_ALGORITHMS):
+            for algo in ("twoshot",) + tuple(a for a in _algos_of(comm) if a not in algorithms.CAPPED_ALGORITHMS):
                 out = torch.full_like(x, float("nan"))
                 comm.all_reduce(x, out=out, algo=algo)
                 outs[algo] = out
@@ -865,13 +867,13 @@ def _transports_agree(ctx: ranks.RankContext) -> dict:
             inputs = ref.all_inputs(numel, ctx.world_size, numel, dtype)
             x = inputs[ctx.rank].to(ctx.device)
             for algo in ALGOS:  # host_oneshot has no P2P counterpart: compared with the others below
-                if not algo_mod.fits_capacity(algo, numel * x.element_size(), comms["p2p"].ll_capacity):
+                if not algorithms.fits_capacity(algo, numel * x.element_size(), comms["p2p"].ll_capacity):
                     continue
                 outs = {name: comm.all_reduce(x, algo=algo) for name, comm in comms.items()}
                 if not torch.equal(outs["p2p"], outs["host"]):
                     differ.append(f"{dtype} numel={numel} {algo}")
                 ref.check(outs["host"], inputs, f"host transport {dtype} numel={numel} {algo}")
-            for host_algo in algo_mod.HOST_ONLY_ALGORITHMS:
+            for host_algo in algorithms.HOST_ONLY_ALGORITHMS:
                 if not torch.equal(comms["host"].all_reduce(x, algo=host_algo), outs["p2p"]):
                     differ.append(f"{dtype} numel={numel} {host_algo} vs p2p {algo}")
     hidden, tokens = 7168, 4
@@ -926,7 +928,7 @@ def _wire_edge_values(ctx: ranks.RankContext) -> dict:
             for numel in (283, 40_001):
                 inputs = ref.edge_inputs(numel, ctx.world_size, numel, dtype)
                 x = inputs[ctx.rank].to(ctx.device)
-                algos = [a for a in _algos_of(comm) if algo_mod.fits_capacity(a, numel * es, comm.ll_capacity)]
+                algos = [a for a in _algos_of(comm) if algorithms.fits_capacity(a, numel * es, comm.ll_capacity)]
                 results = {}
                 for algo in (*algos, "auto"):
                     results[algo] = comm.all_reduce(x, out=torch.full_like(x, 30000.0), algo=algo)

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import algo, validation
-from pcie_allreduce.algo import AlgoTable, Rule
+from pcie_allreduce import constants, validation
+from pcie_allreduce.plan import algorithms, rules, tables
+from pcie_allreduce.plan.rules import Rule
+from pcie_allreduce.plan.tables import AlgoTable
 from pcie_allreduce.constants import MAX_RANKS
 
 CUDA0 = torch.device("cuda", 0)
@@ -141,7 +143,7 @@ def _cpu_communicator(monkeypatch) -> tuple[pcie_allreduce.Communicator, _Record
     comm = communicator.Communicator.__new__(communicator.Communicator)
     workspace = _RecordingWorkspace()
     comm._closed, comm.device, comm.max_bytes, comm.ll_capacity = False, torch.device("cpu"), 1 << 16, 1 << 12
-    comm.world_size, comm.rank, comm.table, comm.block_cap = 4, 0, algo.default_table(), algo.MAX_LAUNCH_BLOCKS
+    comm.world_size, comm.rank, comm.table, comm.block_cap = 4, 0, tables.default_table(), constants.MAX_LAUNCH_BLOCKS
     comm._choices, comm._workspaces, comm._input_areas = {}, {0: workspace}, {}
     return comm, workspace
 
@@ -179,7 +181,7 @@ _FAST_CHECK_CASES = {  # name: (x, out); "x" stands for out=x
 def test_all_reduce_accepts_and_rejects_exactly_as_the_validation_functions(case, monkeypatch) -> None:
     """The fast check ``all_reduce`` runs first (validation.common_call_nbytes) must not change what
     is accepted, the error raised, or the arguments of the launch."""
-    from pcie_allreduce.dispatch import DTYPE_IDS
+    from pcie_allreduce.plan.dispatch import DTYPE_IDS
 
     comm, workspace = _cpu_communicator(monkeypatch)
     x, out = _FAST_CHECK_CASES[case]
@@ -212,8 +214,8 @@ def test_all_reduce_accepts_and_rejects_exactly_as_the_validation_functions(case
 
 
 def test_communicator_choices_are_the_dispatch_choices(monkeypatch) -> None:
-    """select_algo, select_fused_algo and the cached launch choice are thin over pcie_allreduce.dispatch."""
-    from pcie_allreduce import dispatch
+    """select_algo, select_fused_algo and the cached launch choice are thin over pcie_allreduce.plan.dispatch."""
+    from pcie_allreduce.plan import dispatch
     from pcie_allreduce.triton_protocol import interpreting
 
     comm, _ = _cpu_communicator(monkeypatch)
@@ -231,18 +233,18 @@ def test_communicator_choices_are_the_dispatch_choices(monkeypatch) -> None:
 
 
 def test_default_table_is_total_and_pure() -> None:
-    table = algo.default_table()
+    table = tables.default_table()
     for world in range(2, MAX_RANKS + 1):
         for nbytes in (1, 2, 16, 14 << 10, 56 << 10, 448 << 10, 4 << 20, 64 << 20):
             for dtype in ("bfloat16", "float16", "float32"):
                 a = table.select(nbytes, world, dtype)
                 assert a == table.select(nbytes, world, dtype)
-                assert a.algo in algo.ALGORITHMS
-                assert 1 <= a.blocks <= algo.MAX_LAUNCH_BLOCKS
+                assert a.algo in algorithms.ALGORITHMS
+                assert 1 <= a.blocks <= constants.MAX_LAUNCH_BLOCKS
 
 
 def test_default_table_small_is_low_latency_then_full_payload_then_oneshot_then_twoshot() -> None:
-    table = algo.default_table()
+    table = tables.default_table()
     for world in (2, 4, 8):
         assert table.select(4 << 10, world, "bfloat16").algo == "oneshot_ll"
         assert table.select(4 << 10 | 2, world, "bfloat16").algo == "oneshot_full"
@@ -251,18 +253,18 @@ def test_default_table_small_is_low_latency_then_full_payload_then_oneshot_then_
     assert table.select(512 << 10, 2, "bfloat16").algo == "oneshot_full"
     assert table.select(192 << 10, 8, "bfloat16").algo == "oneshot_full"
     assert table.select(256 << 10, 8, "bfloat16").algo == "oneshot"
-    assert table.select(1 << 20, 4, "bfloat16") == algo.Choice("oneshot", 32)
+    assert table.select(1 << 20, 4, "bfloat16") == rules.Choice("oneshot", 32)
     assert table.select(16 << 20, 8, "bfloat16").algo == "twoshot"
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"
 
 
 def test_default_table_above_eight_ranks() -> None:
     """W = 9..16: the full-payload one-shot up to 16 KiB, the two-shot beyond, never the lines
-    (twice the bytes) nor, on P2P, the pull forms (algo.default_table)."""
-    table = algo.default_table()
+    (twice the bytes) nor, on P2P, the pull forms (tables.default_table)."""
+    table = tables.default_table()
     for world in range(9, MAX_RANKS + 1):
-        assert table.select(1, world, "bfloat16") == algo.Choice("oneshot_full", 1)
-        assert table.select(14 << 10, world, "bfloat16") == algo.Choice("oneshot_full", 4)
+        assert table.select(1, world, "bfloat16") == rules.Choice("oneshot_full", 1)
+        assert table.select(14 << 10, world, "bfloat16") == rules.Choice("oneshot_full", 4)
         assert table.select(16 << 10, world, "float32").algo == "oneshot_full"
         assert table.select(16 << 10 | 4, world, "float32").algo == "twoshot"
         assert table.select(64 << 20, world, "bfloat16").algo == "twoshot"
@@ -271,7 +273,7 @@ def test_default_table_above_eight_ranks() -> None:
 
 
 def test_low_latency_rules_are_passed_over_above_the_capacity() -> None:
-    table = algo.default_table()
+    table = tables.default_table()
     assert table.select(4 << 10, 4, "bfloat16", ll_capacity=4 << 10).algo == "oneshot_ll"
     assert table.select(4 << 10, 4, "bfloat16", ll_capacity=2 << 10).algo == "oneshot"
     assert table.select(56 << 10, 4, "bfloat16", ll_capacity=56 << 10).algo == "oneshot_full"
@@ -279,21 +281,21 @@ def test_low_latency_rules_are_passed_over_above_the_capacity() -> None:
 
 
 def test_table_json_round_trip() -> None:
-    table = algo.default_table()
+    table = tables.default_table()
     assert AlgoTable.from_json(table.to_json()) == table
 
 
 def test_table_from_env_inline_and_file(tmp_path) -> None:
     text = json.dumps({"rules": [{"algo": "staged", "world": [8], "max_bytes": 1024},
                                  {"algo": "twoshot", "bytes_per_block": 4096, "max_blocks": 4}]})
-    env_table = algo.load_table(environ={algo.TABLE_ENV: text})
-    assert env_table.select(1000, 8, "bfloat16") == algo.Choice("staged", 1)
-    assert env_table.select(1000, 4, "bfloat16") == algo.Choice("twoshot", 1)
-    assert env_table.select(1 << 20, 8, "bfloat16") == algo.Choice("twoshot", 4)
+    env_table = tables.load_table(environ={tables.TABLE_ENV: text})
+    assert env_table.select(1000, 8, "bfloat16") == rules.Choice("staged", 1)
+    assert env_table.select(1000, 4, "bfloat16") == rules.Choice("twoshot", 1)
+    assert env_table.select(1 << 20, 8, "bfloat16") == rules.Choice("twoshot", 4)
     path = tmp_path / "table.json"
     path.write_text(text)
-    assert algo.load_table(str(path)) == env_table
-    assert algo.load_table(environ={}) == algo.default_table()
+    assert tables.load_table(str(path)) == env_table
+    assert tables.load_table(environ={}) == tables.default_table()
 
 
 @pytest.mark.parametrize("text, match", [
@@ -311,7 +313,7 @@ def test_table_errors_name_the_problem(text, match) -> None:
 
 def test_table_missing_file() -> None:
     with pytest.raises(ValueError, match="cannot read"):
-        algo.load_table("/nonexistent/table.json")
+        tables.load_table("/nonexistent/table.json")
 
 
 _CATCH_ALL = {"algo": "twoshot"}
@@ -357,7 +359,7 @@ def test_table_fields_are_checked_strictly_naming_source_rule_and_field(rule: di
 ])
 def test_unparseable_json_raises_value_error_naming_the_source(text: str) -> None:
     with pytest.raises(ValueError, match="^algo_table: not valid JSON"):
-        algo.load_table(text)
+        tables.load_table(text)
 
 
 @pytest.mark.parametrize("rules, match", [
@@ -368,25 +370,25 @@ def test_unparseable_json_raises_value_error_naming_the_source(text: str) -> Non
     ([{"algo": "oneshot_full", "world": "*"}, {"algo": "twoshot", "world": [2, 3]}], "world size 4"),
 ])
 def test_a_table_without_a_rule_for_every_size_is_rejected_when_loaded(rules: list, match: str) -> None:
-    with pytest.raises(ValueError, match=f"^{algo.TABLE_ENV}: no rule covers every message size at {match}"):
-        algo.load_table(environ={algo.TABLE_ENV: json.dumps({"rules": rules})})
+    with pytest.raises(ValueError, match=f"^{tables.TABLE_ENV}: no rule covers every message size at {match}"):
+        tables.load_table(environ={tables.TABLE_ENV: json.dumps({"rules": rules})})
     uncovered = AlgoTable(AlgoTable.from_json(json.dumps({"rules": rules + [_CATCH_ALL]})).rules[:-1])
     with pytest.raises(ValueError, match="^algo_table: no rule covers every message size"):
-        algo.load_table(uncovered)  # as Communicator(algo_table=...) takes it
+        tables.load_table(uncovered)  # as Communicator(algo_table=...) takes it
 
 
 @pytest.mark.parametrize("transport", ["p2p", "host"])
 def test_the_built_in_tables_cover_every_size(transport: str) -> None:
-    table = algo.default_table(transport)
+    table = tables.default_table(transport)
     assert table.coverage_problem() is None
-    assert algo.load_table(table) == table == AlgoTable.from_json(table.to_json())
+    assert tables.load_table(table) == table == AlgoTable.from_json(table.to_json())
 
 
 def test_a_table_file_that_is_not_text_names_the_file(tmp_path) -> None:
     path = tmp_path / "table.json"
     path.write_bytes(b'{"rules": [{"algo": "twoshot"}]}\xff\xfe')
     with pytest.raises(ValueError, match=f"algo_table: algorithm table file '{path}' is not UTF-8"):
-        algo.load_table(str(path))
+        tables.load_table(str(path))
 
 
 def test_table_without_matching_rule() -> None:
@@ -396,10 +398,10 @@ def test_table_without_matching_rule() -> None:
 
 
 def test_forced_algo_blocks_follow_its_rule() -> None:
-    table = algo.default_table()
+    table = tables.default_table()
     assert table.blocks_for("twoshot", 64 << 10, 2, "bfloat16") == 1
     assert table.blocks_for("oneshot", 64 << 10, 2, "bfloat16") == 16
-    assert 1 <= table.blocks_for("staged", 8 << 20, 8, "bfloat16") <= algo.MAX_LAUNCH_BLOCKS
+    assert 1 <= table.blocks_for("staged", 8 << 20, 8, "bfloat16") <= constants.MAX_LAUNCH_BLOCKS
     # an algorithm the table never names launches as the table's choice for that size
     for nbytes in (1 << 10, 14 << 10, 56 << 10, 4 << 20):
         assert table.blocks_for("oneshot_full", nbytes, 8, "bfloat16") == table.select(nbytes, 8, "bfloat16").blocks

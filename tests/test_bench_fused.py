@@ -51,7 +51,7 @@ def test_fused_algos_option() -> None:
     assert _config(["--fused"]).fused_algos == ("auto",)
     cfg = _config(["--fused", "--fused-algos", "auto", "oneshot_full", "oneshot", "twoshot", "unfused", "twoshot"])
     assert cfg.fused_algos == ("auto", "oneshot_full", "oneshot", "twoshot", "unfused")
-    from pcie_allreduce.algo import FUSED_ALGORITHMS
+    from pcie_allreduce.plan.algorithms import FUSED_ALGORITHMS
 
     assert options.fused_algo_names() == ("auto", *FUSED_ALGORITHMS) and "unfused" in FUSED_ALGORITHMS
     assert [c.algo for c in plan.cases_for(cfg, "ours")][:5] == [

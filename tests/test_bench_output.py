@@ -145,7 +145,7 @@ def test_plot_command_bad_file(tmp_path, capsys) -> None:
 
 def test_island_rows_carry_their_wire_bytes_once_the_islands_are_known() -> None:
     from bench.results import Result
-    from pcie_allreduce.algo import wire_bytes
+    from pcie_allreduce.plan.algorithms import wire_bytes
 
     row = Result(world=8, backend="ours", algo="island_twoshot", size_bytes=57344, count=28672, dtype="bfloat16",
                  p50_us=10.0)

@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 import pcie_allreduce
 from pcie_allreduce import ranks
-from pcie_allreduce.algo import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
-                                 fits_capacity)
+from pcie_allreduce.plan.algorithms import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS,
+                                            SYMMETRIC_INPUT_ALGORITHMS, fits_capacity)
 from pcie_allreduce.errors import CollectiveTimeout
 from pcie_allreduce.layout import Layout
+from pcie_allreduce.fused import shapes
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench import __main__ as bench_cli
@@ -118,7 +119,7 @@ def _check_legal(call: Call, params: ScheduleParams) -> None:
     assert call.algo in ("auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
     if call.algo in ("oneshot_ll", "oneshot_full"):
         assert call.tokens * call.hidden * size <= params.ll_capacity
-        assert fused_oneshot_ll.launch_shape(call.tokens, call.hidden, params.world, params.block_cap) is not None
+        assert shapes.data_as_flag(call.tokens, call.hidden, params.world, params.block_cap) is not None
 
 
 def test_schedule_draws_legal_and_varied_calls() -> None:

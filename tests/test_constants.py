@@ -7,10 +7,13 @@ PCIE_AR_REQUIRE_BUILD=1 (CI does) to make a missing build a failure.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -41,7 +44,15 @@ def test_mirror_value_equals_the_extension(extension: ModuleType, name: str) -> 
 def test_extension_exports_nothing_the_mirror_lacks(extension: ModuleType) -> None:
     exported = {name for name in dir(extension)
                 if name.isupper() and isinstance(getattr(extension, name), (int, dict))}
-    assert exported - set(constants.MIRROR) == set(), "mirror the new constants in pcie_allreduce/constants.py"
+    unmirrored = exported - set(constants.MIRROR) - set(constants.MIRRORED_ELSEWHERE)
+    assert unmirrored == set(), "mirror the new constants in pcie_allreduce/constants.py"
+
+
+def test_algorithm_records_have_the_extension_ids(extension: ModuleType) -> None:
+    """The records of pcie_allreduce.plan.algorithms mirror the algorithm ids (checked at import too)."""
+    from pcie_allreduce.plan import algorithms
+
+    assert algorithms.ALGO_IDS == dict(extension.ALGO_IDS)
 
 
 def test_module_uses_the_extension_values(extension: ModuleType) -> None:
@@ -68,9 +79,10 @@ def test_named_ids_follow_the_tables() -> None:
 
 
 def test_triton_constants_come_from_the_constants_module() -> None:
-    from pcie_allreduce import algo, fused_oneshot_ll, fused_rmsnorm, triton_protocol
+    from pcie_allreduce import fused_oneshot_ll, fused_rmsnorm, triton_protocol
+    from pcie_allreduce.fused import shapes
 
-    assert fused_oneshot_ll.MAX_PROGRAMS == algo.MAX_LAUNCH_BLOCKS == constants.MAX_LAUNCH_BLOCKS
+    assert shapes.MAX_PROGRAMS == constants.MAX_LAUNCH_BLOCKS
     assert fused_oneshot_ll.STAGE_LOW_LATENCY_GATHER.value == constants.STAGE_LOW_LATENCY_GATHER
     assert fused_oneshot_ll.STAGE_ROW_STATS.value == constants.STAGE_FUSED_ROW_STATS
     assert fused_rmsnorm.STAGE_FUSED_GATHER == constants.STAGE_FUSED_GATHER
@@ -83,7 +95,8 @@ def test_import_without_the_extension_uses_the_mirror() -> None:
         "import sys\n"
         "sys.modules['pcie_allreduce._C'] = None  # any import of it raises ImportError\n"
         "import pcie_allreduce\n"
-        "from pcie_allreduce import _ext, algo, constants, layout\n"
+        "from pcie_allreduce import _ext, constants, layout\n"
+        "from pcie_allreduce.plan import algorithms as algo\n"
         "assert _ext.load() is None\n"
         "assert {n: getattr(constants, n) for n in constants.MIRROR} == constants.MIRROR\n"
         "assert algo.ALGORITHMS == ('oneshot', 'staged', 'twoshot', 'oneshot_ll', 'host_oneshot', 'host_twoshot', 'oneshot_full', 'twoshot_full', 'island_twoshot', 'oneshot_pull', 'twoshot_pull', 'twoshot_staged', 'island_oneshot', 'twoshot_symm')\n"
@@ -93,3 +106,76 @@ def test_import_without_the_extension_uses_the_mirror() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def _header_algorithms() -> dict[str, int]:
+    """Algorithm name -> id as csrc/protocol_constants.h defines them (enum Algo, kAlgoNames)."""
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "protocol_constants.h").read_text()
+    enum = header[header.index("enum class Algo"):]
+    enum = enum[:enum.index("};")]
+    values = {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", enum)}
+    names = header[header.index("kAlgoNames[]"):]
+    names = names[:names.index("};")]
+    return {name: values[key] for key, name in re.findall(r"\{Algo::(k\w+),\s*\"(\w+)\"\}", names)}
+
+
+def test_algorithm_records_follow_the_header() -> None:
+    """Without a build too: one record per algorithm of csrc/protocol_constants.h, with its id."""
+    from pcie_allreduce.plan import algorithms
+
+    assert algorithms.ALGO_IDS == _header_algorithms()
+    assert [r.id for r in algorithms.REGISTRY] == sorted(r.id for r in algorithms.REGISTRY)
+
+
+def _record(name: str, algo_id: int) -> Any:
+    from pcie_allreduce.plan import algorithms
+
+    return replace(algorithms.REGISTRY[0], name=name, id=algo_id)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (("ring", 15), "records the kernels lack: ring=15"),
+    (("oneshot", 15), "repeat a name or an id"),
+    (("ring", 0), "repeat a name or an id"),
+])
+def test_a_record_the_kernels_do_not_have_fails_the_check(extra: tuple[str, int], match: str) -> None:
+    from pcie_allreduce.plan import algorithms
+
+    records = algorithms.REGISTRY + (_record(*extra),)
+    assert algorithms.id_problem(algorithms.REGISTRY, algorithms.ALGO_IDS) is None
+    with pytest.raises(ImportError, match=match):
+        algorithms.check_ids(records, algorithms.ALGO_IDS)
+
+
+def test_records_that_differ_from_the_kernels_fail_the_check() -> None:
+    from pcie_allreduce.plan import algorithms
+
+    renamed = (_record("one_shot", 0),) + algorithms.REGISTRY[1:]
+    with pytest.raises(ImportError, match="no record for oneshot=0; records the kernels lack: one_shot=0"):
+        algorithms.check_ids(renamed, algorithms.ALGO_IDS)
+    swapped = (_record("oneshot", 1), _record("staged", 0)) + algorithms.REGISTRY[2:]
+    with pytest.raises(ImportError, match="oneshot is 1 here, 0 in C[+][+]"):
+        algorithms.check_ids(swapped, algorithms.ALGO_IDS)
+    missing = algorithms.REGISTRY[:-1]
+    with pytest.raises(ImportError, match="no record for twoshot_fp8=14"):
+        algorithms.check_ids(missing, algorithms.ALGO_IDS)
+
+
+def test_an_extension_with_other_ids_fails_the_import() -> None:
+    """The check runs at import: an extension whose ids differ from the records stops it loudly."""
+    code = (
+        "import sys, types\n"
+        "fake = types.ModuleType('pcie_allreduce._C')\n"
+        "fake.ALGO_IDS = {'oneshot': 1, 'staged': 0}\n"
+        "sys.modules['pcie_allreduce._C'] = fake\n"
+        "try:\n"
+        "    import pcie_allreduce.plan.algorithms\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    assert "disagree with the ids pcie_allreduce._C exports" in result.stdout
+    assert "ids differ: oneshot is 0 here, 1 in C++" in result.stdout
+

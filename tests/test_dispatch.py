@@ -1,13 +1,17 @@
-"""CPU tests of pcie_allreduce.dispatch: the plain and fused choices and the block cap, table-driven."""
+"""CPU tests of pcie_allreduce.plan.dispatch: the plain and fused choices and the block cap, table-driven."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pcie_allreduce import algo, dispatch, topology
-from pcie_allreduce.algo import AlgoTable, Choice, FusedRule, Rule, default_fused_rules, default_table
-from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS, MAX_RANKS, SMALL_WORLD
+from pcie_allreduce import topology
+from pcie_allreduce.constants import FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, SMALL_WORLD
+from pcie_allreduce.plan import algorithms, dispatch, rules, tables
+from pcie_allreduce.plan.algorithms import ALGO_IDS
+from pcie_allreduce.plan.defaults import default_fused_rules
+from pcie_allreduce.plan.rules import Choice, FusedRule, Rule
+from pcie_allreduce.plan.tables import AlgoTable, default_table
 
 KIB, MIB = 1 << 10, 1 << 20
 BF16 = torch.bfloat16
@@ -164,9 +168,9 @@ def test_dtype_maps_cover_the_kernels_dtypes() -> None:
 def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
     """host_oneshot / host_twoshot exist only in host segments: the host table uses them, a P2P
     communicator refuses a table that names them, and every other algorithm runs on both."""
-    from pcie_allreduce import algo
+    from pcie_allreduce.plan import algorithms, rules, tables
 
-    host = algo.default_table("host")
+    host = tables.default_table("host")
     assert host.select(56 << 10, 2, "bfloat16").algo == "host_oneshot"
     assert host.select(448 << 10, 2, "bfloat16").algo == "oneshot_pull"  # W=2: as many bytes read, half written
     assert host.select(4 << 20, 2, "bfloat16").algo == "twoshot_pull"
@@ -182,17 +186,17 @@ def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
         assert host.select(1 << 30, w, "bfloat16").algo == "twoshot_pull"
         assert all(host.select(n, w, "bfloat16").algo in ("oneshot_pull", "twoshot_pull") for n in (129 << 10, 16 << 20))
         if w <= SMALL_WORLD:
-            assert all(host.select(n, w, "bfloat16").algo in algo.HOST_ONLY_ALGORITHMS for n in (1, 2 << 10, 14 << 10))
+            assert all(host.select(n, w, "bfloat16").algo in algorithms.HOST_ONLY_ALGORITHMS for n in (1, 2 << 10, 14 << 10))
     # above 8 ranks the pull forms at every size (measured at W = 16: the write-once kernels 2-4x slower)
     for w in range(SMALL_WORLD + 1, MAX_RANKS + 1):
         assert [host.select(n, w, "bfloat16").algo for n in (1, 4 << 10, 4 << 10 | 2, 16 << 20)] == [
             "oneshot_pull", "oneshot_pull", "twoshot_pull", "twoshot_pull"]
-    assert host.availability_problem("host") is None and algo.default_table().availability_problem("host") is None
+    assert host.availability_problem("host") is None and tables.default_table().availability_problem("host") is None
     problem = host.availability_problem("p2p")
     assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
-    assert all(algo.runs_on(a, "host", island_ranks=4) for a in algo.ALGORITHMS)
-    assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "p2p", island_ranks=4)] == list(algo.HOST_ONLY_ALGORITHMS)
-    assert [a for a in algo.ALGORITHMS if not algo.runs_on(a, "host")] == list(algo.ISLAND_ALGORITHMS)
+    assert all(algorithms.runs_on(a, "host", island_ranks=4) for a in algorithms.ALGORITHMS)
+    assert [a for a in algorithms.ALGORITHMS if not algorithms.runs_on(a, "p2p", island_ranks=4)] == list(algorithms.HOST_ONLY_ALGORITHMS)
+    assert [a for a in algorithms.ALGORITHMS if not algorithms.runs_on(a, "host")] == list(algorithms.ISLAND_ALGORITHMS)
 
 
 def test_island_algorithms_need_islands_and_say_so() -> None:
@@ -200,21 +204,21 @@ def test_island_algorithms_need_islands_and_say_so() -> None:
     either transport, and a table naming it cannot serve such a communicator."""
     for transport in ("p2p", "host"):
         for name in ("island_twoshot", "island_oneshot"):
-            problem = algo.availability_problem(name, transport, island_ranks=0)
+            problem = algorithms.availability_problem(name, transport, island_ranks=0)
             assert problem is not None and name in problem and "islands" in problem
-            assert algo.availability_problem(name, transport, island_ranks=2) is None
-    table = algo.AlgoTable((algo.Rule("island_twoshot", max_bytes=1 << 20), algo.Rule("twoshot")))
+            assert algorithms.availability_problem(name, transport, island_ranks=2) is None
+    table = tables.AlgoTable((rules.Rule("island_twoshot", max_bytes=1 << 20), rules.Rule("twoshot")))
     assert table.availability_problem("p2p", island_ranks=4) is None
     problem = table.availability_problem("p2p")
     assert problem is not None and "'island_twoshot'" in problem and "islands" in problem
-    assert algo.default_table().availability_problem("p2p") is None
+    assert tables.default_table().availability_problem("p2p") is None
     # auto never picks the island form, nor on P2P the pull forms (whether a fabric's reads beat
     # its writes is for `tune` to measure); the host table reads from host memory either way. The
     # in-place two-shot reads too, but only inputs a caller placed in the symmetric area.
     for transport, islands in (("p2p", 1), ("p2p", 2), ("host", 1)):
-        named = {r.algo for r in algo.default_table(transport, islands=islands).rules}
-        assert not named & set(algo.ISLAND_ALGORITHMS), named
-        assert transport == "host" or not named & set(algo.PULL_ALGORITHMS), named
+        named = {r.algo for r in tables.default_table(transport, islands=islands).rules}
+        assert not named & set(algorithms.ISLAND_ALGORITHMS), named
+        assert transport == "host" or not named & set(algorithms.PULL_ALGORITHMS), named
 
 
 @pytest.mark.parametrize(("groups", "expected"), [
@@ -237,7 +241,7 @@ def test_island_ranks_of_groups(groups: tuple, expected: int) -> None:
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_wire_bytes_per_algorithm(world: int) -> None:
     """Bytes on one rank's link per call, a pure function of (algorithm, bytes, W)."""
-    from pcie_allreduce.algo import WireBytes, wire_bytes
+    from pcie_allreduce.plan.algorithms import WireBytes, wire_bytes
 
     n = 4 * 7168 * 2  # the verify pass's message: 4 tokens x 7168 bf16
     assert wire_bytes("oneshot", n, world) == WireBytes((world - 1) * n, (world - 1) * n)
@@ -271,7 +275,7 @@ def test_wire_bytes_per_algorithm(world: int) -> None:
 def test_default_choice_at_the_verify_size_sends_the_message_once_per_peer(world: int) -> None:
     """The default P2P table at the verify pass's message (4 x 7168 bf16) puts (W - 1) x 56 KiB
     on each rank's link, not the lines' twice that: 392 KiB at W = 8."""
-    from pcie_allreduce.algo import wire_bytes
+    from pcie_allreduce.plan.algorithms import wire_bytes
     from pcie_allreduce.constants import LOW_LATENCY_MAX_BYTES
 
     n = 4 * 7168 * 2
@@ -280,7 +284,7 @@ def test_default_choice_at_the_verify_size_sends_the_message_once_per_peer(world
 
 
 def test_the_full_payload_one_shot_is_capped_like_the_lines() -> None:
-    from pcie_allreduce.algo import fits_capacity, wire_bytes
+    from pcie_allreduce.plan.algorithms import fits_capacity, wire_bytes
 
     assert not fits_capacity("oneshot_full", 600 << 10, 512 << 10) and fits_capacity("oneshot_full", 56 << 10, 512 << 10)
     assert wire_bytes("oneshot_full", 56 << 10, 8) == wire_bytes("oneshot", 56 << 10, 8)
@@ -295,18 +299,18 @@ def test_the_full_payload_one_shot_is_capped_like_the_lines() -> None:
 
 
 def test_the_island_table_covers_every_call_and_round_trips_through_json() -> None:
-    table = algo.island_fabric_table()
+    table = tables.island_fabric_table()
     assert table.coverage_problem() is None
-    assert algo.AlgoTable.from_json(table.to_json(), source="test") == table
-    assert algo.default_table("p2p", islands=2) == table == algo.default_table("p2p", islands=3)
-    assert algo.default_table("p2p", islands=1) == algo.default_table()
-    assert algo.default_table("host", islands=2) == algo.default_table("host")
+    assert tables.AlgoTable.from_json(table.to_json(), source="test") == table
+    assert tables.default_table("p2p", islands=2) == table == tables.default_table("p2p", islands=3)
+    assert tables.default_table("p2p", islands=1) == tables.default_table()
+    assert tables.default_table("host", islands=2) == tables.default_table("host")
 
 
 @pytest.mark.parametrize("world", [3, 4, 6, 8])
 def test_across_islands_messages_go_two_shot_and_fused_calls_run_unfused(world: int) -> None:
     """Full payload up to 24 KiB, then the staged two-shot (never all-to-all writes)."""
-    table = algo.island_fabric_table()
+    table = tables.island_fabric_table()
     cap = 512 << 10
     picks = {n: table.select(n, world, "bfloat16", ll_capacity=cap).algo for n in (2, 512, 514, 14 << 10, 24 << 10,
                                                                                    (24 << 10) + 2, 56 << 10, cap,
@@ -316,14 +320,33 @@ def test_across_islands_messages_go_two_shot_and_fused_calls_run_unfused(world: 
                      cap: "twoshot_staged", 4 << 20: "twoshot_staged"}
     # a smaller workspace: the full-payload two-shot's capacity ends sooner
     assert table.select(20 << 10, world, "float16", ll_capacity=16 << 10).algo == "twoshot_staged"
-    assert all(table.select_fused(tokens, world) == algo.UNFUSED for tokens in (1, 4, 8, 32, 128))
+    assert all(table.select_fused(tokens, world) == algorithms.UNFUSED for tokens in (1, 4, 8, 32, 128))
 
 
 def test_two_ranks_across_islands_keep_the_flat_choices() -> None:
     """One peer: nothing is written to several peers at once, so islands change nothing."""
-    island, flat = algo.island_fabric_table(), algo.default_table()
+    island, flat = tables.island_fabric_table(), tables.default_table()
     for n in (2, 1 << 10, 14 << 10, 56 << 10, 448 << 10, 4 << 20):
         assert island.select(n, 2, "bfloat16", ll_capacity=512 << 10) == flat.select(n, 2, "bfloat16",
                                                                                     ll_capacity=512 << 10)
     for tokens in (1, 4, 8, 32, 128):
         assert island.select_fused(tokens, 2) == flat.select_fused(tokens, 2)
+
+
+def test_the_records_give_each_kind_of_algorithm() -> None:
+    """The names every module reads, derived from the records of pcie_allreduce.plan.algorithms."""
+    kib = 1 << 10
+    assert algorithms.WIRE_ALGORITHMS == {"fp8": "twoshot_fp8"} and algorithms.LOSSY_ALGORITHMS == ("twoshot_fp8",)
+    assert algorithms.FORCEABLE_ALGORITHMS == algorithms.ALGORITHMS + ("twoshot_fp8",)
+    assert algorithms.PULL_ALGORITHMS == ("oneshot_pull", "twoshot_pull")
+    assert algorithms.CAPPED_ALGORITHMS == ("oneshot_ll", "oneshot_full", "twoshot_full")
+    assert algorithms.DATA_AS_FLAG_ONESHOTS == ("oneshot_ll", "oneshot_full")
+    assert algorithms.SYMMETRIC_INPUT_ALGORITHMS == ("twoshot_symm",)
+    assert algorithms.HOST_ONLY_ALGORITHMS == ("host_oneshot", "host_twoshot")
+    assert algorithms.ISLAND_ALGORITHMS == ("island_twoshot", "island_oneshot")
+    assert algorithms.FUSED_ALGORITHMS == ("oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
+    assert algorithms.FUSED_MAX_WORLD == SMALL_WORLD
+    assert algorithms.capacity_of("twoshot_full", 64 * kib) == 64 * kib - FULL_TWOSHOT_MARGIN
+    assert algorithms.capacity_of("oneshot_ll", 64 * kib) == 64 * kib and algorithms.capacity_of("twoshot", 1) is None
+    for name in algorithms.FORCEABLE_ALGORITHMS:  # every record has its wire accounting
+        assert algorithms.wire_bytes(name, 8 * kib, 4, island_ranks=2).busiest > 0

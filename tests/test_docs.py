@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pcie_allreduce import dispatch
-from pcie_allreduce.algo import default_table
+from pcie_allreduce.plan import dispatch
+from pcie_allreduce.plan.tables import default_table
 from pcie_allreduce.constants import LOW_LATENCY_MAX_BYTES
 from pcie_allreduce.layout import Layout
 
@@ -135,10 +135,11 @@ def test_every_variable_a_readme_names_is_read_by_the_code(doc: str) -> None:
 
 def test_every_library_setting_is_documented() -> None:
     """The variables the library reads at run time are each named in README.md or bench/README.md."""
-    from pcie_allreduce import _archs, algo, communicator, transport, tune_cache
+    from pcie_allreduce import _archs, communicator, transport, tune_cache
+    from pcie_allreduce.plan import tables
 
     docs = _user_docs() + _doc("bench/README.md")
-    for name in (transport.ENV, algo.TABLE_ENV, communicator.TIMEOUT_ENV, tune_cache.CACHE_ENV, _archs.ENV_VAR):
+    for name in (transport.ENV, tables.TABLE_ENV, communicator.TIMEOUT_ENV, tune_cache.CACHE_ENV, _archs.ENV_VAR):
         assert f"`{name}" in docs or f"${name}" in docs, name
 
 
@@ -315,3 +316,56 @@ def test_readme_layout_names_every_module_and_kernel_header() -> None:
 def test_readme_is_short() -> None:
     """The README is the first screen and links; details live in docs/guide.md."""
     assert len(_doc("README.md").splitlines()) <= 200
+
+
+# The wire-bytes column of docs/guide.md's algorithm table, per formula of the records: each is
+# evaluated below against the formula itself, so the table cannot drift from the accounting.
+WIRE_FORMULAS = {
+    "_one_shot": "(W-1)N / (W-1)N",
+    "_two_shot": "2(W-1)N/W / 2(W-1)N/W",
+    "_lines": "2(W-1)N / 2(W-1)N",
+    "_fp8_two_shot": "2(W-1)F/W / 2(W-1)F/W",
+    "_island_two_shot": "2N / 2N",
+    "_island_one_shot": "(S-1)N + max(2, W/S-1)N / (S+1)N",
+    "_host_one_shot": "2N / (W-1)N",
+    "_host_two_shot": "2(N+N/W) / 2(W-1)N/W",
+}
+
+
+def _algorithm_row(record) -> str:
+    """One row of the guide's algorithm table, from the algorithm's record."""
+    transport = "p2p" if record.symmetric_input else record.transport or "p2p, host"
+    capacity = ("max_bytes" if record.capacity_margin is None else "ll_capacity" if record.capacity_margin == 0
+                else f"ll_capacity - {record.capacity_margin} B")
+    kind = ("pull" if record.pull else "in place (symmetric input)" if record.symmetric_input
+            else "islands" if record.island else f"compressed wire ({record.compressed_wire})" if record.lossy
+            else "host memory" if record.transport == "host" else "push")
+    fused = "data as flag" if record.data_as_flag else "yes" if record.fused else "-"
+    return (f"| `{record.name}` | {record.id} | {transport} | {capacity} | {kind} | {fused} | "
+            f"{WIRE_FORMULAS[record.wire_bytes.__name__]} |")
+
+
+def _evaluate(formula: str, n: int, w: int, s: int, f: int) -> int:
+    """A wire formula of the table, e.g. ``2(W-1)N/W``, at N, W, S, F (integer division, as the code)."""
+    expr = formula.replace("/", "//")
+    expr = re.sub(r"(?<=[\d)NWSF])(?=[(NWSF]|max)", "*", expr)
+    return eval(expr, {"max": max}, {"N": n, "W": w, "S": s, "F": f})  # noqa: S307 - our own table
+
+
+def test_the_guide_lists_every_algorithm_record() -> None:
+    from pcie_allreduce.plan import algorithms
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    rows = [line for line in guide.splitlines() if re.match(r"\| `\w+` \| \d+ \|", line)]
+    assert rows == [_algorithm_row(r) for r in algorithms.REGISTRY]
+
+
+@pytest.mark.parametrize("n, w, s", [(12288, 4, 2), (7168 * 8, 8, 4), (4096, 6, 3), (1 << 20, 16, 8)])
+def test_the_guides_wire_formulas_are_the_records(n: int, w: int, s: int) -> None:
+    from pcie_allreduce.plan import algorithms
+
+    for record in algorithms.REGISTRY:
+        out, into = WIRE_FORMULAS[record.wire_bytes.__name__].split(" / ")
+        f = algorithms.fp8_wire_bytes(n // 2)
+        expected = algorithms.wire_bytes(record.name, n, w, island_ranks=s, elem_size=2)
+        assert (_evaluate(out, n, w, s, f), _evaluate(into, n, w, s, f)) == (expected.out, expected.into), record.name

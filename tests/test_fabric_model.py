@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from bench import fabric_model as fm
-from pcie_allreduce import algo as algo_mod
+from pcie_allreduce.plan import algorithms
 
 KIB = 1024
 SIZES = [1 * KIB, 4 * KIB, 14 * KIB, 56 * KIB, 128 * KIB, 448 * KIB, 1024 * KIB]
@@ -131,7 +131,7 @@ def test_cli_prints_every_algorithm_and_the_verify_pass(capsys: pytest.CaptureFi
         assert algo.name in out
 
 
-# ---- the island table (pcie_allreduce.algo.island_fabric_table) against the model ----------
+# ---- the island table (pcie_allreduce.plan.tables.island_fabric_table) against the model ----------
 
 ISLAND_SIZES = [256, 1 * KIB, 4 * KIB, 14 * KIB, 56 * KIB, 128 * KIB, 448 * KIB, 1024 * KIB, 4096 * KIB]
 CAPPED = ("oneshot_ll", "oneshot_full", "twoshot_full")
@@ -146,7 +146,7 @@ def _island_boxes(world: int) -> list[fm.Fabric]:
 
 # What the built-in tables may name: the island and pull forms are chosen by tune on the box only
 # (the seed box's peer read rate and its island chain are not measured).
-TUNED_ONLY = algo_mod.ISLAND_ALGORITHMS + algo_mod.PULL_ALGORITHMS
+TUNED_ONLY = algorithms.ISLAND_ALGORITHMS + algorithms.PULL_ALGORITHMS
 
 
 def _times(fab: fm.Fabric, nbytes: int) -> dict[str, float]:

@@ -54,10 +54,11 @@ def _poisoned(*like: torch.Tensor) -> list[torch.Tensor]:
 def _algos(comm: pcie_allreduce.Communicator, tokens: int, hidden: int, dtype: torch.dtype) -> list[str]:
     """Every fused kernel that can take this shape and W, the unfused pair, and auto (above
     FUSED_MAX_WORLD ranks: the pair and auto)."""
-    from pcie_allreduce import algo, dispatch
+    from pcie_allreduce.plan import algorithms
+    from pcie_allreduce.plan import dispatch
 
-    algos = [a for a in algo.FUSED_ALGORITHMS
-             if algo.fused_problem(a, comm.world_size) is None
+    algos = [a for a in algorithms.FUSED_ALGORITHMS
+             if algorithms.fused_problem(a, comm.world_size) is None
              and dispatch.fused_kernel_fits(a, tokens, hidden, dtype, comm.world_size, ll_capacity=comm.ll_capacity,
                                            block_cap=comm.block_cap)]
     return algos + ["auto"]

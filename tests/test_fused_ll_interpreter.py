@@ -14,6 +14,7 @@ import torch
 from pcie_allreduce import constants
 from pcie_allreduce import layout as lay
 from pcie_allreduce.constants import NOTICE_KIND, WRAP_SEAL_MIX
+from pcie_allreduce.fused import shapes
 from pcie_allreduce.triton_protocol import line_flag_of, sealed_word_of
 from tests import _reference as ref
 from tests._interpreted import interpreted
@@ -44,7 +45,7 @@ def _stats(fake: FakeRanks) -> torch.Tensor:
 
 
 def _call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
-    programs, chunks, *_ = ll.launch_shape(tokens, hidden, fake.world, 64, interpret=True)
+    programs, chunks, *_ = shapes.data_as_flag(tokens, hidden, fake.world, 64, interpret=True)
     return programs, ll.signature(dtype, tokens, hidden, programs, chunks)
 
 
@@ -102,31 +103,31 @@ def test_oneshot_ll_peer_with_another_call_records_mismatch() -> None:
 
 
 def test_launch_shape_rules() -> None:
-    assert ll.launch_shape(4, 7167, 4, 32) is None, "odd hidden sizes take the flag-based one-shot"
-    programs, chunks, width, block_w, num_warps = ll.launch_shape(4, 7168, 4, 64)
+    assert shapes.data_as_flag(4, 7167, 4, 32) is None, "odd hidden sizes take the flag-based one-shot"
+    programs, chunks, width, block_w, num_warps = shapes.data_as_flag(4, 7168, 4, 64)
     assert programs == 4 * chunks <= 64 and width % 2 == 0 and chunks * width >= 7168
     assert block_w >= width // 2 and block_w == 32 * num_warps, "one word per thread covers the chunk"
     # W=4 sharing one GPU (cap 33): 1024-column programs, within the cap, one word per thread
-    assert ll.launch_shape(4, 7168, 4, 33) == (28, 7, 1024, 512, 16)
+    assert shapes.data_as_flag(4, 7168, 4, 33) == (28, 7, 1024, 512, 16)
     # W=8 sharing one GPU (cap 16): 16 programs of 1792 columns, 32 warps
-    assert ll.launch_shape(4, 7168, 8, 16) == (16, 4, 1792, 1024, 32)
+    assert shapes.data_as_flag(4, 7168, 8, 16) == (16, 4, 1792, 1024, 32)
     # one token: 7 1024-column programs would leave the push to too few SMs; 512-column ones instead
-    assert ll.launch_shape(1, 7168, 8, 16) == (14, 14, 512, 256, 8)
+    assert shapes.data_as_flag(1, 7168, 8, 16) == (14, 14, 512, 256, 8)
     # never more programs than the cap, however small the cap
-    programs, chunks, _, _, num_warps = ll.launch_shape(2, 7168, 8, 8)
+    programs, chunks, _, _, num_warps = shapes.data_as_flag(2, 7168, 8, 8)
     assert (programs, chunks, num_warps) == (8, 4, 32)
     # many tokens: the regular shape within the cap, or none
-    programs, chunks, *_ = ll.launch_shape(16, 7168, 8, 64)
+    programs, chunks, *_ = shapes.data_as_flag(16, 7168, 8, 64)
     assert programs == 64 and chunks == 4
-    assert ll.launch_shape(8, 7168, 8, 16) is None, "more programs than the block cap allows"
-    assert ll.launch_shape(3, 96, 8, 16, interpret=True)[1] == 1, "the interpreter runs one program per row"
+    assert shapes.data_as_flag(8, 7168, 8, 16) is None, "more programs than the block cap allows"
+    assert shapes.data_as_flag(3, 96, 8, 16, interpret=True)[1] == 1, "the interpreter runs one program per row"
     # every shape the rule can give stays within a 1024-thread program and a 2048-column chunk
     for tokens in (1, 2, 4, 8, 32):
         for hidden in (96, 4096, 7168, 8192, 16384):
             for cap in (8, 16, 33, 64):
-                shape = ll.launch_shape(tokens, hidden, 8, cap)
+                shape = shapes.data_as_flag(tokens, hidden, 8, cap)
                 if shape is not None:
-                    assert shape[0] <= cap and shape[2] <= ll.MAX_CHUNK and shape[4] <= ll.MAX_WARPS
+                    assert shape[0] <= cap and shape[2] <= shapes.MAX_CHUNK and shape[4] <= shapes.MAX_WARPS
                     assert shape[3] == 32 * shape[4], (tokens, hidden, cap, shape)
 
 
@@ -141,7 +142,7 @@ def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, c
     fake = FakeRanks(world, rank)
     dtype = torch.bfloat16
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=7 * world + tokens)
-    programs, c_count, width, *_ = ll.shape_with_chunks(tokens, hidden, chunks)
+    programs, c_count, width, *_ = shapes.shape_with_chunks(tokens, hidden, chunks)
     sig = ll.signature(dtype, tokens, hidden, programs, c_count)
     flag = line_flag_of(fake.epoch, sig)
     for peer in range(world):
@@ -214,7 +215,7 @@ def _header(epoch: int, sig: int) -> int:
 
 
 def _full_call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
-    programs, chunks, *_ = ll.launch_shape(tokens, hidden, fake.world, 64, interpret=True)
+    programs, chunks, *_ = shapes.data_as_flag(tokens, hidden, fake.world, 64, interpret=True)
     return programs, ll.signature(dtype, tokens, hidden, programs, chunks, full=True)
 
 

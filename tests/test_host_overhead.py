@@ -36,8 +36,8 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 import pcie_allreduce  # noqa: E402
-from pcie_allreduce import algo as algo_mod, ranks  # noqa: E402
-from pcie_allreduce import communicator  # noqa: E402
+from pcie_allreduce import communicator, constants, ranks  # noqa: E402
+from pcie_allreduce.plan import algorithms, tables  # noqa: E402
 from pcie_allreduce.communicator import Communicator  # noqa: E402
 from tests import _reference as ref  # noqa: E402
 
@@ -84,9 +84,9 @@ def _cpu_communicator(world: int = 4) -> tuple[Communicator, _FakeWorkspace]:
     comm.ll_capacity = 512 << 10
     comm.world_size = world
     comm.rank = 0
-    comm.table = algo_mod.default_table()
+    comm.table = tables.default_table()
     comm._choices, comm._input_areas = {}, {}
-    comm.block_cap = algo_mod.MAX_LAUNCH_BLOCKS
+    comm.block_cap = constants.MAX_LAUNCH_BLOCKS
     comm._workspaces = {_FakeStream.cuda_stream: workspace}
     return comm, workspace
 
@@ -250,7 +250,7 @@ def _measure(benchmark, path: str, dist) -> None:
         what = "Communicator.all_reduce: validation + algo choice + binding + kernel launch"
     else:
         choice = comm.table.select(x.numel() * 2, comm.world_size, "bfloat16")
-        algo_id, blocks = algo_mod.ALGO_IDS[choice.algo], min(choice.blocks, comm.block_cap)
+        algo_id, blocks = algorithms.ALGO_IDS[choice.algo], min(choice.blocks, comm.block_cap)
         stream = torch.cuda.current_stream(device).cuda_stream
         workspace = comm.workspace(stream)
         args = (algo_id, x.data_ptr(), out.data_ptr(), x.numel() * 2, 2, blocks, stream)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import algo as algo_mod
+from pcie_allreduce.plan import algorithms
 from pcie_allreduce import ranks, topology
 from tests import _reference as ref
 from tests.test_allreduce_gpu import _skip_one_call
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "
 
 TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 16 << 20
-ISLAND_ALGOS = algo_mod.ISLAND_ALGORITHMS
+ISLAND_ALGOS = algorithms.ISLAND_ALGORITHMS
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (world, ranks per island): every split into >= 2 equal islands of >= 2 ranks up to W = 8, and
 # where $PCIE_AR_TEST_WORLDS names 16, the splits of 16 ranks (the 16-rank kernel instances).

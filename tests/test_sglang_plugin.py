@@ -674,16 +674,17 @@ class _Capped:
         pass
 
     def capacity_of(self, algo: str) -> int | None:
-        from pcie_allreduce import algo as algo_mod
+        from pcie_allreduce.plan import algorithms, tables
 
-        return algo_mod.capacity_of(algo, self.ll_capacity)
+        return algorithms.capacity_of(algo, self.ll_capacity)
 
     def all_reduce(self, x, out=None, algo="auto"):
-        from pcie_allreduce import algo as algo_mod, dispatch
+        from pcie_allreduce.plan import algorithms, tables
+        from pcie_allreduce.plan import dispatch
 
-        dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, algo_mod.default_table(),
+        dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, tables.default_table(),
                               ll_capacity=self.ll_capacity, algo=algo)  # raises as the communicator would
-        if not algo_mod.runs_on(algo, self.transport):
+        if not algorithms.runs_on(algo, self.transport):
             raise ValueError(f"algo={algo!r} runs on the host transport only")
         self.launched.append(algo)
         return x.clone()
@@ -694,14 +695,14 @@ class _Capped:
 @pytest.mark.parametrize("transport", ["p2p", "host"])
 def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: str) -> None:
     """Declined calls take SGLang's own path; the served ones never raise in the forward pass."""
-    from pcie_allreduce import algo as algo_mod
+    from pcie_allreduce.plan import algorithms, tables
     from sglang_plugin.adapter import PcieAllReduceAdapter
 
     adapter = PcieAllReduceAdapter(None, "cpu", Settings(enabled=True, algo=algo),
                                    communicator_factory=lambda *a, **k: _Capped(transport=transport))
     ll_capacity = adapter.comm.ll_capacity
-    runs = algo == "auto" or algo_mod.runs_on(algo, transport)
-    limit = min(algo_mod.capacity_of(algo, ll_capacity) or adapter.max_size, adapter.max_size)
+    runs = algo == "auto" or algorithms.runs_on(algo, transport)
+    limit = min(algorithms.capacity_of(algo, ll_capacity) or adapter.max_size, adapter.max_size)
     for nbytes in sorted({16, limit - 16, limit, limit + 16, ll_capacity, ll_capacity + 16, adapter.max_size}):
         if not 0 < nbytes <= adapter.max_size:
             continue
@@ -722,9 +723,10 @@ class _NodeSum:
         self.node_size, self.ran = node_size, []
 
     def all_reduce(self, x, algo="auto"):
-        from pcie_allreduce import algo as algo_mod, dispatch
+        from pcie_allreduce.plan import algorithms, tables
+        from pcie_allreduce.plan import dispatch
 
-        dispatch.plain_choice(x.numel() * x.element_size(), self.node_size, x.dtype, algo_mod.default_table(),
+        dispatch.plain_choice(x.numel() * x.element_size(), self.node_size, x.dtype, tables.default_table(),
                               ll_capacity=self.ll_capacity, algo=algo)
         self.ran.append((x.numel() * x.element_size(), algo))
         return x.clone()
@@ -854,10 +856,11 @@ def test_the_fp8_wire_setting_leaves_a_communicator_without_it_exact(caplog: pyt
 
 
 def test_the_library_communicator_and_the_hierarchy_declare_their_wires() -> None:
-    from pcie_allreduce import Communicator, algo as algo_mod
+    from pcie_allreduce import Communicator
+    from pcie_allreduce.plan import algorithms, tables
     from pcie_allreduce.hierarchy import HierarchicalCommunicator
 
-    assert Communicator.wires == tuple(algo_mod.WIRE_ALGORITHMS) == ("fp8",)
+    assert Communicator.wires == tuple(algorithms.WIRE_ALGORITHMS) == ("fp8",)
     assert HierarchicalCommunicator.wires == ()
 
 

@@ -59,9 +59,9 @@ class OneRank:
         self.fused = 0
 
     def capacity_of(self, algo: str) -> int | None:
-        from pcie_allreduce import algo as algo_mod
+        from pcie_allreduce.plan import algorithms
 
-        return None if algo == "auto" else algo_mod.capacity_of(algo, self.ll_capacity)
+        return None if algo == "auto" else algorithms.capacity_of(algo, self.ll_capacity)
 
     def check(self) -> None:
         pass

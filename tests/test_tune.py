@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import pcie_allreduce
-from pcie_allreduce import algo as algo_mod
+from pcie_allreduce.plan import algorithms, rules, tables
 from pcie_allreduce import cli, ranks, tune, tune_cache
 from pcie_allreduce.tune import Measurement, Pick
 from tests._bench_fakes import FakeEvent
@@ -85,8 +85,8 @@ def test_derived_table_launches_exactly_the_picks() -> None:
     table = tune.derive_table(picks)
     assert tune.check_table(table, picks, "bfloat16") == []
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"  # beyond the largest measured size
-    assert table.select(14336, 4, "bfloat16") == algo_mod.default_table().select(14336, 4, "bfloat16")  # untuned W
-    reloaded = algo_mod.AlgoTable.from_json(table.to_json())
+    assert table.select(14336, 4, "bfloat16") == tables.default_table().select(14336, 4, "bfloat16")  # untuned W
+    reloaded = tables.AlgoTable.from_json(table.to_json())
     assert tune.check_table(reloaded, picks, "float16") == []  # tuned rules apply to every dtype
 
 
@@ -145,9 +145,9 @@ def test_cache_paths_and_fingerprint(tmp_path) -> None:
     assert tune_cache.fingerprint_of(Ext(), four) == full
     path = tune_cache.table_path("NVIDIA H200", 4, full, str(tmp_path))
     assert os.path.basename(path) == f"nvidia-h200-w4-{full}.json"
-    tune_cache.write_table(path, algo_mod.default_table().to_json(), {"world": 4})
-    loaded = algo_mod.load_table(environ={"PCIE_AR_ALGO_TABLE": path})
-    assert loaded == algo_mod.default_table()
+    tune_cache.write_table(path, tables.default_table().to_json(), {"world": 4})
+    loaded = tables.load_table(environ={"PCIE_AR_ALGO_TABLE": path})
+    assert loaded == tables.default_table()
     assert json.loads(open(path).read())["meta"] == {"world": 4}
 
 
@@ -224,9 +224,9 @@ def _shape(ctx, algo: str, blocks: int, corrupt: float = 0.0, count: int = 512):
 def test_shape_is_checked_then_timed_with_the_raw_launch(one_rank) -> None:
     row, workspace = _shape(one_rank, "staged", 8)
     assert row["status"] == tune.OK and row["replays"] >= tune.MIN_REPLAYS and row["p50_us"] >= 0
-    from pcie_allreduce.dispatch import DTYPE_IDS
+    from pcie_allreduce.plan.dispatch import DTYPE_IDS
 
-    assert workspace.launched[0] == (algo_mod.ALGO_IDS["staged"], workspace.inp.data_ptr(), workspace.out.data_ptr(),
+    assert workspace.launched[0] == (algorithms.ALGO_IDS["staged"], workspace.inp.data_ptr(), workspace.out.data_ptr(),
                                      1024, DTYPE_IDS[torch.bfloat16], 8, 77)
     assert len(workspace.launched) == 1 + 4  # the exact-sum check, then the captured calls
 
@@ -270,9 +270,9 @@ def test_tune_command_end_to_end(fake_machine, capsys, tmp_path) -> None:
     assert "# W=8 | emulation: 8 ranks on one GPU under MPS" in out
     written = sorted(os.listdir(cache))
     assert written == ["nvidia-h200-w2-abcdef012345.json", "nvidia-h200-w8-abcdef012345.json"]
-    table = algo_mod.load_table(str(cache / written[1]))
-    assert table.select(4 << 20, 8, "bfloat16") == algo_mod.Choice("twoshot", 16)
-    assert table.select(14336, 8, "bfloat16") == algo_mod.Choice("oneshot", 4)
+    table = tables.load_table(str(cache / written[1]))
+    assert table.select(4 << 20, 8, "bfloat16") == rules.Choice("twoshot", 16)
+    assert table.select(14336, 8, "bfloat16") == rules.Choice("oneshot", 4)
     meta = json.loads((cache / written[1]).read_text())["meta"]
     assert meta["world"] == 8 and meta["picks"][0][:3] == [1024, "oneshot", 1]
     assert sorted(os.listdir(tmp_path / "out")) == ["tune.json", "tune.txt"]
@@ -320,5 +320,5 @@ def test_the_host_transport_is_tuned_and_cached_apart() -> None:
     assert tune_cache.table_name("NVIDIA H200", 2, "abc").endswith("-w2-abc.json")
     assert tune_cache.table_name("NVIDIA H200", 2, "abc", "host").endswith("-w2-abc-host.json")
     picks = [tune.Pick(2, 1 << 20, "host_oneshot", 8, 1.0, 1.0)]
-    table = tune.derive_table(picks, fallback=algo_mod.default_table("host"))
+    table = tune.derive_table(picks, fallback=tables.default_table("host"))
     assert table.rules[-1].algo == "twoshot_pull" and table.availability_problem("host") is None

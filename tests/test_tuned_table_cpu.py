@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import algo, topology, tune_cache
+from pcie_allreduce import topology, tune_cache
+from pcie_allreduce.plan import rules, tables
 from pcie_allreduce.communicator import Communicator
 
 BUS = "0000:01:00.0"
@@ -38,7 +39,7 @@ def comm(tmp_path, monkeypatch):
     c._ext, c._group, c.rank, c.world_size = _FakeExt(), dist.group.WORLD, 0, 1
     c.device = torch.device("cuda", 0)
     c.placements = [topology.RankPlacement(0, "host", BUS)]
-    c.table, c.table_source = algo.default_table(), "built-in default"
+    c.table, c.table_source = tables.default_table(), "built-in default"
     c.islands = ((0,),)
     yield c
     dist.destroy_process_group()
@@ -51,7 +52,7 @@ def _cache_path(comm: Communicator) -> str:
 
 def test_no_cached_table_keeps_the_default(comm) -> None:
     comm._adopt_tuned_table()
-    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+    assert comm.table == tables.default_table() and comm.table_source == "built-in default"
 
 
 @pytest.mark.parametrize("transport", ["p2p", "host"])
@@ -59,33 +60,33 @@ def test_a_group_across_islands_takes_the_island_table_on_p2p(comm, transport: s
     comm.transport, comm.islands = transport, ((0, 1, 2, 3), (4, 5, 6, 7))
     comm._adopt_tuned_table()
     if transport == "p2p":
-        assert comm.table == algo.island_fabric_table()
+        assert comm.table == tables.island_fabric_table()
         assert comm.table_source == "built-in default for 2 islands (an estimate)"
     else:  # host memory: every rank's bytes cross its own link, islands or not
-        assert comm.table == algo.default_table("host") and comm.table_source == "built-in default"
+        assert comm.table == tables.default_table("host") and comm.table_source == "built-in default"
 
 
 def test_cached_table_is_adopted(comm) -> None:
-    tuned = algo.AlgoTable((algo.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
+    tuned = tables.AlgoTable((rules.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
     tune_cache.write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
     comm._adopt_tuned_table()
     assert comm.table == tuned
     assert comm.table_source == f"tune cache {_cache_path(comm)}"
-    assert comm.table.select(56 << 10, 2, "bfloat16") == algo.Choice("twoshot", 3)
+    assert comm.table.select(56 << 10, 2, "bfloat16") == rules.Choice("twoshot", 3)
 
 
 def test_a_table_tuned_on_islands_serves_only_groups_with_those_islands(comm) -> None:
     """The cache key includes the islands: a table tuned where the ranks formed 0-3 / 4-7 (whose
     picks fit that fabric) is not loaded by a flat group on the same GPUs, nor by other islands."""
     halves = ((0, 1, 2, 3), (4, 5, 6, 7))
-    tuned = algo.AlgoTable((algo.Rule("twoshot_pull", bytes_per_block=1024, max_blocks=3),))
+    tuned = tables.AlgoTable((rules.Rule("twoshot_pull", bytes_per_block=1024, max_blocks=3),))
     path = tune_cache.table_path("NVIDIA Test GPU", comm.world_size, tune_cache.fingerprint_of(comm._ext, [BUS], halves))
     tune_cache.write_table(path, tuned.to_json(), {"by": "test"})
     comm._adopt_tuned_table()  # flat (one island)
-    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+    assert comm.table == tables.default_table() and comm.table_source == "built-in default"
     comm.islands = ((0, 1), (2, 3), (4, 5), (6, 7))
     comm._adopt_tuned_table()
-    assert comm.table == algo.island_fabric_table()
+    assert comm.table == tables.island_fabric_table()
     comm.islands = halves
     comm._adopt_tuned_table()
     assert comm.table == tuned and comm.table_source == f"tune cache {path}"
@@ -99,7 +100,7 @@ def test_corrupt_cached_table_warns_and_keeps_the_default(comm) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         comm._adopt_tuned_table()
-    assert comm.table == algo.default_table()
+    assert comm.table == tables.default_table()
     assert any("ignoring tuned table" in str(w.message) for w in caught)
 
 
@@ -120,7 +121,7 @@ def test_any_corrupt_cached_table_warns_and_keeps_the_default(comm, content: byt
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         comm._adopt_tuned_table()
-    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+    assert comm.table == tables.default_table() and comm.table_source == "built-in default"
     assert any(path in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
@@ -141,7 +142,7 @@ def test_a_planted_link_never_makes_the_writer_overwrite_another_file(tmp_path) 
     path = str(cache / "nvidia-test-gpu-w2-0123456789ab.json")
     for planted in (f"{path}.tmp{os.getpid()}", path):
         os.symlink(victim, planted)
-    tune_cache.write_table(path, algo.default_table().to_json(), {"by": "test"})
+    tune_cache.write_table(path, tables.default_table().to_json(), {"by": "test"})
     assert victim.read_text() == "precious\n"
     assert not os.path.islink(path) and json.loads(open(path, encoding="utf-8").read())["meta"] == {"by": "test"}
     assert (os.stat(path).st_mode & 0o077) == 0
@@ -154,7 +155,7 @@ def test_a_cache_directory_others_can_write_is_refused(tmp_path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     path = str(shared / "t.json")
-    tune_cache.write_table(path, algo.default_table().to_json(), {})
+    tune_cache.write_table(path, tables.default_table().to_json(), {})
     for mode, who in ((0o777, "others"), (0o1777, "others"), (0o770, "its group")):
         shared.chmod(mode)
         found: list = []
@@ -162,7 +163,7 @@ def test_a_cache_directory_others_can_write_is_refused(tmp_path) -> None:
         assert found == [None]
         assert any(f"ignoring tuned table {path}: its directory is writable by {who}" in m for m in messages), messages
         with pytest.raises(PermissionError, match=f"refusing to write the tuned table .*writable by {who}"):
-            tune_cache.write_table(path, algo.default_table().to_json(), {})
+            tune_cache.write_table(path, tables.default_table().to_json(), {})
     shared.chmod(0o755)
     assert json.loads(tune_cache.read_table(path))["rules"]
 
@@ -171,11 +172,11 @@ def test_a_cached_table_that_is_a_link_or_writable_by_others_is_refused(tmp_path
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     real = str(tmp_path / "elsewhere.json")
-    tune_cache.write_table(real, algo.default_table().to_json(), {})
+    tune_cache.write_table(real, tables.default_table().to_json(), {})
     link = str(cache / "link.json")
     os.symlink(real, link)
     loose = str(cache / "loose.json")
-    tune_cache.write_table(loose, algo.default_table().to_json(), {})
+    tune_cache.write_table(loose, tables.default_table().to_json(), {})
     os.chmod(loose, 0o666)
     fifo = str(cache / "fifo.json")
     os.mkfifo(fifo)
@@ -189,14 +190,14 @@ def test_a_cached_table_that_is_a_link_or_writable_by_others_is_refused(tmp_path
 
 
 def test_a_communicator_keeps_the_default_where_the_cache_is_not_the_users_own(comm, tmp_path) -> None:
-    tuned = algo.AlgoTable((algo.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
+    tuned = tables.AlgoTable((rules.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
     tune_cache.write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
     tmp_path.chmod(0o777)
     try:
         messages = _warnings_of(comm._adopt_tuned_table)
     finally:
         tmp_path.chmod(0o700)
-    assert comm.table == algo.default_table() and comm.table_source == "built-in default"
+    assert comm.table == tables.default_table() and comm.table_source == "built-in default"
     assert any("its directory is writable by others" in m for m in messages), messages
     comm._adopt_tuned_table()
     assert comm.table == tuned
@@ -206,10 +207,10 @@ def test_a_cache_of_another_user_is_refused(tmp_path, monkeypatch) -> None:
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     path = str(cache / "t.json")
-    tune_cache.write_table(path, algo.default_table().to_json(), {})
+    tune_cache.write_table(path, tables.default_table().to_json(), {})
     monkeypatch.setattr(tune_cache, "_owners", lambda: (4242,))  # as if another user owned it all
     found: list = []
     messages = _warnings_of(lambda: found.append(tune_cache.read_table(path)))
     assert found == [None] and any(f"its directory belongs to user id {os.stat(cache).st_uid}" in m for m in messages)
     with pytest.raises(PermissionError, match="its directory belongs to user id"):
-        tune_cache.write_table(path, algo.default_table().to_json(), {})
+        tune_cache.write_table(path, tables.default_table().to_json(), {})

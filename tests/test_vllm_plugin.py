@@ -392,16 +392,17 @@ class _Capped:
         pass
 
     def capacity_of(self, algo: str) -> int | None:
-        from pcie_allreduce import algo as algo_mod
+        from pcie_allreduce.plan import algorithms, tables
 
-        return algo_mod.capacity_of(algo, self.ll_capacity)
+        return algorithms.capacity_of(algo, self.ll_capacity)
 
     def all_reduce(self, x, out=None, algo="auto"):
-        from pcie_allreduce import algo as algo_mod, dispatch
+        from pcie_allreduce.plan import algorithms, tables
+        from pcie_allreduce.plan import dispatch
 
-        dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, algo_mod.default_table(),
+        dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, tables.default_table(),
                               ll_capacity=self.ll_capacity, algo=algo)
-        if not algo_mod.runs_on(algo, self.transport):
+        if not algorithms.runs_on(algo, self.transport):
             raise ValueError(f"algo={algo!r} runs on the host transport only")
         return x.clone()
 

@@ -3,8 +3,11 @@
 Every rank must launch the same kernel with the same launch shape for the same call (the
 kernels' flags are per block), so each choice here depends only on the call's shape and on
 values every rank agreed on when the communicator was created: the algorithm table
-(:mod:`pcie_allreduce.algo`), the low-latency capacity of the workspace and the block cap.
-The communicator caches the results per call shape; these functions hold the policy.
+(:mod:`pcie_allreduce.plan.tables`), the low-latency capacity of the workspace and the block cap;
+the algorithms' facts are their records (:mod:`pcie_allreduce.plan.algorithms`) and the fused
+kernels' launch shapes are pure arithmetic (:mod:`pcie_allreduce.fused.shapes`). The
+communicator caches the results per call shape; these functions hold the policy. Nothing here
+imports a kernel module or Triton.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from __future__ import annotations
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.algo import (DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, LOSSY_ALGORITHMS, SYMMETRIC_INPUT_ALGORITHMS,
-                                 UNFUSED, AlgoTable, Choice, capacity_of, fits_capacity)
-from pcie_allreduce.constants import ALGO_IDS, MAX_LAUNCH_BLOCKS
+from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS
+from pcie_allreduce.fused import shapes
+from pcie_allreduce.plan.algorithms import (ALGO_IDS, DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, LOSSY_ALGORITHMS,
+                                            SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, capacity_of, fits_capacity)
+from pcie_allreduce.plan.rules import Choice
+from pcie_allreduce.plan.tables import AlgoTable
 
 # The compressed wires' launch shape (no table names them): a block per 16 KiB of message, up to
 # the cap, so that many warps have their reads in flight at once (fp8_twoshot.cuh).
@@ -90,9 +96,7 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
         return True
     if not fits_capacity(algo, tokens * hidden * dtype.itemsize, ll_capacity):
         return False
-    from pcie_allreduce import fused_oneshot_ll  # Triton: imported on the first fused call only
-
-    return fused_oneshot_ll.launch_shape(tokens, hidden, world, block_cap, interpret) is not None
+    return shapes.data_as_flag(tokens, hidden, world, block_cap, interpret) is not None
 
 
 def fused_kernel(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: AlgoTable, *,
@@ -103,7 +107,7 @@ def fused_kernel(tokens: int, hidden: int, dtype: torch.dtype, world: int, table
     (``oneshot_ll`` or ``oneshot_full``, one launch shape for both) where it picks one and that
     kernel has a launch shape for the call within ``block_cap`` (``interpret``: under Triton's
     CPU interpreter, which runs one chunk per row); else the flag-based one-shot. The launch
-    shapes themselves belong to the kernels' modules."""
+    shapes: :mod:`pcie_allreduce.fused.shapes`."""
     nbytes = tokens * hidden * dtype.itemsize
     plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap).algo
     if plain == "twoshot" and tokens >= world:

@@ -1,0 +1,76 @@
+"""Launch shapes of the fused Triton kernels, as pure arithmetic (no Triton).
+
+Every rank must launch the same grid for the same call (the kernels' flags are per program), so
+each shape here is a pure function of the call's shape and of the communicator's agreed block
+cap. The fused choice (:mod:`pcie_allreduce.plan.dispatch`) asks whether a kernel has a shape for
+a call and the launch (:mod:`pcie_allreduce.fused_oneshot_ll`) takes it, so both read one answer;
+this module imports neither Triton nor a kernel module.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS, ROW_STATS_SLOTS
+
+#: (programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps) of the
+#: data-as-flag one-shot (fused_oneshot_ll.py).
+DataAsFlagShape = tuple[int, int, int, int, int]
+
+MAX_PROGRAMS = MAX_LAUNCH_BLOCKS  # the data-as-flag one-shot's cap: the CUDA kernels'
+MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must fit in registers
+MIN_CHUNK = 512     # below this, more programs only add statistics traffic
+PUSH_WORDS = 1024   # words per push step
+MAX_WARPS = 32      # 1024 threads: one word per thread up to MAX_CHUNK columns
+# Programs of this many columns when there are at least MIN_SPREAD_PROGRAMS of them within the
+# block cap (one program per SM). Several programs per SM (register-capped, at 2x or 4x the cap)
+# were tried and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold
+# part of an SM, so register arithmetic is no residency guarantee) and 4-warp ones at 4x were
+# slower at W=8 than the regular shape (16.6 vs 13.1 us, bench/PERF_NOTES.md).
+MEDIUM_COLUMNS = 1024
+MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1): ``triton.next_power_of_2`` without Triton."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every new call shape
+def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
+                 interpret: bool = False) -> DataAsFlagShape | None:
+    """The data-as-flag one-shot's launch shape, or None when it cannot take the call (odd hidden
+    size, or more programs than may run at once: ``max_programs``, the communicator's block cap).
+
+    1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
+    W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
+    the cap allows, 512 to 2048 columns each (W=8, cap 16: 1792-column programs, 13.1 us against
+    16.6 for 56 small ones; bench/RESULTS.md). Always one word (two elements) per thread: at
+    4 x 7168, 16 warps instead of 8 at W=4 and 32 instead of 16 at W=8 were faster
+    (bench/PERF_NOTES.md). Under the interpreter (programs run one after another) C is 1."""
+    if hidden % 2 or tokens < 1:
+        return None
+    cap = max(1, min(MAX_PROGRAMS, max_programs))
+    if not interpret:
+        medium = shape_with_chunks(tokens, hidden, math.ceil(hidden / MEDIUM_COLUMNS))
+        if _fits(tokens, medium[1], cap) and medium[0] >= MIN_SPREAD_PROGRAMS:
+            return medium
+    chunks = 1 if interpret else max(math.ceil(hidden / MAX_CHUNK), min(cap // tokens, math.ceil(hidden / MIN_CHUNK)))
+    shape = shape_with_chunks(tokens, hidden, chunks)
+    return shape if _fits(tokens, shape[1], cap) else None
+
+
+def _fits(tokens: int, chunks: int, cap: int) -> bool:
+    return tokens * chunks <= cap and tokens * chunks * chunks <= ROW_STATS_SLOTS
+
+
+def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> DataAsFlagShape:
+    """The data-as-flag shape with (about) ``chunks`` column chunks of one even width per row (a
+    word never straddles two): BLOCK_W is the chunk's words rounded up to a power of two, one per
+    thread (at least 4 warps, at most MAX_WARPS; wider chunks, which only forced shapes have, give
+    each thread several)."""
+    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)
+    chunks = math.ceil(hidden / width)
+    block_w = max(next_power_of_2(width // 2), 128)
+    return tokens * chunks, chunks, width, block_w, min(block_w // 32, MAX_WARPS)

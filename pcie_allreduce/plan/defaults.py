@@ -1,0 +1,94 @@
+"""The rows of the built-in tables, which :func:`pcie_allreduce.plan.tables.default_table` assembles.
+
+P2P on one island: crossovers measured on one H200 under MPS, and for the two data-as-flag
+one-shots the bytes a PCIe link carries. P2P across islands: an estimate from bench/fabric_model.py
+(no island box measured). Host transport: the write-once kernels for small messages, the pull forms
+beyond. Fused: where a fused kernel beat the plain all-reduce + one add + RMSNorm kernel.
+`pcie-allreduce tune` replaces the plain rows with measurements on the box it runs on. Why each row
+sits where it does, with the figures and the link model behind it: bench/PERF_NOTES.md, "Why the
+built-in tables choose what they do" and "The built-in fused rules and the island table's picks".
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pcie_allreduce.constants import MAX_RANKS, SMALL_WORLD
+from pcie_allreduce.plan.algorithms import UNFUSED
+from pcie_allreduce.plan.rules import FusedRule, Rule
+
+_SMALL_WORLDS = (2, 3, 4)
+_LARGE_WORLDS = (5, 6, 7, 8)
+_WIDE_WORLDS = tuple(range(SMALL_WORLD + 1, MAX_RANKS + 1))  # 9..16
+
+#: The P2P rules of a single-island group.
+FLAT_P2P_RULES: tuple[Rule, ...] = (
+    Rule("oneshot_ll", max_bytes=4 << 10, world=_SMALL_WORLDS + _LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=512 << 10, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=192 << 10, world=_LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot", max_bytes=1 << 20, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot", max_bytes=512 << 10, world=_LARGE_WORLDS, bytes_per_block=2 << 10, max_blocks=16),
+    Rule("oneshot_full", max_bytes=16 << 10, world=_WIDE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("twoshot_symm", max_bytes=None, world=(2,), bytes_per_block=64 << 10, max_blocks=64),
+    Rule("twoshot_symm", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
+    Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
+)
+
+#: The host transport's rules.
+HOST_RULES: tuple[Rule, ...] = (
+    Rule("host_oneshot", max_bytes=64 << 10, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("oneshot_pull", max_bytes=1 << 20, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("host_oneshot", max_bytes=96 << 10, world=(3,), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("host_oneshot", max_bytes=48 << 10, world=(4,), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("host_twoshot", max_bytes=64 << 10, world=(4,), bytes_per_block=32 << 10, max_blocks=32),
+    Rule("host_oneshot", max_bytes=24 << 10, world=(5, 6), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("host_oneshot", max_bytes=16 << 10, world=(7, 8), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("host_twoshot", max_bytes=128 << 10, world=(5, 6, 7, 8), bytes_per_block=32 << 10, max_blocks=32),
+    Rule("oneshot_pull", max_bytes=4 << 10, world=_WIDE_WORLDS, bytes_per_block=8 << 10, max_blocks=32),
+    Rule("twoshot_pull", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
+)
+
+_CROSSING = tuple(range(3, MAX_RANKS + 1))  # W = 2 has one peer, no all-to-all: the flat rules
+#: The P2P rules of a group across two or more islands, before the flat ones: two-shots, since the
+#: flat one-shots' all-to-all writes collapse at a CPU root complex (an estimate).
+ISLAND_RULES: tuple[Rule, ...] = (
+    Rule("oneshot_full", max_bytes=512, world=_CROSSING, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("twoshot_full", max_bytes=24 << 10, world=_CROSSING, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("twoshot_staged", max_bytes=None, world=_CROSSING, bytes_per_block=4 << 10, max_blocks=32),
+)
+
+
+def default_fused_rules() -> tuple[FusedRule, ...]:
+    """Where a fused kernel beats the plain all-reduce followed by the one add + RMSNorm kernel,
+    and which: measured on one H200 under MPS, hidden 7168 bf16, every fused kernel against that
+    pair in one run (bench/RESULTS.md, "Fused all-reduce + residual add + RMSNorm"); W = 3
+    follows W = 4 and W = 5-7 follow W = 8, unmeasured. ``pcie-allreduce tune`` does not measure
+    these yet: a table in $PCIE_AR_ALGO_TABLE may carry its own ``"fused"`` rules.
+
+    - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
+      8 tokens at W <= 4 and 4 at W >= 5 (W = 8, 4 x 7168: 11.2 us against 12.5 for the pair).
+    - W = 2: the flag-based one-shot beyond (128 tokens: 12.3 against 16.4).
+    - W = 3-4: the pair up to 16 tokens (W = 4, 16 tokens: 9.2 against 9.7 for the flag-based
+      one-shot), then the fused kernel the plain table's size gives (32 tokens: the flag-based
+      one-shot, 10.6 against 11.1; 128: the token-split two-shot, 24.7 against 32.9).
+    - W >= 5: the pair up to 64 tokens (W = 8, 32 tokens: 29.5 against 32.2 for the best fused
+      kernel), then the kernel the plain table's size gives (128 tokens: the token-split
+      two-shot, 48.6 against 62.5).
+    - W > 8 (``FUSED_MAX_WORLD``): every call runs unfused, whatever the rules say (the fused
+      kernels serve up to 8 ranks)."""
+    return (
+        FusedRule("kernel", max_tokens=8, world=(2, 3, 4)),
+        FusedRule("oneshot", world=(2,)),
+        FusedRule("unfused", max_tokens=16, world=(3, 4)),
+        FusedRule("kernel", world=(3, 4)),
+        FusedRule("kernel", max_tokens=4),
+        FusedRule("unfused", max_tokens=64),
+        FusedRule("kernel"),
+    )
+
+
+def island_fused_rules() -> tuple[FusedRule, ...]:
+    """Across islands fused calls run unfused except at W = 2, which keeps the flat fused rules:
+    the fused kernels are the flat one-shot and two-shot exchanges."""
+    flat = tuple(r for r in default_fused_rules() if r.world is not None and 2 in r.world)
+    return tuple(replace(r, world=(2,)) for r in flat) + (FusedRule(UNFUSED),)
