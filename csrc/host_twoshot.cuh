@@ -6,6 +6,12 @@
 //
 // Every rank uses a shard as it travels on the wire (H1), the owner too, so outputs are
 // identical on every rank; the shard is the same rank-order fp32 sum as every other algorithm's.
+//
+// Block k of every rank publishes part k of every shard (shard_part: each shard's granules split
+// among the blocks), reduces part k of its own shard and reads part k of the others' reduced
+// shards; the tail goes with the last block throughout. So block k polls only what block k of a
+// peer wrote (invariant 8 of protocol.cuh). It still writes the whole message, its own shard
+// included (which nobody reads): the owner reduces its own shard from its input.
 #pragma once
 
 #include <cstdint>
@@ -60,7 +66,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) host_twoshot_kernel(const
     const Range tail = tail_elements<T>(a.nbytes);
 
     publish_header(a, buffer, epoch);
-    publish_input<T, Unit>(a, buffer, in, to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x)));
+    for (int s = 1; s <= a.world; ++s) {  // the owners that read it first, our own shard last
+      const int owner = (a.rank + s) % a.world;
+      publish_input<T, Unit>(a, buffer, in, shard_part<Unit>(a.nbytes, a.world, owner));
+    }
     if (owns_tail()) publish_input<T, T>(a, buffer, in_t, tail);
     bool ok = wait_headers(a, buffer, epoch);
     ok = ok && reduce_shard<T, Unit, kCap>(a, buffer, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));

@@ -26,7 +26,8 @@
 //      data. A peer that issued another call (size, dtype, algorithm, blocks) never writes it: its
 //      call notice names it as a mismatch while the reader waits, and nothing is reduced.
 //  H5. Blocks agree on what they cover: messages are cut in 16-byte granules (partition.cuh),
-//      whatever unit a rank moves, so block k of every rank covers the same bytes.
+//      whatever unit a rank moves, so block k of every rank covers the same bytes, and block k
+//      polls only what block k of a peer wrote (invariant 8 of protocol.cuh).
 #pragma once
 
 #include <cstdint>

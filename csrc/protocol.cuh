@@ -53,6 +53,15 @@
 //     the first exchange instead of a timeout. Parity keeps it exact: a peer is at most one epoch
 //     ahead (invariant 4), so the notice of this parity is this call's or an older one's, and
 //     every call rewrites it (no notice idles long enough to alias, so notices are not sealed).
+//  8. Same-numbered blocks. A block waits only on what the same-numbered block of a peer
+//     published: flags (a sender stores into the slot of its own blockIdx.x, a waiter reads the
+//     slot of its own), headers, and data that is its own flag (lines, unpoisoned units). Every
+//     rank cuts a message among its blocks the same way (partition.cuh: 16-byte granules), so
+//     block k of each rank sends, in every phase, exactly what block k of the receivers waits
+//     for. Why: ranks that share one GPU (MPS) may find only some blocks of their grids
+//     resident, and a wait on another block number may wait on a block that cannot start until
+//     the waiting one ends; with same-numbered waits the blocks resident on every rank (blocks
+//     are dispatched in index order) can always finish and make room for the others.
 #pragma once
 
 #include <cstdint>

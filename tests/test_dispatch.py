@@ -166,33 +166,35 @@ def test_dtype_maps_cover_the_kernels_dtypes() -> None:
 
 
 def test_the_host_transport_has_its_own_table_and_algorithms() -> None:
-    """host_oneshot / host_twoshot exist only in host segments: the host table uses them, a P2P
-    communicator refuses a table that names them, and every other algorithm runs on both."""
+    """The host table takes the fastest kernel measured on the host transport at each size (the
+    data-as-flag one-shots for small messages, the pull forms for large ones); host_oneshot /
+    host_twoshot exist only in host segments: a P2P communicator refuses a table that names them,
+    and every other algorithm runs on both."""
     from pcie_allreduce.plan import algorithms, rules, tables
 
     host = tables.default_table("host")
-    assert host.select(56 << 10, 2, "bfloat16").algo == "host_oneshot"
-    assert host.select(448 << 10, 2, "bfloat16").algo == "oneshot_pull"  # W=2: as many bytes read, half written
+    picks = {(w, n): host.select(n << 10, w, "bfloat16").algo for w in (2, 4, 8) for n in (1, 14, 32, 56, 128, 448)}
+    assert [picks[2, n] for n in (1, 14, 32, 56, 128, 448)] == [
+        "oneshot_ll", "oneshot_full", "oneshot_ll", "oneshot_ll", "oneshot", "oneshot"]
+    assert [picks[4, n] for n in (1, 14, 32, 56, 128, 448)] == [
+        "oneshot_ll", "oneshot_full", "oneshot_pull", "twoshot_pull", "twoshot_pull", "twoshot_pull"]
+    assert [picks[8, n] for n in (1, 14, 32, 56, 128, 448)] == ["oneshot_full", "oneshot_pull"] + ["twoshot_pull"] * 4
     assert host.select(4 << 20, 2, "bfloat16").algo == "twoshot_pull"
     assert host.select(4 << 20, 8, "bfloat16").algo == "twoshot_pull"
     # the two-shot's crossover falls with W: it reads 2(W-1)/W of the message, the one-shot W-1
     crossovers = [next(n for n in range(1 << 10, 1 << 30, 1 << 10) if "twoshot" in host.select(n, w, "bfloat16").algo)
                   for w in range(3, MAX_RANKS + 1)]
     assert crossovers == sorted(crossovers, reverse=True), crossovers
-    assert host.select(14 << 10, 8, "bfloat16").algo == "host_oneshot"
-    assert host.select(56 << 10, 8, "bfloat16").algo == "host_twoshot"
-    # where bytes dominate, the pull forms (each byte written once, no re-poisoning)
+    # where bytes dominate, the pull forms (each byte written once)
     for w in range(2, MAX_RANKS + 1):
         assert host.select(1 << 30, w, "bfloat16").algo == "twoshot_pull"
-        assert all(host.select(n, w, "bfloat16").algo in ("oneshot_pull", "twoshot_pull") for n in (129 << 10, 16 << 20))
-        if w <= SMALL_WORLD:
-            assert all(host.select(n, w, "bfloat16").algo in algorithms.HOST_ONLY_ALGORITHMS for n in (1, 2 << 10, 14 << 10))
+        assert all(host.select(n, w, "bfloat16").algo in ("oneshot_pull", "twoshot_pull") for n in (2 << 20, 16 << 20))
     # above 8 ranks the pull forms at every size (measured at W = 16: the write-once kernels 2-4x slower)
     for w in range(SMALL_WORLD + 1, MAX_RANKS + 1):
         assert [host.select(n, w, "bfloat16").algo for n in (1, 4 << 10, 4 << 10 | 2, 16 << 20)] == [
             "oneshot_pull", "oneshot_pull", "twoshot_pull", "twoshot_pull"]
     assert host.availability_problem("host") is None and tables.default_table().availability_problem("host") is None
-    problem = host.availability_problem("p2p")
+    problem = tables.AlgoTable((rules.Rule("host_oneshot", max_bytes=64 << 10), rules.Rule("twoshot"))).availability_problem("p2p")
     assert problem is not None and "host transport only" in problem and "host_oneshot" in problem
     assert all(algorithms.runs_on(a, "host", island_ranks=4) for a in algorithms.ALGORITHMS)
     assert [a for a in algorithms.ALGORITHMS if not algorithms.runs_on(a, "p2p", island_ranks=4)] == list(algorithms.HOST_ONLY_ALGORITHMS)

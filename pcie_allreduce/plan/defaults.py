@@ -34,16 +34,22 @@ FLAT_P2P_RULES: tuple[Rule, ...] = (
     Rule("twoshot", max_bytes=None, world=None, bytes_per_block=64 << 10, max_blocks=32),
 )
 
-#: The host transport's rules.
+#: The host transport's rules: the fastest kernel at each measured size on one H100 with W ranks
+#: sharing it, where every byte crosses its one PCIe link (bench/RESULTS.md, "Host transport: every
+#: kernel"): the data-as-flag one-shots (lines up to 2 KiB, full payload beyond), the lines again
+#: and then the flag-based one-shot at W = 2, then the pull forms, which write each byte once. The
+#: write-once kernels (host_oneshot, host_twoshot) were slower at every size there. W = 3 follows
+#: W = 4 and W = 5-7 follow W = 8 (unmeasured); why the picks hold on a box with a link per GPU,
+#: and which it may move: bench/PERF_NOTES.md, "The host transport's table".
 HOST_RULES: tuple[Rule, ...] = (
-    Rule("host_oneshot", max_bytes=64 << 10, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("oneshot_ll", max_bytes=2 << 10, world=(2, 3, 4), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=16 << 10, world=(2, 3, 4), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("oneshot_ll", max_bytes=64 << 10, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("oneshot", max_bytes=512 << 10, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
     Rule("oneshot_pull", max_bytes=1 << 20, world=(2,), bytes_per_block=8 << 10, max_blocks=32),
-    Rule("host_oneshot", max_bytes=96 << 10, world=(3,), bytes_per_block=8 << 10, max_blocks=32),
-    Rule("host_oneshot", max_bytes=48 << 10, world=(4,), bytes_per_block=8 << 10, max_blocks=32),
-    Rule("host_twoshot", max_bytes=64 << 10, world=(4,), bytes_per_block=32 << 10, max_blocks=32),
-    Rule("host_oneshot", max_bytes=24 << 10, world=(5, 6), bytes_per_block=8 << 10, max_blocks=32),
-    Rule("host_oneshot", max_bytes=16 << 10, world=(7, 8), bytes_per_block=8 << 10, max_blocks=32),
-    Rule("host_twoshot", max_bytes=128 << 10, world=(5, 6, 7, 8), bytes_per_block=32 << 10, max_blocks=32),
+    Rule("oneshot_pull", max_bytes=32 << 10, world=(3, 4), bytes_per_block=8 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=4 << 10, world=_LARGE_WORLDS, bytes_per_block=8 << 10, max_blocks=32),
+    Rule("oneshot_pull", max_bytes=16 << 10, world=_LARGE_WORLDS, bytes_per_block=8 << 10, max_blocks=32),
     Rule("oneshot_pull", max_bytes=4 << 10, world=_WIDE_WORLDS, bytes_per_block=8 << 10, max_blocks=32),
     Rule("twoshot_pull", max_bytes=None, world=None, bytes_per_block=32 << 10, max_blocks=32),
 )
