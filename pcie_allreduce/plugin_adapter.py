@@ -20,11 +20,6 @@ import torch.distributed as dist
 
 from pcie_allreduce import algo as algo_mod, validation
 
-# What the communicator accepts, so an adapter declines the rest up front.
-DTYPES: tuple[torch.dtype, ...] = validation.SUPPORTED_DTYPES
-FUSED_DTYPES: tuple[torch.dtype, ...] = validation.RMSNORM_DTYPES
-MAX_FUSED_HIDDEN: int = validation.MAX_RMSNORM_HIDDEN
-
 CommunicatorFactory = Callable[..., Any]
 
 
@@ -91,16 +86,17 @@ class CaCommAdapter:
     # ---- the all-reduce ------------------------------------------------------------------
 
     def should_custom_ar(self, inp: torch.Tensor) -> bool:
-        """Whether this call is ours: a pure function of dtype, size and contiguity (and of what every
-        rank shares: W, and the forced algorithm's reach, :attr:`largest_served`).
+        """Whether this call is ours: a pure function of dtype, size, contiguity and device (and of
+        what every rank shares: W, and the forced algorithm's reach, :attr:`largest_served`).
 
-        The engines' own kernels also want ``nbytes % 16 == 0``; ours take any size but need a
-        contiguous tensor, so that is what is checked.
+        It asks the communicator's own argument check (:func:`pcie_allreduce.validation.tensor_problem`)
+        with :attr:`largest_served` as the limit, so a call it accepts is never refused inside the
+        forward pass. The engines' own kernels also want ``nbytes % 16 == 0``; ours take any size.
         """
-        if self.disabled or inp.dtype not in DTYPES or not inp.is_contiguous():
+        if self.disabled or validation.tensor_problem(inp, name="input", device=self.device,
+                                                      max_bytes=self.largest_served) is not None:
             return False
-        nbytes = inp.numel() * inp.element_size()
-        return 0 < nbytes <= self.largest_served and inp.device == self.device
+        return inp.numel() > 0
 
     def _all_reduce(self, inp: torch.Tensor) -> torch.Tensor | None:
         """The out-of-place all-reduce of a call the engine hands us; None where it is declined."""
@@ -145,24 +141,18 @@ class CaCommAdapter:
 
     # ---- fused all-reduce + residual add + RMSNorm ----------------------------------------
 
-    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether the fused op serves these shapes (pure, like :meth:`should_custom_ar`)."""
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+        """Whether the fused op serves these arguments (pure, like :meth:`should_custom_ar`): the
+        communicator's own check of a fused call (:func:`pcie_allreduce.validation.rmsnorm_problem`),
+        so whatever this accepts the call serves, on every engine."""
         if self.disabled or not self.fused_enabled:
             return False
-        if x.dim() != 2 or x.dtype not in FUSED_DTYPES or not 1 <= x.shape[1] <= MAX_FUSED_HIDDEN:
-            return False
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            return False
-        if tuple(weight.shape) != (x.shape[1],) or weight.dtype not in (x.dtype, torch.float32):
-            return False
-        if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
-            return False
-        nbytes = x.numel() * x.element_size()
-        return 0 < nbytes <= self.max_size and x.device == self.device
+        return validation.rmsnorm_problem(x, residual, weight, eps, device=self.device,
+                                          max_bytes=self.max_size) is None and x.numel() > 0
 
     def _all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused op on shapes :meth:`can_fuse` accepted: ``(normed, new_residual)``, new tensors."""
+        """The fused op on arguments :meth:`can_fuse` accepted: ``(normed, new_residual)``, new tensors."""
         self.comm.check()
         wire = self._wire_for(x)
         if wire is not None:

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import algo as algo_mod
-from pcie_allreduce.plugin_adapter import (DTYPES, FUSED_DTYPES, MAX_FUSED_HIDDEN, CaCommAdapter,  # noqa: F401
-                                           CommunicatorFactory)
+from pcie_allreduce.plugin_adapter import CaCommAdapter, CommunicatorFactory
 from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE, SettingsError, format_bytes
 
 # Our algorithms that read each rank's staged data out of its own memory (SGLang's "pull");
@@ -112,7 +111,7 @@ class PcieAllReduceAdapter(CaCommAdapter):
         The name and argument order are the ones ``GroupCoordinator.fused_allreduce_rmsnorm``
         probes for on its ``ca_comm``.
         """
-        if not self.can_fuse(input_, residual_inp_, weight_):
+        if not self.can_fuse(input_, residual_inp_, weight_, eps):
             return None
         if torch.compiler.is_compiling():
             # Under torch.compile (--enable-torch-compile) the call is one opaque op of the graph:

@@ -617,17 +617,6 @@ def test_algorithm_ranges_compress_the_table() -> None:
     assert algorithm_ranges(T(), 1000) == "oneshot<=1000B"
 
 
-def test_adapter_limits_follow_the_library() -> None:
-    """The adapter declines up front exactly what the communicator would reject."""
-    from pcie_allreduce import validation
-
-    from sglang_plugin import adapter
-
-    assert set(adapter.DTYPES) == set(validation.SUPPORTED_DTYPES)
-    assert set(adapter.FUSED_DTYPES) == set(validation.RMSNORM_DTYPES)
-    assert adapter.MAX_FUSED_HIDDEN == validation.MAX_RMSNORM_HIDDEN
-
-
 def test_adapter_checks_every_workspace_before_each_eager_call() -> None:
     """A failure a graph replay recorded on another stream's workspace reaches the next eager call."""
     from pcie_allreduce.errors import CollectiveTimeout
