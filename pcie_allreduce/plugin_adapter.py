@@ -12,7 +12,9 @@ subclasses :class:`CaCommAdapter` with its engine's names and the methods only i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,6 +30,24 @@ def default_factory() -> CommunicatorFactory:
     from pcie_allreduce.communicator import Communicator
 
     return Communicator
+
+
+@dataclasses.dataclass(kw_only=True)
+class PluginState:
+    """What an engine plugin installed in this process (each plugin adds what undoing it needs).
+
+    Attributes:
+        settings: the parsed environment.
+        adapters: adapters serving in this process (weakly held: an engine's teardown drops them).
+        communicator_factory: builds the pcie_allreduce communicator; tests on a CPU substitute a
+            stand-in for pcie_allreduce's (never for the engine's classes).
+        facts_fn: per-rank facts for the eligibility decision; tests substitute GPU facts.
+    """
+
+    settings: Any
+    adapters: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)
+    communicator_factory: CommunicatorFactory | None = None
+    facts_fn: Callable[..., Any] | None = None
 
 
 class CaCommAdapter:
@@ -62,9 +82,10 @@ class CaCommAdapter:
         self.device: torch.device = self.comm.device
         self.rank: int = self.comm.rank
         self.world_size: int = self.comm.world_size
-        self.max_size: int = self.comm.max_bytes
+        #: The communicator's largest message (its workspaces' size; the fused op's limit).
+        self.max_bytes: int = self.comm.max_bytes
         self.algo: str = settings.algo
-        #: Largest message :meth:`should_custom_ar` takes: ``max_size``, less where the forced
+        #: Largest message :meth:`should_custom_ar` takes: ``max_bytes``, less where the forced
         #: algorithm takes less (the capped one-shots and two-shot), 0 where it cannot run on this
         #: communicator's transport. The communicator would raise for the rest inside the forward
         #: pass; declined, they take the engine's own path.
@@ -82,6 +103,14 @@ class CaCommAdapter:
                                        "its all-reduces stay exact", self.ENGINE, self.WIRE_VARIABLE, settings.wire,
                                        type(self.comm).__name__)
         self.disabled = False
+
+    @property
+    def max_size(self) -> int:
+        """The largest message :meth:`should_custom_ar` takes (0 once closed), which is what the
+        engines' own custom all-reduces mean by it: vLLM's and SGLang 0.5.23's take messages up to
+        their ``max_size``, and SGLang's V2 defines it as ``max(max_pull_size, max_push_size)``
+        and checks sizes against it at call sites (``nbytes <= comm.max_size``)."""
+        return 0 if self.disabled else self.largest_served
 
     # ---- the all-reduce ------------------------------------------------------------------
 
@@ -148,7 +177,7 @@ class CaCommAdapter:
         if self.disabled or not self.fused_enabled:
             return False
         return validation.rmsnorm_problem(x, residual, weight, eps, device=self.device,
-                                          max_bytes=self.max_size) is None and x.numel() > 0
+                                          max_bytes=self.max_bytes) is None and x.numel() > 0
 
     def _all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,14 +199,14 @@ class CaCommAdapter:
 
     def _largest_served(self) -> int:
         if self.algo == "auto":
-            return self.max_size
+            return self.max_bytes
         problem = algo_mod.availability_problem(self.algo, self.comm.transport, self.comm.island_ranks)
         if problem is not None:
             self._logger().warning("pcie_allreduce[%s]: %s=%s: %s: every all-reduce stays on %s's own path",
                                    self.ENGINE, self.ALGO_VARIABLE, self.algo, problem, self.ENGINE_NAME)
             return 0
         limit = self.comm.capacity_of(self.algo)  # a hierarchy's: on its fp32 partials
-        return self.max_size if limit is None else max(0, min(self.max_size, limit))
+        return self.max_bytes if limit is None else max(0, min(self.max_bytes, limit))
 
     def _agree_on_stream_workspace(self) -> None:
         stream = 0 if self.device.type != "cuda" else torch.cuda.current_stream(self.device).cuda_stream
@@ -197,4 +226,4 @@ class CaCommAdapter:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
-                f"max_size={self.max_size}, algo={self.algo!r}, disabled={self.disabled})")
+                f"max_bytes={self.max_bytes}, algo={self.algo!r}, disabled={self.disabled})")
