@@ -39,14 +39,24 @@ INSTALL_HINT = (
 )
 
 
-def _load_archs():
-    """Import pcie_allreduce/_archs.py by path: the package __init__ imports torch."""
-    spec = importlib.util.spec_from_file_location(
-        "_pcie_ar_archs", ROOT / "pcie_allreduce" / "_archs.py"
-    )
+def _load(name: str):
+    """Import pcie_allreduce/<name>.py by path: the package __init__ imports torch."""
+    spec = importlib.util.spec_from_file_location(f"_pcie_ar_{name}", ROOT / "pcie_allreduce" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# The library's one parser of settings (pcie_allreduce/settings.py): a value it cannot use stops
+# the build with a message naming the variable, as it does at run time.
+settings = _load("settings")
+
+
+def _setting(read, *args, **kwargs):
+    try:
+        return read(*args, **kwargs)
+    except settings.SettingsError as exc:
+        _fail(str(exc))
 
 
 def _fail(message: str) -> None:
@@ -138,11 +148,9 @@ def cmake_env(nvcc: Path, ninja: str | None) -> dict[str, str]:
 def parallel_jobs() -> int:
     """MAX_JOBS, else CMAKE_BUILD_PARALLEL_LEVEL, else every CPU."""
     for var in ("MAX_JOBS", "CMAKE_BUILD_PARALLEL_LEVEL"):
-        value = os.environ.get(var, "").strip()
-        if value:
-            if not value.isdigit() or int(value) < 1:
-                _fail(f"{var}={value!r} is not a positive integer")
-            return int(value)
+        value = _setting(settings.env_int, var, lo=1)
+        if value is not None:
+            return value
     return os.cpu_count() or 1
 
 
@@ -154,11 +162,9 @@ def nvcc_threads(jobs: int, n_cu: int, n_archs: int) -> int:
     files finish; allowing 2x oversubscription let the 2-core build drop from
     38 s to 21 s.
     """
-    value = os.environ.get("PCIE_AR_NVCC_THREADS", "").strip()
-    if value:
-        if not value.isdigit():
-            _fail(f"PCIE_AR_NVCC_THREADS={value!r} is not a non-negative integer")
-        return int(value)
+    value = _setting(settings.env_int, "PCIE_AR_NVCC_THREADS", lo=0)
+    if value is not None:
+        return value
     if jobs <= 1:  # MAX_JOBS=1 asks for a serial build (e.g. to save memory)
         return 1
     concurrent = max(1, min(jobs, n_cu))
@@ -319,7 +325,7 @@ def open_progress_terminal(env: dict[str, str] | None = None, ppid: int | None =
     ``PCIE_AR_BUILD_PROGRESS=0`` turns it off.
     """
     env = os.environ if env is None else env
-    if env.get(PROGRESS_ENV, "").strip().lower() in ("0", "no", "off", "false"):
+    if not _setting(settings.env_bool, PROGRESS_ENV, True, env):
         return None
     ppid = os.getppid() if ppid is None else ppid
     parent = proc / str(ppid)
@@ -456,7 +462,7 @@ class CMakeBuild(build_ext):
         if not isinstance(ext, CMakeExtension):
             super().build_extension(ext)
             return
-        archs_mod = _load_archs()
+        archs_mod = _load("_archs")
         nvcc = find_nvcc()
         version = nvcc_version(nvcc)
         if version < MIN_CUDA:

@@ -12,7 +12,9 @@ subclasses :class:`CaCommAdapter` with its engine's names and the methods only i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -20,11 +22,6 @@ import torch.distributed as dist
 
 from pcie_allreduce import validation
 from pcie_allreduce.plan import algorithms
-
-# What the communicator accepts, so an adapter declines the rest up front.
-DTYPES: tuple[torch.dtype, ...] = validation.SUPPORTED_DTYPES
-FUSED_DTYPES: tuple[torch.dtype, ...] = validation.RMSNORM_DTYPES
-MAX_FUSED_HIDDEN: int = validation.MAX_RMSNORM_HIDDEN
 
 CommunicatorFactory = Callable[..., Any]
 
@@ -34,6 +31,24 @@ def default_factory() -> CommunicatorFactory:
     from pcie_allreduce.communicator import Communicator
 
     return Communicator
+
+
+@dataclasses.dataclass(kw_only=True)
+class PluginState:
+    """What an engine plugin installed in this process (each plugin adds what undoing it needs).
+
+    Attributes:
+        settings: the parsed environment.
+        adapters: adapters serving in this process (weakly held: an engine's teardown drops them).
+        communicator_factory: builds the pcie_allreduce communicator; tests on a CPU substitute a
+            stand-in for pcie_allreduce's (never for the engine's classes).
+        facts_fn: per-rank facts for the eligibility decision; tests substitute GPU facts.
+    """
+
+    settings: Any
+    adapters: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)
+    communicator_factory: CommunicatorFactory | None = None
+    facts_fn: Callable[..., Any] | None = None
 
 
 class CaCommAdapter:
@@ -68,9 +83,10 @@ class CaCommAdapter:
         self.device: torch.device = self.comm.device
         self.rank: int = self.comm.rank
         self.world_size: int = self.comm.world_size
-        self.max_size: int = self.comm.max_bytes
+        #: The communicator's largest message (its workspaces' size; the fused op's limit).
+        self.max_bytes: int = self.comm.max_bytes
         self.algo: str = settings.algo
-        #: Largest message :meth:`should_custom_ar` takes: ``max_size``, less where the forced
+        #: Largest message :meth:`should_custom_ar` takes: ``max_bytes``, less where the forced
         #: algorithm takes less (the capped one-shots and two-shot), 0 where it cannot run on this
         #: communicator's transport. The communicator would raise for the rest inside the forward
         #: pass; declined, they take the engine's own path.
@@ -89,19 +105,28 @@ class CaCommAdapter:
                                        type(self.comm).__name__)
         self.disabled = False
 
+    @property
+    def max_size(self) -> int:
+        """The largest message :meth:`should_custom_ar` takes (0 once closed), which is what the
+        engines' own custom all-reduces mean by it: vLLM's and SGLang 0.5.23's take messages up to
+        their ``max_size``, and SGLang's V2 defines it as ``max(max_pull_size, max_push_size)``
+        and checks sizes against it at call sites (``nbytes <= comm.max_size``)."""
+        return 0 if self.disabled else self.largest_served
+
     # ---- the all-reduce ------------------------------------------------------------------
 
     def should_custom_ar(self, inp: torch.Tensor) -> bool:
-        """Whether this call is ours: a pure function of dtype, size and contiguity (and of what every
-        rank shares: W, and the forced algorithm's reach, :attr:`largest_served`).
+        """Whether this call is ours: a pure function of dtype, size, contiguity and device (and of
+        what every rank shares: W, and the forced algorithm's reach, :attr:`largest_served`).
 
-        The engines' own kernels also want ``nbytes % 16 == 0``; ours take any size but need a
-        contiguous tensor, so that is what is checked.
+        It asks the communicator's own argument check (:func:`pcie_allreduce.validation.tensor_problem`)
+        with :attr:`largest_served` as the limit, so a call it accepts is never refused inside the
+        forward pass. The engines' own kernels also want ``nbytes % 16 == 0``; ours take any size.
         """
-        if self.disabled or inp.dtype not in DTYPES or not inp.is_contiguous():
+        if self.disabled or validation.tensor_problem(inp, name="input", device=self.device,
+                                                      max_bytes=self.largest_served) is not None:
             return False
-        nbytes = inp.numel() * inp.element_size()
-        return 0 < nbytes <= self.largest_served and inp.device == self.device
+        return inp.numel() > 0
 
     def _all_reduce(self, inp: torch.Tensor) -> torch.Tensor | None:
         """The out-of-place all-reduce of a call the engine hands us; None where it is declined."""
@@ -146,24 +171,18 @@ class CaCommAdapter:
 
     # ---- fused all-reduce + residual add + RMSNorm ----------------------------------------
 
-    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether the fused op serves these shapes (pure, like :meth:`should_custom_ar`)."""
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+        """Whether the fused op serves these arguments (pure, like :meth:`should_custom_ar`): the
+        communicator's own check of a fused call (:func:`pcie_allreduce.validation.rmsnorm_problem`),
+        so whatever this accepts the call serves, on every engine."""
         if self.disabled or not self.fused_enabled:
             return False
-        if x.dim() != 2 or x.dtype not in FUSED_DTYPES or not 1 <= x.shape[1] <= MAX_FUSED_HIDDEN:
-            return False
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            return False
-        if tuple(weight.shape) != (x.shape[1],) or weight.dtype not in (x.dtype, torch.float32):
-            return False
-        if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
-            return False
-        nbytes = x.numel() * x.element_size()
-        return 0 < nbytes <= self.max_size and x.device == self.device
+        return validation.rmsnorm_problem(x, residual, weight, eps, device=self.device,
+                                          max_bytes=self.max_bytes) is None and x.numel() > 0
 
     def _all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused op on shapes :meth:`can_fuse` accepted: ``(normed, new_residual)``, new tensors."""
+        """The fused op on arguments :meth:`can_fuse` accepted: ``(normed, new_residual)``, new tensors."""
         self.comm.check()
         wire = self._wire_for(x)
         if wire is not None:
@@ -181,14 +200,14 @@ class CaCommAdapter:
 
     def _largest_served(self) -> int:
         if self.algo == "auto":
-            return self.max_size
+            return self.max_bytes
         problem = algorithms.availability_problem(self.algo, self.comm.transport, self.comm.island_ranks)
         if problem is not None:
             self._logger().warning("pcie_allreduce[%s]: %s=%s: %s: every all-reduce stays on %s's own path",
                                    self.ENGINE, self.ALGO_VARIABLE, self.algo, problem, self.ENGINE_NAME)
             return 0
         limit = self.comm.capacity_of(self.algo)  # a hierarchy's: on its fp32 partials
-        return self.max_size if limit is None else max(0, min(self.max_size, limit))
+        return self.max_bytes if limit is None else max(0, min(self.max_bytes, limit))
 
     def _agree_on_stream_workspace(self) -> None:
         stream = 0 if self.device.type != "cuda" else torch.cuda.current_stream(self.device).cuda_stream
@@ -208,4 +227,4 @@ class CaCommAdapter:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
-                f"max_size={self.max_size}, algo={self.algo!r}, disabled={self.disabled})")
+                f"max_bytes={self.max_bytes}, algo={self.algo!r}, disabled={self.disabled})")

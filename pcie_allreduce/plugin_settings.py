@@ -33,6 +33,36 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
+class Settings:
+    """The shared settings' values (each plugin's ``Settings`` subclasses this, adding its own).
+
+    Attributes:
+        enabled: serve anything at all.
+        max_bytes: largest all-reduce served, in bytes (the communicator's ``max_bytes``).
+        algo: algorithm override for plain all-reduces ("auto" uses the agreed table).
+        mode: "pcie" (only groups without full NVLink) or "always".
+        fused: serve the engine's fused all-reduce + residual + RMSNorm.
+        timeout_s: per-call peer wait limit. Longer than the library's 10 s: with NCCL a rank that
+            falls behind (compiling a kernel the others had cached, a host stall, a slow first
+            graph capture) only delays the step, up to the process group's timeout (10 minutes for
+            NCCL in torch); the plugin must not turn such a delay into a crashed server, and a
+            dead peer still surfaces, naming rank, peer and stage.
+        wire: "exact", or a compressed wire ("fp8") for all-reduces of ``wire_min_bytes`` and
+            more (plain and fused; opt-in: it changes the result within fp8_wire's bound).
+        wire_min_bytes: the smallest all-reduce the compressed wire takes.
+    """
+
+    enabled: bool = False
+    max_bytes: int = DEFAULT_MAX_BYTES
+    algo: str = "auto"
+    mode: str = "pcie"
+    fused: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    wire: str = "exact"
+    wire_min_bytes: int = DEFAULT_WIRE_MIN_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
 class Names:
     """The shared settings' variable names under one plugin's prefix."""
 
@@ -57,7 +87,7 @@ def docs(n: Names, engine: str) -> dict[str, tuple[str, str]]:
     """Variable name -> (default as documented, what it does), for the shared settings of ``engine``."""
     return {
         n.enable: ("0", "1 turns the plugin on (it is installed but inert by default)"),
-        n.max_bytes: ("8MiB", "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
+        n.max_bytes: (format_bytes(DEFAULT_MAX_BYTES), "largest all-reduce served (bytes, or with KiB/MiB suffix); larger ones go to "
                               f"{engine}'s next backend. Each rank allocates about (2 x W + 1) x this + 6 x W x "
                               "min(this, 512 KiB) per CUDA stream"),
         n.algo: ("auto", "force one algorithm: "
@@ -68,12 +98,12 @@ def docs(n: Names, engine: str) -> dict[str, tuple[str, str]]:
                          "always: serve every single-node tp group of 2-16 GPUs"),
         n.fused: ("1", f"0 keeps {engine}'s unfused all-reduce + add + RMSNorm on GPUs where its FlashInfer fusion "
                        "is unavailable"),
-        n.timeout_s: ("300", "seconds a kernel waits for a peer before failing loudly instead of hanging (the "
+        n.timeout_s: (f"{DEFAULT_TIMEOUT_S:g}", "seconds a kernel waits for a peer before failing loudly instead of hanging (the "
                              "library's own default is 10; a serving step whose rank falls behind must not crash)"),
         n.wire: ("exact", f"fp8 sends all-reduces of at least {n.wire_min_bytes} as FP8 e4m3 blocks "
                           "with an fp32 scale per 128 values (0.52x the bytes of bf16; about 3% relative error, "
                           "bitwise identical on every rank; pcie_allreduce.fp8_wire); exact keeps every bit"),
-        n.wire_min_bytes: ("1MiB", f"smallest all-reduce that {n.wire}=fp8 compresses (bytes, or with "
+        n.wire_min_bytes: (format_bytes(DEFAULT_WIRE_MIN_BYTES), f"smallest all-reduce that {n.wire}=fp8 compresses (bytes, or with "
                                    "KiB/MiB suffix); smaller ones stay exact"),
     }
 
@@ -94,16 +124,17 @@ def parse(n: Names, environ: Mapping[str, str]) -> dict[str, Any]:
             algorithm and a compressed wire; a wire threshold above the largest all-reduce served).
     """
     get = environ.get
+    default = Settings()
     values = dict(
-        enabled=parse_bool(n.enable, get(n.enable, "0")),
-        max_bytes=parse_size(n.max_bytes, get(n.max_bytes)) if get(n.max_bytes) else DEFAULT_MAX_BYTES,
-        algo=parse_choice(n.algo, get(n.algo, "auto"), ALGOS),
-        mode=parse_choice(n.mode, get(n.mode, "pcie"), MODES),
-        fused=parse_bool(n.fused, get(n.fused, "1")),
-        timeout_s=parse_seconds(n.timeout_s, get(n.timeout_s)) if get(n.timeout_s) else DEFAULT_TIMEOUT_S,
-        wire=parse_choice(n.wire, get(n.wire, "exact"), WIRES),
+        enabled=parse_bool(n.enable, get(n.enable)) if n.enable in environ else default.enabled,
+        max_bytes=parse_size(n.max_bytes, get(n.max_bytes)) if get(n.max_bytes) else default.max_bytes,
+        algo=parse_choice(n.algo, get(n.algo, default.algo), ALGOS),
+        mode=parse_choice(n.mode, get(n.mode, default.mode), MODES),
+        fused=parse_bool(n.fused, get(n.fused)) if n.fused in environ else default.fused,
+        timeout_s=parse_seconds(n.timeout_s, get(n.timeout_s)) if get(n.timeout_s) else default.timeout_s,
+        wire=parse_choice(n.wire, get(n.wire, default.wire), WIRES),
         wire_min_bytes=(parse_size(n.wire_min_bytes, get(n.wire_min_bytes)) if get(n.wire_min_bytes)
-                        else DEFAULT_WIRE_MIN_BYTES),
+                        else default.wire_min_bytes),
     )
     if values["wire"] != "exact" and values["algo"] != "auto":
         raise SettingsError(f"{n.wire}={values['wire']} runs its own kernel ({WIRE_ALGORITHMS[values['wire']]}) "

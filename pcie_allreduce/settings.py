@@ -4,15 +4,15 @@ The library (``PCIE_AR_*``) and both engine plugins (``PCIE_AR_SGLANG_*``, ``PCI
 their settings through these functions, so the same spelling means the same thing everywhere and a
 value that cannot be used is a :class:`SettingsError` naming the variable, never a silent default
 or a bare ``int()`` traceback. Pure functions of their arguments; nothing here keeps state.
+
+setup.py loads this file by path (the package's ``__init__`` imports torch, which a build need not
+have), so it imports nothing of the package at module level.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Mapping
-
-from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
-from pcie_allreduce.sizes import parse_size as _parse_size_text
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -32,8 +32,13 @@ def parse_bool(name: str, raw: str) -> bool:
     raise SettingsError(f"{name}={raw!r}: expected 1 or 0 (also true/false, yes/no, on/off)")
 
 
-def parse_size(name: str, raw: str, *, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
-    """A positive byte count: ``8388608``, ``8MiB``, ``64KiB``, ``1M`` (binary units), at most ``max_bytes``."""
+def parse_size(name: str, raw: str, *, max_bytes: int | None = None) -> int:
+    """A positive byte count: ``8388608``, ``8MiB``, ``64KiB``, ``1M`` (binary units), at most ``max_bytes``
+    (default: the largest message a communicator takes, ``MAX_MESSAGE_BYTES``)."""
+    from pcie_allreduce.constants import MAX_MESSAGE_BYTES
+    from pcie_allreduce.sizes import parse_size as _parse_size_text
+
+    max_bytes = MAX_MESSAGE_BYTES if max_bytes is None else max_bytes
     try:
         value = _parse_size_text(raw)
     except ValueError as exc:
@@ -58,8 +63,12 @@ def parse_int(name: str, raw: str, *, lo: int, hi: int | None = None) -> int:
     return value
 
 
-def parse_seconds(name: str, raw: str, *, max_s: float = MAX_TIMEOUT_S) -> float:
-    """A positive, finite number of seconds, at most ``max_s``."""
+def parse_seconds(name: str, raw: str, *, max_s: float | None = None) -> float:
+    """A positive, finite number of seconds, at most ``max_s`` (default: the longest kernel wait,
+    ``MAX_TIMEOUT_S``)."""
+    from pcie_allreduce.constants import MAX_TIMEOUT_S
+
+    max_s = MAX_TIMEOUT_S if max_s is None else max_s
     try:
         value = float(raw)
     except ValueError:

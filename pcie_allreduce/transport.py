@@ -30,6 +30,7 @@ import stat
 from dataclasses import dataclass
 
 from pcie_allreduce.constants import TRANSPORT_IDS
+from pcie_allreduce.settings import parse_choice
 
 TRANSPORTS: tuple[str, ...] = tuple(TRANSPORT_IDS)
 CHOICES: tuple[str, ...] = ("auto", *TRANSPORTS)
@@ -69,8 +70,8 @@ def requested(transport: str | None) -> str:
     """The transport asked for: the argument, else ``$PCIE_AR_TRANSPORT``, else 'auto'."""
     if transport is not None:
         return validate_transport(transport)
-    raw = os.environ.get(ENV)
-    return "auto" if raw is None or raw == "" else validate_transport(raw.strip().lower(), source=ENV)
+    raw = os.environ.get(ENV, "")
+    return "auto" if not raw.strip() else parse_choice(ENV, raw, CHOICES)
 
 
 def _boot_id() -> str | None:

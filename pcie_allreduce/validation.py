@@ -19,22 +19,33 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name)
 _SUPPORTED_DTYPE_SET: frozenset[torch.dtype] = frozenset(SUPPORTED_DTYPES)
 
 
+def tensor_problem(x: object, *, name: str, device: torch.device, max_bytes: int,
+                   dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> Exception | None:
+    """What :func:`validate_tensor` would raise for ``x`` (not raised), or None: the one check that a
+    plugin's ``should_custom_ar`` asks before a call and the call makes again."""
+    if not isinstance(x, torch.Tensor):
+        return TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        return TypeError(f"{name} has dtype {x.dtype}; supported: {names}")
+    if x.device != device:
+        return ValueError(f"{name} is on {x.device}, the communicator on {device}")
+    if not x.is_contiguous():
+        return ValueError(f"{name} must be contiguous (got strides {tuple(x.stride())}); call .contiguous() first")
+    nbytes = x.numel() * x.element_size()
+    if nbytes > max_bytes:
+        return ValueError(f"{name} has {nbytes} bytes, more than the communicator's max_bytes={max_bytes}; "
+                          "create the Communicator with a larger max_bytes")
+    return None
+
+
 def validate_tensor(x: object, *, name: str, device: torch.device, max_bytes: int,
                     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> torch.Tensor:
     """``x`` must be a contiguous tensor of a supported dtype on ``device`` within ``max_bytes``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name} has dtype {x.dtype}; supported: {names}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device}, the communicator on {device}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {tuple(x.stride())}); call .contiguous() first")
-    nbytes = x.numel() * x.element_size()
-    if nbytes > max_bytes:
-        raise ValueError(f"{name} has {nbytes} bytes, more than the communicator's max_bytes={max_bytes}; "
-                         "create the Communicator with a larger max_bytes")
+    problem = tensor_problem(x, name=name, device=device, max_bytes=max_bytes, dtypes=dtypes)
+    if problem is not None:
+        raise problem
+    assert isinstance(x, torch.Tensor)
     return x
 
 
@@ -169,27 +180,46 @@ RMSNORM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 MAX_RMSNORM_HIDDEN = 16384
 
 
-def validate_rmsnorm_args(x: object, residual: object, weight: object, eps: object, *, device: torch.device,
-                          max_bytes: int) -> None:
-    """Arguments of the fused all-reduce + residual + RMSNorm."""
-    validate_tensor(x, name="x", device=device, max_bytes=max_bytes, dtypes=RMSNORM_DTYPES)
+def rmsnorm_problem(x: object, residual: object, weight: object, eps: object, *, device: torch.device,
+                    max_bytes: int) -> Exception | None:
+    """What :func:`validate_rmsnorm_args` would raise (not raised), or None: the one check that a
+    plugin's ``can_fuse`` asks before a fused call and the call makes again, so nothing a plugin
+    accepts is refused inside a forward pass."""
+    problem = tensor_problem(x, name="x", device=device, max_bytes=max_bytes, dtypes=RMSNORM_DTYPES)
+    if problem is not None:
+        return problem
     assert isinstance(x, torch.Tensor)
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+        return ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     hidden = x.shape[1]
     if not 1 <= hidden <= MAX_RMSNORM_HIDDEN:
-        raise ValueError(f"hidden size {hidden} is outside [1, {MAX_RMSNORM_HIDDEN}]")
-    validate_tensor(residual, name="residual", device=device, max_bytes=max_bytes, dtypes=RMSNORM_DTYPES)
+        return ValueError(f"hidden size {hidden} is outside [1, {MAX_RMSNORM_HIDDEN}]")
+    problem = tensor_problem(residual, name="residual", device=device, max_bytes=max_bytes, dtypes=RMSNORM_DTYPES)
+    if problem is not None:
+        return problem
     assert isinstance(residual, torch.Tensor)
     if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual ({residual.dtype}, {tuple(residual.shape)}) must match x "
-                         f"({x.dtype}, {tuple(x.shape)})")
-    validate_tensor(weight, name="weight", device=device, max_bytes=max_bytes, dtypes=(x.dtype, torch.float32))
+        return ValueError(f"residual ({residual.dtype}, {tuple(residual.shape)}) must match x "
+                          f"({x.dtype}, {tuple(x.shape)})")
+    # The weight is read in place, never staged in the workspace: no max_bytes for it.
+    problem = tensor_problem(weight, name="weight", device=device, max_bytes=MAX_MESSAGE_BYTES,
+                             dtypes=(x.dtype, torch.float32))
+    if problem is not None:
+        return problem
     assert isinstance(weight, torch.Tensor)
     if tuple(weight.shape) != (hidden,):
-        raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
+        return ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
+        return ValueError(f"eps must be a positive finite float, got {eps!r}")
+    return None
+
+
+def validate_rmsnorm_args(x: object, residual: object, weight: object, eps: object, *, device: torch.device,
+                          max_bytes: int) -> None:
+    """Arguments of the fused all-reduce + residual + RMSNorm (:func:`rmsnorm_problem`, raised)."""
+    problem = rmsnorm_problem(x, residual, weight, eps, device=device, max_bytes=max_bytes)
+    if problem is not None:
+        raise problem
 
 
 def fused_call(x: object, residual: object, weight: object, eps: object, out: object, residual_out: object,

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce.plan import algorithms
-from pcie_allreduce.plugin_adapter import (DTYPES, FUSED_DTYPES, MAX_FUSED_HIDDEN, CaCommAdapter,  # noqa: F401
-                                           CommunicatorFactory)
-from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE, SettingsError, format_bytes
+from pcie_allreduce.plugin_adapter import CaCommAdapter, CommunicatorFactory
+from pcie_allreduce.settings import SettingsError, format_bytes
+from sglang_plugin.settings import ALGO, MAX_BYTES, WIRE
 
 # Our algorithms that read each rank's staged data out of its own memory (SGLang's "pull");
 # every other one writes it into the peers' memory, or into shared host memory they poll ("push").
@@ -97,8 +97,7 @@ class PcieAllReduceAdapter(CaCommAdapter):
         """The V2 interface's ceiling of pull messages (peers read each rank's staged data): every
         size :meth:`should_custom_ar` takes where the table may pick ``oneshot_pull`` /
         ``twoshot_pull`` (``auto``) or one is forced, else 0. The larger of the two is the largest
-        message :meth:`should_custom_ar` takes, as in SGLang (:attr:`max_size` keeps 0.5.23's
-        meaning: the communicator's ``max_bytes``)."""
+        message :meth:`should_custom_ar` takes, :attr:`max_size`, as in SGLang."""
         served = self.algo == "auto" or self.algo in PULL_ALGORITHMS
         return self.largest_served if served and not self.disabled else 0
 
@@ -112,7 +111,7 @@ class PcieAllReduceAdapter(CaCommAdapter):
         The name and argument order are the ones ``GroupCoordinator.fused_allreduce_rmsnorm``
         probes for on its ``ca_comm``.
         """
-        if not self.can_fuse(input_, residual_inp_, weight_):
+        if not self.can_fuse(input_, residual_inp_, weight_, eps):
             return None
         if torch.compiler.is_compiling():
             # Under torch.compile (--enable-torch-compile) the call is one opaque op of the graph:

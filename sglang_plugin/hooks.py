@@ -30,9 +30,11 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_plugin import eligibility, logline
+from pcie_allreduce import plugin_logline
+from sglang_plugin import eligibility
 from sglang_plugin.adapter import PcieAllReduceAdapter, hierarchical_factory
 from sglang_plugin.registry import REGISTRY
+from sglang_plugin.settings import FUSED, MAX_BYTES
 
 logger = logging.getLogger("sglang_plugin")
 
@@ -67,7 +69,8 @@ class _AdapterFactory:
         decision = eligibility.decide(group, device, state.settings, facts_fn=facts_fn)
         name = eligibility.group_name(group)
         if not decision.serve:
-            logger.info(logline.declined(group, device, name, decision))
+            logger.info(plugin_logline.declined(plugin_logline.where("sglang", group, device, name or "?"),
+                                                "SGLang", decision.reason))
             sglang_class = self._original_dispatch(group=group, device=device)
             return sglang_class(group=group, device=device)
         try:
@@ -81,8 +84,16 @@ class _AdapterFactory:
                          "SGLang's other backends serve this group", name, type(exc).__name__, exc)
             raise
         state.adapters.add(adapter)
-        logger.info(logline.serving(adapter, name, decision, state.settings))
+        logger.info(serving_line(adapter, name, decision))
         return adapter
+
+
+def serving_line(adapter: PcieAllReduceAdapter, name: str, decision: eligibility.Decision) -> str:
+    """The INFO line of a rank whose group the plugin serves (:func:`pcie_allreduce.plugin_logline.serving`)."""
+    fused = ("fused all-reduce+residual+RMSNorm -> pcie_allreduce where SGLang's FlashInfer fusion is off "
+             "(it runs only on SM90/SM100)" if adapter.fused_enabled else f"fused path off ({FUSED}=0)")
+    return plugin_logline.serving(plugin_logline.where("sglang", adapter.group, adapter.device, name or "?"), adapter,
+                                  decision.reason, engine_name="SGLang", max_bytes_variable=MAX_BYTES, fused=fused)
 
 
 def flashinfer_ar_fusion_applies(original: Callable[..., Any], batch_size: int) -> bool:

@@ -12,33 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
-from typing import Any, Callable
 
+from pcie_allreduce import plugin_adapter
 from sglang_plugin.patching import Patch
-from sglang_plugin.settings import Settings
 
 
-@dataclasses.dataclass
-class PluginState:
-    """What :func:`sglang_plugin.plugin.install` set up.
+@dataclasses.dataclass(kw_only=True)
+class PluginState(plugin_adapter.PluginState):
+    """What :func:`sglang_plugin.plugin.install` set up: the shared state, and how the hooks were
+    attached.
 
     Attributes:
-        settings: the parsed environment.
         attach: "plugin" (SGLang's HookRegistry applied the hooks) or "import" (we did).
         targets: dotted targets hooked, with the patch to undo (filled when applied).
-        adapters: adapters serving in this process.
-        communicator_factory: builds the pcie_allreduce communicator; tests substitute a CPU
-            stand-in for pcie_allreduce's (never for SGLang's code).
-        facts_fn: per-rank facts for the eligibility decision; tests substitute GPU facts.
     """
 
-    settings: Settings
     attach: str
     targets: dict[str, Patch | None] = dataclasses.field(default_factory=dict)
-    adapters: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)
-    communicator_factory: Callable[..., Any] | None = None
-    facts_fn: Callable[..., Any] | None = None
 
 
 class Registry:

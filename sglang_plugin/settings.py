@@ -11,8 +11,6 @@ import dataclasses
 from typing import Mapping
 
 from pcie_allreduce import plugin_settings as shared
-from pcie_allreduce.plugin_settings import (ALGOS, DEFAULT_MAX_BYTES, DEFAULT_WIRE_MIN_BYTES, MODES, WIRES,  # noqa: F401
-                                            format_bytes)
 from pcie_allreduce.settings import SettingsError, parse_bool, parse_choice
 
 PREFIX = "PCIE_AR_SGLANG_"
@@ -32,49 +30,30 @@ MULTINODE = PREFIX + "MULTINODE"
 
 ATTACH_CHOICES: tuple[str, ...] = ("auto", "plugin", "import")
 
+
+@dataclasses.dataclass(frozen=True)
+class Settings(shared.Settings):
+    """What the plugin does in this process: the shared settings
+    (:class:`pcie_allreduce.plugin_settings.Settings`) and SGLang's own.
+
+    Attributes:
+        attach: "auto", "plugin" or "import".
+        multinode: serve tp groups that span nodes with the hierarchical all-reduce.
+    """
+
+    attach: str = "auto"
+    multinode: bool = True
+
+
 # name -> (default shown in docs, what it does); the README table is written from this.
 DOCS: dict[str, tuple[str, str]] = {
     **shared.docs(NAMES, "SGLang"),
-    MULTINODE: ("1", "0 leaves tp groups that span nodes to SGLang (NCCL); 1 serves them hierarchically: the "
-                     "library's kernels inside each node, NCCL between nodes, each rank sending 1/L of a message "
-                     "off its node of L GPUs"),
-    ATTACH: ("auto", "how the hooks attach: plugin (SGLang's plugin framework), import (import hook, for "
+    MULTINODE: (str(int(Settings.multinode)), "0 leaves tp groups that span nodes to SGLang (NCCL); 1 serves "
+                                              "them hierarchically: the library's kernels inside each node, NCCL "
+                                              "between nodes, each rank sending 1/L of a message off its node of L GPUs"),
+    ATTACH: (Settings.attach, "how the hooks attach: plugin (SGLang's plugin framework), import (import hook, for "
                      "versions without plugins; needs `python -m sglang_plugin.import_hook install`), auto"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What the plugin does in this process.
-
-    Attributes:
-        enabled: serve anything at all.
-        max_bytes: largest all-reduce served, in bytes (the communicator's ``max_bytes``).
-        algo: algorithm override for plain all-reduces ("auto" uses the agreed table).
-        mode: "pcie" (only groups without full NVLink) or "always".
-        fused: route SGLang's fused all-reduce + residual + RMSNorm where its own is unavailable.
-        timeout_s: per-call peer wait limit. 300 s by default, not the library's 10: with NCCL a
-            rank that falls behind (compiling a kernel the others had cached, a host stall, a
-            slow first graph capture) only delays the step, up to the process group's timeout
-            (10 minutes for NCCL in torch); the plugin must not turn such a delay into a crashed
-            server, and a dead peer still surfaces, naming rank, peer and stage, in 5 minutes.
-        attach: "auto", "plugin" or "import".
-        multinode: serve tp groups that span nodes with the hierarchical all-reduce.
-        wire: "exact", or a compressed wire ("fp8") for all-reduces of ``wire_min_bytes`` and
-            more (plain and fused; opt-in: it changes the result within fp8_wire's bound).
-        wire_min_bytes: the smallest all-reduce the compressed wire takes.
-    """
-
-    enabled: bool = False
-    max_bytes: int = DEFAULT_MAX_BYTES
-    algo: str = "auto"
-    mode: str = "pcie"
-    fused: bool = True
-    timeout_s: float = 300.0
-    attach: str = "auto"
-    multinode: bool = True
-    wire: str = "exact"
-    wire_min_bytes: int = DEFAULT_WIRE_MIN_BYTES
 
 
 def from_env(environ: Mapping[str, str]) -> Settings:
@@ -88,8 +67,8 @@ def from_env(environ: Mapping[str, str]) -> Settings:
     shared.check_known(PREFIX, set(DOCS), environ)
     common = shared.parse(NAMES, environ)
     return Settings(**common,
-                    attach=parse_choice(ATTACH, environ.get(ATTACH, "auto"), ATTACH_CHOICES),
-                    multinode=parse_bool(MULTINODE, environ.get(MULTINODE, "1")))
+                    attach=parse_choice(ATTACH, environ.get(ATTACH, Settings.attach), ATTACH_CHOICES),
+                    multinode=parse_bool(MULTINODE, environ[MULTINODE]) if MULTINODE in environ else Settings.multinode)
 
 
 def describe(settings: Settings) -> str:

@@ -3,17 +3,15 @@
 Checked at registration (a moved hook target turns the plugin off with a clear log line instead
 of silently serving nothing) and by tests/test_sglang_plugin.py (an SGLang upgrade that moves
 any of them fails CI). Where a module cannot be imported on a machine (SGLang's model layers
-need transformers/torchvision), :func:`source_parameters` reads the signature from SGLang's
-installed source file instead, without importing it.
+need transformers/torchvision), the tests read the signature from SGLang's
+installed source file instead, without importing it
+(:func:`pcie_allreduce.plugin_surface.source_parameters`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib.util
 import inspect
-import os
 from typing import Any, Callable
 
 from sglang_plugin import patching
@@ -154,43 +152,3 @@ def resolve_parameters(path: str) -> tuple[str, ...]:
     """Parameters of the callable at ``path``, importing its module."""
     _, _, current = patching.resolve(path)
     return parameters(current)
-
-
-def sglang_root() -> str:
-    """Directory of the installed ``sglang`` package (found without importing it)."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("sglang is not installed")
-    return list(spec.submodule_search_locations)[0]
-
-
-def source_parameters(path: str) -> tuple[str, ...]:
-    """Parameters of the function/method at ``path`` read from SGLang's source with ``ast``.
-
-    Walks ``sglang/<...>/module.py`` from the left until the rest names a function or a class's
-    method; never imports the module. Raises LookupError when the definition is not there.
-    """
-    parts = path.split(".")
-    root = os.path.dirname(sglang_root())
-    for cut in range(len(parts) - 1, 0, -1):
-        candidate = os.path.join(root, *parts[:cut]) + ".py"
-        if os.path.isfile(candidate):
-            return _find_def(candidate, parts[cut:], path)
-    raise LookupError(f"no source file for {path} under {root}")
-
-
-def _find_def(filename: str, names: list[str], path: str) -> tuple[str, ...]:
-    with open(filename, encoding="utf-8") as f:
-        body: list[ast.stmt] = ast.parse(f.read(), filename).body
-    for i, name in enumerate(names):
-        last = i == len(names) - 1
-        kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if last else (ast.ClassDef,)
-        found = [n for n in body if isinstance(n, kinds) and n.name == name]
-        if not found:
-            raise LookupError(f"{path}: no {'def' if last else 'class'} {name} in {filename}")
-        node = found[-1]
-        if last:
-            args = node.args  # type: ignore[union-attr]
-            return tuple(a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs))
-        body = node.body  # type: ignore[union-attr]
-    raise LookupError(path)

@@ -523,3 +523,19 @@ def test_build_progress_counts_what_was_rebuilt(setup_py: ModuleType) -> None:
     progress.line("[1/2] Building CUDA object CMakeFiles/_C.dir/csrc/launch.cu.o\n")
     progress.line("[2/2] Linking CXX shared module lib/_C.cpython-311-x86_64-linux-gnu.so\n")
     assert progress.compiled == 2
+
+
+@pytest.mark.parametrize(("name", "value"), [("PCIE_AR_BUILD_PROGRESS", "maybe"), ("MAX_JOBS", "0"),
+                                             ("MAX_JOBS", "²"), ("PCIE_AR_NVCC_THREADS", "-1"),
+                                             ("PCIE_AR_NVCC_THREADS", "lots")])
+def test_a_build_setting_that_cannot_be_used_stops_the_build_naming_it(
+        setup_py: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    """The build reads its settings through the library's one parser: "maybe" is no boolean, not on."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match=name):
+        if name == "PCIE_AR_BUILD_PROGRESS":
+            setup_py.open_progress_terminal(env={name: value}, ppid=42, proc=tmp_path / "missing")
+        elif name == "MAX_JOBS":
+            setup_py.parallel_jobs()
+        else:
+            setup_py.nvcc_threads(4, 4, 2)

@@ -43,7 +43,8 @@ def test_the_workspace_formula_is_the_layouts(max_bytes: int, world: int) -> Non
 def test_the_plugins_example_log_line_is_what_the_code_prints() -> None:
     """sglang_plugin/README.md's example line (W = 8, 8 MiB): its algorithm ranges and workspace
     figures are what the log line's own functions give for the built-in table."""
-    logline = pytest.importorskip("sglang_plugin.logline")
+    from pcie_allreduce import plugin_logline as logline
+
     max_bytes, world = 8 << 20, 8
     layout = Layout.make(max_bytes, world)
     table = default_table()
@@ -52,7 +53,7 @@ def test_the_plugins_example_log_line_is_what_the_code_prints() -> None:
     text = (ROOT / "sglang_plugin" / "README.md").read_text()
     example = next(line for line in text.splitlines() if line.startswith("pcie_allreduce[sglang] rank 3/8"))
     assert f"(auto: {logline.algorithm_ranges(comm, max_bytes)} for bf16)" in example
-    assert logline.workspace_memory(max_bytes, world) in example
+    assert logline.workspace_memory(max_bytes, world, "p2p", "SGLang", "PCIE_AR_SGLANG_MAX_BYTES") in example
     per_stream = int(re.search(r"W=8: (\d+) MiB per stream", text).group(1))
     assert per_stream == round(layout.total_bytes / 2**20)
 
@@ -173,6 +174,7 @@ def test_plugin_settings_table_is_settings_py() -> None:
 
 def test_plugin_settings_limits_are_the_codes(monkeypatch: pytest.MonkeyPatch) -> None:
     from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
+    from pcie_allreduce.plugin_settings import ALGOS
     from pcie_allreduce.transport import requested
     from sglang_plugin import settings
 
@@ -180,7 +182,7 @@ def test_plugin_settings_limits_are_the_codes(monkeypatch: pytest.MonkeyPatch) -
     assert f"at most `{MAX_MESSAGE_BYTES >> 20}MiB`" in rows[settings.MAX_BYTES][1]
     assert f"at most {MAX_TIMEOUT_S}" in rows[settings.TIMEOUT_S][1]
     assert f"{LOW_LATENCY_MAX_BYTES >> 10} KiB" in rows[settings.ALGO][1]
-    for algo in settings.ALGOS:
+    for algo in ALGOS:
         assert f"`{algo}`" in rows[settings.ALGO][1], algo
     monkeypatch.delenv("PCIE_AR_TRANSPORT", raising=False)
     assert rows["PCIE_AR_TRANSPORT"][0] == requested(None)
@@ -191,7 +193,8 @@ def test_plugin_settings_limits_are_the_codes(monkeypatch: pytest.MonkeyPatch) -
 
 def test_plugin_memory_fraction_example() -> None:
     """'456 MiB of a 96 GB card is about 0.005': three streams of the W = 8, 8 MiB workspace."""
-    logline = pytest.importorskip("sglang_plugin.logline")
+    from pcie_allreduce import plugin_logline as logline
+
     text = _flat(_doc("sglang_plugin/README.md"))
     match = re.search(r"\((\d+) MiB of a (\d+) GB card is about ([0-9.]+)\)", text)
     total = logline.TYPICAL_STREAMS * Layout.make(8 << 20, 8).total_bytes

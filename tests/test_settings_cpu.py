@@ -4,6 +4,7 @@ spelling means the same everywhere and a bad value is a SettingsError naming the
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 
@@ -71,24 +72,107 @@ def test_the_islands_setting_takes_ascii_ranks_only(value: str) -> None:
         topology.islands_override(4, {"PCIE_AR_ISLANDS": value})
 
 
-# Hand-rolled readings of a variable: int()/float() of a raw value, or a comparison with "1".
-_BY_HAND = (re.compile(r"\b(int|float)\(\s*os\.environ"), re.compile(r"\b(int|float)\([^)]*environ\.get\("),
-            re.compile(r"""environ\.get\([^)]*\)(\.strip\(\))?(\.lower\(\))?\s*[=!]=\s*["']1["']"""))
-# The spawner's own word to the ranks it starts ("0" or "1", never a user's): not a setting.
-_NOT_SETTINGS = ("os.environ.get(MPS_ENV_VAR) == \"1\"",)
+# Variables of other programs, read as those programs define them (not settings of ours): the
+# spawner's word to the ranks it starts ("0" or "1", never a user's), CMake's generator name.
+_FOREIGN = {("pcie_allreduce/ranks.py", "MPS_ENV_VAR"), ("setup.py", 'generator == "Ninja"')}
+# Where the environment is read: every module of the library, both plugins, the harness, the build.
+_READERS = ("pcie_allreduce", "sglang_plugin", "vllm_plugin", "bench", "setup.py")
+
+
+def _reads_environment(node: ast.AST) -> bool:
+    """``node`` contains ``environ.get(..)`` / ``env.get(..)`` / ``environ[..]`` / ``getenv(..)``."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            owner = n.func.value
+            if n.func.attr == "getenv" or (n.func.attr == "get" and getattr(owner, "attr", getattr(owner, "id", ""))
+                                           in ("environ", "env")):
+                return True
+        if isinstance(n, ast.Subscript) and getattr(n.value, "attr", getattr(n.value, "id", "")) == "environ":
+            return True
+    return False
+
+
+def _parsed_by_hand(tree: ast.AST) -> list[int]:
+    """Lines where a value read from the environment (directly, or through a name assigned from
+    it in the same function, after strip/lower) goes to ``int()``/``float()``, ``.isdigit()``, an
+    ``in (...)`` test or a comparison with a string: what the one parser exists to do."""
+    found = []
+    for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))):
+        tainted = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and _reads_environment(n.value)
+                   for t in n.targets if isinstance(t, ast.Name)}
+
+        def from_env(e: ast.AST) -> bool:
+            if isinstance(e, ast.Name):
+                return e.id in tainted
+            if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in ("strip", "lower"):
+                return from_env(e.func.value)
+            return isinstance(e, (ast.Call, ast.Subscript)) and _reads_environment(e)
+
+        for n in ast.walk(fn):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("int", "float")
+                    and n.args and from_env(n.args[0])):
+                found.append(n.lineno)
+            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                  and n.func.attr in ("isdigit", "isdecimal", "isnumeric") and from_env(n.func.value)):
+                found.append(n.lineno)
+            elif isinstance(n, ast.Compare) and from_env(n.left) and any(
+                    (isinstance(op, (ast.In, ast.NotIn)) and isinstance(c, (ast.Tuple, ast.List, ast.Set)))
+                    or (isinstance(op, (ast.Eq, ast.NotEq)) and isinstance(c, ast.Constant) and isinstance(c.value, str))
+                    for op, c in zip(n.ops, n.comparators)):
+                found.append(n.lineno)
+    return sorted(set(found))
+
+
+def _environment_readers() -> list[str]:
+    paths = []
+    for package in _READERS:
+        root = os.path.join(REPO, package)
+        if package.endswith(".py"):
+            paths.append(root)
+            continue
+        paths += [os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names
+                  if name.endswith(".py")]
+    return paths
 
 
 def test_no_setting_is_parsed_by_hand() -> None:
-    """What the library, the plugin and the harness read from the environment they read through
-    pcie_allreduce.settings (the one .pth line SGLang's interpreter runs cannot import it)."""
+    """What the library, both plugins, the harness and the build read from the environment they
+    read through pcie_allreduce.settings (the one .pth line SGLang's interpreter runs cannot import it)."""
     found = []
-    for package in ("pcie_allreduce", "sglang_plugin", "bench"):
-        for folder, _, files in os.walk(os.path.join(REPO, package)):
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
-                path = os.path.join(folder, name)
-                for number, line in enumerate(open(path, encoding="utf-8"), 1):
-                    if any(p.search(line) for p in _BY_HAND) and not any(n in line for n in _NOT_SETTINGS):
-                        found.append(f"{os.path.relpath(path, REPO)}:{number}: {line.strip()}")
+    for path in _environment_readers():
+        text = open(path, encoding="utf-8").read()
+        lines = text.splitlines()
+        where = os.path.relpath(path, REPO)
+        for number in _parsed_by_hand(ast.parse(text, path)):
+            line = lines[number - 1].strip()
+            enclosing = [ln for ln in lines[:number] if ln.lstrip().startswith("def ")][-1:]
+            if any(where == f and (marker in line or any(marker in e for e in enclosing)) for f, marker in _FOREIGN):
+                continue
+            found.append(f"{where}:{number}: {line}")
     assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    "def f():\n    v = os.environ.get('X', '').strip()\n    return v.isdigit()\n",
+    "def f(env):\n    return env.get('X', '').strip().lower() in ('0', 'off')\n",
+    "def f():\n    return int(os.environ['X'])\n",
+    "def f():\n    raw = os.getenv('X')\n    return raw == '1'\n",
+])
+def test_the_guard_finds_a_setting_parsed_by_hand(source: str) -> None:
+    assert _parsed_by_hand(ast.parse(source))
+
+
+def test_the_guard_reads_every_file_that_reads_the_environment() -> None:
+    readers = {os.path.relpath(p, REPO).split(os.sep)[0] for p in _environment_readers()
+               if re.search(r"\benviron\b|getenv\(", open(p, encoding="utf-8").read())}
+    assert {"pcie_allreduce", "sglang_plugin", "vllm_plugin", "bench", "setup.py"} <= readers
+
+
+def test_the_transport_setting_is_a_settings_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pcie_allreduce import transport
+
+    monkeypatch.setenv(transport.ENV, "nvlink")
+    with pytest.raises(SettingsError, match=transport.ENV):
+        transport.requested(None)
+    monkeypatch.setenv(transport.ENV, " HOST ")
+    assert transport.requested(None) == "host"

@@ -202,11 +202,12 @@ def test_sglang_group_coordinator_with_plugin(world: int) -> None:
 
 
 def _default_mode_decision(ctx: ranks.RankContext) -> dict:
+    from pcie_allreduce import plugin_eligibility
     from sglang_plugin import eligibility
     from sglang_plugin.settings import Settings
 
     decision = eligibility.decide(ctx.group, ctx.device, Settings(enabled=True))
-    physical = [eligibility.physical_gpu_index(ctx.device)]
+    physical = [plugin_eligibility.physical_gpu_index(ctx.device)]
     gathered: list = [None] * ctx.world_size
     torch.distributed.all_gather_object(gathered, physical[0], group=ctx.group)
     return {"serve": decision.serve, "reason": decision.reason,

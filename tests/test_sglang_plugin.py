@@ -23,10 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import ranks
+from pcie_allreduce import plugin_surface, ranks
 from pcie_allreduce.layout import Layout
+from pcie_allreduce.plugin_eligibility import Decision, RankFacts
 from sglang_plugin import hooks, import_watch, patching, settings as settings_mod, surface
-from sglang_plugin.eligibility import Decision, RankFacts
+from pcie_allreduce.settings import format_bytes
 from sglang_plugin.settings import Settings, SettingsError
 from tests._sglang import ensure_entry_point, fake_model_runner_module, sglang_skip_reason
 from tests._standins import GlooCommunicator, rmsnorm
@@ -51,7 +52,7 @@ def test_settings_defaults_are_off_and_documented() -> None:
     assert s == Settings() and not s.enabled and s.max_bytes == 8 << 20 and s.mode == "pcie" and s.fused
     assert s.multinode
     assert s.wire == "exact" and s.wire_min_bytes == 1 << 20
-    assert settings_mod.DOCS[settings_mod.WIRE_MIN_BYTES][0] == settings_mod.format_bytes(s.wire_min_bytes)
+    assert settings_mod.DOCS[settings_mod.WIRE_MIN_BYTES][0] == format_bytes(s.wire_min_bytes)
     names = {getattr(settings_mod, n) for n in ("ENABLE", "MAX_BYTES", "ALGO", "MODE", "FUSED", "TIMEOUT_S", "ATTACH",
                                                 "MULTINODE", "WIRE", "WIRE_MIN_BYTES")}
     assert names == set(settings_mod.DOCS)
@@ -103,9 +104,9 @@ def test_a_compressed_wire_and_a_forced_algorithm_are_one_too_many() -> None:
 
 
 def test_format_bytes() -> None:
-    assert settings_mod.format_bytes(8 << 20) == "8MiB"
-    assert settings_mod.format_bytes(1536) == "1536B"
-    assert settings_mod.format_bytes(3 << 10) == "3KiB"
+    assert format_bytes(8 << 20) == "8MiB"
+    assert format_bytes(1536) == "1536B"
+    assert format_bytes(3 << 10) == "3KiB"
 
 
 # ---------------------------------------------------------------------------- packaging
@@ -176,7 +177,7 @@ def test_hook_targets_have_the_expected_signature(target: hooks.HookTarget) -> N
         if (exc.name or "").split(".")[0] == "sglang":
             raise
         # The module imports transformers/torchvision (SGLang's model layers); read the source.
-        assert surface.source_parameters(target.target) == want
+        assert plugin_surface.source_parameters(target.target) == want
         return
     problem = surface.hook_problem(target.target, target.hook)
     assert problem is None, problem
@@ -190,7 +191,7 @@ def test_sglang_surface_the_plugin_relies_on(expect: surface.Expectation) -> Non
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "sglang":
             raise
-        have = surface.source_parameters(expect.path)  # module needs packages CPU CI lacks
+        have = plugin_surface.source_parameters(expect.path)  # module needs packages CPU CI lacks
     assert have == expect.params, f"{expect.path}: {have} != {expect.params} ({expect.why})"
 
 
@@ -224,7 +225,7 @@ def test_sglang_plugin_framework_constants() -> None:
 
 @needs_sglang
 def test_fused_gate_size_limit_matches_sglang() -> None:
-    src = surface.sglang_root() + "/srt/layers/layer_boundary/residual/add_norm.py"
+    src = plugin_surface.package_root("sglang") + "/srt/layers/layer_boundary/residual/add_norm.py"
     with open(src, encoding="utf-8") as f:
         assert f"FUSE_ALLREDUCE_MAX_BATCH_SIZE = {hooks.MAX_FUSED_BATCH}" in f.read()
 
@@ -607,7 +608,7 @@ def test_eligibility_group_name() -> None:
 
 
 def test_algorithm_ranges_compress_the_table() -> None:
-    from sglang_plugin.logline import algorithm_ranges
+    from pcie_allreduce.plugin_logline import algorithm_ranges
 
     class T:
         def select_algo(self, nbytes, dtype):
@@ -615,17 +616,6 @@ def test_algorithm_ranges_compress_the_table() -> None:
 
     assert algorithm_ranges(T(), 8 << 20) == "oneshot<=64KiB, staged<=1MiB, twoshot<=8MiB"
     assert algorithm_ranges(T(), 1000) == "oneshot<=1000B"
-
-
-def test_adapter_limits_follow_the_library() -> None:
-    """The adapter declines up front exactly what the communicator would reject."""
-    from pcie_allreduce import validation
-
-    from sglang_plugin import adapter
-
-    assert set(adapter.DTYPES) == set(validation.SUPPORTED_DTYPES)
-    assert set(adapter.FUSED_DTYPES) == set(validation.RMSNORM_DTYPES)
-    assert adapter.MAX_FUSED_HIDDEN == validation.MAX_RMSNORM_HIDDEN
 
 
 def test_adapter_checks_every_workspace_before_each_eager_call() -> None:
@@ -702,9 +692,9 @@ def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: s
                                    communicator_factory=lambda *a, **k: _Capped(transport=transport))
     ll_capacity = adapter.comm.ll_capacity
     runs = algo == "auto" or algorithms.runs_on(algo, transport)
-    limit = min(algorithms.capacity_of(algo, ll_capacity) or adapter.max_size, adapter.max_size)
-    for nbytes in sorted({16, limit - 16, limit, limit + 16, ll_capacity, ll_capacity + 16, adapter.max_size}):
-        if not 0 < nbytes <= adapter.max_size:
+    limit = min(algorithms.capacity_of(algo, ll_capacity) or adapter.max_bytes, adapter.max_bytes)
+    for nbytes in sorted({16, limit - 16, limit, limit + 16, ll_capacity, ll_capacity + 16, adapter.max_bytes}):
+        if not 0 < nbytes <= adapter.max_bytes:
             continue
         x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
         served = runs and nbytes <= limit

@@ -34,6 +34,8 @@ import types
 import pytest
 import torch
 
+from pcie_allreduce import plugin_surface
+
 from sglang_plugin import hooks, surface
 from sglang_plugin.adapter import PULL_ALGORITHMS, PcieAllReduceAdapter
 from sglang_plugin.settings import Settings
@@ -119,13 +121,13 @@ def _enum_members(path: str, cls: str) -> set[str]:
 def test_the_v2_names_are_the_ones_sglang_defines() -> None:
     """SGLang 0.5.23 already ships a CustomAllReduceV2 (its per-call override came later): the
     attributes call sites read off a ca_comm, and AllReduceAlgo's members, are its own."""
-    root = surface.sglang_root()
+    root = plugin_surface.package_root("sglang")
     assigned = _self_assignments(root + "/srt/distributed/device_communicators/custom_all_reduce_v2.py",
                                  "CustomAllReduceV2")
     assert set(surface.V2_ATTRIBUTES) <= assigned, set(surface.V2_ATTRIBUTES) - assigned
     members = _enum_members(root + "/kernels/ops/communication/all_reduce.py", "AllReduceAlgo")
     assert set(surface.V2_OVERRIDE_ALGOS) <= members, members
-    fused = surface.source_parameters(hooks.FUSED_OP)
+    fused = plugin_surface.source_parameters(hooks.FUSED_OP)
     assert "use_attn_tp_group" in fused
     assert fused == surface.hook_parameters(hooks.flashinfer_allreduce_residual_rmsnorm_v2)
 
@@ -215,7 +217,7 @@ def test_the_ceilings_are_what_should_custom_ar_takes(algo: str, transport: str,
     algorithms (the forced one, or all of them under auto), so V2's own rules agree with ours."""
     adapter = _adapter(algo, transport)
     assert (adapter.max_push_size, adapter.max_pull_size) == (push, pull)
-    assert max(push, pull) == adapter.largest_served and adapter.max_size == MAX_BYTES
+    assert max(push, pull) == adapter.largest_served == adapter.max_size
     for nbytes in sorted({16, 4096, 1 << 19, (1 << 19) + 16, MAX_BYTES - 16, MAX_BYTES, MAX_BYTES + 16}):
         x = torch.zeros(nbytes // 2, dtype=torch.bfloat16)
         assert adapter.should_custom_ar(x) is _v2_takes(adapter, nbytes), nbytes

@@ -132,22 +132,29 @@ def _warnings_of(call) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_a_planted_link_never_makes_the_writer_overwrite_another_file(tmp_path) -> None:
-    """Every name another user could plant in a shared cache directory, as a link to a file of the
-    victim's: the table is written beside it, and the file the link points to keeps its bytes."""
+def test_a_planted_link_never_makes_the_writer_overwrite_another_file(tmp_path, monkeypatch) -> None:
+    """Links another user could plant in a shared cache directory, to a file of the victim's: at the
+    table's name, and at the very name the writer's temporary file draws first (the random names
+    made predictable here, as if guessed). The table is written beside them through a file of its
+    own, and the file the links point to keeps its bytes."""
+    import tempfile
+
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     path = str(cache / "nvidia-test-gpu-w2-0123456789ab.json")
-    for planted in (f"{path}.tmp{os.getpid()}", path):
+    names = iter(["guessed", "fresh"])
+    monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: names)
+    guessed = str(cache / f".{os.path.basename(path)}.guessed.tmp")  # mkstemp's name for "guessed"
+    for planted in (guessed, path):
         os.symlink(victim, planted)
     tune_cache.write_table(path, tables.default_table().to_json(), {"by": "test"})
     assert victim.read_text() == "precious\n"
+    assert os.path.islink(guessed), "the planted link was replaced or followed"
     assert not os.path.islink(path) and json.loads(open(path, encoding="utf-8").read())["meta"] == {"by": "test"}
     assert (os.stat(path).st_mode & 0o077) == 0
-    planted = f"{os.path.basename(path)}.tmp{os.getpid()}"
-    assert sorted(os.listdir(cache)) == sorted([os.path.basename(path), planted])  # no temporary file left
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(path), os.path.basename(guessed)])  # no temp left
 
 
 def test_a_cache_directory_others_can_write_is_refused(tmp_path) -> None:

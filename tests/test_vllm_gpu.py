@@ -90,7 +90,7 @@ def _rank(ctx: ranks.RankContext) -> dict:
     ref.check(tp.all_reduce(big.clone()), big_xs, "eager fallback above max_bytes")
     for seed, tokens in enumerate(DECODE_TOKENS, start=200):
         x, residual, weight, want_residual = _fused_case(ctx, seed, tokens)
-        assert adapter.can_fuse(x, residual, weight)
+        assert adapter.can_fuse(x, residual, weight, EPS)
         normed, new_residual = op(x, residual, weight, EPS, tp.unique_name)
         _check_fused(normed, new_residual, weight, want_residual, f"fused T={tokens}")
         assert torch.equal(new_residual, residual + tp.all_reduce(x)), "fused residual differs from the unfused pair"

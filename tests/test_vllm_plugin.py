@@ -27,7 +27,7 @@ from sglang_plugin import settings as sglang_settings
 from tests._standins import GlooCommunicator
 from tests._vllm import REPO, ensure_entry_point, plugin_env, tp_group, vllm_skip_reason
 from vllm_plugin import settings as settings_mod
-from vllm_plugin.eligibility import RankFacts
+from pcie_allreduce.plugin_eligibility import RankFacts
 from vllm_plugin.settings import Settings
 
 VLLM_SKIP = vllm_skip_reason()
@@ -47,11 +47,19 @@ def test_settings_defaults_are_off_and_shared_with_sglang() -> None:
     assert s == Settings() and not s.enabled and s.max_bytes == 8 << 20 and s.mode == "pcie" and s.fused
     assert s.timeout_s == 300 and s.wire == "exact" and s.wire_min_bytes == 1 << 20
     assert all(n.startswith("PCIE_AR_VLLM_") for n in settings_mod.DOCS)
-    # Every vLLM setting is an SGLang one under the other prefix, with the same default.
-    ours = {n.removeprefix(settings_mod.PREFIX): d for n, (d, _) in settings_mod.DOCS.items()}
-    theirs = {n.removeprefix(sglang_settings.PREFIX): d for n, (d, _) in sglang_settings.DOCS.items()}
-    assert ours == {k: theirs[k] for k in ours}
+    # Every vLLM setting is an SGLang one under the other prefix.
+    assert {n.removeprefix(settings_mod.PREFIX) for n in settings_mod.DOCS} <= {
+        n.removeprefix(sglang_settings.PREFIX) for n in sglang_settings.DOCS}
     assert settings_mod.ALGO == plugin_settings.names("PCIE_AR_VLLM_").algo
+
+
+@pytest.mark.parametrize("module", [settings_mod, sglang_settings], ids=["vllm", "sglang"])
+def test_each_documented_default_is_what_the_code_does_when_unset(module) -> None:
+    """Setting a variable to the default its documentation gives changes nothing: the docs' defaults
+    are the parser's, for every setting of both plugins."""
+    unset = module.from_env({})
+    for name, (default, _) in module.DOCS.items():
+        assert module.from_env({name: default}) == unset, (name, default)
 
 
 def test_settings_parse_values() -> None:
@@ -415,7 +423,7 @@ def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: s
 
     adapter = VllmAllReduceAdapter(None, "cpu", Settings(enabled=True, algo=algo),
                                    communicator_factory=lambda *a, **k: _Capped(transport=transport))
-    for nbytes in sorted({16, adapter.comm.ll_capacity, adapter.comm.ll_capacity + 16, adapter.max_size}):
+    for nbytes in sorted({16, adapter.comm.ll_capacity, adapter.comm.ll_capacity + 16, adapter.max_bytes}):
         x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
         served = adapter.should_custom_ar(x)
         assert served is (0 < nbytes <= adapter.largest_served)

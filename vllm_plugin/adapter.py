@@ -81,6 +81,6 @@ class VllmAllReduceAdapter(CaCommAdapter):
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(rmsnorm(residual + all_reduce(input)) * weight, residual + all_reduce(input))``, both new
         tensors, the second bitwise the unfused pair's; None when :meth:`can_fuse` declines."""
-        if not self.can_fuse(input_, residual, weight):
+        if not self.can_fuse(input_, residual, weight, eps):
             return None
         return self._all_reduce_rmsnorm(input_, residual, weight, eps)

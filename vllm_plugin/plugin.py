@@ -16,15 +16,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import weakref
 from typing import Any, Callable
 
 import torch
 
+from pcie_allreduce import plugin_adapter, plugin_logline
+from pcie_allreduce.plugin_eligibility import Decision
 from vllm_plugin import eligibility, settings as settings_mod
-from vllm_plugin.surface import SUPPORTED_VLLM_VERSIONS
 from vllm_plugin.adapter import VllmAllReduceAdapter
-from vllm_plugin.settings import Settings, SettingsError, format_bytes
+from vllm_plugin.settings import FUSED, MAX_BYTES, Settings, SettingsError
+from vllm_plugin.surface import SUPPORTED_VLLM_VERSIONS
 
 logger = logging.getLogger("vllm_plugin")
 
@@ -35,24 +36,12 @@ TAG = "pcie_allreduce[vllm]"
 CA_MODULE = "vllm.distributed.device_communicators.custom_all_reduce"
 
 
+@dataclasses.dataclass(kw_only=True)
+class PluginState(plugin_adapter.PluginState):
+    """What :func:`install` set up in this process: the shared state, and vLLM's ``CustomAllreduce``
+    class (``original``), which :func:`unregister` puts back."""
 
-@dataclasses.dataclass
-class PluginState:
-    """What :func:`install` set up in this process.
-
-    Attributes:
-        settings: the parsed environment.
-        original: vLLM's ``CustomAllreduce`` class, put back by :func:`unregister`.
-        adapters: adapters serving in this process (weakly held).
-        communicator_factory: builds the pcie_allreduce communicator (tests substitute a CPU stand-in).
-        facts_fn: per-rank facts for the eligibility decision (tests substitute GPU facts).
-    """
-
-    settings: Settings
     original: Any
-    adapters: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)
-    communicator_factory: Callable[..., Any] | None = None
-    facts_fn: Callable[..., Any] | None = None
 
 
 STATE: PluginState | None = None
@@ -120,9 +109,9 @@ def build_ca_comm(original: Any, group: Any, device: Any, *args: Any, **kwargs: 
         return original(group, device, *args, **kwargs)
     device = torch.device(device) if not isinstance(device, torch.device) else device
     decision = eligibility.decide(group, device, state.settings, facts_fn=state.facts_fn or eligibility.local_facts)
-    where = f"{TAG} rank {torch.distributed.get_rank(group)}/{torch.distributed.get_world_size(group)} {device}"
+    where = plugin_logline.where("vllm", group, device)
     if not decision.serve:
-        logger.info("%s: not serving, vLLM's own backends serve every size; why: %s", where, decision.reason)
+        logger.info("%s", plugin_logline.declined(where, "vLLM", decision.reason))
         return original(group, device, *args, **kwargs)
     try:
         adapter = VllmAllReduceAdapter(group, device, state.settings,
@@ -137,19 +126,12 @@ def build_ca_comm(original: Any, group: Any, device: Any, *args: Any, **kwargs: 
     return adapter
 
 
-def serving_line(where: str, adapter: VllmAllReduceAdapter, decision: eligibility.Decision) -> str:
-    """The INFO line of a rank whose group the plugin serves."""
-    from pcie_allreduce.layout import Layout
-
-    transport = getattr(adapter.comm, "transport", None) or "p2p"
-    per_stream = Layout.make(adapter.max_size, adapter.world_size, transport).total_bytes
-    memory = "pinned host memory" if transport == "host" else "GPU memory"
-    wire = f"; {adapter.wire} wire from {format_bytes(adapter.wire_min_bytes)}" if adapter.wire else ""
-    return (f"{where}: all-reduce of contiguous bf16/fp16/fp32 tensors of 1B..{format_bytes(adapter.largest_served)} "
-            f"-> pcie_allreduce over {transport} ({getattr(adapter.comm, 'transport_reason', '')}; algo "
-            f"{adapter.algo}{wire}); larger or other -> vLLM's other backends; all-gather and reduce-scatter -> "
-            f"vLLM's (NCCL); workspaces {per_stream / 2**20:.0f} MiB of {memory} per CUDA stream (outside vLLM's "
-            f"accounting); why: {decision.reason}")
+def serving_line(start: str, adapter: VllmAllReduceAdapter, decision: Decision) -> str:
+    """The INFO line of a rank whose group the plugin serves (:func:`pcie_allreduce.plugin_logline.serving`)."""
+    fused = ("fused all-reduce+residual+RMSNorm: op pcie_allreduce_vllm::all_reduce_rmsnorm (compile pass "
+             "vllm_plugin.fuse_allreduce_rmsnorm)" if adapter.fused_enabled else f"fused path off ({FUSED}=0)")
+    return plugin_logline.serving(start, adapter, decision.reason, engine_name="vLLM", max_bytes_variable=MAX_BYTES,
+                                  fused=fused, others="; all-gather and reduce-scatter -> vLLM's (NCCL)")
 
 
 def _dispatching_class(original: type) -> type:

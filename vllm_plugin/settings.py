@@ -12,7 +12,6 @@ import dataclasses
 from typing import Mapping
 
 from pcie_allreduce import plugin_settings as shared
-from pcie_allreduce.plugin_settings import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, DEFAULT_WIRE_MIN_BYTES, format_bytes
 from pcie_allreduce.settings import SettingsError
 
 __all__ = ["DOCS", "PREFIX", "Settings", "SettingsError", "describe", "from_env"]
@@ -33,29 +32,9 @@ DOCS: dict[str, tuple[str, str]] = shared.docs(NAMES, "vLLM")
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-    """What the plugin does in this process (see :func:`pcie_allreduce.plugin_settings.docs`).
-
-    Attributes:
-        enabled: serve anything at all.
-        max_bytes: largest all-reduce served, in bytes (the communicator's ``max_bytes``).
-        algo: algorithm override for plain all-reduces ("auto" uses the agreed table).
-        mode: "pcie" (only groups without full NVLink) or "always".
-        fused: serve the fused all-reduce + residual + RMSNorm op (and let the compile pass use it).
-        timeout_s: per-call peer wait limit (300 s: a rank that falls behind delays a step, as
-            with NCCL, instead of crashing the server).
-        wire: "exact", or a compressed wire ("fp8") for all-reduces of ``wire_min_bytes`` and more.
-        wire_min_bytes: the smallest all-reduce the compressed wire takes.
-    """
-
-    enabled: bool = False
-    max_bytes: int = DEFAULT_MAX_BYTES
-    algo: str = "auto"
-    mode: str = "pcie"
-    fused: bool = True
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    wire: str = "exact"
-    wire_min_bytes: int = DEFAULT_WIRE_MIN_BYTES
+class Settings(shared.Settings):
+    """What the plugin does in this process: the shared settings (:class:`pcie_allreduce.plugin_settings.Settings`);
+    vLLM's plugin has none of its own."""
 
 
 def from_env(environ: Mapping[str, str]) -> Settings:

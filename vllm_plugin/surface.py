@@ -8,13 +8,13 @@ one fails the conformance tests instead of silently serving nothing.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import importlib.util
 import inspect
-import os
 from typing import Any
+
+from pcie_allreduce.plugin_surface import source_parameters
 
 SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.34.0",)
 
@@ -109,28 +109,3 @@ def parameters(path: str) -> tuple[str, ...]:
         return tuple(inspect.signature(obj).parameters)
     except (TypeError, ValueError):
         return source_parameters(path)
-
-
-def source_parameters(path: str) -> tuple[str, ...]:
-    """Parameters of the function or method at ``path`` read from vLLM's source with ``ast``."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("vllm is not installed", name="vllm")
-    root = os.path.dirname(list(spec.submodule_search_locations)[0])
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        candidate = os.path.join(root, *parts[:cut]) + ".py"
-        if os.path.isfile(candidate):
-            with open(candidate, encoding="utf-8") as f:
-                body: list[ast.stmt] = ast.parse(f.read(), candidate).body
-            for i, name in enumerate(parts[cut:]):
-                last = i == len(parts) - cut - 1
-                kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if last else (ast.ClassDef,)
-                found = [n for n in body if isinstance(n, kinds) and n.name == name]
-                if not found:
-                    raise LookupError(f"{path}: no {name} in {candidate}")
-                if last:
-                    a = found[-1].args  # type: ignore[union-attr]
-                    return tuple(x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs))
-                body = found[-1].body  # type: ignore[union-attr]
-    raise LookupError(f"no source file for {path} under {root}")
