@@ -20,7 +20,8 @@ import subprocess
 import sys
 from typing import Any, Protocol
 
-from pcie_allreduce import environment, fabric
+from pcie_allreduce import environment
+from pcie_allreduce.fabric import sysfs
 from pcie_allreduce.errors import UnavailableError, one_line
 
 SYSFS_PCI = "/sys/bus/pci/devices"
@@ -57,7 +58,7 @@ class Topology:
 
 
 #: CUDA's "00000000:19:00.0" or "0000:19:00.0" -> sysfs's "0000:19:00.0".
-sysfs_bus_id = fabric.sysfs_bus_id
+sysfs_bus_id = sysfs.sysfs_bus_id
 
 
 def numa_node(bus_id: str, sysfs_root: str = SYSFS_PCI) -> int | None:
@@ -242,7 +243,7 @@ def _write_files(out: str, data: dict[str, Any], json_text: str, table: str) -> 
 def _probe_islands(world: int, gpu_count: int, fabric_islands: list[list[int]] | None) -> tuple[tuple[int, ...], ...]:
     """The islands of ``world`` ranks for the cross-island rates: ``$PCIE_AR_ISLANDS`` where set
     (an unusable setting measures none), else, with one rank per GPU, the detected ones."""
-    from pcie_allreduce import topology
+    from pcie_allreduce.fabric import topology
 
     try:
         override = topology.islands_override(world)

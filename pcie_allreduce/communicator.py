@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, ops, settings, topology, transport as transport_mod, validation
+from pcie_allreduce import _ext, ops, settings, transport as transport_mod, validation
+from pcie_allreduce.fabric import topology
 from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
 from pcie_allreduce.plan import algorithms, dispatch, tables

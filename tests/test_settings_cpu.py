@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from pcie_allreduce import communicator, nodes, settings
+from pcie_allreduce import communicator, settings
+from pcie_allreduce.fabric import nodes
 from pcie_allreduce.settings import SettingsError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +66,7 @@ def test_the_emulated_nodes_setting_names_the_variable(value: str) -> None:
 
 @pytest.mark.parametrize("value", ["0-\u00b9;2-3", "\u0660-1;2-3"])
 def test_the_islands_setting_takes_ascii_ranks_only(value: str) -> None:
-    from pcie_allreduce import topology
+    from pcie_allreduce.fabric import topology
 
     with pytest.raises(ValueError, match=f"PCIE_AR_ISLANDS={value!r}: .* is not a rank or a range of ranks"):
         topology.islands_override(4, {"PCIE_AR_ISLANDS": value})

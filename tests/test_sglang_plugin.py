@@ -735,7 +735,7 @@ class _NodeSum:
 def _hierarchy_rank(rank: int, max_bytes: int):
     """The real HierarchicalCommunicator, ``rank`` of two nodes of two ranks, its sends stubbed out."""
     from pcie_allreduce.hierarchy import HierarchicalCommunicator
-    from pcie_allreduce.nodes import equal_nodes
+    from pcie_allreduce.fabric.nodes import equal_nodes
 
     comm = object.__new__(HierarchicalCommunicator)
     comm.layout, comm.rank, comm.world_size, comm.max_bytes = equal_nodes(4, 2), rank, 4, max_bytes

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import topology, tune_cache
+from pcie_allreduce import tune_cache
+from pcie_allreduce.fabric import topology
 from pcie_allreduce.plan import rules, tables
 from pcie_allreduce.communicator import Communicator
 
