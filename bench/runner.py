@@ -16,7 +16,7 @@ import traceback
 import warnings
 from typing import Any, Callable, Protocol, Sequence
 
-from pcie_allreduce.ranks import placement_label
+from pcie_allreduce.tools.ranks import placement_label
 
 from bench import backends, plan, progress, report, watchdog
 from bench.options import BenchConfig
@@ -144,7 +144,7 @@ class _Follower(threading.Thread):
 
 def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: Sequence[Case], directory: str,
             echo: Echo, bar: Progress) -> Failure | None:
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
     from bench.rank import bench_rank
 
     job = plan.make_job(cfg, backend, cases, directory)

@@ -1,6 +1,6 @@
 """``python -m bench topo``: which GPUs can write into which (CUDA peer access), their PCI bus ids,
 NUMA nodes and place in the PCIe fabric (switch, link; the islands the library forms from them:
-:func:`pcie_allreduce.environment.fabric_section`), then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
+:func:`pcie_allreduce.tools.environment.fabric_section`), then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
 one-way write bandwidth per pair, one-to-one vs all-to-all write bandwidth. Printed as matrices
 and optionally saved (JSON, the printed text, CSV and PNG: :mod:`.topo_files`).
 
@@ -20,9 +20,9 @@ import subprocess
 import sys
 from typing import Any, Protocol
 
-from pcie_allreduce import environment
-from pcie_allreduce.fabric import sysfs
 from pcie_allreduce.errors import UnavailableError, one_line
+from pcie_allreduce.fabric import sysfs
+from pcie_allreduce.tools import environment
 
 SYSFS_PCI = "/sys/bus/pci/devices"
 JSON_NAME = "topo.json"
@@ -166,8 +166,8 @@ def format_probe(world: int, placement: str, data: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m bench topo``."""
     from pcie_allreduce import sizes
-    from pcie_allreduce.cli import positive_float, positive_int
-    from pcie_allreduce.tune import add_world_argument
+    from pcie_allreduce.tools.cli import positive_float, positive_int
+    from pcie_allreduce.tools.tune.cli import add_world_argument
 
     parser.add_argument("--out", metavar="DIR", help="also write topo.json, topo.txt, topo.csv and topo.png into DIR")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the matrices")
@@ -190,7 +190,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of the ``topo`` subcommand."""
     import torch
 
-    from pcie_allreduce import _ext, ranks
+    from pcie_allreduce import _ext
+    from pcie_allreduce.tools import ranks
 
     reason = ranks.skip_reason_no_gpu()
     if reason is not None:
@@ -260,7 +261,7 @@ def _measure(args: argparse.Namespace, gpu_count: int, show: bool,
              fabric_islands: list[list[int]] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the probe per world size; (world -> matrices, world -> one-line error)."""
     from bench import topo_probe
-    from pcie_allreduce.ranks import placement_label
+    from pcie_allreduce.tools.ranks import placement_label
     from bench.options import default_worlds, unique
 
     measured: dict[str, Any] = {}

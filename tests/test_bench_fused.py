@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from pcie_allreduce.ranks import placement_label
+from pcie_allreduce.tools.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import backends, command, environment, norm_ops, options, pattern, plan, report, report_fused, runner

@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from pcie_allreduce.ranks import placement_label
+from pcie_allreduce.tools.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import command, environment, options, plan, report, report_verify, runner, verify_options

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import nodes
 from pcie_allreduce.errors import InterNodeError
 from pcie_allreduce.hierarchy import HierarchicalCommunicator, off_node_bytes, shard_bounds

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.hierarchy import HierarchicalCommunicator
 from pcie_allreduce.fabric.nodes import equal_nodes
 from tests import _reference as ref

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import sysfs as fabric_sysfs, topology
 from tests import _sysfs
 from tests.test_creation_cpu import _fake_cuda

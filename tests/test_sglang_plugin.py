@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.layout import Layout
 from sglang_plugin import hooks, import_watch, patching, settings as settings_mod, surface
 from sglang_plugin.eligibility import Decision, RankFacts

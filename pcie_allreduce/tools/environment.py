@@ -124,7 +124,7 @@ def _gpus(ext: Any) -> list[dict[str, Any]]:
 
 
 def _mps() -> dict[str, Any]:
-    from pcie_allreduce import mps
+    from pcie_allreduce.tools import mps
 
     external = mps._external_mps_env()
     return {"control_binary": shutil.which(mps.MPS_CONTROL_BINARY),
