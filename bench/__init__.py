@@ -2,19 +2,21 @@
 
 Side-by-side all-reduce timings of several backends in one run (also ``--fused`` and ``verify``),
 the machine's topology (``topo``), a correctness soak (``soak``) and plots of saved runs (``plot``). It imports the library;
-the library never imports it, and it is not part of the wheel.
+the library never imports it, and it is not part of the wheel. It reuses the library's tools: the
+rank spawner (``pcie_allreduce.tools.ranks``), the replay timer and its statistics
+(``pcie_allreduce.tools.timing``) and the size parser (``pcie_allreduce.sizes``).
 
 Modules, one idea each (parent side first, then what runs inside the ranks):
 
 - ``options``      argparse options and the validated :class:`~.options.BenchConfig` (pure)
 - ``results``      the result-row data model, bandwidths and speed-ups (pure)
 - ``report``       table / summary / CSV / JSON formatting and writing (pure)
-- ``stats``        percentiles over replays (pure)
 - ``plan``         the picklable job a backend run hands to its ranks (pure)
 - ``progress``     JSON-lines log the ranks append to and the parent reads back
 - ``environment``  GPU / driver / software facts and the placement label
 - ``backends``     the backend registry (name -> "module:Class") and what a backend class declares
-- ``runner``       parent: one isolated ``run_ranks`` per (world, backend), retries, partial results
+- ``runner``       parent: the cases of a backend, one isolated ``run_ranks`` per (world, backend), retries,
+  partial results
 - ``command``      the default benchmark and ``verify`` end to end
 - ``outcome``      per-rank case outcomes merged into one logged row (pure)
 - ``verify_options`` ``verify``'s options and model presets (pure)

@@ -7,7 +7,7 @@
     python -m bench soak [options]      a long run of random collectives, every result checked exactly
     python -m bench plot JSON           redraw the PNG of a saved run
 
-Exit status as ``pcie-allreduce`` (:mod:`pcie_allreduce.cli`): 0 success; 1 some of our cases
+Exit status as ``pcie-allreduce`` (:mod:`pcie_allreduce.tools.cli`): 0 success; 1 some of our cases
 failed or a backend returned a wrong sum; 2 usage error; 3 this machine cannot run it (one line on
 stderr); 130 interrupted.
 """
@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from pcie_allreduce.cli import Command, resolve, run_handler
+from pcie_allreduce.tools.cli import Command, resolve, run_handler
 
 PROG = "python -m bench"
 DESCRIPTION = ("Time all-reduce backends side by side (ours, torch symmetric memory, NCCL, and FlashInfer, vLLM, "

@@ -11,7 +11,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce.ranks import RankContext
+from pcie_allreduce.tools.ranks import RankContext
 
 from bench.backends import Backend, Buffers
 from bench.plan import RankJob

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from pcie_allreduce.plan.algorithms import SYMMETRIC_INPUT_ALGORITHMS, availability_problem, fits_capacity
-from pcie_allreduce.ranks import RankContext
+from pcie_allreduce.tools.ranks import RankContext
 
 from bench.backends import Backend, Buffers
 from bench.options import OUR_ALGOS
@@ -55,8 +55,8 @@ class OursBackend(Backend):
 
     def facts(self) -> dict[str, Any]:
         """Block cap, GPU model and topology fingerprint (the key of tuned tables) for the setup event."""
-        from pcie_allreduce import tune_cache
         from pcie_allreduce import _ext
+        from pcie_allreduce.plan import cache
 
         facts: dict[str, Any] = {"block_cap": self._comm.block_cap,
                                  "gpu_name": torch.cuda.get_device_name(self._comm.device),
@@ -65,7 +65,7 @@ class OursBackend(Backend):
         ext = _ext.load()
         placements = getattr(self._comm, "placements", None)
         if ext is not None and placements:
-            facts["fingerprint"] = tune_cache.fingerprint_of(ext, [p.pci_bus_id for p in placements],
+            facts["fingerprint"] = cache.fingerprint_of(ext, [p.pci_bus_id for p in placements],
                                                             getattr(self._comm, "islands", ()))
         return facts
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from pcie_allreduce.nodes import NODES_ENV, emulated_nodes
-from pcie_allreduce.ranks import RankContext
+from pcie_allreduce.fabric.nodes import NODES_ENV, emulated_nodes
+from pcie_allreduce.tools.ranks import RankContext
 
 from bench.backend_ours import SYNC_COUNT, OursBackend, kernel_timeout_s
 from bench.plan import Case, RankJob

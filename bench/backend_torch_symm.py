@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pcie_allreduce.sizes import DTYPE_SIZES
-from pcie_allreduce.ranks import RankContext
+from pcie_allreduce.tools.ranks import RankContext
 
 from bench.backends import Backend, Buffers
 from bench.outcome import CaseSkipped

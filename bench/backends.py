@@ -20,14 +20,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 
 from pcie_allreduce.plan.algorithms import HOST_ONLY_ALGORITHMS
-from pcie_allreduce.cli import resolve
+from pcie_allreduce.tools.cli import resolve
 
 from bench.results import ALLREDUCE, FUSED, FUSED_ALGO, NORM_SUFFIXES, OURS_HIER, VERIFY, forced_fused_algo
 
 if TYPE_CHECKING:  # torch only inside ranks and availability probes
     import torch
 
-    from pcie_allreduce.ranks import RankContext
+    from pcie_allreduce.tools.ranks import RankContext
 
     from bench.plan import RankJob
 

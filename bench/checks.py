@@ -15,7 +15,7 @@ import torch
 
 from pcie_allreduce import fp8_wire
 from pcie_allreduce.plan.algorithms import LOSSY_ALGORITHMS
-from pcie_allreduce.ranks import RankContext
+from pcie_allreduce.tools.ranks import RankContext
 
 from bench import pattern
 from bench.backends import Buffers

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Callable
 
-from pcie_allreduce.cli import EXIT_FAILURES, EXIT_INTERRUPTED
+from pcie_allreduce.tools.cli import EXIT_FAILURES, EXIT_INTERRUPTED
 from pcie_allreduce.errors import UnavailableError
 
 from bench import options, report, runner
@@ -23,7 +23,7 @@ def echo(line: str) -> None:
 
 def unavailable_reason(cfg: options.BenchConfig) -> str | None:
     """Why no benchmark can run here: no GPU, or our kernels are asked for but not usable."""
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
 
     reason = ranks.skip_reason_no_gpu()
     if reason is not None:
@@ -92,7 +92,7 @@ def finish(rep: Report, cfg: options.BenchConfig, text: str | None = None) -> in
 def _gpu_count() -> int:
     import torch
 
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
 
     return ranks.gpu_count() if torch.version.cuda is not None else 0
 

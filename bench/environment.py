@@ -16,10 +16,10 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from pcie_allreduce._ext import cuda_version_text
-from pcie_allreduce.environment import distribution_version, nvidia_smi_gpus
+from pcie_allreduce.tools.environment import distribution_version, nvidia_smi_gpus
 
 if TYPE_CHECKING:
-    from pcie_allreduce.ranks import RankContext
+    from pcie_allreduce.tools.ranks import RankContext
 
 def visible_gpus(rows: list[dict[str, str]], cuda_visible_devices: str | None) -> list[dict[str, str]]:
     """The nvidia-smi rows of the GPUs CUDA_VISIBLE_DEVICES leaves to this run, in its order.

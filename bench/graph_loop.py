@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fused-algos", nargs="+", default=["auto", "unfused"], metavar="ALGO")
     args = parser.parse_args(argv)
 
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
 
     reason = ranks.skip_reason_no_gpu()
     if reason is not None:

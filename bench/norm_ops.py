@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from pcie_allreduce.ranks import RankContext
+from pcie_allreduce.tools.ranks import RankContext
 
 from bench.backends import Buffers
 from bench.outcome import CaseSkipped

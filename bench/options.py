@@ -12,9 +12,9 @@ from typing import Any, Sequence
 from pcie_allreduce import sizes
 from pcie_allreduce.plan.algorithms import (ALGORITHMS, FUSED_ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS,
                                             LOSSY_ALGORITHMS)
-from pcie_allreduce.cli import non_negative_int, positive_float, positive_int, typed_arg
+from pcie_allreduce.tools.cli import non_negative_int, positive_float, positive_int, typed_arg
 from pcie_allreduce.sizes import DTYPE_SIZES
-from pcie_allreduce.tune import add_world_argument, default_worlds
+from pcie_allreduce.tools.tune.cli import add_world_argument, default_worlds
 
 from bench.backends import BACKENDS, DEFAULT_BACKENDS, OPT_IN
 from bench.results import ALLREDUCE, FUSED

@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Sequence
 
-from bench import stats
+from pcie_allreduce.tools.timing import summarize
+
 from bench.results import FAILED, OK, SKIPPED, WRONG
 
 _SEVERITY = MappingProxyType({OK: 0, SKIPPED: 1, WRONG: 2, FAILED: 3})  # worst status of the ranks wins
@@ -37,7 +38,7 @@ def merge(outcomes: Sequence[dict[str, Any]], calls_per_block: int) -> dict[str,
             event["error"] = f"rank {o['rank']}: {o['error']}"
             break
     if status == OK:
-        timing = stats.summarize([o["times"] for o in outcomes], calls_per_block)
+        timing = summarize([o["times"] for o in outcomes], calls_per_block)
         event.update(p50_us=timing.p50_us, p99_us=timing.p99_us, rank0_p50_us=timing.rank0_p50_us,
                      min_us=timing.min_us, mean_us=timing.mean_us, replays=timing.replays)
     return event

@@ -1,4 +1,5 @@
-"""What a backend run hands to its ranks: the cases and the timing knobs (picklable, pure)."""
+"""What a backend run hands to its ranks: the cases and the timing knobs (picklable, pure; the parent
+chooses them from its configuration, :func:`bench.runner.cases_for`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ from typing import Sequence
 
 from pcie_allreduce.sizes import DTYPE_SIZES
 
-from bench import backends
-from bench.options import BenchConfig
-from bench.results import ALLREDUCE, VERIFY
+from bench.results import ALLREDUCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,27 +65,3 @@ def make_cases(sizes: Sequence[int], algos: Sequence[str], dtype: str) -> tuple[
         for algo in algos:
             cases.append(Case(len(cases), size, size // element, algo))
     return tuple(cases)
-
-
-def cases_for(cfg: BenchConfig, backend: str) -> tuple[Case, ...]:
-    """Every case ``backend`` runs under ``cfg`` (its workload decides what a case is)."""
-    if cfg.workload == ALLREDUCE:
-        return make_cases(cfg.sizes, backends.algos_for(backend, cfg.algos), cfg.dtype)
-    algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm, fused_algos=cfg.fused_algos)
-    cases = []
-    for shape in cfg.shapes:
-        calls = 2 * shape.layers if cfg.workload == VERIFY else 0
-        for algo in algos:
-            cases.append(Case(len(cases), shape.nbytes(cfg.dtype), shape.tokens * shape.hidden, algo,
-                              tokens=shape.tokens, hidden=shape.hidden, calls=calls, model=shape.model))
-    return tuple(cases)
-
-
-def make_job(cfg: BenchConfig, backend: str, cases: Sequence[Case], progress_dir: str) -> RankJob:
-    return RankJob(
-        backend=backend, dtype=cfg.dtype, cases=tuple(cases), max_bytes=cfg.max_bytes, progress_dir=progress_dir,
-        seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, calls_per_graph=cfg.calls_per_graph, eager=cfg.eager,
-        time_budget_s=cfg.time_budget_s, rounds=cfg.rounds, case_timeout_s=cfg.case_timeout_s,
-        setup_timeout_s=cfg.setup_timeout_s,
-        workload=cfg.workload, eps=cfg.eps, gemms=cfg.gemms,
-    )

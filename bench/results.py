@@ -158,7 +158,7 @@ class Result:
             if not self.nodes or self.world % self.nodes:
                 return None
             from pcie_allreduce.hierarchy import off_node_wire
-            from pcie_allreduce.nodes import equal_nodes
+            from pcie_allreduce.fabric.nodes import equal_nodes
 
             elem = max(1, self.size_bytes // max(1, self.count))
             return off_node_wire(self.count, elem, equal_nodes(self.world, self.nodes))

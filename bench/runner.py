@@ -16,13 +16,13 @@ import traceback
 import warnings
 from typing import Any, Callable, Protocol, Sequence
 
-from pcie_allreduce.ranks import placement_label
+from pcie_allreduce.tools.ranks import placement_label
 
 from bench import backends, plan, progress, report, watchdog
 from bench.options import BenchConfig
 from bench.outcome import one_line
 from bench.plan import Case
-from bench.results import FAILED, NOT_RUN, OK, SKIPPED, VERIFY, Note, Report, Result, add_speedups
+from bench.results import ALLREDUCE, FAILED, NOT_RUN, OK, SKIPPED, VERIFY, Note, Report, Result, add_speedups
 
 Echo = Callable[[str], None]
 SPAWN_SLACK_S = 120.0  # run_ranks' own timeout is only a backstop behind the per-rank watchdogs
@@ -48,6 +48,31 @@ def make_result(cfg: BenchConfig, world: int, backend: str, case: Case, **fields
     return Result(world=world, backend=backend, algo=case.algo, size_bytes=case.size_bytes, count=case.count,
                   dtype=cfg.dtype, calls_per_graph=case.calls or cfg.calls_per_graph, mode=cfg.mode,
                   workload=cfg.workload, tokens=case.tokens, hidden=case.hidden, model=case.model, **fields)
+
+
+def cases_for(cfg: BenchConfig, backend: str) -> tuple[Case, ...]:
+    """Every case ``backend`` runs under ``cfg`` (its workload decides what a case is)."""
+    if cfg.workload == ALLREDUCE:
+        return plan.make_cases(cfg.sizes, backends.algos_for(backend, cfg.algos), cfg.dtype)
+    algos = backends.algos_for(backend, cfg.algos, cfg.workload, norm=cfg.norm, fused_algos=cfg.fused_algos)
+    cases = []
+    for shape in cfg.shapes:
+        calls = 2 * shape.layers if cfg.workload == VERIFY else 0
+        for algo in algos:
+            cases.append(Case(len(cases), shape.nbytes(cfg.dtype), shape.tokens * shape.hidden, algo,
+                              tokens=shape.tokens, hidden=shape.hidden, calls=calls, model=shape.model))
+    return tuple(cases)
+
+
+def make_job(cfg: BenchConfig, backend: str, cases: Sequence[Case], progress_dir: str) -> plan.RankJob:
+    """The picklable job a backend run hands to its ranks."""
+    return plan.RankJob(
+        backend=backend, dtype=cfg.dtype, cases=tuple(cases), max_bytes=cfg.max_bytes, progress_dir=progress_dir,
+        seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, calls_per_graph=cfg.calls_per_graph, eager=cfg.eager,
+        time_budget_s=cfg.time_budget_s, rounds=cfg.rounds, case_timeout_s=cfg.case_timeout_s,
+        setup_timeout_s=cfg.setup_timeout_s,
+        workload=cfg.workload, eps=cfg.eps, gemms=cfg.gemms,
+    )
 
 
 def rows_from_events(events: Sequence[dict[str, Any]], cases: Sequence[Case], cfg: BenchConfig, world: int,
@@ -144,10 +169,10 @@ class _Follower(threading.Thread):
 
 def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: Sequence[Case], directory: str,
             echo: Echo, bar: Progress) -> Failure | None:
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
     from bench.rank import bench_rank
 
-    job = plan.make_job(cfg, backend, cases, directory)
+    job = make_job(cfg, backend, cases, directory)
     backstop = cfg.setup_timeout_s * 2 + cfg.case_timeout_s * len(cases) + SPAWN_SLACK_S
     follower = _Follower(directory, cases, cfg, world, backend, echo, bar)
     follower.start()
@@ -171,7 +196,7 @@ def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: S
 def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo: Echo,
                 bar: Progress | None = None) -> BackendOutcome:
     """All cases of one backend at one world size, restarting after a failed case up to cfg.retries times."""
-    cases = plan.cases_for(cfg, backend)
+    cases = cases_for(cfg, backend)
     counted = _Counted(bar or NoProgress())
     rows: dict[int, Result] = {}
     notes: list[Note] = []
@@ -233,7 +258,7 @@ class _Counted:
 
 def total_cases(cfg: BenchConfig) -> int:
     """Cases of the whole sweep (every world and backend), for the progress bar."""
-    return len(cfg.worlds) * sum(len(plan.cases_for(cfg, b)) for b in cfg.backends)
+    return len(cfg.worlds) * sum(len(cases_for(cfg, b)) for b in cfg.backends)
 
 
 def run_sweep(cfg: BenchConfig, gpu_count: int, environment: dict[str, Any], echo: Echo,
@@ -256,9 +281,9 @@ def run_sweep(cfg: BenchConfig, gpu_count: int, environment: dict[str, Any], ech
             if reason is not None:
                 echo(f"[W={world} {backend}] skipped: {reason}")
                 notes.append(Note(world, backend, "skipped", reason))
-                bar.advance(len(plan.cases_for(cfg, backend)))
+                bar.advance(len(cases_for(cfg, backend)))
                 continue
-            echo(f"[W={world} {backend}] running {len(plan.cases_for(cfg, backend))} cases ...")
+            echo(f"[W={world} {backend}] running {len(cases_for(cfg, backend))} cases ...")
             try:
                 out = run_backend(cfg, backend, world, gpu_count, echo, bar)
             except KeyboardInterrupt:

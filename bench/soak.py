@@ -28,14 +28,14 @@ import traceback
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Sequence
 
-from pcie_allreduce.cli import EXIT_FAILURES, non_negative_int, positive_float, positive_int
+from pcie_allreduce.tools.cli import EXIT_FAILURES, non_negative_int, positive_float, positive_int
 from pcie_allreduce.errors import CollectiveError, UnavailableError
 from pcie_allreduce.sizes import size_arg
 
 if TYPE_CHECKING:
     import torch
 
-    from pcie_allreduce.ranks import RankContext
+    from pcie_allreduce.tools.ranks import RankContext
 
     from bench.soak_schedule import Call, GraphEpisode, Replay, Straggler
 
@@ -90,7 +90,7 @@ class SoakConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m bench soak``."""
     from pcie_allreduce import transport
-    from pcie_allreduce.tune import world_arg
+    from pcie_allreduce.tools.tune.cli import world_arg
 
     parser.add_argument("--world", type=world_arg, metavar="W",
                         help="ranks (default: the number of GPUs if > 1, else 8 emulated on one GPU under MPS)")
@@ -122,7 +122,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     """The validated configuration; usage errors go through ``parser.error`` (exit 2)."""
     from pcie_allreduce.communicator import DEFAULT_TIMEOUT_S
     from pcie_allreduce.constants import MAX_MESSAGE_BYTES
-    from pcie_allreduce.tune import default_worlds
+    from pcie_allreduce.tools.tune.cli import default_worlds
 
     from bench.soak_schedule import FUSED_HIDDENS, LATE_S
 
@@ -146,14 +146,14 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
 def unavailable_reason() -> str | None:
     """Why the soak cannot run here: no GPU, or our kernels are not usable."""
     import pcie_allreduce
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
 
     return ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of ``python -m bench soak``: spawn the ranks, print and write the report, the exit status."""
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
 
     from bench.command import echo
     from bench.environment import host_environment

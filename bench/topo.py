@@ -1,6 +1,6 @@
 """``python -m bench topo``: which GPUs can write into which (CUDA peer access), their PCI bus ids,
 NUMA nodes and place in the PCIe fabric (switch, link; the islands the library forms from them:
-:func:`pcie_allreduce.environment.fabric_section`), then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
+:func:`pcie_allreduce.tools.environment.fabric_section`), then measured between W ranks (:mod:`.topo_probe`): flag round-trip latency and
 one-way write bandwidth per pair, one-to-one vs all-to-all write bandwidth. Printed as matrices
 and optionally saved (JSON, the printed text, CSV and PNG: :mod:`.topo_files`).
 
@@ -20,8 +20,9 @@ import subprocess
 import sys
 from typing import Any, Protocol
 
-from pcie_allreduce import environment, fabric
 from pcie_allreduce.errors import UnavailableError, one_line
+from pcie_allreduce.fabric import sysfs
+from pcie_allreduce.tools import environment
 
 SYSFS_PCI = "/sys/bus/pci/devices"
 JSON_NAME = "topo.json"
@@ -57,7 +58,7 @@ class Topology:
 
 
 #: CUDA's "00000000:19:00.0" or "0000:19:00.0" -> sysfs's "0000:19:00.0".
-sysfs_bus_id = fabric.sysfs_bus_id
+sysfs_bus_id = sysfs.sysfs_bus_id
 
 
 def numa_node(bus_id: str, sysfs_root: str = SYSFS_PCI) -> int | None:
@@ -165,8 +166,8 @@ def format_probe(world: int, placement: str, data: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m bench topo``."""
     from pcie_allreduce import sizes
-    from pcie_allreduce.cli import positive_float, positive_int
-    from pcie_allreduce.tune import add_world_argument
+    from pcie_allreduce.tools.cli import positive_float, positive_int
+    from pcie_allreduce.tools.tune.cli import add_world_argument
 
     parser.add_argument("--out", metavar="DIR", help="also write topo.json, topo.txt, topo.csv and topo.png into DIR")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the matrices")
@@ -189,7 +190,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of the ``topo`` subcommand."""
     import torch
 
-    from pcie_allreduce import _ext, ranks
+    from pcie_allreduce import _ext
+    from pcie_allreduce.tools import ranks
 
     reason = ranks.skip_reason_no_gpu()
     if reason is not None:
@@ -242,7 +244,7 @@ def _write_files(out: str, data: dict[str, Any], json_text: str, table: str) -> 
 def _probe_islands(world: int, gpu_count: int, fabric_islands: list[list[int]] | None) -> tuple[tuple[int, ...], ...]:
     """The islands of ``world`` ranks for the cross-island rates: ``$PCIE_AR_ISLANDS`` where set
     (an unusable setting measures none), else, with one rank per GPU, the detected ones."""
-    from pcie_allreduce import topology
+    from pcie_allreduce.fabric import topology
 
     try:
         override = topology.islands_override(world)
@@ -259,7 +261,7 @@ def _measure(args: argparse.Namespace, gpu_count: int, show: bool,
              fabric_islands: list[list[int]] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the probe per world size; (world -> matrices, world -> one-line error)."""
     from bench import topo_probe
-    from pcie_allreduce.ranks import placement_label
+    from pcie_allreduce.tools.ranks import placement_label
     from bench.options import default_worlds, unique
 
     measured: dict[str, Any] = {}

@@ -255,7 +255,7 @@ def run_probe(world: int, job: ProbeJob) -> dict[str, Any]:
     """
     import warnings
 
-    from pcie_allreduce import ranks
+    from pcie_allreduce.tools import ranks
     from bench import runner, watchdog
 
     with tempfile.TemporaryDirectory(prefix="pcie_ar_topo_") as directory:

@@ -13,7 +13,7 @@ import argparse
 from types import MappingProxyType
 from typing import Sequence
 
-from pcie_allreduce.cli import typed_arg
+from pcie_allreduce.tools.cli import typed_arg
 
 from bench import options
 from bench.backends import DEFAULT_BACKENDS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pcie_allreduce.cli import main
+from pcie_allreduce.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
 """``argparse`` types that convert and check a value, so a bad one is a usage error (exit 2).
 
-Apart from :mod:`pcie_allreduce.cli` so that value parsers (:mod:`pcie_allreduce.sizes`) can offer
+Apart from :mod:`pcie_allreduce.tools.cli` so that value parsers (:mod:`pcie_allreduce.sizes`) can offer
 an argparse type without importing the console script and what it imports.
 """
 

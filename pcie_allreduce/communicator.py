@@ -20,10 +20,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, ops, settings, topology, transport as transport_mod, validation
+from pcie_allreduce import _ext, ops, settings, transport as transport_mod, validation
+from pcie_allreduce.fabric import topology
 from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
-from pcie_allreduce.plan import algorithms, dispatch, tables
+from pcie_allreduce.plan import algorithms, cache, dispatch, tables
 from pcie_allreduce.plan.dispatch import DTYPE_IDS
 from pcie_allreduce.layout import Layout, WorkspaceView
 
@@ -528,38 +529,16 @@ class Communicator:
 
     def _adopt_tuned_table(self) -> None:
         """Use the table `pcie-allreduce tune` cached for this GPU model, W, topology and transport,
-        if any, else the transport's built-in one.
+        if any, else the transport's built-in one (:func:`pcie_allreduce.plan.cache.resolve_table`).
 
         Rank 0 reads it and every rank adopts rank 0's copy, so the table is agreed once, here.
-        A missing file means the default; one it cannot read or trust warns and means the default too.
         """
-        self.table = tables.default_table(self.transport, islands=len(self.islands))
-        self.table_source = ("built-in default" if self.transport == "host" or len(self.islands) < 2
-                             else f"built-in default for {len(self.islands)} islands (an estimate)")
-        from pcie_allreduce import tune_cache
-
-        found: tuple[str, str] | None = None
+        found = None
         if self.rank == 0:
-            fp = tune_cache.fingerprint_of(self._ext, [p.pci_bus_id for p in self.placements], self.islands)
-            path = tune_cache.table_path(torch.cuda.get_device_name(self.device), self.world_size, fp,
-                                         transport=self.transport)
-            found = None if (text := tune_cache.read_table(path)) is None else (path, text)  # None: none, or refused
-        path, text = self._gather({"tuned": found})[0]["tuned"] or (None, None)
-        if text is None:
-            return
-        try:
-            tuned = tables.AlgoTable.from_json(text, source=f"tuned table {path}")
-        except ValueError as exc:
-            warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
-            return
-        # A table tuned where the ranks formed islands names island algorithms; this group's
-        # islands may differ ($PCIE_AR_ISLANDS): the default then, never a failed creation.
-        problem = tuned.availability_problem(self.transport, self.island_ranks)
-        if problem is not None:
-            warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: {problem}; using the default")
-            return
-        self.table = tuned
-        self.table_source = f"tune cache {path}"
+            found = cache.find_tuned(self._ext, [p.pci_bus_id for p in self.placements], self.islands,
+                                     torch.cuda.get_device_name(self.device), self.world_size, self.transport)
+        found = self._gather({"tuned": found})[0]["tuned"]
+        self.table, self.table_source = cache.resolve_table(found, self.transport, self.islands, self.island_ranks)
 
     def _set_up_locally(self, device: torch.device | int | str, max_bytes: object, timeout_s: object,
                         algo_table: tables.AlgoTable | str | os.PathLike[str] | None,

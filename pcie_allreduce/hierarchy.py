@@ -1,6 +1,6 @@
 """The all-reduce of a group that spans nodes: our kernels inside each node, torch.distributed between.
 
-Nodes are runs of L consecutive ranks (:mod:`pcie_allreduce.nodes`). The flat result of every
+Nodes are runs of L consecutive ranks (:mod:`pcie_allreduce.fabric.nodes`). The flat result of every
 algorithm is the fp32 sum in rank order, rounded once (protocol invariant 6). That sum splits at
 node boundaries into one chain of fp32 partials, which is what this module runs:
 
@@ -55,7 +55,8 @@ from typing import Any, Callable, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, nodes as nodes_mod, validation
+from pcie_allreduce import _ext, validation
+from pcie_allreduce.fabric import nodes as nodes_mod
 from pcie_allreduce.plan import algorithms
 from pcie_allreduce.plan.algorithms import UNFUSED, WireBytes
 from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
@@ -124,7 +125,7 @@ class HierarchicalCommunicator:
     Args:
         group: the whole group (every rank of every node).
         device: this rank's CUDA device.
-        layout: the group's nodes; default :func:`pcie_allreduce.nodes.gather_layout`. Every rank
+        layout: the group's nodes; default :func:`pcie_allreduce.fabric.nodes.gather_layout`. Every rank
             must give the same (or None): the ranks compare them first, and raise ValueError
             together where they differ.
         inter_node_group: the same ranks as ``group``, whose point-to-point sends carry the step

@@ -4,34 +4,43 @@ the Triton launch and the extension call stay out of the graph).
 
 A compiled graph cannot hold a Python object, so it refers to a communicator by an integer
 handle. The handle table is the one piece of process-wide state in the package: it holds weak
-references only, so a communicator's lifetime is still its owner's.
+references only, so a communicator's lifetime is still its owner's. The communicator imports
+this module, never the reverse: the table holds anything with the two calls the ops make
+(:class:`Reducer`).
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from pcie_allreduce.communicator import Communicator
+
+class Reducer(Protocol):
+    """What the ops call on a registered communicator (:class:`pcie_allreduce.Communicator`)."""
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, algo: str = "auto", *,
+                   wire: str | None = None) -> Any: ...
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                           algo: str = "auto", wire: str | None = None) -> Any: ...
 
 
 class _Handles:
-    """int handle <-> Communicator, weakly held."""
+    """int handle <-> communicator, weakly held."""
 
     def __init__(self) -> None:
-        self._by_id: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+        self._by_id: "weakref.WeakValueDictionary[int, Reducer]" = weakref.WeakValueDictionary()
         self._next = itertools.count(1)
 
-    def register(self, comm: "Communicator") -> int:
+    def register(self, comm: Reducer) -> int:
         handle = next(self._next)
         self._by_id[handle] = comm
         return handle
 
-    def get(self, handle: int) -> "Communicator":
+    def get(self, handle: int) -> Reducer:
         comm = self._by_id.get(handle)
         if comm is None:
             raise RuntimeError(f"pcie_allreduce: communicator handle {handle} is closed or was never registered")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import nodes
+from pcie_allreduce.fabric import nodes
 from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Decision:
 class RankFacts:
     """What one rank reports about itself."""
 
-    host: str  # pcie_allreduce.nodes.host_identity(): host name and boot id
+    host: str  # pcie_allreduce.fabric.nodes.host_identity(): host name and boot id
     unavailable: str | None  # pcie_allreduce.unavailable_reason() on that rank
     physical_gpu: int  # index as NVML counts (CUDA_VISIBLE_DEVICES undone), -1 if unknown
     sm: str  # e.g. "SM120"

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 
 from bench import backends
 from bench.backends import Buffers

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.plan import algorithms
 from pcie_allreduce.constants import SMALL_WORLD
 from pcie_allreduce.plan.algorithms import ALGO_IDS

@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 import pcie_allreduce
-from pcie_allreduce import ranks, sizes
-from pcie_allreduce.ranks import placement_label
+from pcie_allreduce import sizes
+from pcie_allreduce.tools import ranks, timing
+from pcie_allreduce.tools.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import (
-    backends, command, environment, options, outcome, pattern, progress, report, runner, stats, topo, watchdog,
+    backends, command, environment, options, outcome, pattern, progress, report, runner, topo, watchdog,
 )
 from bench.backends import Buffers
 from bench.plan import make_cases
@@ -312,12 +313,12 @@ def test_placement_labels() -> None:
 
 
 def test_summarize_takes_the_slowest_rank_per_replay() -> None:
-    t = stats.summarize([[10.0, 20.0, 30.0], [40.0, 10.0, 30.0]], calls_per_block=10)
+    t = timing.summarize([[10.0, 20.0, 30.0], [40.0, 10.0, 30.0]], calls_per_block=10)
     assert t.replays == 3
     assert t.p50_us == pytest.approx(3.0)  # per replay max: 40, 20, 30 -> /10
     assert t.min_us == pytest.approx(2.0) and t.rank0_p50_us == pytest.approx(2.0)
     with pytest.raises(ValueError):
-        stats.summarize([[1.0], [1.0, 2.0]], 1)
+        timing.summarize([[1.0], [1.0, 2.0]], 1)
 
 
 def test_merge_outcomes() -> None:

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from pcie_allreduce.ranks import placement_label
+from pcie_allreduce.tools.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import backends, command, environment, norm_ops, options, pattern, plan, report, report_fused, runner
@@ -54,7 +54,7 @@ def test_fused_algos_option() -> None:
     from pcie_allreduce.plan.algorithms import FUSED_ALGORITHMS
 
     assert options.fused_algo_names() == ("auto", *FUSED_ALGORITHMS) and "unfused" in FUSED_ALGORITHMS
-    assert [c.algo for c in plan.cases_for(cfg, "ours")][:5] == [
+    assert [c.algo for c in runner.cases_for(cfg, "ours")][:5] == [
         "fused", "fused:oneshot_full", "fused:oneshot", "fused:twoshot", "fused:unfused"]
 
 
@@ -100,7 +100,7 @@ def test_fused_variants_per_backend() -> None:
         "torch_symm", (), FUSED)  # forced kernels are ours only
     cfg = options.BenchConfig(worlds=(2,), sizes=(128, 256), workload=FUSED,
                               shapes=(options.Shape(1, 64), options.Shape(2, 64)), fused_algos=("twoshot",))
-    cases = plan.cases_for(cfg, "ours")
+    cases = runner.cases_for(cfg, "ours")
     assert [(c.index, c.tokens, c.hidden, c.count, c.size_bytes, c.algo) for c in cases[:3]] == [
         (0, 1, 64, 64, 128, "fused"), (1, 1, 64, 64, 128, "fused:twoshot"), (2, 1, 64, 64, 128, "auto+norm")]
     assert [c.algo for c in cases].count("fused") == 2 and len(cases) == 2 * 7
@@ -217,7 +217,7 @@ def test_rounds_interleave_cases_and_pool_their_replays(monkeypatch) -> None:
     fakes.use_cpu_ranks(monkeypatch)
     cfg = _config(["--fused", "--world", "2", "--tokens", "1", "2", "--hidden", "64", "--backends", "ours", "--eager",
                    "--iters", "6", "--warmup", "1", "--calls-per-graph", "2", "--rounds", "2"])
-    assert cfg.rounds == 2 and plan.make_job(cfg, "ours", (), "/tmp").rounds == 2
+    assert cfg.rounds == 2 and runner.make_job(cfg, "ours", (), "/tmp").rounds == 2
     cfg = dataclasses.replace(cfg, setup_timeout_s=60.0, retries=0)
     bar = fakes.RecordingBar()
     rep = runner.run_sweep(cfg, 1, {"gpus": []}, lambda _: None, bar)

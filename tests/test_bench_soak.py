@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.plan.algorithms import (ALGORITHMS, HOST_ONLY_ALGORITHMS, ISLAND_ALGORITHMS,
                                             SYMMETRIC_INPUT_ALGORITHMS, fits_capacity)
 from pcie_allreduce.errors import CollectiveTimeout

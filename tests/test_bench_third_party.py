@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from pcie_allreduce.ranks import RankContext
+from pcie_allreduce.tools.ranks import RankContext
 
 from bench import backends, timing
 from bench.backend_custom_ar import CustomAllreduceBackend

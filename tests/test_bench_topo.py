@@ -100,7 +100,8 @@ class _FakeExt:
 
 
 def test_topo_command_with_a_fake_probe(monkeypatch, capsys, tmp_path) -> None:
-    from pcie_allreduce import _ext, ranks
+    from pcie_allreduce import _ext
+    from pcie_allreduce.tools import ranks
 
     monkeypatch.setattr(ranks, "skip_reason_no_gpu", lambda: None)
     monkeypatch.setattr(ranks, "gpu_count", lambda: 1)

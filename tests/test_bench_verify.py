@@ -8,10 +8,10 @@ import io
 
 import pytest
 
-from pcie_allreduce.ranks import placement_label
+from pcie_allreduce.tools.ranks import placement_label
 
 from bench import __main__ as bench_cli
-from bench import command, environment, options, plan, report, report_verify, runner, verify_options
+from bench import command, environment, options, report, report_verify, runner, verify_options
 from bench.results import OK, SKIPPED, VERIFY, Report, Result, add_speedups
 
 from tests import _bench_fakes as fakes
@@ -61,15 +61,15 @@ def test_verify_bad_options(argv: list[str], fragment: str, capsys: pytest.Captu
 
 def test_verify_cases() -> None:
     cfg = _verify_config(["--model", "qwen3-235b-a22b", "--fused"])
-    ours = plan.cases_for(cfg, "ours")
+    ours = runner.cases_for(cfg, "ours")
     norms = ("+norm", "+addnorm", "+fi_addnorm", "+sgl_addnorm")
     assert [c.algo for c in ours if c.tokens == 4] == ["auto", "fused", *(f"auto{n}" for n in norms)]
     assert {(c.calls, c.hidden, c.model) for c in ours} == {(188, 4096, "qwen3-235b-a22b")}
-    assert [c.algo for c in plan.cases_for(cfg, "torch_symm") if c.tokens == 4] == [
+    assert [c.algo for c in runner.cases_for(cfg, "torch_symm") if c.tokens == 4] == [
         "one_shot", "two_shot", *(f"one_shot{n}" for n in norms), *(f"two_shot{n}" for n in norms)]
     plain = _verify_config(["--model", "qwen3-235b-a22b"])
-    assert [(c.algo, c.tokens) for c in plan.cases_for(plain, "nccl")] == [("default", 4), ("default", 32)]
-    job = plan.make_job(cfg, "ours", ours, "/tmp")
+    assert [(c.algo, c.tokens) for c in runner.cases_for(plain, "nccl")] == [("default", 4), ("default", 32)]
+    job = runner.make_job(cfg, "ours", ours, "/tmp")
     assert job.calls(ours[0]) == 188 and job.workload == VERIFY
 
 

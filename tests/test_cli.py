@@ -1,4 +1,4 @@
-"""CPU tests of the ``pcie-allreduce`` console script (pcie_allreduce.cli): its commands, lazy
+"""CPU tests of the ``pcie-allreduce`` console script (pcie_allreduce.tools.cli): its commands, lazy
 loading, and the one-line exits (cannot run here, interrupted, a command missing from the install)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pcie_allreduce import cli
+from pcie_allreduce.tools import cli
 from pcie_allreduce.errors import UnavailableError
 
 
@@ -26,8 +26,8 @@ def test_commands_and_top_level_parser(capsys) -> None:
 
 
 def test_only_the_named_command_is_imported() -> None:
-    code = ("import sys; from pcie_allreduce import cli; cli.build_parser(['tune', '--help'])\n"
-            "assert 'pcie_allreduce.tune' in sys.modules and 'pcie_allreduce.environment' not in sys.modules\n"
+    code = ("import sys; from pcie_allreduce.tools import cli; cli.build_parser(['tune', '--help'])\n"
+            "assert 'pcie_allreduce.tools.tune.cli' in sys.modules and 'pcie_allreduce.tools.environment' not in sys.modules\n"
             "assert 'torch' not in sys.modules\n"
             "assert not any(m == 'bench' or m.startswith('bench.') for m in sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

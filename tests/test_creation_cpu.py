@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import communicator, constants, ranks, validation
+from pcie_allreduce import communicator, constants, validation
+from pcie_allreduce.tools import ranks
 
 WORLD = 2
 FAULTS = ("none", "bad_max_bytes", "no_gpu", "alloc", "open", "probe", "layout", "timeout_differs")

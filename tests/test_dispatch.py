@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcie_allreduce import topology
+from pcie_allreduce.fabric import topology
 from pcie_allreduce.constants import FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, SMALL_WORLD
 from pcie_allreduce.plan import algorithms, dispatch, rules, tables
 from pcie_allreduce.plan.algorithms import ALGO_IDS
@@ -235,7 +235,7 @@ def test_island_algorithms_need_islands_and_say_so() -> None:
     ((), 0),
 ])
 def test_island_ranks_of_groups(groups: tuple, expected: int) -> None:
-    from pcie_allreduce import topology
+    from pcie_allreduce.fabric import topology
 
     assert topology.island_ranks(groups) == expected
 

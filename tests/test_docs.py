@@ -70,12 +70,12 @@ def test_readme_gives_the_driver_each_runtime_needs() -> None:
 
 def test_bench_readme_gives_the_algos_default_and_the_sleep() -> None:
     """bench/README.md's `--algos` default is the harness's, and its GPU sleep the timing code's."""
-    from bench import timing
     from bench.options import DEFAULT_OUR_ALGOS
+    from pcie_allreduce.tools import timing
 
     text = (ROOT / "bench" / "README.md").read_text()
     assert f"| `--algos` | `{' '.join(DEFAULT_OUR_ALGOS)}` |" in text
-    sleep_us = round(timing.SLEEP_CYCLES / 2e9 * 1e6, -1)  # cycles at ~2 GHz, as bench/timing.py says
+    sleep_us = round(timing.SLEEP_CYCLES / 2e9 * 1e6, -1)  # cycles at ~2 GHz, as the timer says
     assert f"~{sleep_us:.0f} us GPU sleep" in text
 
 
@@ -136,11 +136,11 @@ def test_every_variable_a_readme_names_is_read_by_the_code(doc: str) -> None:
 
 def test_every_library_setting_is_documented() -> None:
     """The variables the library reads at run time are each named in README.md or bench/README.md."""
-    from pcie_allreduce import _archs, communicator, transport, tune_cache
-    from pcie_allreduce.plan import tables
+    from pcie_allreduce import _archs, communicator, transport
+    from pcie_allreduce.plan import cache, tables
 
     docs = _user_docs() + _doc("bench/README.md")
-    for name in (transport.ENV, tables.TABLE_ENV, communicator.TIMEOUT_ENV, tune_cache.CACHE_ENV, _archs.ENV_VAR):
+    for name in (transport.ENV, tables.TABLE_ENV, communicator.TIMEOUT_ENV, cache.CACHE_ENV, _archs.ENV_VAR):
         assert f"`{name}" in docs or f"${name}" in docs, name
 
 
@@ -307,12 +307,24 @@ def test_package_data_files_exist() -> None:
                 assert (ROOT / package.replace(".", "/") / pattern).is_file(), f"{package}/{pattern}"
 
 
+def _named_in(rows: list[str], path: Path, top: Path) -> bool:
+    """Whether a layout row names ``path``: by its path below ``top``, or by its name in a row that
+    names its folder (a top-level file by its name anywhere)."""
+    rel = path.relative_to(top)
+    folder = rel.parent.as_posix()
+    if folder == ".":
+        return any(f"`{rel.name}`" in row for row in rows)
+    return any(f"`{rel.as_posix()}`" in row or (f"`{folder}/`" in row and f"`{rel.name}`" in row) for row in rows)
+
+
 def test_readme_layout_names_every_module_and_kernel_header() -> None:
-    """README's layout lists what exists: every module of the library and every file of csrc/."""
+    """README's layout lists what exists: every module of the library, in its folder, and every file of csrc/."""
     readme = _doc("README.md")
-    layout = readme[readme.index("## Layout"):]
-    files = [p.name for p in (ROOT / "pcie_allreduce").glob("*.py")] + [p.name for p in (ROOT / "csrc").iterdir()]
-    missing = sorted(name for name in files if f"`{name}`" not in layout and name != "__init__.py")
+    rows = readme[readme.index("## Layout"):].splitlines()
+    library = ROOT / "pcie_allreduce"
+    files = [p for p in library.rglob("*.py") if p.name != "__init__.py"] + list((ROOT / "csrc").iterdir())
+    missing = sorted(str(p.relative_to(ROOT)) for p in files
+                     if not _named_in(rows, p, library if p.is_relative_to(library) else ROOT / "csrc"))
     assert not missing, f"README.md's layout does not name {missing}"
 
 

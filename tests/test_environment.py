@@ -7,7 +7,8 @@ import json
 import pytest
 
 import pcie_allreduce
-from pcie_allreduce import _ext, environment
+from pcie_allreduce import _ext
+from pcie_allreduce.tools import environment
 
 
 def test_env_report_is_json_and_names_every_section() -> None:
@@ -34,7 +35,7 @@ def test_env_report_lists_the_compiled_archs_when_built() -> None:
 
 
 def test_env_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    from pcie_allreduce import cli
+    from pcie_allreduce.tools import cli
 
     assert cli.main(["env", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["package"]["version"] == pcie_allreduce.__version__

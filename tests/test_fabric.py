@@ -10,13 +10,13 @@ import os
 
 import pytest
 
-from pcie_allreduce import fabric, topology
-from pcie_allreduce.fabric import GpuFabric
+from pcie_allreduce.fabric import sysfs as fabric_sysfs, topology
+from pcie_allreduce.fabric.sysfs import GpuFabric
 from tests import _sysfs
 
 
 def _read(root, bus_ids: list[str]) -> list[GpuFabric]:
-    return [fabric.read_gpu(b, str(root)) for b in bus_ids]
+    return [fabric_sysfs.read_gpu(b, str(root)) for b in bus_ids]
 
 
 # ---- (a) two sockets, no switches -----------------------------------------------------------
@@ -146,7 +146,7 @@ def test_unreadable_and_garbled_files(tmp_path) -> None:
     device = tmp_path / "sys" / "devices" / "pci0000:00" / "0000:00:01.0" / "0000:01:00.0"
     (device / "max_link_width").mkdir()  # reading it raises IsADirectoryError
     (device / "max_link_speed").write_bytes(b"\xff\xfe")
-    found = fabric.read_gpu(bdf, str(tmp_path))
+    found = fabric_sysfs.read_gpu(bdf, str(tmp_path))
     assert found.known and found.numa_node is None and found.link_speed is None and found.link_width is None
     assert found.max_link_width is None and found.max_link_speed is None and found.root_port == "0000:00:01.0"
 
@@ -166,10 +166,10 @@ def test_an_entry_that_is_not_a_link_into_the_device_tree(tmp_path) -> None:
     entry = tmp_path / "sys" / "bus" / "pci" / "devices" / "0000:01:00.0"
     entry.mkdir()
     (entry / "numa_node").write_text("1\n")
-    found = fabric.read_gpu("0000:01:00.0", str(tmp_path))
+    found = fabric_sysfs.read_gpu("0000:01:00.0", str(tmp_path))
     assert found.known and found.numa_node == 1 and found.switches is None and found.host_bridge is None
     os.symlink("/proc", tmp_path / "sys" / "bus" / "pci" / "devices" / "0000:02:00.0")
-    assert fabric.read_gpu("0000:02:00.0", str(tmp_path)).switches is None
+    assert fabric_sysfs.read_gpu("0000:02:00.0", str(tmp_path)).switches is None
 
 
 def test_one_rank_without_sysfs_keeps_the_others_from_splitting(tmp_path) -> None:
@@ -190,13 +190,13 @@ def test_numa_unknown_on_one_rank_falls_back_to_the_pci_domain(tmp_path) -> None
     ("0000:41:00.0", "0000:41:00.0"), ("weird", "weird"),
 ])
 def test_cuda_bus_ids_name_the_sysfs_entry(cuda: str, sysfs: str) -> None:
-    assert fabric.sysfs_bus_id(cuda) == sysfs
+    assert fabric_sysfs.sysfs_bus_id(cuda) == sysfs
 
 
 def test_cuda_bus_id_finds_the_entry(tmp_path) -> None:
     _sysfs.two_sockets_no_switch(tmp_path)
-    assert fabric.read_gpu("00000000:01:00.0", str(tmp_path)).numa_node == 0
-    assert fabric.read_gpu("0000:A1:00.0", str(tmp_path)).host_bridge == "pci0000:a0"
+    assert fabric_sysfs.read_gpu("00000000:01:00.0", str(tmp_path)).numa_node == 0
+    assert fabric_sysfs.read_gpu("0000:A1:00.0", str(tmp_path)).host_bridge == "pci0000:a0"
 
 
 def test_to_dict_is_json_able(tmp_path) -> None:
@@ -211,7 +211,7 @@ def test_fabric_of_prefers_what_each_rank_read(tmp_path) -> None:
     gpus = _sysfs.two_sockets_no_switch(tmp_path)
     carried = GpuFabric(gpus[0], known=True, numa_node=5)
     placements = [topology.RankPlacement(0, "h", gpus[0], carried), topology.RankPlacement(1, "h", gpus[4])]
-    assert topology.fabric_of(placements, str(tmp_path)) == [carried, fabric.read_gpu(gpus[4], str(tmp_path))]
+    assert topology.fabric_of(placements, str(tmp_path)) == [carried, fabric_sysfs.read_gpu(gpus[4], str(tmp_path))]
 
 
 # ---- PCIE_AR_ISLANDS ------------------------------------------------------------------------

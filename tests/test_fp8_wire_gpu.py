@@ -16,7 +16,8 @@ import torch
 
 import pcie_allreduce
 from bench.fp8_error import activations  # the inputs RESULTS.md's error figures use
-from pcie_allreduce import fp8_wire, ranks
+from pcie_allreduce import fp8_wire
+from pcie_allreduce.tools import ranks
 from tests import _fp8_model as model
 from tests import _reference as ref
 

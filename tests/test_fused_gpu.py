@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from tests import _reference as ref
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()

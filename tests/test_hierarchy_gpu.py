@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.hierarchy import HierarchicalCommunicator
-from pcie_allreduce.nodes import equal_nodes
+from pcie_allreduce.fabric.nodes import equal_nodes
 from tests import _reference as ref
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()

@@ -36,7 +36,8 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 import pcie_allreduce  # noqa: E402
-from pcie_allreduce import communicator, constants, ranks  # noqa: E402
+from pcie_allreduce import communicator, constants  # noqa: E402
+from pcie_allreduce.tools import ranks  # noqa: E402
 from pcie_allreduce.plan import algorithms, tables  # noqa: E402
 from pcie_allreduce.communicator import Communicator  # noqa: E402
 from tests import _reference as ref  # noqa: E402
@@ -157,7 +158,7 @@ def shared_gpu_mps() -> Any:
     if _gpu_problem() is not None or ranks.gpu_count() >= 2:
         yield None
         return
-    from pcie_allreduce.mps import MpsDaemon, MpsError
+    from pcie_allreduce.tools.mps import MpsDaemon, MpsError
 
     try:
         daemon = MpsDaemon.start()

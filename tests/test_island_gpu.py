@@ -19,7 +19,8 @@ import torch
 
 import pcie_allreduce
 from pcie_allreduce.plan import algorithms
-from pcie_allreduce import ranks, topology
+from pcie_allreduce.tools import ranks
+from pcie_allreduce.fabric import topology
 from tests import _reference as ref
 from tests.test_allreduce_gpu import _skip_one_call
 

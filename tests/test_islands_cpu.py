@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pcie_allreduce
-from pcie_allreduce import fabric, ranks, topology
+from pcie_allreduce.tools import ranks
+from pcie_allreduce.fabric import sysfs as fabric_sysfs, topology
 from tests import _sysfs
 from tests.test_creation_cpu import _fake_cuda
 
@@ -34,11 +35,11 @@ def _tree(root: str) -> None:
 
 def _create_each(ctx: ranks.RankContext, root: str) -> list[dict[str, Any]]:
     _fake_cuda("none", ctx.rank, distinct_gpus=True)
-    read_gpu = fabric.read_gpu
+    read_gpu = fabric_sysfs.read_gpu
     results = []
     for name, env, blind in SCENARIOS:
         here = os.path.join(root, "none") if ctx.rank in blind else root
-        fabric.read_gpu = lambda bus_id, _root="/", here=here: read_gpu(bus_id, here)  # type: ignore[misc]
+        fabric_sysfs.read_gpu = lambda bus_id, _root="/", here=here: read_gpu(bus_id, here)  # type: ignore[misc]
         os.environ.pop(topology.ISLANDS_ENV, None)
         if ctx.rank in env:
             os.environ[topology.ISLANDS_ENV] = env[ctx.rank]

@@ -1,4 +1,4 @@
-"""CPU tests of the rank spawner (pcie_allreduce.ranks): run with gpu=False, no GPU needed.
+"""CPU tests of the rank spawner (pcie_allreduce.tools.ranks): run with gpu=False, no GPU needed.
 
 Rank functions live at module level because the spawner pickles them into spawned children.
 The MPS tests put a fake ``nvidia-cuda-mps-control`` first on PATH; it records every call.
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import pcie_allreduce
-from pcie_allreduce import ranks
-from pcie_allreduce.ranks import (
+from pcie_allreduce.tools import mps, ranks
+from pcie_allreduce.tools.ranks import (
     MpsDaemon,
     MpsError,
     MpsUnavailableWarning,
@@ -215,7 +215,7 @@ def test_hanging_rank_times_out_and_leaves_nothing(tmp_path: Path) -> None:
 
 _CALLER_THAT_CATCHES_SYSTEM_EXIT = """
 import sys
-from pcie_allreduce.ranks import run_ranks
+from pcie_allreduce.tools.ranks import run_ranks
 from tests.test_ranks import _hang_on_rank_1
 
 if __name__ == "__main__":
@@ -360,9 +360,9 @@ def test_existing_mps_daemon_is_reused(fake_mps, tmp_path: Path, monkeypatch) ->
     pipe = tmp_path / "their_pipe"
     pipe.mkdir()
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
-    assert ranks._external_mps_env() is None  # a directory nobody answers in
+    assert mps._external_mps_env() is None  # a directory nobody answers in
     (pipe / "fake_running").touch()
-    assert ranks._external_mps_env() == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    assert mps._external_mps_env() == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
 
 
 @pytest.mark.parametrize(

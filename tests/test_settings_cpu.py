@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from pcie_allreduce import communicator, nodes, settings
+from pcie_allreduce import communicator, settings
+from pcie_allreduce.fabric import nodes
 from pcie_allreduce.settings import SettingsError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +67,7 @@ def test_the_emulated_nodes_setting_names_the_variable(value: str) -> None:
 
 @pytest.mark.parametrize("value", ["0-\u00b9;2-3", "\u0660-1;2-3"])
 def test_the_islands_setting_takes_ascii_ranks_only(value: str) -> None:
-    from pcie_allreduce import topology
+    from pcie_allreduce.fabric import topology
 
     with pytest.raises(ValueError, match=f"PCIE_AR_ISLANDS={value!r}: .* is not a rank or a range of ranks"):
         topology.islands_override(4, {"PCIE_AR_ISLANDS": value})
@@ -74,7 +75,7 @@ def test_the_islands_setting_takes_ascii_ranks_only(value: str) -> None:
 
 # Variables of other programs, read as those programs define them (not settings of ours): the
 # spawner's word to the ranks it starts ("0" or "1", never a user's), CMake's generator name.
-_FOREIGN = {("pcie_allreduce/ranks.py", "MPS_ENV_VAR"), ("setup.py", 'generator == "Ninja"')}
+_FOREIGN = {("pcie_allreduce/tools/ranks.py", "MPS_ENV_VAR"), ("setup.py", 'generator == "Ninja"')}
 # Where the environment is read: every module of the library, both plugins, the harness, the build.
 _READERS = ("pcie_allreduce", "sglang_plugin", "vllm_plugin", "bench", "setup.py")
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from tests._sglang import fake_model_runner_module, plugin_tp_coordinator, serving_env, sglang_skip_reason
 from tests import _reference as ref
 

@@ -89,7 +89,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from tests import _reference as ref
 from tests._sglang import plugin_tp_coordinator, serving_env, sglang_skip_reason
 

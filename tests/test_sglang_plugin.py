@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import plugin_surface, ranks
+from pcie_allreduce import plugin_surface
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.layout import Layout
 from pcie_allreduce.plugin_eligibility import Decision, RankFacts
 from sglang_plugin import hooks, import_watch, patching, settings as settings_mod, surface
@@ -725,7 +726,7 @@ class _NodeSum:
 def _hierarchy_rank(rank: int, max_bytes: int):
     """The real HierarchicalCommunicator, ``rank`` of two nodes of two ranks, its sends stubbed out."""
     from pcie_allreduce.hierarchy import HierarchicalCommunicator
-    from pcie_allreduce.nodes import equal_nodes
+    from pcie_allreduce.fabric.nodes import equal_nodes
 
     comm = object.__new__(HierarchicalCommunicator)
     comm.layout, comm.rank, comm.world_size, comm.max_bytes = equal_nodes(4, 2), rank, 4, max_bytes

@@ -1,4 +1,4 @@
-"""CPU tests of ``pcie-allreduce tune`` (pcie_allreduce.tune): options, picking shapes, deriving an
+"""CPU tests of ``pcie-allreduce tune`` (pcie_allreduce.tools.tune): options, picking shapes, deriving an
 AlgoTable that launches exactly the picks, the cache path and fingerprint, one shape's check and
 timing in a one-rank gloo group with the CUDA calls faked, and the command end to end."""
 
@@ -16,8 +16,12 @@ import torch.distributed as dist
 
 import pcie_allreduce
 from pcie_allreduce.plan import algorithms, rules, tables
-from pcie_allreduce import cli, ranks, tune, tune_cache
-from pcie_allreduce.tune import Measurement, Pick
+from pcie_allreduce.plan import cache as plan_cache
+from pcie_allreduce.tools import cli, ranks, timing
+from pcie_allreduce.tools.tune import cli as tune_cli
+from pcie_allreduce.tools.tune import derive, measure
+from pcie_allreduce.tools.tune.cache import write_table
+from pcie_allreduce.tools.tune.derive import Measurement, Pick
 from tests._bench_fakes import FakeEvent
 
 NO_GPU = ranks.skip_reason_no_gpu() is not None or not pcie_allreduce.is_available()
@@ -26,12 +30,12 @@ NO_GPU = ranks.skip_reason_no_gpu() is not None or not pcie_allreduce.is_availab
 def _parse(argv: list[str]):
     parser = cli.build_parser(["tune"])
     args = parser.parse_args(["tune", *argv])
-    return args, tune.job_from_args(args, args.parser)
+    return args, tune_cli.job_from_args(args, args.parser)
 
 
 def test_tune_options() -> None:
     args, job = _parse([])
-    assert job.algos == tune.ALGORITHMS and job.blocks == tune.DEFAULT_BLOCKS
+    assert job.algos == derive.ALGORITHMS and job.blocks == tune_cli.DEFAULT_BLOCKS
     assert job.sizes[0] == 1024 and job.sizes[-1] == 8 << 20 and len(job.sizes) == 14
     assert (job.iters, job.warmup, job.calls_per_graph, job.time_budget_s) == (30, 5, 16, 0.2)
     assert args.world is None and not args.dry_run and args.cache_dir is None
@@ -39,7 +43,7 @@ def test_tune_options() -> None:
                         "--dtype", "float16", "--iters", "7"])
     assert job.sizes == (14336, 57344) and job.blocks == (2, 8) and job.algos == ("oneshot",)
     assert args.world == [4] and job.dtype == "float16" and job.iters == 7
-    assert tune.default_worlds(1) == (2, 4, 8) and tune.default_worlds(4) == (4,) and tune.default_worlds(16) == (16,) and tune.default_worlds(24) == (16,)
+    assert tune_cli.default_worlds(1) == (2, 4, 8) and tune_cli.default_worlds(4) == (4,) and tune_cli.default_worlds(16) == (16,) and tune_cli.default_worlds(24) == (16,)
 
 
 @pytest.mark.parametrize("argv", [["--blocks", "65"], ["--blocks", "0"], ["--tolerance", "1.5"], ["--world", "17"],
@@ -51,7 +55,7 @@ def test_tune_bad_options(argv: list[str], capsys) -> None:
     assert info.value.code == 2 and "Traceback" not in capsys.readouterr().err
 
 
-def _m(world: int, size: int, algo: str, blocks: int, p50: float | None, status: str = tune.OK) -> Measurement:
+def _m(world: int, size: int, algo: str, blocks: int, p50: float | None, status: str = derive.OK) -> Measurement:
     return Measurement(world, size, algo, blocks, status, p50, p50, 30 if p50 else 0)
 
 
@@ -63,7 +67,7 @@ def _fake_rows() -> list[Measurement]:
             for algo in ("oneshot", "staged", "twoshot"):
                 for blocks in (1, 2, 4, 8, 16, 32):
                     if world == 8 and blocks > 16:
-                        rows.append(_m(world, size, algo, blocks, None, status=tune.SKIPPED))
+                        rows.append(_m(world, size, algo, blocks, None, status=derive.SKIPPED))
                         continue
                     distance = abs(blocks.bit_length() - best[1].bit_length()) + (algo != best[0]) * 3
                     rows.append(_m(world, size, algo, blocks, (10.0 + size / 1e5) * (1 + 0.1 * distance)))
@@ -72,38 +76,38 @@ def _fake_rows() -> list[Measurement]:
 
 def test_pick_shapes_prefers_fewer_blocks_within_tolerance() -> None:
     rows = [_m(4, 4096, "oneshot", 8, 10.0), _m(4, 4096, "oneshot", 4, 10.15), _m(4, 4096, "twoshot", 2, 10.5),
-            _m(4, 4096, "staged", 16, 9.9), _m(4, 4096, "oneshot", 1, None, status=tune.WRONG)]
-    pick = tune.pick_shapes(rows, tolerance=0.03)[0]
+            _m(4, 4096, "staged", 16, 9.9), _m(4, 4096, "oneshot", 1, None, status=derive.WRONG)]
+    pick = derive.pick_shapes(rows, tolerance=0.03)[0]
     assert (pick.algo, pick.blocks, pick.fastest_us) == ("oneshot", 4, 9.9)
-    assert (tune.pick_shapes(rows, 0.0)[0].algo, tune.pick_shapes(rows, 0.0)[0].blocks) == ("staged", 16)
-    assert tune.pick_shapes(rows, tolerance=0.1)[0].blocks == 2
+    assert (derive.pick_shapes(rows, 0.0)[0].algo, derive.pick_shapes(rows, 0.0)[0].blocks) == ("staged", 16)
+    assert derive.pick_shapes(rows, tolerance=0.1)[0].blocks == 2
 
 
 def test_derived_table_launches_exactly_the_picks() -> None:
-    picks = tune.pick_shapes(_fake_rows())
+    picks = derive.pick_shapes(_fake_rows())
     assert [(p.world, p.size_bytes, p.algo, p.blocks) for p in picks if p.world == 8][-1] == (8, 4 << 20, "twoshot", 16)
-    table = tune.derive_table(picks)
-    assert tune.check_table(table, picks, "bfloat16") == []
+    table = derive.derive_table(picks)
+    assert derive.check_table(table, picks, "bfloat16") == []
     assert table.select(16 << 20, 2, "bfloat16").algo == "twoshot"  # beyond the largest measured size
     assert table.select(14336, 4, "bfloat16") == tables.default_table().select(14336, 4, "bfloat16")  # untuned W
     reloaded = tables.AlgoTable.from_json(table.to_json())
-    assert tune.check_table(reloaded, picks, "float16") == []  # tuned rules apply to every dtype
+    assert derive.check_table(reloaded, picks, "float16") == []  # tuned rules apply to every dtype
 
 
 def test_derived_table_on_random_picks() -> None:
     rng = random.Random(7)
     for _ in range(50):
         sizes = sorted(rng.sample([1 << p for p in range(10, 27)], rng.randint(1, 10)))
-        picks = [Pick(4, s, rng.choice(tune.ALGORITHMS), rng.choice([1, 2, 4, 8, 16, 32, 64]), 1.0, 1.0)
+        picks = [Pick(4, s, rng.choice(derive.ALGORITHMS), rng.choice([1, 2, 4, 8, 16, 32, 64]), 1.0, 1.0)
                  for s in sizes]
-        table = tune.derive_table(picks)
-        assert tune.check_table(table, picks, "bfloat16") == [], picks
-        assert len(tune.rules_for_world(4, picks)) <= len(picks)
+        table = derive.derive_table(picks)
+        assert derive.check_table(table, picks, "bfloat16") == [], picks
+        assert len(derive.rules_for_world(4, picks)) <= len(picks)
 
 
 def test_merged_rules() -> None:
     picks = [Pick(2, s, "oneshot", s // 4096, 1.0, 1.0) for s in (16384, 32768, 65536)]
-    rules = tune.rules_for_world(2, picks)
+    rules = derive.rules_for_world(2, picks)
     assert len(rules) == 1 and rules[0].max_bytes is None and rules[0].bytes_per_block == 4096
 
 
@@ -111,29 +115,29 @@ def test_percentile_matches_numpy() -> None:
     np = pytest.importorskip("numpy")
     values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0]
     for q in (0, 1, 25, 50, 90, 99, 100):
-        assert tune.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+        assert timing.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
     with pytest.raises(ValueError):
-        tune.percentile([], 50)
+        timing.percentile([], 50)
 
 
 def test_cache_paths_and_fingerprint(tmp_path) -> None:
-    assert tune_cache.cache_dir({"PCIE_AR_CACHE_DIR": "/x"}) == "/x"
-    assert tune_cache.cache_dir({"XDG_CACHE_HOME": "/c", "HOME": "/h"}) == "/c/pcie_allreduce"
-    assert tune_cache.cache_dir({"HOME": "/h"}) == "/h/.cache/pcie_allreduce"
-    assert tune_cache.gpu_slug("NVIDIA RTX PRO 6000 Blackwell") == "nvidia-rtx-pro-6000-blackwell"
-    one_gpu = tune_cache.fingerprint(["0000:00:06.0"] * 4, lambda a, b: True)
-    assert len(one_gpu) == 12 and one_gpu == tune_cache.fingerprint(["0000:00:06.0".upper()] * 4, lambda a, b: False)
+    assert plan_cache.cache_dir({"PCIE_AR_CACHE_DIR": "/x"}) == "/x"
+    assert plan_cache.cache_dir({"XDG_CACHE_HOME": "/c", "HOME": "/h"}) == "/c/pcie_allreduce"
+    assert plan_cache.cache_dir({"HOME": "/h"}) == "/h/.cache/pcie_allreduce"
+    assert plan_cache.gpu_slug("NVIDIA RTX PRO 6000 Blackwell") == "nvidia-rtx-pro-6000-blackwell"
+    one_gpu = plan_cache.fingerprint(["0000:00:06.0"] * 4, lambda a, b: True)
+    assert len(one_gpu) == 12 and one_gpu == plan_cache.fingerprint(["0000:00:06.0".upper()] * 4, lambda a, b: False)
     four = ["0000:19:00.0", "0000:39:00.0", "0000:59:00.0", "0000:79:00.0"]
-    full = tune_cache.fingerprint(four, lambda a, b: True)
-    assert full != tune_cache.fingerprint(four, lambda a, b: {a, b} != {four[0], four[3]})
-    assert full != tune_cache.fingerprint(four[::-1], lambda a, b: True)  # rank order is part of the placement
+    full = plan_cache.fingerprint(four, lambda a, b: True)
+    assert full != plan_cache.fingerprint(four, lambda a, b: {a, b} != {four[0], four[3]})
+    assert full != plan_cache.fingerprint(four[::-1], lambda a, b: True)  # rank order is part of the placement
     assert full != one_gpu
     # the fabric: two islands key their own table; one island (or none known) is the flat key
-    halves = tune_cache.fingerprint(four, lambda a, b: True, ((0, 1), (2, 3)))
-    assert halves != full and halves != tune_cache.fingerprint(four, lambda a, b: True, ((0, 2), (1, 3)))
-    assert halves == tune_cache.fingerprint(four, lambda a, b: True, [[3, 2], [1, 0]])  # as sets of ranks
-    assert tune_cache.fingerprint(four, lambda a, b: True, ((0, 1, 2, 3),)) == full
-    assert tune_cache.fingerprint(four, lambda a, b: True, ()) == full
+    halves = plan_cache.fingerprint(four, lambda a, b: True, ((0, 1), (2, 3)))
+    assert halves != full and halves != plan_cache.fingerprint(four, lambda a, b: True, ((0, 2), (1, 3)))
+    assert halves == plan_cache.fingerprint(four, lambda a, b: True, [[3, 2], [1, 0]])  # as sets of ranks
+    assert plan_cache.fingerprint(four, lambda a, b: True, ((0, 1, 2, 3),)) == full
+    assert plan_cache.fingerprint(four, lambda a, b: True, ()) == full
 
     class Ext:
         def device_by_pci_bus_id(self, bus: str) -> int:
@@ -142,10 +146,10 @@ def test_cache_paths_and_fingerprint(tmp_path) -> None:
         def can_access_peer(self, a: int, b: int) -> bool:
             return True
 
-    assert tune_cache.fingerprint_of(Ext(), four) == full
-    path = tune_cache.table_path("NVIDIA H200", 4, full, str(tmp_path))
+    assert plan_cache.fingerprint_of(Ext(), four) == full
+    path = plan_cache.table_path("NVIDIA H200", 4, full, str(tmp_path))
     assert os.path.basename(path) == f"nvidia-h200-w4-{full}.json"
-    tune_cache.write_table(path, tables.default_table().to_json(), {"world": 4})
+    write_table(path, tables.default_table().to_json(), {"world": 4})
     loaded = tables.load_table(environ={"PCIE_AR_ALGO_TABLE": path})
     assert loaded == tables.default_table()
     assert json.loads(open(path).read())["meta"] == {"world": 4}
@@ -216,14 +220,14 @@ def _shape(ctx, algo: str, blocks: int, corrupt: float = 0.0, count: int = 512):
     workspace = _Workspace(inp, out)
     workspace.corrupt = corrupt
     stream = types.SimpleNamespace(cuda_stream=77, synchronize=lambda: None)
-    job = tune.TuneJob(sizes=(count * 2,), algos=(algo,), blocks=(blocks,), iters=12, warmup=1, calls_per_graph=4)
-    row = tune._measure_shape(ctx, job, _Comm(workspace), stream, inp, out, inp.clone(), algo, blocks)
+    job = measure.TuneJob(sizes=(count * 2,), algos=(algo,), blocks=(blocks,), iters=12, warmup=1, calls_per_graph=4)
+    row = measure._measure_shape(ctx, job, _Comm(workspace), stream, inp, out, inp.clone(), algo, blocks)
     return row, workspace
 
 
 def test_shape_is_checked_then_timed_with_the_raw_launch(one_rank) -> None:
     row, workspace = _shape(one_rank, "staged", 8)
-    assert row["status"] == tune.OK and row["replays"] >= tune.MIN_REPLAYS and row["p50_us"] >= 0
+    assert row["status"] == derive.OK and row["replays"] >= timing.MIN_REPLAYS and row["p50_us"] >= 0
     from pcie_allreduce.plan.dispatch import DTYPE_IDS
 
     assert workspace.launched[0] == (algorithms.ALGO_IDS["staged"], workspace.inp.data_ptr(), workspace.out.data_ptr(),
@@ -233,22 +237,22 @@ def test_shape_is_checked_then_timed_with_the_raw_launch(one_rank) -> None:
 
 def test_shape_with_a_wrong_sum_is_not_timed(one_rank) -> None:
     row, workspace = _shape(one_rank, "oneshot", 2, corrupt=1.0)
-    assert row["status"] == tune.WRONG and row["error"] == "rank 0: 1 of 512 elements wrong"
+    assert row["status"] == derive.WRONG and row["error"] == "rank 0: 1 of 512 elements wrong"
     assert len(workspace.launched) == 1
 
 
 def test_shapes_over_the_block_cap_or_the_low_latency_capacity_are_skipped(one_rank) -> None:
     row, workspace = _shape(one_rank, "twoshot", 32)
-    assert row["status"] == tune.SKIPPED and "32 blocks > block cap 16" in row["error"]
+    assert row["status"] == derive.SKIPPED and "32 blocks > block cap 16" in row["error"]
     assert workspace.launched == []
     row, _ = _shape(one_rank, "oneshot_ll", 4, count=1 << 20)
-    assert row["status"] == tune.SKIPPED and "oneshot_ll takes messages up to" in row["error"]
+    assert row["status"] == derive.SKIPPED and "oneshot_ll takes messages up to" in row["error"]
 
 
 # ---- the command --------------------------------------------------------------------------------
 
 
-def _fake_measure_world(world: int, job: tune.TuneJob, timeout_s: float):
+def _fake_measure_world(world: int, job: measure.TuneJob, timeout_s: float):
     rows = [r for r in _fake_rows() if r.world == world]
     cap = 64 if world == 2 else 16
     return ([Measurement(world, r.size_bytes, r.algo, r.blocks, r.status, r.p50_us, r.p99_us, r.replays)
@@ -257,8 +261,8 @@ def _fake_measure_world(world: int, job: tune.TuneJob, timeout_s: float):
 
 @pytest.fixture
 def fake_machine(monkeypatch):
-    monkeypatch.setattr(tune, "_gpu_count", lambda: 1)
-    monkeypatch.setattr(tune, "measure_world", _fake_measure_world)
+    monkeypatch.setattr(tune_cli, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(tune_cli, "measure_world", _fake_measure_world)
 
 
 def test_tune_command_end_to_end(fake_machine, capsys, tmp_path) -> None:
@@ -288,12 +292,12 @@ def test_tune_dry_run_writes_nothing(fake_machine, capsys, tmp_path) -> None:
 
 
 def test_tune_reports_a_failed_world_and_goes_on(fake_machine, monkeypatch, capsys, tmp_path) -> None:
-    def measure(world: int, job: tune.TuneJob, timeout_s: float):
+    def measure(world: int, job: measure.TuneJob, timeout_s: float):
         if world == 8:
             raise ranks.RankFailed("rank 3 hung\nstacks ...")
         return _fake_measure_world(world, job, timeout_s)
 
-    monkeypatch.setattr(tune, "measure_world", measure)
+    monkeypatch.setattr(tune_cli, "measure_world", measure)
     assert cli.main(["tune", "--world", "2", "8", "--cache-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "# W=8: measurement failed: rank 3 hung stacks ..." in out
@@ -311,14 +315,12 @@ def test_tune_without_gpu_exits_with_one_line(capsys) -> None:
 def test_the_host_transport_is_tuned_and_cached_apart() -> None:
     """--transport reaches the communicator; a host table's file name says so, and its fallback
     rules are the host transport's built-in ones."""
-    from pcie_allreduce import tune_cache
-
     assert _parse([])[1].transport == "auto"
     assert _parse(["--transport", "host"])[1].transport == "host"
     with pytest.raises(SystemExit):
         _parse(["--transport", "nvlink"])
-    assert tune_cache.table_name("NVIDIA H200", 2, "abc").endswith("-w2-abc.json")
-    assert tune_cache.table_name("NVIDIA H200", 2, "abc", "host").endswith("-w2-abc-host.json")
-    picks = [tune.Pick(2, 1 << 20, "host_oneshot", 8, 1.0, 1.0)]
-    table = tune.derive_table(picks, fallback=tables.default_table("host"))
+    assert plan_cache.table_name("NVIDIA H200", 2, "abc").endswith("-w2-abc.json")
+    assert plan_cache.table_name("NVIDIA H200", 2, "abc", "host").endswith("-w2-abc-host.json")
+    picks = [derive.Pick(2, 1 << 20, "host_oneshot", 8, 1.0, 1.0)]
+    table = derive.derive_table(picks, fallback=tables.default_table("host"))
     assert table.rules[-1].algo == "twoshot_pull" and table.availability_problem("host") is None

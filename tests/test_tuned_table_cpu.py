@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import topology, tune_cache
-from pcie_allreduce.plan import rules, tables
 from pcie_allreduce.communicator import Communicator
+from pcie_allreduce.fabric import topology
+from pcie_allreduce.plan import cache as plan_cache
+from pcie_allreduce.plan import rules, tables
+from pcie_allreduce.tools.tune.cache import write_table
 
 BUS = "0000:01:00.0"
 
@@ -32,7 +34,7 @@ class _FakeExt:
 @pytest.fixture
 def comm(tmp_path, monkeypatch):
     tmp_path.chmod(0o700)  # the user's own cache directory, whatever the umask
-    monkeypatch.setenv(tune_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(plan_cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     c = Communicator.__new__(Communicator)  # the constructor needs a GPU; this step does not
@@ -46,8 +48,8 @@ def comm(tmp_path, monkeypatch):
 
 
 def _cache_path(comm: Communicator) -> str:
-    fp = tune_cache.fingerprint_of(comm._ext, [BUS])
-    return tune_cache.table_path("NVIDIA Test GPU", comm.world_size, fp)
+    fp = plan_cache.fingerprint_of(comm._ext, [BUS])
+    return plan_cache.table_path("NVIDIA Test GPU", comm.world_size, fp)
 
 
 def test_no_cached_table_keeps_the_default(comm) -> None:
@@ -68,7 +70,7 @@ def test_a_group_across_islands_takes_the_island_table_on_p2p(comm, transport: s
 
 def test_cached_table_is_adopted(comm) -> None:
     tuned = tables.AlgoTable((rules.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
-    tune_cache.write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
+    write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
     comm._adopt_tuned_table()
     assert comm.table == tuned
     assert comm.table_source == f"tune cache {_cache_path(comm)}"
@@ -80,8 +82,8 @@ def test_a_table_tuned_on_islands_serves_only_groups_with_those_islands(comm) ->
     picks fit that fabric) is not loaded by a flat group on the same GPUs, nor by other islands."""
     halves = ((0, 1, 2, 3), (4, 5, 6, 7))
     tuned = tables.AlgoTable((rules.Rule("twoshot_pull", bytes_per_block=1024, max_blocks=3),))
-    path = tune_cache.table_path("NVIDIA Test GPU", comm.world_size, tune_cache.fingerprint_of(comm._ext, [BUS], halves))
-    tune_cache.write_table(path, tuned.to_json(), {"by": "test"})
+    path = plan_cache.table_path("NVIDIA Test GPU", comm.world_size, plan_cache.fingerprint_of(comm._ext, [BUS], halves))
+    write_table(path, tuned.to_json(), {"by": "test"})
     comm._adopt_tuned_table()  # flat (one island)
     assert comm.table == tables.default_table() and comm.table_source == "built-in default"
     comm.islands = ((0, 1), (2, 3), (4, 5), (6, 7))
@@ -94,7 +96,7 @@ def test_a_table_tuned_on_islands_serves_only_groups_with_those_islands(comm) ->
 
 def test_corrupt_cached_table_warns_and_keeps_the_default(comm) -> None:
     path = _cache_path(comm)
-    tune_cache.write_table(path, json.dumps({"rules": [{"algo": "oneshot"}]}), {})
+    write_table(path, json.dumps({"rules": [{"algo": "oneshot"}]}), {})
     with open(path, "w", encoding="utf-8") as fh:
         fh.write('{"rules": [{"algo": "ring"}]}')
     with warnings.catch_warnings(record=True) as caught:
@@ -115,7 +117,7 @@ def test_corrupt_cached_table_warns_and_keeps_the_default(comm) -> None:
 ])
 def test_any_corrupt_cached_table_warns_and_keeps_the_default(comm, content: bytes) -> None:
     path = _cache_path(comm)
-    tune_cache.write_table(path, json.dumps({"rules": [{"algo": "oneshot"}]}), {})
+    write_table(path, json.dumps({"rules": [{"algo": "oneshot"}]}), {})
     with open(path, "wb") as fh:
         fh.write(content)
     with warnings.catch_warnings(record=True) as caught:
@@ -149,7 +151,7 @@ def test_a_planted_link_never_makes_the_writer_overwrite_another_file(tmp_path, 
     guessed = str(cache / f".{os.path.basename(path)}.guessed.tmp")  # mkstemp's name for "guessed"
     for planted in (guessed, path):
         os.symlink(victim, planted)
-    tune_cache.write_table(path, tables.default_table().to_json(), {"by": "test"})
+    write_table(path, tables.default_table().to_json(), {"by": "test"})
     assert victim.read_text() == "precious\n"
     assert os.path.islink(guessed), "the planted link was replaced or followed"
     assert not os.path.islink(path) and json.loads(open(path, encoding="utf-8").read())["meta"] == {"by": "test"}
@@ -162,43 +164,43 @@ def test_a_cache_directory_others_can_write_is_refused(tmp_path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     path = str(shared / "t.json")
-    tune_cache.write_table(path, tables.default_table().to_json(), {})
+    write_table(path, tables.default_table().to_json(), {})
     for mode, who in ((0o777, "others"), (0o1777, "others"), (0o770, "its group")):
         shared.chmod(mode)
         found: list = []
-        messages = _warnings_of(lambda: found.append(tune_cache.read_table(path)))
+        messages = _warnings_of(lambda: found.append(plan_cache.read_table(path)))
         assert found == [None]
         assert any(f"ignoring tuned table {path}: its directory is writable by {who}" in m for m in messages), messages
         with pytest.raises(PermissionError, match=f"refusing to write the tuned table .*writable by {who}"):
-            tune_cache.write_table(path, tables.default_table().to_json(), {})
+            write_table(path, tables.default_table().to_json(), {})
     shared.chmod(0o755)
-    assert json.loads(tune_cache.read_table(path))["rules"]
+    assert json.loads(plan_cache.read_table(path))["rules"]
 
 
 def test_a_cached_table_that_is_a_link_or_writable_by_others_is_refused(tmp_path) -> None:
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     real = str(tmp_path / "elsewhere.json")
-    tune_cache.write_table(real, tables.default_table().to_json(), {})
+    write_table(real, tables.default_table().to_json(), {})
     link = str(cache / "link.json")
     os.symlink(real, link)
     loose = str(cache / "loose.json")
-    tune_cache.write_table(loose, tables.default_table().to_json(), {})
+    write_table(loose, tables.default_table().to_json(), {})
     os.chmod(loose, 0o666)
     fifo = str(cache / "fifo.json")
     os.mkfifo(fifo)
     for path, why in ((link, "it is a symbolic link"), (loose, "the file is writable by others (mode 666)"),
                       (fifo, "the file is not a regular file")):
         found: list = []
-        messages = _warnings_of(lambda: found.append(tune_cache.read_table(path)))
+        messages = _warnings_of(lambda: found.append(plan_cache.read_table(path)))
         assert found == [None] and any(f"ignoring tuned table {path}: {why}" in m for m in messages), messages
-    assert tune_cache.read_table(str(cache / "missing.json")) is None
-    assert _warnings_of(lambda: tune_cache.read_table(str(cache / "missing.json"))) == []
+    assert plan_cache.read_table(str(cache / "missing.json")) is None
+    assert _warnings_of(lambda: plan_cache.read_table(str(cache / "missing.json"))) == []
 
 
 def test_a_communicator_keeps_the_default_where_the_cache_is_not_the_users_own(comm, tmp_path) -> None:
     tuned = tables.AlgoTable((rules.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
-    tune_cache.write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
+    write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
     tmp_path.chmod(0o777)
     try:
         messages = _warnings_of(comm._adopt_tuned_table)
@@ -214,10 +216,10 @@ def test_a_cache_of_another_user_is_refused(tmp_path, monkeypatch) -> None:
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     path = str(cache / "t.json")
-    tune_cache.write_table(path, tables.default_table().to_json(), {})
-    monkeypatch.setattr(tune_cache, "_owners", lambda: (4242,))  # as if another user owned it all
+    write_table(path, tables.default_table().to_json(), {})
+    monkeypatch.setattr(plan_cache, "_owners", lambda: (4242,))  # as if another user owned it all
     found: list = []
-    messages = _warnings_of(lambda: found.append(tune_cache.read_table(path)))
+    messages = _warnings_of(lambda: found.append(plan_cache.read_table(path)))
     assert found == [None] and any(f"its directory belongs to user id {os.stat(cache).st_uid}" in m for m in messages)
     with pytest.raises(PermissionError, match="its directory belongs to user id"):
-        tune_cache.write_table(path, tables.default_table().to_json(), {})
+        write_table(path, tables.default_table().to_json(), {})

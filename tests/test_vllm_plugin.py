@@ -21,7 +21,8 @@ import textwrap
 import pytest
 import torch
 
-from pcie_allreduce import plugin_settings, ranks
+from pcie_allreduce import plugin_settings
+from pcie_allreduce.tools import ranks
 from pcie_allreduce.settings import SettingsError
 from sglang_plugin import settings as sglang_settings
 from tests._standins import GlooCommunicator

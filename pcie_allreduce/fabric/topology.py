@@ -1,5 +1,5 @@
 """Facts about the GPUs of a communicator: peer access from the ranks' PCI bus ids, and the
-islands their place in the PCIe fabric (:mod:`pcie_allreduce.fabric`) forms.
+islands their place in the PCIe fabric (:mod:`pcie_allreduce.fabric.sysfs`) forms.
 
 This module describes; which algorithm a fabric calls for is decided elsewhere.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Mapping, Sequence
 
-from pcie_allreduce import fabric as fabric_mod
-from pcie_allreduce.fabric import GpuFabric
+from pcie_allreduce.fabric import sysfs as fabric_mod
+from pcie_allreduce.fabric.sysfs import GpuFabric
 
 ISLANDS_ENV = "PCIE_AR_ISLANDS"
 Islands = tuple[tuple[int, ...], ...]

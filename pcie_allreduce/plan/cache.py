@@ -12,27 +12,28 @@ is never loaded by a group that sees another. One island adds nothing, so flat f
 the same as before islands counted. A communicator can compute it at creation from facts it
 already exchanges (see :func:`fingerprint_of`), so the table it loads is keyed exactly like the
 one ``tune`` wrote. Pure except for :func:`fingerprint_of`, which asks the extension, and the
-reading and writing of tables.
+reading of tables. :func:`find_tuned` and :func:`resolve_table` are how a communicator adopts a
+cached table at creation: rank 0 finds it, every rank resolves rank 0's copy to the same table.
+Writing a table is ``tune``'s alone (:mod:`pcie_allreduce.tools.tune.cache`): a serving process
+only reads.
 
 A cached table decides what every Communicator here runs, so only the user's own may be used:
 :func:`read_table` refuses (a warning, then the built-in table) a directory that is not the user's
 (or root's) or that group or others can write, and a file that is a symbolic link, not a regular
-file, not the user's, or writable by group or others. :func:`write_table` refuses such a
-directory too, and writes through a new file of its own (``mkstemp``: created exclusively, never
-through a link) renamed over the table, so nobody can make it write anywhere else.
+file, not the user's, or writable by group or others (:func:`untrusted` says why).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 import stat
-import tempfile
 import warnings
 from typing import Any, Callable, Mapping, Sequence
+
+from pcie_allreduce.plan.tables import AlgoTable, default_table
 
 CACHE_ENV = "PCIE_AR_CACHE_DIR"
 FINGERPRINT_CHARS = 12
@@ -88,34 +89,11 @@ def table_path(gpu_name: str, world: int, fp: str, directory: str | None = None,
     return os.path.join(directory or cache_dir(), table_name(gpu_name, world, fp, transport))
 
 
-def write_table(path: str, table_json: str, meta: dict[str, Any]) -> None:
-    """Write an AlgoTable's JSON with a ``meta`` object beside its ``rules`` (the loader ignores it).
-
-    Raises PermissionError where the directory is one :func:`read_table` would not trust."""
-    data = json.loads(table_json)
-    data["meta"] = meta
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    problem = _untrusted(os.stat(directory), "directory")
-    if problem is not None:
-        raise PermissionError(f"refusing to write the tuned table {path}: its {problem}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)  # readers never see a half-written table; a link at ``path`` is replaced, not followed
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def read_table(path: str) -> str | None:
     """The text of the cached table at ``path``; None where there is none, or (with a warning) where
     it cannot be read or trusted (module docstring)."""
     try:
-        problem = _untrusted(os.stat(os.path.dirname(os.path.abspath(path))), "directory")
+        problem = untrusted(os.stat(os.path.dirname(os.path.abspath(path))), "directory")
         if problem is not None:
             if os.path.lexists(path):
                 warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: its {problem}; using the default")
@@ -128,7 +106,7 @@ def read_table(path: str) -> str | None:
         warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: {why}; using the default")
         return None
     with os.fdopen(fd, "rb") as fh:
-        problem = _untrusted(os.fstat(fh.fileno()), "file")
+        problem = untrusted(os.fstat(fh.fileno()), "file")
         if problem is not None:
             warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: the {problem}; using the default")
             return None
@@ -139,7 +117,7 @@ def read_table(path: str) -> str | None:
             return None
 
 
-def _untrusted(st: os.stat_result, what: str) -> str | None:
+def untrusted(st: os.stat_result, what: str) -> str | None:
     """Why a cache ``what`` ("file" or "directory") with this ``stat`` may not be trusted, or None."""
     kind = stat.S_ISDIR if what == "directory" else stat.S_ISREG
     if not kind(st.st_mode):
@@ -155,3 +133,40 @@ def _untrusted(st: os.stat_result, what: str) -> str | None:
 def _owners() -> tuple[int, ...]:
     """Who may own a cache directory or table: this user, and root (who can write anything anyway)."""
     return (os.geteuid(), 0)
+
+
+def find_tuned(ext: Any, bus_ids_by_rank: Sequence[str], islands: Sequence[Sequence[int]], gpu_name: str, world: int,
+               transport: str) -> tuple[str, str] | None:
+    """(path, text) of the table cached for these GPUs, islands, GPU model, W and transport; None
+    where there is none or it cannot be trusted (:func:`read_table` warns then)."""
+    path = table_path(gpu_name, world, fingerprint_of(ext, bus_ids_by_rank, islands), transport=transport)
+    text = read_table(path)
+    return None if text is None else (path, text)
+
+
+def resolve_table(found: Sequence[str] | None, transport: str, islands: Sequence[Sequence[int]],
+                  island_ranks: int) -> tuple[AlgoTable, str]:
+    """The table a communicator adopts and where it came from (its ``table_source``).
+
+    ``found`` is rank 0's :func:`find_tuned`, the same on every rank: that tuned table where it
+    parses and every algorithm it names can run on this ``transport`` with islands of
+    ``island_ranks`` ranks, else the built-in table of the transport and islands. A table that
+    fails either check warns and means the built-in one, never a failed creation: a table tuned
+    where the ranks formed islands names island algorithms, and this group's islands may differ
+    ($PCIE_AR_ISLANDS)."""
+    table = default_table(transport, islands=len(islands))
+    source = ("built-in default" if transport == "host" or len(islands) < 2
+              else f"built-in default for {len(islands)} islands (an estimate)")
+    path, text = found or (None, None)
+    if text is None:
+        return table, source
+    try:
+        tuned = AlgoTable.from_json(text, source=f"tuned table {path}")
+    except ValueError as exc:
+        warnings.warn(f"pcie_allreduce: ignoring tuned table: {exc}; using the default")
+        return table, source
+    problem = tuned.availability_problem(transport, island_ranks)
+    if problem is not None:
+        warnings.warn(f"pcie_allreduce: ignoring tuned table {path}: {problem}; using the default")
+        return table, source
+    return tuned, f"tune cache {path}"

@@ -42,10 +42,10 @@ class Command(NamedTuple):
 COMMANDS: tuple[Command, ...] = (
     Command("tune", "measure the crossovers between our algorithms and block counts here, and cache the algorithm "
                     "table every Communicator on this machine adopts",
-            "pcie_allreduce.tune:add_arguments", "pcie_allreduce.tune:run"),
+            "pcie_allreduce.tools.tune.cli:add_arguments", "pcie_allreduce.tools.tune.cli:run"),
     Command("env", "print the build and runtime configuration: versions, compiled archs, CUDA, GPUs, peer access, "
                    "the PCIe fabric and its islands",
-            "pcie_allreduce.environment:add_arguments", "pcie_allreduce.environment:run"),
+            "pcie_allreduce.tools.environment:add_arguments", "pcie_allreduce.tools.environment:run"),
 )
 
 

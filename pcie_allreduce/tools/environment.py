@@ -37,9 +37,9 @@ def fabric_section(bus_ids: Sequence[str], root: str = "/",
     """Where each GPU sits in the PCIe fabric (sysfs under ``root``) and the islands of a group
     with one rank per GPU of ``bus_ids``, in that order: the detected ones, and those
     ``$PCIE_AR_ISLANDS`` sets instead (or why it is wrong). JSON-able; never raises."""
-    from pcie_allreduce import fabric, topology
+    from pcie_allreduce.fabric import sysfs, topology
 
-    fabrics = [fabric.read_gpu(b, root) for b in bus_ids]
+    fabrics = [sysfs.read_gpu(b, root) for b in bus_ids]
     detected = topology.islands(fabrics)
     section: dict[str, Any] = {
         "gpus": [f.to_dict() for f in fabrics], "detected": [list(g) for g in detected],
@@ -57,9 +57,9 @@ def fabric_section(bus_ids: Sequence[str], root: str = "/",
 
 def fabric_lines(section: dict[str, Any]) -> list[str]:
     """:func:`fabric_section` as text: one line per GPU, then the islands."""
-    from pcie_allreduce import fabric, topology
+    from pcie_allreduce.fabric import sysfs, topology
 
-    gpus = [fabric.GpuFabric.from_dict(g) for g in section["gpus"]]
+    gpus = [sysfs.GpuFabric.from_dict(g) for g in section["gpus"]]
     if not gpus:
         return []
     lines = ["PCIe fabric (from sysfs)",
@@ -124,7 +124,7 @@ def _gpus(ext: Any) -> list[dict[str, Any]]:
 
 
 def _mps() -> dict[str, Any]:
-    from pcie_allreduce import mps
+    from pcie_allreduce.tools import mps
 
     external = mps._external_mps_env()
     return {"control_binary": shutil.which(mps.MPS_CONTROL_BINARY),

@@ -1,6 +1,6 @@
 """A private NVIDIA MPS control daemon, so several processes' kernels share one GPU concurrently.
 
-Used by :func:`pcie_allreduce.ranks.run_ranks` when W ranks share fewer GPUs: without MPS their
+Used by :func:`pcie_allreduce.tools.ranks.run_ranks` when W ranks share fewer GPUs: without MPS their
 contexts time-slice (milliseconds per collective); with it their kernels run side by side, which
 spin-waiting collectives need to be fast.
 """
@@ -15,6 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 from typing import Mapping, Sequence
 
 MPS_CONTROL_BINARY = "nvidia-cuda-mps-control"
@@ -47,7 +48,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _tail(text: str, lines: int) -> str:
+def last_lines(text: str, lines: int) -> str:
+    """The last ``lines`` lines of ``text``."""
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
@@ -163,7 +165,7 @@ class MpsDaemon:
             os.makedirs(path, exist_ok=True)
         rc, out = self._control(["-d"])
         if rc != 0:
-            detail = _tail(out, 1) or "no output"
+            detail = last_lines(out, 1) or "no output"
             raise MpsError(f"`{MPS_CONTROL_BINARY} -d` exited with code {rc}: {detail}")
         # -d returns once the daemon forked; a rank that initialises CUDA before the daemon
         # listens silently runs without MPS, so wait until the daemon answers.
@@ -173,7 +175,7 @@ class MpsDaemon:
             if _answers(rc, out):
                 return
             if time.monotonic() > deadline:
-                detail = _tail(out, 1) or "no output"
+                detail = last_lines(out, 1) or "no output"
                 raise MpsError(f"daemon did not answer within {ready_timeout_s:.0f} s: {detail}")
             time.sleep(0.1)
 
@@ -230,3 +232,31 @@ class MpsDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def env_for_run(
+    want: bool, gpu: bool, world_size: int, n_gpus: int, stack: contextlib.ExitStack
+) -> tuple[dict[str, str] | None, MpsDaemon | None]:
+    """MPS env for the children (None: no MPS) and the private daemon, if one was started (stopped
+    by ``stack``): a live daemon someone else runs is reused; else one is started where ``want``."""
+    external = _external_mps_env() if (gpu or want) else None
+    if external is not None:
+        return external, None
+    if not want:
+        return None, None
+    try:
+        daemon = MpsDaemon.start()
+    except MpsError as exc:
+        where = (
+            f"{world_size} ranks on {n_gpus} GPU(s) will time-slice (correct but slow)"
+            if gpu
+            else "ranks run without MPS"
+        )
+        warnings.warn(
+            f"pcie_allreduce.tools.ranks: could not start an MPS daemon ({exc}); {where}",
+            MpsUnavailableWarning,
+            stacklevel=3,
+        )
+        return None, None
+    stack.callback(daemon.stop)
+    return daemon.env, daemon

@@ -1,0 +1,139 @@
+"""What ``pcie-allreduce tune`` runs inside each of its W ranks: every launch shape checked, then timed.
+
+One Communicator per rank; per size, every (algorithm, block count) is the workspace's raw launch
+at that forced block count, bypassing the algorithm table. A shape must first return the exact sum
+of the ranks' small-integer inputs (exact in any reduction order), then is timed as CUDA-graph
+replays of ``calls_per_graph`` launches with the shared replay timer
+(:mod:`pcie_allreduce.tools.timing`); a replay's time is the slowest rank's. Shapes over the block
+cap or the low-latency capacity are skipped identically on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pcie_allreduce import sizes
+from pcie_allreduce.plan import algorithms, cache
+from pcie_allreduce.plan.algorithms import ALGO_IDS, fits_capacity
+from pcie_allreduce.tools.timing import summarize, timed_replays
+from pcie_allreduce.tools.tune.derive import OK, SKIPPED, WRONG
+
+SYNC_COUNT = 8  # elements of the tiny all-reduce that lines the GPUs up before a timed replay
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneJob:
+    """What every rank measures: each size x algorithm x block count."""
+
+    sizes: tuple[int, ...]
+    algos: tuple[str, ...]
+    blocks: tuple[int, ...]
+    dtype: str = "bfloat16"
+    iters: int = 30
+    warmup: int = 5
+    calls_per_graph: int = 16
+    time_budget_s: float = 0.2
+    kernel_timeout_s: float = 10.0
+    transport: str = "auto"  # the communicator's (its algorithms are measured, its table written)
+
+
+def skip_reason(algo: str, blocks: int, size_bytes: int, block_cap: int, ll_capacity: int | None) -> str | None:
+    """Why a shape cannot run on this communicator (the same on every rank: both limits are agreed)."""
+    if blocks > block_cap:
+        return f"{blocks} blocks > block cap {block_cap} (ranks share a GPU)"
+    if not fits_capacity(algo, size_bytes, ll_capacity):
+        return f"{algo} takes messages up to {ll_capacity} bytes"
+    return None
+
+
+def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
+    """``run_ranks`` runs this in every rank: every shape checked, then timed; rank 0's rows and facts."""
+    import torch
+
+    from pcie_allreduce import _ext
+    from pcie_allreduce.communicator import Communicator
+
+    dtype = getattr(torch, job.dtype)
+    comm = Communicator(ctx.group, ctx.device, max_bytes=max(max(job.sizes), 4096), timeout_s=job.kernel_timeout_s,
+                        transport=job.transport)
+    try:
+        stream = torch.cuda.Stream(ctx.device)
+        comm.workspace(stream.cuda_stream)  # collective (IPC handle exchange): once, before any capture
+        rows = []
+        for size in job.sizes:
+            count = size // sizes.DTYPE_SIZES[job.dtype]
+            inp = _rank_input(count, ctx.rank, dtype, ctx.device)
+            expected = sum(_rank_input(count, r, torch.int64, ctx.device) for r in range(ctx.world_size)).to(dtype)
+            out = torch.empty_like(inp)
+            for algo in (a for a in job.algos if algorithms.runs_on(a, comm.transport, comm.island_ranks)):
+                for blocks in job.blocks:
+                    rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
+        facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps,
+                 "transport": comm.transport, "islands": len(comm.islands)}
+        ext = _ext.load()
+        if ext is not None:
+            facts["fingerprint"] = cache.fingerprint_of(ext, [p.pci_bus_id for p in comm.placements], comm.islands)
+    finally:
+        comm.close()
+    return {"rows": rows, "facts": facts} if ctx.rank == 0 else {}
+
+
+def _rank_input(count: int, rank: int, dtype: Any, device: Any) -> Any:
+    """Rank ``rank``'s input: integers in [-7, 7], so sums of up to 8 ranks are exact in any order."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(rank + 1)
+    return torch.randint(-7, 8, (count,), generator=generator, device=device).to(dtype)
+
+
+def _agree(ctx: Any, mine: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine, group=ctx.group)
+    return everyone
+
+
+def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out: Any, expected: Any, algo: str,
+                   blocks: int) -> dict[str, Any]:
+    import torch
+
+    from pcie_allreduce.plan.dispatch import DTYPE_IDS
+
+    size = inp.numel() * inp.element_size()
+    row: dict[str, Any] = {"size_bytes": size, "algo": algo, "blocks": blocks}
+    reason = skip_reason(algo, blocks, size, comm.block_cap, comm.ll_capacity)
+    if reason is not None:
+        return {**row, "status": SKIPPED, "error": reason}
+    workspace = comm.workspace(stream.cuda_stream)
+    args = (ALGO_IDS[algo], inp.data_ptr(), out.data_ptr(), size, DTYPE_IDS[inp.dtype], blocks, stream.cuda_stream)
+
+    def launch() -> None:
+        if workspace.all_reduce(*args):
+            comm.raise_if_failed(workspace)
+
+    def wrong() -> str:
+        stream.synchronize()
+        comm.check()  # a recorded timeout explains a wrong sum better than the values do
+        bad = int((out != expected).sum())
+        return f"rank {ctx.rank}: {bad} of {out.numel()} elements wrong" if bad else ""
+
+    out.fill_(float("nan"))
+    launch()
+    problems = [p for p in _agree(ctx, wrong()) if p]
+    if problems:
+        return {**row, "status": WRONG, "error": problems[0]}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(job.calls_per_graph):
+            launch()
+    sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=ctx.device)
+    times = timed_replays(graph.replay, lambda: comm.all_reduce(sync, out=sync),  # zeros stay zeros
+                          ctx.group, iters=job.iters, time_budget_s=job.time_budget_s, warmup=job.warmup, stream=stream)
+    gathered = _agree(ctx, (times, wrong()))
+    problems = [p for _, p in gathered if p]
+    if problems:
+        return {**row, "status": WRONG, "error": f"after timing: {problems[0]}"}
+    timing = summarize([t for t, _ in gathered], job.calls_per_graph)
+    return {**row, "status": OK, "p50_us": timing.p50_us, "p99_us": timing.p99_us, "replays": timing.replays}
