@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,13 @@ def default_factory() -> CommunicatorFactory:
     from pcie_allreduce.communicator import Communicator
 
     return Communicator
+
+
+def check_serving(adapters: Iterable["CaCommAdapter"]) -> None:
+    """:meth:`CaCommAdapter.check` on each of ``adapters`` (those serving in this process): what an
+    engine's per-step hook runs before each forward step."""
+    for adapter in list(adapters):
+        adapter.check()
 
 
 class CaCommAdapter:
@@ -136,12 +143,25 @@ class CaCommAdapter:
             self._IS_CAPTURING = False
         self.comm.check()
 
+    def check(self) -> None:
+        """Raise the CollectiveTimeout / CollectiveMismatch a collective of this adapter recorded,
+        a replayed CUDA graph's included (no CUDA call: a host read per workspace). Each engine's
+        per-step hook calls it through :func:`check_serving`: a graph's calls never pass through
+        :meth:`_all_reduce`, so without it a server whose every collective runs in graphs would
+        go on sampling from the NaN a failed call leaves."""
+        if not self.disabled:
+            self.comm.check()
+
     def close(self) -> None:
-        """Free the workspaces (collective: every rank of the group must call it)."""
+        """Free the workspaces, the graph-captured ones too: the engine calls this as it tears the
+        group down (vLLM's ``CudaCommunicator.destroy``, SGLang's ``GroupCoordinator.destroy``),
+        after which it replays none of the group's graphs (each frees its own all-reduce's graph
+        buffers there too). Collective over the group, bounded where a peer is gone (the
+        communicator then keeps its memory rather than wait), and idempotent."""
         if self.disabled:
             return
         self.disabled = True
-        self.comm.close()
+        self.comm.close(release_captured=True)
 
     # ---- fused all-reduce + residual add + RMSNorm ----------------------------------------
 
