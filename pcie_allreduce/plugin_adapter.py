@@ -36,10 +36,14 @@ def default_factory() -> CommunicatorFactory:
 
 
 def check_serving(adapters: Iterable["CaCommAdapter"]) -> None:
-    """:meth:`CaCommAdapter.check` on each of ``adapters`` (those serving in this process): what an
-    engine's per-step hook runs before each forward step."""
+    """Raise the CollectiveTimeout / CollectiveMismatch a collective of any of ``adapters`` (those
+    serving in this process) recorded, a replayed CUDA graph's included: a host read per workspace,
+    no CUDA call. Each engine's per-step hook runs it before the step: a graph's calls never pass
+    through :meth:`CaCommAdapter._all_reduce`, so without it a server whose every collective runs
+    in graphs would go on sampling from the NaN a failed call leaves."""
     for adapter in list(adapters):
-        adapter.check()
+        if not adapter.disabled:
+            adapter.comm.check()
 
 
 class CaCommAdapter:
@@ -142,15 +146,6 @@ class CaCommAdapter:
         finally:
             self._IS_CAPTURING = False
         self.comm.check()
-
-    def check(self) -> None:
-        """Raise the CollectiveTimeout / CollectiveMismatch a collective of this adapter recorded,
-        a replayed CUDA graph's included (no CUDA call: a host read per workspace). Each engine's
-        per-step hook calls it through :func:`check_serving`: a graph's calls never pass through
-        :meth:`_all_reduce`, so without it a server whose every collective runs in graphs would
-        go on sampling from the NaN a failed call leaves."""
-        if not self.disabled:
-            self.comm.check()
 
     def close(self) -> None:
         """Free the workspaces, the graph-captured ones too: the engine calls this as it tears the
