@@ -6,7 +6,6 @@ their results per call shape."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import secrets
@@ -20,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, ops, settings, transport as transport_mod, validation
+from pcie_allreduce import _ext, ops, outcomes, settings, transport as transport_mod, validation
 from pcie_allreduce.fabric import topology
 from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
@@ -46,9 +45,11 @@ PROBE_SEED = 0x5EED0000
 # How long a rank waits for the others at the first fused call of a shape, while they compile it
 # (a cold Triton cache on a loaded host takes tens of seconds); past it the ranks' calls must differ.
 FIRST_FUSED_CALL_WAIT_S = 300
-# What a rank that gave up on a meeting leaves in its key (a digest is "<int>:<0|1>").
-ABANDONED_MEETING = "abandoned"
 MEETING_STAGE = "first-call compile meeting"
+# How long close() waits for every rank to reach it before it gives up on freeing: an engine's
+# ranks tear a group down together, so only a rank that is gone (or stuck) is missed.
+CLOSE_WAIT_S = 60.0
+CLOSE_STAGE = "close"
 # What ranks agree on for the islands (named so a disagreement says which setting differs).
 ISLANDS_KEY = f"islands (${topology.ISLANDS_ENV})"
 
@@ -399,37 +400,12 @@ class Communicator:
                                "(their exception says why)")
         self._fused_compiled.add(call)
 
-    def _meet(self, what: str, mine: str) -> list[str]:
-        """Every rank's ``mine`` for this rank's next meeting, once all have posted it, within
-        FIRST_FUSED_CALL_WAIT_S; CollectiveTimeout naming the missing ranks past it (or at once
-        when one of them already gave up on this meeting). Keys are this communicator's (an id
-        agreed at creation) and numbered per meeting; each rank removes its previous key once
-        every rank has posted the next one (so every rank has read the previous one)."""
-        store = dist.distributed_c10d._get_process_group_store(self._group)  # the group's own key prefix
-        number = self._meetings
+    def _meet(self, what: str, mine: str, *, wait_s: float | None = None, stage: str = MEETING_STAGE) -> list[str]:
+        """Every rank's ``mine`` for this communicator's next meeting (:func:`outcomes.meet`; the
+        count of meetings is the same on every rank), within ``wait_s`` (FIRST_FUSED_CALL_WAIT_S)."""
         self._meetings += 1
-        key = f"pcie_allreduce/{self._meeting_id}/meeting/{number}/"
-        keys = [key + str(r) for r in range(self.world_size)]
-        store.set(keys[self.rank], mine)
-        try:
-            store.wait(keys, datetime.timedelta(seconds=FIRST_FUSED_CALL_WAIT_S))
-        except Exception as exc:  # noqa: BLE001 - the store's timeout (RuntimeError / DistStoreError)
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            store.set(keys[self.rank], ABANDONED_MEETING)
-            raise CollectiveTimeout(
-                f"rank {self.rank}: ranks {missing} did not reach {what} within {FIRST_FUSED_CALL_WAIT_S} s (this rank "
-                "compiled it and waited for them to compile it too): a rank is stuck, or the ranks' calls differ",
-                rank=self.rank, peer=missing[0] if missing else -1, stage=MEETING_STAGE) from exc
-        values = [store.get(k).decode() for k in keys]
-        gave_up = [r for r, v in enumerate(values) if v == ABANDONED_MEETING]
-        if gave_up:
-            store.set(keys[self.rank], ABANDONED_MEETING)
-            raise CollectiveTimeout(f"rank {self.rank}: ranks {gave_up} gave up waiting for the others at {what} "
-                                    f"before this rank reached it (after {FIRST_FUSED_CALL_WAIT_S} s)", rank=self.rank,
-                                    peer=gave_up[0], stage=MEETING_STAGE)
-        if number:
-            store.delete_key(f"pcie_allreduce/{self._meeting_id}/meeting/{number - 1}/{self.rank}")
-        return values
+        return outcomes.meet(self._group, f"pcie_allreduce/{self._meeting_id}/meeting", self._meetings - 1, what,
+                             mine, wait_s=FIRST_FUSED_CALL_WAIT_S if wait_s is None else wait_s, stage=stage)
 
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
         """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: a
@@ -456,32 +432,50 @@ class Communicator:
             if workspace.failed():
                 raise self._error_of(workspace)
 
-    def close(self) -> None:
-        """Free the workspaces. Collective: waits for this rank's streams, then for every rank.
+    def close(self, *, release_captured: bool = False) -> None:
+        """Free the workspaces. Collective: waits for this rank's streams, then for every rank,
+        at most :data:`CLOSE_WAIT_S`; never hangs on a rank that is gone.
 
-        A workspace that served a CUDA graph capture is not freed: the graph may be replayed after
-        this. Its abort word is raised instead (a replayed call then touches no peer memory and
-        fills its output with NaN), the peers are unmapped, and its own memory stays allocated
-        until the process exits (:attr:`retained_bytes` says how much)."""
+        A workspace that served a CUDA graph capture is not freed unless ``release_captured``
+        (the caller's promise that no graph captured with this communicator is replayed after
+        this: an engine's teardown, which frees its own all-reduce's graph buffers too): the
+        graph may be replayed after this. Its abort word is raised instead (a replayed call then
+        touches no peer memory and fills its output with NaN), the peers are unmapped, and its
+        own memory stays allocated until the process exits (:attr:`retained_bytes` says how
+        much). Where a rank does not reach close() in time, every workspace is kept that way:
+        a peer that is still running may write into this memory. Calling it again does nothing."""
         if self._closed:
             return
         self._closed = True
         if not self._workspaces:
             return
         torch.cuda.synchronize(self.device)
+        everyone = self._every_rank_closing()
+        for workspace in self._workspaces.values():
+            if everyone and (release_captured or not workspace.captured):
+                workspace.close()
+            else:
+                workspace.retire()
+                _NEVER_FREED.append(workspace)
+                self.retained_bytes += workspace.total_bytes
+        self._workspaces.clear()
+        self._input_areas.clear()
+
+    def _every_rank_closing(self) -> bool:
+        """Whether every rank has reached close() (so none writes into this rank's memory any
+        more), met in the group's store within :data:`CLOSE_WAIT_S`: never a collective on the
+        group, which a gone peer would hold for the group's timeout (30 minutes by default). Where
+        no process group is left to ask, nobody can be waited for: True, as before any group."""
+        if not dist.is_initialized():
+            return True
         try:
-            if dist.is_initialized():
-                dist.barrier(group=self._group)  # nobody frees memory a peer may still write into
-        finally:
-            for workspace in self._workspaces.values():
-                if workspace.captured:
-                    workspace.retire()
-                    _NEVER_FREED.append(workspace)
-                    self.retained_bytes += workspace.total_bytes
-                else:
-                    workspace.close()
-            self._workspaces.clear()
-            self._input_areas.clear()
+            self._meet("close()", CLOSE_STAGE, wait_s=CLOSE_WAIT_S, stage=CLOSE_STAGE)
+        except Exception as exc:  # noqa: BLE001 - a missing rank, or the store gone with rank 0's process
+            warnings.warn(f"pcie_allreduce: rank {self.rank}: close() keeps this communicator's workspaces "
+                          f"allocated ({' '.join(str(exc).split())}): a peer that did not close may still write "
+                          "into them", ResourceWarning, stacklevel=3)
+            return False
+        return True
 
     def __enter__(self) -> "Communicator":
         return self

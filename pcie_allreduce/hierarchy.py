@@ -46,7 +46,6 @@ CollectiveTimeout and write NaN.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from datetime import timedelta
@@ -55,13 +54,12 @@ from typing import Any, Callable, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, validation
+from pcie_allreduce import _ext, outcomes, validation
 from pcie_allreduce.fabric import nodes as nodes_mod
-from pcie_allreduce.plan import algorithms
-from pcie_allreduce.plan.algorithms import UNFUSED, WireBytes
 from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
 from pcie_allreduce.constants import MAX_MESSAGE_BYTES
 from pcie_allreduce.errors import InterNodeError, one_line
+from pcie_allreduce.plan.algorithms import UNFUSED, WireBytes, capacity_of
 
 #: Seconds a send or receive between nodes may take before the call fails.
 DEFAULT_INTER_NODE_TIMEOUT_S = 60.0
@@ -152,6 +150,7 @@ class HierarchicalCommunicator:
                  inter_node_timeout_s: float = DEFAULT_INTER_NODE_TIMEOUT_S,
                  intra_node: Callable[[dist.ProcessGroup], IntraNode] | None = None,
                  max_bytes: int = DEFAULT_MAX_BYTES, **communicator_kwargs: Any) -> None:
+        creation = outcomes.next_step(group, "hierarchy")  # first: every rank counts it, whatever fails after
         self._closed = False
         self._failed: str | None = None
         self._owned_groups: list[dist.ProcessGroup] = []  # shut down by close()
@@ -201,22 +200,42 @@ class HierarchicalCommunicator:
                                          backend=dist.get_backend(group), use_local_synchronization=True)
         self._owned_groups.append(self.node_group)
         self._pending: list[tuple[float, Any, int, str]] = []  # NCCL works of eager calls, until read
+        # All or nothing: each rank posts how its part went and hears every other rank's before any
+        # returns (outcomes.agree), within a bound: each of its waits between nodes takes at most
+        # inter_node_timeout_s, and a node's can follow the previous node's.
+        bound, what = (self.layout.count + 1) * self.inter_node_timeout_s, "creating the hierarchical communicator"
         try:
-            if self.node_size == 1:
-                self.intra = None
-            elif intra_node is not None:
-                self.intra = intra_node(self.node_group)
-            else:
-                # Emulated nodes share GPUs: every node's blocks must fit beside every other node's.
-                communicator_kwargs.setdefault("ranks_per_gpu", _ranks_per_gpu(group, self.device))
-                self.intra = Communicator(self.node_group, self.device, 2 * self.max_bytes, **communicator_kwargs)
-            # One call now: every pair of ranks the sends join meets here, outside any graph capture
-            # (NCCL makes a pair's communicator at its first send), and a broken setup fails at once.
-            self.all_reduce(torch.zeros(self.node_size, dtype=torch.float32, device=self.device))
+            try:
+                self._set_up_node(group, intra_node, communicator_kwargs)
+            except Exception as exc:
+                outcomes.agree(group, creation, f"{type(exc).__name__}: {one_line(exc)}", bound_s=bound, what=what)
+                raise
+            outcomes.agree(group, creation, None, bound_s=bound, what=what)
         except BaseException:
             with contextlib.suppress(Exception):  # the failure that got us here is the one to see
                 self.close()
             raise
+
+    def _set_up_node(self, group: dist.ProcessGroup, intra_node: Callable[[dist.ProcessGroup], IntraNode] | None,
+                     communicator_kwargs: dict[str, Any]) -> None:
+        """This rank's part of creation: the node's all-reduce, then one call, awaited (bounded)."""
+        if intra_node is not None and self.node_size > 1:
+            self.intra = intra_node(self.node_group)
+        elif self.node_size > 1:
+            # Emulated nodes share GPUs: every node's blocks must fit beside every other node's.
+            communicator_kwargs.setdefault("ranks_per_gpu", nodes_mod.ranks_per_gpu(group, self.device))
+            self.intra = Communicator(self.node_group, self.device, 2 * self.max_bytes, **communicator_kwargs)
+        # One call now: every pair of ranks the sends join meets here, outside any graph capture
+        # (NCCL makes a pair's communicator at its first send), and a broken setup fails at once.
+        self.all_reduce(torch.zeros(self.node_size, dtype=torch.float32, device=self.device))
+        # On NCCL the host posted its sends and receives without waiting (_wait): wait for them,
+        # bounded, so a receive that never completes fails creation instead of a later call.
+        while self._pending:
+            self._check_pending()  # InterNodeError past inter_node_timeout_s
+            time.sleep(_POLL_S if self._pending else 0)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the node's kernels: bounded by their timeout
+        self.check()
 
     # ---- the collective ----------------------------------------------------------------
 
@@ -318,7 +337,7 @@ class HierarchicalCommunicator:
         node's workspace (:func:`pcie_allreduce.plan.algorithms.capacity_of`)."""
         if algo == "auto" or self.intra is None:
             return None
-        limit = algorithms.capacity_of(algo, self.ll_capacity)
+        limit = capacity_of(algo, self.ll_capacity)
         return None if limit is None else max(0, limit) // 2
 
     def select_algo(self, nbytes: int, dtype: torch.dtype) -> str:
@@ -334,12 +353,14 @@ class HierarchicalCommunicator:
         """The node communicator's workspace of ``stream`` (collective over the node)."""
         return self.intra.workspace(stream) if self.intra is not None else None
 
-    def close(self) -> None:
+    def close(self, *, release_captured: bool = False) -> None:
         """Release the node's communicator, then shut down the process groups made here (their
         connections and NCCL communicators): the node's, and the one between nodes where
         ``inter_node_backend`` made it, unless a CUDA graph captured a send on it (the graph may
-        be replayed; it then lives until the process ends). Collective over the group. Calls
-        after it raise at once, posting nothing.
+        be replayed; it then lives until the process ends). ``release_captured``: no such graph
+        is replayed after this; the node's graph-captured workspaces are freed too
+        (``Communicator.close``). Collective over the group. Calls after it raise at once,
+        posting nothing.
 
         Shut down, not destroyed: torch names a group made with local synchronization by its
         ranks and the number of groups alive, so a destroyed group's name would be taken by the
@@ -351,7 +372,10 @@ class HierarchicalCommunicator:
         try:
             close = getattr(self.intra, "close", None)
             if close is not None:
-                close()
+                if release_captured:
+                    close(release_captured=True)
+                else:
+                    close()
         finally:
             for group in self._owned_groups:
                 if self._captured and group is self._data_group:
@@ -474,13 +498,3 @@ class HierarchicalCommunicator:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _ranks_per_gpu(group: dist.ProcessGroup, device: torch.device) -> int:
-    """Collective over ``group``: the most of its ranks on one GPU (host identity and PCI bus id,
-    gathered). Where nodes are emulated on one machine every node's calls run on the same GPUs at
-    once, and each node's communicator must leave SMs for the others' blocks (dispatch.block_cap)."""
-    mine = (nodes_mod.host_identity(), _ext.require().pci_bus_id(device.index).lower())
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    return max(collections.Counter(gathered).values())

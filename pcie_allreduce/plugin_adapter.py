@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,17 @@ class PluginState:
     adapters: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)
     communicator_factory: CommunicatorFactory | None = None
     facts_fn: Callable[..., Any] | None = None
+
+
+def check_serving(adapters: Iterable["CaCommAdapter"]) -> None:
+    """Raise the CollectiveTimeout / CollectiveMismatch a collective of any of ``adapters`` (those
+    serving in this process) recorded, a replayed CUDA graph's included: a host read per workspace,
+    no CUDA call. Each engine's per-step hook runs it before the step: a graph's calls never pass
+    through :meth:`CaCommAdapter._all_reduce`, so without it a server whose every collective runs
+    in graphs would go on sampling from the NaN a failed call leaves."""
+    for adapter in list(adapters):
+        if not adapter.disabled:
+            adapter.comm.check()
 
 
 class CaCommAdapter:
@@ -163,11 +174,15 @@ class CaCommAdapter:
         self.comm.check()
 
     def close(self) -> None:
-        """Free the workspaces (collective: every rank of the group must call it)."""
+        """Free the workspaces, the graph-captured ones too: the engine calls this as it tears the
+        group down (vLLM's ``CudaCommunicator.destroy``, SGLang's ``GroupCoordinator.destroy``),
+        after which it replays none of the group's graphs (each frees its own all-reduce's graph
+        buffers there too). Collective over the group, bounded where a peer is gone (the
+        communicator then keeps its memory rather than wait), and idempotent."""
         if self.disabled:
             return
         self.disabled = True
-        self.comm.close()
+        self.comm.close(release_captured=True)
 
     # ---- fused all-reduce + residual add + RMSNorm ----------------------------------------
 

@@ -20,6 +20,9 @@ an SGLang upgrade that changes one fails loudly instead of silently serving noth
   this a server whose every collective runs in graphs would go on decoding from NaN). A host
   read of pinned memory per workspace, no CUDA call. Attached lazily: its module loads SGLang's
   model code, which the plugin never imports itself.
+- ``group_coordinator_destroy``: SGLang's group teardown drops its ``ca_comm`` only after it
+  destroyed the group's process groups, and never closes it; this closes our adapter first, while
+  its group can still meet, so the workspaces are freed (collectively, bounded) on every teardown.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from pcie_allreduce import plugin_logline
+from pcie_allreduce.plugin_adapter import check_serving
 from sglang_plugin import eligibility
 from sglang_plugin.adapter import PcieAllReduceAdapter, hierarchical_factory
 from sglang_plugin.registry import REGISTRY
@@ -42,6 +46,7 @@ DISPATCH = "sglang.srt.distributed.device_communicators.custom_all_reduce.dispat
 FUSION_GATE = "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies"
 FUSED_OP = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
 FORWARD_STEP = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+GROUP_DESTROY = "sglang.srt.distributed.parallel_state.GroupCoordinator.destroy"
 MAX_FUSED_BATCH = 2048  # add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE in 0.5.23 (checked by the tests)
 
 
@@ -177,11 +182,21 @@ def model_runner_forward(
 def check_serving_adapters() -> None:
     """``Communicator.check()`` on every adapter serving in this process (no CUDA call)."""
     state = REGISTRY.state
-    if state is None:
-        return
-    for adapter in list(state.adapters):
-        if not adapter.disabled:
-            adapter.comm.check()
+    if state is not None:
+        check_serving(state.adapters)
+
+
+def group_coordinator_destroy(original: Callable[..., Any], self: Any) -> None:
+    """AROUND ``GroupCoordinator.destroy``: close our ``ca_comm`` (collective over the group's CPU
+    group, which SGLang destroys next), then SGLang's teardown."""
+    ca_comm = getattr(self, "ca_comm", None)
+    if isinstance(ca_comm, PcieAllReduceAdapter):
+        try:
+            ca_comm.close()
+        except Exception as exc:  # noqa: BLE001 - SGLang's own teardown must still run
+            logger.warning("pcie_allreduce[sglang]: closing the communicator of group %s failed (%s: %s); its "
+                           "workspaces stay allocated", getattr(self, "unique_name", "?"), type(exc).__name__, exc)
+    return original(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +241,7 @@ TARGETS: tuple[HookTarget, ...] = (
     HookTarget(FUSED_OP, flashinfer_allreduce_residual_rmsnorm, fused=True,
                variants=(flashinfer_allreduce_residual_rmsnorm_v2,)),
     HookTarget(FORWARD_STEP, model_runner_forward, fused=False, lazy=True, owner_depth=2),
+    HookTarget(GROUP_DESTROY, group_coordinator_destroy, fused=False, owner_depth=2),
 )
 
 

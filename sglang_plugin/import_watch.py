@@ -78,4 +78,5 @@ _WATCHED_NAMES: frozenset[str] = frozenset({
     "sglang.srt.layers.layer_boundary.residual.add_norm",
     "sglang.srt.layers.flashinfer_comm_fusion",
     "sglang.srt.model_executor.model_runner",
+    "sglang.srt.distributed.parallel_state",
 })  # the modules of hooks.TARGETS (a test keeps the two in step); a constant, never mutated

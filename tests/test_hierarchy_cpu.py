@@ -403,3 +403,35 @@ def test_an_nccl_group_between_nodes_gets_the_timeout_and_a_failed_warm_up_relea
 
     assert made == [((0, 1, 2, 3), "nccl", timedelta(seconds=42)), ((0, 1), "gloo", None)]
     assert intra[0].closed and [g.backend for g in shut] == ["nccl", "gloo"]
+
+
+def _one_rank_skips_its_exchange(ctx: ranks.RankContext) -> dict:
+    """2x2 emulated nodes; rank 2 (node 1's first rank) never sends during creation's warm-up, so
+    rank 0 never gets its shard of the result: creation must fail on every rank alike."""
+    if ctx.rank == 2:
+        HierarchicalCommunicator._send = lambda self, tensor, peer, step: None  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        comm = HierarchicalCommunicator(ctx.group, "cpu", layout=nodes.equal_nodes(4, 2),
+                                        intra_node=_ClosableSum, inter_node_timeout_s=2)
+    except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
+        made = _ClosableSum.made[-1] if _ClosableSum.made else None
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - started,
+                "node_closed": made is not None and made.closed}
+    comm.close()
+    return {"error": None, "elapsed": time.monotonic() - started}
+
+
+def test_creation_is_all_or_nothing_when_one_rank_skips_its_exchange() -> None:
+    """Every rank raises (none returns a communicator), within the creation bound: rank 0 the
+    timeout of the receive that never came, naming rank 2 and the step; node 1's ranks, whose own
+    part went well, an error naming rank 0 and why; rank 1 (whose node gather lost rank 0) its own
+    or that one; each rank's node all-reduce is closed."""
+    results = ranks.run_ranks(_one_rank_skips_its_exchange, 4, gpu=False, timeout_s=120, env={"PCIE_AR_NODES": "2"})
+    assert all(r["error"] is not None for r in results), results
+    assert all(r["elapsed"] < 3 * 2 + 10 for r in results), [r["elapsed"] for r in results]
+    assert results[0]["error"] == "InterNodeError" and "'the result from node 1' with rank 2" in results[0]["message"]
+    for r in results[2:]:
+        assert r["error"] == "UnavailableError" and "creating the hierarchical communicator failed on another rank" \
+            in r["message"] and "rank 0: InterNodeError" in r["message"], r
+    assert all(r["node_closed"] for r in results), results

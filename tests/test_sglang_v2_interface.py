@@ -229,7 +229,7 @@ def test_the_ceilings_are_what_should_custom_ar_takes(algo: str, transport: str,
 
 def test_a_closed_adapter_has_no_ceilings() -> None:
     adapter = _adapter()
-    adapter.comm.close = lambda: None
+    adapter.comm.close = lambda release_captured=False: None
     adapter.close()
     assert (adapter.max_push_size, adapter.max_pull_size) == (0, 0)
     assert not _uses_one_shot_push(adapter, 4096)

@@ -11,7 +11,11 @@ checks against the rank-order fp32 reference (tests/_reference.py), every result
 - the fused op ``pcie_allreduce_vllm::all_reduce_rmsnorm``: the new residual bitwise
   ``residual + all_reduce(x)``, the norm within the fp64 reference's ulp bound;
 - the same inside ``GroupCoordinator.graph_capture()`` + ``torch.cuda.graph`` (warm-up in the
-  capture context, capture, replays with new inputs).
+  capture context, capture, replays with new inputs);
+- a replay one rank skips: vLLM's next step (``WorkerWrapperBase.execute_model``) raises the
+  recorded failure on every rank, naming rank, peer and stage;
+- teardown: the group made and destroyed twice (``GroupCoordinator.destroy``) on each transport
+  gives back the GPU memory, mapped host segments and /dev/shm entries.
 
 Skips with a reason without a GPU, without the built extension, or without vLLM.
 Run: ``PCIE_AR_TEST_VLLM_WORLDS=2,4 python -m pytest -q -rs tests/test_vllm_gpu.py``.
@@ -151,3 +155,126 @@ def test_vllm_cuda_communicator_with_plugin(world: int) -> None:
     assert all(r == results[0] for r in results), results
     assert results[0] == {"eager": len(EAGER_CASES), "fused": len(DECODE_TOKENS),
                           "graph": {"replays": 3, "collectives_per_replay": 3 * 2 * len(DECODE_TOKENS)}}
+
+
+def _skipped_replay(ctx: ranks.RankContext) -> dict:
+    """A decode graph captured as vLLM's runner does, replayed by a stand-in worker's step behind
+    vLLM's real ``WorkerWrapperBase.execute_model`` (which the plugin wraps). In one replay the
+    last rank does not replay: the others' replay gives up and leaves NaN, and their next step
+    raises before running; the late rank's own next collective then finds nobody and gives up, and
+    its step after that raises. Every rank: CollectiveTimeout / CollectiveMismatch naming itself,
+    a peer and the stage."""
+    ensure_entry_point()
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from pcie_allreduce.errors import CollectiveError
+
+    load_general_plugins()
+    tp = tp_group(ctx, ctx.device)
+    x = _inputs(ctx, 700, 4, HIDDEN, torch.bfloat16)[1]
+    with tp.graph_capture() as capture_ctx:
+        tp.all_reduce(x)  # warm-up in the capture context, as vLLM's runner does
+        capture_ctx.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture_ctx.stream):
+            out = tp.all_reduce(x)
+    torch.cuda.synchronize()
+
+    class Worker:  # the step vLLM's worker runs: here, one graph replay
+        def execute_model(self, scheduler_output):
+            graph.replay()
+            torch.cuda.synchronize()
+            return bool(torch.isnan(out).any())
+
+    wrapper = WorkerWrapperBase(rpc_rank=ctx.rank)
+    wrapper.worker, wrapper.mm_receiver_cache = Worker(), None
+    result = {"healthy_nan": wrapper.execute_model("step 1")}
+    torch.distributed.barrier(group=ctx.group)
+    late = ctx.rank == ctx.world_size - 1
+    if not late:
+        graph.replay()
+    torch.cuda.synchronize()
+    result.update(late=late, all_nan=bool(torch.isnan(out).all()), raised=None)
+    for step in range(2, 6):
+        try:
+            wrapper.execute_model(f"step {step}")
+        except CollectiveError as exc:
+            result["raised"] = (type(exc).__name__, exc.rank, exc.peer, exc.stage, step)
+            break
+    torch.distributed.barrier(group=ctx.group)  # the late rank stays until the others gave up
+    return result
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_a_skipped_replay_makes_the_next_step_raise_on_every_rank(world: int) -> None:
+    env = {**_env(), "PCIE_AR_VLLM_TIMEOUT_S": "2"}
+    for rank, r in enumerate(ranks.run_ranks(_skipped_replay, world, timeout_s=300, env=env)):
+        assert r["healthy_nan"] is False, f"rank {rank}: a healthy step left NaN: {r}"
+        assert r["raised"] is not None, f"rank {rank}: no step raised the recorded failure: {r}"
+        kind, who, peer, stage, step = r["raised"]
+        assert kind in ("CollectiveTimeout", "CollectiveMismatch") and who == rank and stage, r
+        assert peer != rank and 0 <= peer < world, r
+        if not r["late"]:
+            assert r["all_nan"], f"rank {rank}: the replay that gave up left data in its output: {r}"
+            assert step == 2 and peer == world - 1, f"rank {rank}: the next step did not raise naming the late rank: {r}"
+
+
+def _teardown_twice(ctx: ranks.RankContext) -> dict:
+    """vLLM's tp group with our ca_comm (an eager workspace and a graph-captured one) made and
+    destroyed twice (``GroupCoordinator.destroy``): GPU memory, mapped host segments and /dev/shm
+    entries come back to where they started."""
+    ensure_entry_point()
+    from vllm.plugins import load_general_plugins
+
+    from pcie_allreduce.transport import SEGMENT_PREFIX
+
+    def segments() -> tuple[int, int]:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            mapped = len({line.split()[-1] for line in maps if SEGMENT_PREFIX in line})
+        return mapped, sum(name.startswith(SEGMENT_PREFIX) for name in os.listdir("/dev/shm"))
+
+    def free_bytes() -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.distributed.barrier(group=ctx.group)  # every rank at the same point of the round
+        free = torch.cuda.mem_get_info(ctx.device)[0]
+        torch.distributed.barrier(group=ctx.group)
+        return free
+
+    load_general_plugins()
+    start = (free_bytes(), segments())
+    rounds = []
+    for _ in range(2):
+        tp = tp_group(ctx, ctx.device)
+        adapter = tp.device_communicator.ca_comm
+        x = _inputs(ctx, 800, 4, HIDDEN, torch.bfloat16)[1]
+        tp.all_reduce(x)
+        with tp.graph_capture() as capture_ctx:
+            tp.all_reduce(x)
+            capture_ctx.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=capture_ctx.stream):
+                tp.all_reduce(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        per_stream = next(iter(adapter.comm._workspaces.values())).total_bytes
+        streams = len(adapter.comm._workspaces)
+        del graph
+        tp.destroy()
+        rounds.append({"streams": streams, "retained": adapter.comm.retained_bytes,
+                       "open": len(adapter.comm._workspaces), "free": free_bytes(), "segments": segments()})
+    return {"start": start, "rounds": rounds, "per_stream": per_stream, "transport": adapter.comm.transport}
+
+
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+def test_teardown_twice_frees_every_workspace(transport: str) -> None:
+    world = 2
+    env = {**_env(), "PCIE_AR_TRANSPORT": transport}
+    for r in ranks.run_ranks(_teardown_twice, world, timeout_s=600, env=env):
+        (free0, segments0), per_stream = r["start"], r["per_stream"]
+        for n, round_ in enumerate(r["rounds"]):
+            assert round_["streams"] == 2 and round_["retained"] == 0 and round_["open"] == 0, (n, r)
+            assert round_["segments"] == segments0, f"round {n}: host segments left mapped or in /dev/shm: {r}"
+            # every rank's workspaces are on this one GPU; less than one of them may be missing
+            assert free0 - round_["free"] < per_stream, f"round {n}: GPU memory not returned: {r}"

@@ -12,7 +12,8 @@ CUDA-graph safety: every rank must capture the same sequence of collectives, so 
 served is a pure function of dtype, size, contiguity and W, which all ranks share. Nothing a call
 can be given makes it raise: what the communicator cannot take is declined up front and vLLM's next
 backend serves it. A collective that failed (a peer stopped past the timeout) is a failure, not a
-decline: the communicator's record of it is raised at the next eager call.
+decline: the communicator's record of it is raised before the next step (vllm_plugin/lifecycle.py),
+or at the next eager call. vLLM's teardown (``CudaCommunicator.destroy``) closes it.
 """
 
 from __future__ import annotations

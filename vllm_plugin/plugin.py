@@ -22,7 +22,7 @@ import torch
 
 from pcie_allreduce import plugin_adapter, plugin_logline
 from pcie_allreduce.plugin_eligibility import Decision
-from vllm_plugin import eligibility, settings as settings_mod
+from vllm_plugin import eligibility, lifecycle, settings as settings_mod
 from vllm_plugin.adapter import VllmAllReduceAdapter
 from vllm_plugin.settings import FUSED, MAX_BYTES, Settings, SettingsError
 from vllm_plugin.surface import SUPPORTED_VLLM_VERSIONS
@@ -89,8 +89,9 @@ def install(settings: Settings, *, communicator_factory: Callable[..., Any] | No
 
 
 def unregister() -> bool:
-    """Put vLLM's ``CustomAllreduce`` back; False if nothing was installed. Adapters already
-    serving stay (closing them is collective); communicators built afterwards get vLLM's own."""
+    """Put vLLM's ``CustomAllreduce`` back, and the methods :mod:`vllm_plugin.lifecycle` wrapped;
+    False if nothing was installed. Adapters already serving stay (closing them is collective:
+    ``adapter.close()`` on every rank); communicators built afterwards get vLLM's own."""
     global STATE
     state, STATE = STATE, None
     if state is None:
@@ -98,6 +99,7 @@ def unregister() -> bool:
     import importlib
 
     importlib.import_module(CA_MODULE).CustomAllreduce = state.original
+    lifecycle.detach()
     return True
 
 
@@ -122,6 +124,7 @@ def build_ca_comm(original: Any, group: Any, device: Any, *args: Any, **kwargs: 
                      type(exc).__name__, exc)
         return original(group, device, *args, **kwargs)
     state.adapters.add(adapter)
+    lifecycle.attach(state.adapters)  # the per-step failure check and the teardown's close
     logger.info("%s", serving_line(where, adapter, decision))
     return adapter
 

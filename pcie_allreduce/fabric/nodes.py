@@ -11,6 +11,7 @@ Pure functions over the gathered identities (:func:`layout_of`) with one collect
 
 from __future__ import annotations
 
+import collections
 import socket
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -143,3 +144,15 @@ def agree_on_layout(group: dist.ProcessGroup, layout: NodeLayout | None) -> Node
         raise ValueError(f"the ranks were given different node layouts ({views}); every rank must pass the same "
                          "layout= (or None on every rank)")
     return layout if layout is not None else gathered  # type: ignore[return-value]
+
+
+def ranks_per_gpu(group: dist.ProcessGroup, device: Any) -> int:
+    """Collective over ``group``: the most of its ranks on one GPU (host identity and PCI bus id,
+    gathered). Where nodes are emulated on one machine every node's calls run on the same GPUs at
+    once, and each node's communicator must leave SMs for the others' blocks (dispatch.block_cap)."""
+    from pcie_allreduce import _ext
+
+    mine = (host_identity(), _ext.require().pci_bus_id(device.index).lower())
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return max(collections.Counter(gathered).values())
