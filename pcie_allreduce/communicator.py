@@ -194,7 +194,9 @@ class Communicator:
                                       else f"no peer-to-peer: {no_peer_access}")
         self.shares_gpu: bool = topology.shares_gpu(self.placements)
         sharing = max(topology.ranks_per_gpu(self.placements), agreed[0]["ranks_per_gpu"] or 1)
-        self.block_cap: int = dispatch.block_cap(sharing, self._sms)
+        # The fewest SMs any rank sees, and whether every rank runs capped to an MPS share of its GPU.
+        self.block_cap: int = dispatch.block_cap(sharing, min(a["sms"] for a in agreed),
+                                                 all(a["mps_share"] for a in agreed))
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
@@ -558,7 +560,8 @@ class Communicator:
         self.dependent_launch: bool = _dependent_launch(self.device)
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
                 "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
-                "ranks_per_gpu": ranks_per_gpu,
+                "ranks_per_gpu": ranks_per_gpu, "sms": self._sms,
+                "mps_share": bool(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()),
                 ISLANDS_KEY: topology.islands_override(self.world_size),
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 

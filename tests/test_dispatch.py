@@ -352,3 +352,35 @@ def test_the_records_give_each_kind_of_algorithm() -> None:
     assert algorithms.capacity_of("oneshot_ll", 64 * kib) == 64 * kib and algorithms.capacity_of("twoshot", 1) is None
     for name in algorithms.FORCEABLE_ALGORITHMS:  # every record has its wire accounting
         assert algorithms.wire_bytes(name, 8 * kib, 4, island_ranks=2).busiest > 0
+
+
+@pytest.mark.parametrize("ranks_per_gpu, share_sms, expected", [
+    (1, 132, MAX_LAUNCH_BLOCKS),   # own GPU: never capped
+    (4, 32, 32),                   # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 on an H100: the device reports 32 SMs
+    (8, 14, 14),                   # 12%: 14 SMs
+    (2, 66, MAX_LAUNCH_BLOCKS),
+])
+def test_block_cap_under_an_mps_share_is_the_share(ranks_per_gpu, share_sms, expected) -> None:
+    """Each rank capped to its MPS share sees that share as its SM count: the cap, not a W-th of it."""
+    assert dispatch.block_cap(ranks_per_gpu, share_sms, mps_share=True) == expected
+    if ranks_per_gpu > 1:
+        assert dispatch.block_cap(ranks_per_gpu, share_sms) == max(1, share_sms // ranks_per_gpu)
+
+
+@pytest.mark.parametrize("ranks_per_gpu, environ, expected", [
+    (1, {}, {}),
+    (2, {}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}),
+    (3, {}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "33"}),
+    (8, {}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "12"}),
+    (4, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}),  # a smaller one stays
+    (4, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}),
+    (4, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "lots"}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}),
+])
+def test_ranks_sharing_a_gpu_each_get_their_share(ranks_per_gpu, environ, expected) -> None:
+    from pcie_allreduce.tools import mps, ranks
+
+    assert mps.thread_share_env(ranks_per_gpu, environ) == expected
+    shares = ranks._child_env({"CUDA_MPS_PIPE_DIRECTORY": "/tmp/x"}, {}, ranks_per_gpu)
+    assert shares.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == mps.thread_share_env(ranks_per_gpu, dict(
+        __import__("os").environ)).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in ranks._child_env(None, {}, ranks_per_gpu)  # no MPS, no share

@@ -74,8 +74,10 @@ def test_the_islands_setting_takes_ascii_ranks_only(value: str) -> None:
 
 
 # Variables of other programs, read as those programs define them (not settings of ours): the
-# spawner's word to the ranks it starts ("0" or "1", never a user's), CMake's generator name.
-_FOREIGN = {("pcie_allreduce/tools/ranks.py", "MPS_ENV_VAR"), ("setup.py", 'generator == "Ninja"')}
+# spawner's word to the ranks it starts ("0" or "1", never a user's), CMake's generator name, MPS's
+# active-thread percentage (a number as MPS reads it; one that is not stays MPS's to refuse).
+_FOREIGN = {("pcie_allreduce/tools/ranks.py", "MPS_ENV_VAR"), ("setup.py", 'generator == "Ninja"'),
+            ("pcie_allreduce/tools/mps.py", "float(current)")}
 # Where the environment is read: every module of the library, both plugins, the harness, the build.
 _READERS = ("pcie_allreduce", "sglang_plugin", "vllm_plugin", "bench", "setup.py")
 

@@ -119,14 +119,16 @@ def fused_kernel(tokens: int, hidden: int, dtype: torch.dtype, world: int, table
     return "oneshot"
 
 
-def block_cap(ranks_per_gpu: int, sms_per_gpu: int) -> int:
+def block_cap(ranks_per_gpu: int, sms_per_gpu: int, mps_share: bool = False) -> int:
     """Most blocks (CUDA) or programs (Triton) one call may launch.
 
     Every block spins on the same-numbered block of every peer, so all ranks' blocks of a call
     must be able to run at once. On distinct GPUs (``ranks_per_gpu`` 1) that always holds. When
     ranks share a GPU (tests under MPS) their blocks compete for its SMs: each rank gets
-    ``sms_per_gpu // ranks_per_gpu``, since one block per SM always fits. Computed from the
-    agreed placements, so the same on every rank."""
+    ``sms_per_gpu // ranks_per_gpu``, since one block per SM always fits; where every rank runs
+    capped to its MPS share (``mps_share``: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, which the rank
+    spawner sets), ``sms_per_gpu`` is already the share the device reports (the fewest of any
+    rank's) and is the cap as it is. Computed from agreed values, so the same on every rank."""
     if ranks_per_gpu <= 1:
         return MAX_LAUNCH_BLOCKS
-    return max(1, min(MAX_LAUNCH_BLOCKS, sms_per_gpu // ranks_per_gpu))
+    return max(1, min(MAX_LAUNCH_BLOCKS, sms_per_gpu if mps_share else sms_per_gpu // ranks_per_gpu))

@@ -122,6 +122,29 @@ def client_visible_devices(environ: Mapping[str, str]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(len(entries)))}
 
 
+THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+def thread_share_env(ranks_per_gpu: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The SM share of each of ``ranks_per_gpu`` MPS clients of one GPU, as the client variable
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = floor(100 / ranks_per_gpu) ({} for one rank per GPU).
+
+    Ranks of one collective spin until their peers' blocks arrive; a rank whose kernels may fill the
+    whole GPU can starve a lagging peer's kernels (its GEMMs, its norm) of SMs, and under MPS
+    nothing guarantees the lagging one progress. Capped at its share (the shares add up to at most
+    the GPU), a rank's kernels always leave the others theirs, and the device it sees reports that
+    share as its SM count, which becomes its block cap (:func:`pcie_allreduce.plan.dispatch.block_cap`).
+    A smaller percentage already in ``environ`` is kept (MPS itself keeps the daemon's, if lower)."""
+    if ranks_per_gpu <= 1:
+        return {}
+    share = 100 // ranks_per_gpu
+    current = environ.get(THREAD_PERCENTAGE_ENV, "")
+    with contextlib.suppress(ValueError):
+        if 0 < float(current) <= share:
+            return {THREAD_PERCENTAGE_ENV: current}
+    return {THREAD_PERCENTAGE_ENV: str(share)}
+
+
 class MpsDaemon:
     """A private MPS control daemon whose pipe and log directories live in a temp dir.
 

@@ -130,7 +130,7 @@ def patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
 
 
 def _child_env(
-    mps_env: Mapping[str, str] | None, user_env: Mapping[str, str] | None
+    mps_env: Mapping[str, str] | None, user_env: Mapping[str, str] | None, ranks_per_gpu: int = 1
 ) -> dict[str, str]:
     """The variables every rank gets on top of the parent's environment."""
     env: dict[str, str] = {}
@@ -144,6 +144,8 @@ def _child_env(
     env.update(mps_env or {})
     env[MPS_ENV_VAR] = "1" if mps_env else "0"
     env.update({str(k): str(v) for k, v in (user_env or {}).items()})
+    if mps_env:  # ranks sharing a GPU: each its share of the SMs (a smaller one set by the caller stays)
+        env.update(mps_mod.thread_share_env(ranks_per_gpu, {**os.environ, **env}))
     return env
 
 
@@ -234,7 +236,7 @@ def run_ranks(
         readers = []
         stack.callback(lambda: [r.close() for r in readers])
         stack.callback(kill_all, procs)  # a no-op when every rank has exited
-        with patched_environ(_child_env(mps_env, env)):
+        with patched_environ(_child_env(mps_env, env, -(-world_size // max(n_gpus, 1)))):
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
