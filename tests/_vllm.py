@@ -10,7 +10,7 @@ import torch
 from vllm_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
 from tests import _standins
 
-SKIP_NO_VLLM = "vllm is not importable here (CI installs vllm==0.34.0 with --no-deps; see README.md, '# vllm.')"
+SKIP_NO_VLLM = "vllm is not importable here (README.md's '# vllm.' line installs what these tests need)"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
