@@ -355,15 +355,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-# A first build of the six default archs, measured: 2-vCPU x86_64, nvcc 13.0, MAX_JOBS=2
-# (README's command 1, 3 min 28 s in all, 2026-12-04).
+# A first build of the six default archs, measured: 2-vCPU x86_64, nvcc 13.0, MAX_JOBS=2, an idle
+# machine (README's command 1, 3 min 28 s in all, 2026-12-04); on the same machine shared with
+# other work (load average 9-20) it took 19 min 31 s (2026-12-05): README's table has both.
 FIRST_BUILD_MINUTES = 3
 
 
 def build_time_hint(n_archs: int) -> str:
     """How long a first build takes and how to make it shorter."""
-    hint = (f"A first build of the six default archs takes about {FIRST_BUILD_MINUTES} minutes on 2 cores, "
-            "less with more cores or fewer archs.")
+    hint = (f"A first build of the six default archs takes about {FIRST_BUILD_MINUTES} minutes on 2 idle cores, "
+            "several times that on a busy machine, less with more cores or fewer archs.")
     if n_archs > 1:
         hint += " PCIE_AR_CUDA_ARCHS=90 (your GPUs' arch) builds one arch."
     return hint

@@ -18,14 +18,14 @@ run with TRITON_INTERPRET=1 runs them in place.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import pytest
 
@@ -57,14 +57,16 @@ class Child:
         self._reader.start()
 
     @classmethod
-    def start(cls, node_ids: Sequence[str]) -> "Child":
-        """Start the child on ``node_ids`` (from the repository root) and return at once."""
+    def start(cls, node_ids: Sequence[str], rootdir: str | os.PathLike = REPO_ROOT) -> "Child":
+        """Start the child on ``node_ids`` (relative to ``rootdir``, the run's) and return at once."""
         tmp = tempfile.TemporaryDirectory()
         report = os.path.join(tmp.name, "interpreted.xml")
         env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-p", "no:randomly",
-                   f"--junitxml={report}", *node_ids]
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        # Quiet: its failures come back through the report, each in full on the test it belongs to;
+        # its terminal output only gives the summary line, or the tail of a child that crashed.
+        command = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", "-p", "no:randomly",
+                   f"--rootdir={rootdir}", f"--junitxml={report}", *node_ids]
+        process = subprocess.Popen(command, cwd=rootdir, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         return cls(node_ids, process, tmp, report)
 
@@ -73,19 +75,17 @@ class Child:
         for line in self._process.stdout:
             self._lines.append(line.rstrip("\n"))
 
-    def finish(self, progress: Callable[[str], None]) -> dict[str, Outcome]:
-        """Wait for the child (at most CHILD_TIMEOUT_S from now), passing each line of its output
-        to ``progress`` as it comes; the outcome of each node id."""
-        shown = 0
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        while self._reader.is_alive() and time.monotonic() < deadline:
-            self._reader.join(timeout=0.5)
-            shown = self._show(progress, shown)
+    def running(self) -> bool:
+        """Whether the child is still at work."""
+        return self._reader.is_alive()
+
+    def finish(self) -> dict[str, Outcome]:
+        """Wait for the child (at most CHILD_TIMEOUT_S from now); the outcome of each node id."""
+        self._reader.join(timeout=CHILD_TIMEOUT_S)
         if self._reader.is_alive():
             self.stop()
             self._lines.append(f"(the child did not finish within {CHILD_TIMEOUT_S} s)")
         self._process.wait()
-        self._show(progress, shown)
         outcomes = _outcomes(self._report) if os.path.exists(self._report) else {}
         self._tmp.cleanup()
         tail = "\n".join(self._lines[-60:])
@@ -93,17 +93,24 @@ class Child:
                             0.0)
         return {node: outcomes.get(_junit_key(node), missing) for node in self.node_ids}
 
-    def _show(self, progress: Callable[[str], None], shown: int) -> int:
-        lines = self._lines[shown:]
-        for line in lines:
-            progress(line)
-        return shown + len(lines)
+    def summary(self) -> str:
+        """The child's closing line ("86 passed in 58.83s"), or why there is none."""
+        return summary_line(self._lines) or f"no summary (exit {self._process.poll()}); see the failures below"
 
     def stop(self) -> None:
         """Kill the child if it still runs (a run that ends before reaching its tests)."""
         if self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+
+
+def summary_line(lines: Sequence[str]) -> str | None:
+    """pytest's closing line among ``lines`` ("3 passed, 1 skipped in 4.20s"), without its rule."""
+    for line in reversed(lines):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", line).strip().strip("=").strip()  # a FORCE_COLOR run's colours
+        if re.fullmatch(r"(no tests ran|\d+ \w+(, \d+ \w+)*) in [\d.]+s( \(\d+:\d\d:\d\d\))?", text):
+            return text
+    return None
 
 
 def _junit_key(node_id: str) -> tuple[str, str]:

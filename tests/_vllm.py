@@ -10,7 +10,7 @@ import torch
 from vllm_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
 from tests import _standins
 
-SKIP_NO_VLLM = "vllm is not importable here (CI installs vllm==0.34.0 with --no-deps; see README.md, '# vllm.')"
+SKIP_NO_VLLM = "vllm is not importable here (README.md's '# vllm.' line installs what these tests need)"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,14 +30,19 @@ def ensure_entry_point() -> str | None:
 
 
 def plugin_env(**extra: str) -> dict[str, str]:
-    """The ranks' environment: the plugin on and allow-listed, this checkout importable."""
-    return {"PCIE_AR_VLLM_ENABLE": "1", "VLLM_PLUGINS": PLUGIN_NAME,
+    """The ranks' environment: the plugin on and allow-listed, this checkout importable, and vLLM's
+    NCCL and torch symmetric memory communicators off, so that ``tp_group`` builds a communicator
+    of gloo and ours alone. NCCL refuses ranks that share a GPU, and with a CUDA build of torch on
+    a machine without a GPU it fails its own start ("unhandled cuda error"), where a CPU build of
+    torch has no NCCL for vLLM to find."""
+    return {"PCIE_AR_VLLM_ENABLE": "1", "VLLM_PLUGINS": PLUGIN_NAME, "VLLM_DISABLE_PYNCCL": "1",
+            "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
             "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra}
 
 
 def tp_group(ctx: Any, device: torch.device) -> Any:
     """vLLM's real ``GroupCoordinator`` named ``tp`` over the ranks, with NCCL off (gloo device
-    group: NCCL refuses ranks that share a GPU), its device communicator vLLM's real
+    group; ``plugin_env`` turns vLLM's own NCCL communicator off), its device communicator vLLM's real
     ``CudaCommunicator`` (the one vLLM builds on CUDA platforms), registered as vLLM's tp group.
     The plugin must have been loaded (``load_general_plugins()``) first."""
     from vllm.distributed import parallel_state

@@ -1,8 +1,8 @@
 """Tests marked ``interpreted`` (tests/_interpreted.py): in a run without TRITON_INTERPRET=1 they
 run in one interpreted child, started in the background as soon as collection ends, so it works
 while this process runs the other tests; they are moved to the end of the run, where each reports
-the child's outcome for it, with the child's own time for it (``--durations`` shows where the time
-went), after the child's progress lines."""
+the child's outcome for it (a failure in full), with the child's own time for it (``--durations``
+shows where the time went), after one line with the child's summary."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ import pytest
 
 from tests import _interpreted
 
-# The child's session header and report file line, not repeated on the terminal.
-_CHILD_HEADER = ("platform ", "benchmark: ", "rootdir: ", "configfile: ", "plugins: ", "cachedir: ")
-_CHILD_NOISE = ("test session starts", "generated xml file")
 _CHILD = pytest.StashKey[_interpreted.Child]()
 _OUTCOMES = pytest.StashKey[dict]()
 
@@ -44,7 +41,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     selected = [item.nodeid for item in session.items if item.get_closest_marker("interpreted")]
     if selected and not _interpreted.interpreting() and not config.option.collectonly:
-        config.stash[_CHILD] = _interpreted.Child.start(selected)
+        config.stash[_CHILD] = _interpreted.Child.start(selected, config.rootpath)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -54,11 +51,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _show(config: pytest.Config, line: str) -> None:
-    """One line of the child's output on the terminal now (past this test's output capture)."""
+    """A line about the interpreter child on the terminal now (past this test's output capture)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
-    if (reporter is None or not line.strip() or line.startswith(_CHILD_HEADER)
-            or any(noise in line for noise in _CHILD_NOISE)):
+    if reporter is None:
         return
     with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         if getattr(reporter._tw, "width_of_current_line", 0):  # after progress dots: a line of its own
@@ -73,8 +69,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     config = pyfuncitem.config
     if _OUTCOMES not in config.stash:
         child = config.stash[_CHILD]
-        _show(config, f"{len(child.node_ids)} tests ran under TRITON_INTERPRET=1 beside this run; its output:")
-        config.stash[_OUTCOMES] = child.finish(lambda line: _show(config, line))
+        n = len(child.node_ids)
+        what = f"{n} test{'s' if n != 1 else ''} under TRITON_INTERPRET=1, run beside this one"
+        if child.running():
+            _show(config, f"{what}: waiting for {'them' if n != 1 else 'it'} ...")
+        config.stash[_OUTCOMES] = child.finish()
+        _show(config, f"{what}: {child.summary()}")
     outcome, message, _ = config.stash[_OUTCOMES][pyfuncitem.nodeid]
     if outcome == "skipped":
         pytest.skip(message)
@@ -95,27 +95,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """Where the skip reasons are, when the run's options do not print them; and one line on the
-    SGLang plugin's conformance tests: how many ran, and what the skipped ones need."""
+    """Where the skip reasons are, when the run's options do not print them; and one line per engine
+    plugin's conformance tests: how many ran, and what the skipped ones need."""
     skipped = terminalreporter.stats.get("skipped", [])
     if skipped and not any(char in (config.option.reportchars or "") for char in "sSaA"):
         terminalreporter.write_line(f"{len(skipped)} skipped: add -rs for each reason (mostly: no GPU here)")
-    counts = {}
-    for outcome in ("passed", "failed", "skipped", "error"):
-        counts[outcome] = sum(1 for report in terminalreporter.stats.get(outcome, [])
-                              if getattr(report, "when", "call") in ("call", "setup")
-                              and "tests/test_sglang" in getattr(report, "nodeid", ""))
-    if not any(counts.values()):
-        return
-    line = "SGLang plugin tests: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
-    if counts["skipped"]:
-        line += f" ({_sglang_skip_reason()})"
-    terminalreporter.write_line(line)
+    for engine, tag in (("SGLang", "sglang"), ("vLLM", "vllm")):
+        counts = {}
+        for outcome in ("passed", "failed", "skipped", "error"):
+            counts[outcome] = sum(1 for report in terminalreporter.stats.get(outcome, [])
+                                  if getattr(report, "when", "call") in ("call", "setup")
+                                  and f"tests/test_{tag}" in getattr(report, "nodeid", ""))
+        if not any(counts.values()):
+            continue
+        line = f"{engine} plugin tests: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
+        if counts["skipped"]:
+            line += f" ({_engine_skip_reason(engine, tag)})"
+        terminalreporter.write_line(line)
 
 
-def _sglang_skip_reason() -> str:
-    from tests._sglang import sglang_skip_reason
+def _engine_skip_reason(engine: str, tag: str) -> str:
+    """What an engine plugin's skipped tests need: the engine's modules (README.md's line for it), or a GPU."""
+    from tests import _sglang, _vllm
 
-    if sglang_skip_reason() is not None:
-        return "skipped ones need SGLang's modules: README.md, '# sglang.' one-liner; or a GPU"
+    missing = (_sglang.sglang_skip_reason if tag == "sglang" else _vllm.vllm_skip_reason)()
+    if missing is not None:
+        return f"skipped ones need {engine}'s modules: README.md's '# {tag}.' line; or a GPU"
     return "skipped ones need a GPU"

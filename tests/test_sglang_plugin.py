@@ -373,6 +373,17 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _current_stream_of_the_cpu_ranks() -> None:
+    """Where torch is a CUDA build on a machine without a GPU: SGLang's graph_capture() asks for the
+    current stream of torch's build-time accelerator (CUDA, which then fails for want of a driver),
+    not of the group's device; give it the CPU stream, which is what it finds under a CPU build of
+    torch, where nothing is replaced."""
+    from sglang.srt.distributed import parallel_state
+
+    if torch.get_device_module() is not torch.cpu and not torch.accelerator.is_available():
+        parallel_state.get_current_device_stream_fast = torch.cpu.current_stream
+
+
 def _plugin_rank(ctx, unavailable_on: int | None = None) -> dict:
     """One rank: SGLang's load_plugins() loads the plugin, SGLang's GroupCoordinator uses it."""
     ensure_entry_point()
@@ -419,6 +430,7 @@ def _plugin_rank(ctx, unavailable_on: int | None = None) -> dict:
     out["auto_sum_ok"] = bool(torch.equal(tp._all_reduce_out_place(small, "auto"), reduced))
 
     # graph_capture(): ca_comm.capture() agrees on the stream's workspace, flags capturing.
+    _current_stream_of_the_cpu_ranks()
     with tp.graph_capture() as graph_ctx:
         out["capturing_inside"] = adapter._IS_CAPTURING
         out["capture_stream"] = type(graph_ctx.stream).__name__
@@ -455,6 +467,7 @@ def _plugin_rank(ctx, unavailable_on: int | None = None) -> dict:
     out["after_unregister"] = type(_coordinator(ctx, "tp").ca_comm).__name__
     adapter.close()
     out["closed"] = comm.closed and adapter.disabled
+    out["cuda_started"] = torch.cuda.is_initialized()
     return out
 
 
@@ -485,6 +498,7 @@ def test_group_coordinator_uses_the_adapter(world: int) -> None:
         assert r["op_hook_equal"] and r["gate_open"] and not r["gate_closed_big"] and r["gate_sglang_wins"]
         assert r["pp_ca_comm"] == "NoneType"
         assert r["after_unregister"] == "NoneType" and r["closed"]
+        assert r["cuda_started"] is False, "a CPU rank started CUDA"
         assert "all_reduce_rmsnorm" in r["calls"]
     assert len({tuple(r["calls"]) for r in results}) == 1, "ranks issued different call sequences"
 

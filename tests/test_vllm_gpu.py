@@ -1,8 +1,8 @@
 """vLLM's real CudaCommunicator on W ranks (one GPU under MPS) with the plugin loaded by vLLM.
 
 Each rank runs vLLM's ``load_general_plugins()`` (which finds the entry point), builds vLLM's
-``GroupCoordinator`` for ``tp`` with a gloo device group and vLLM's ``CudaCommunicator`` (NCCL off:
-``VLLM_DISABLE_PYNCCL=1``, as NCCL refuses ranks that share a GPU; torch symmetric memory off), then
+``GroupCoordinator`` for ``tp`` with a gloo device group and vLLM's ``CudaCommunicator`` (vLLM's NCCL
+and torch symmetric memory communicators off: tests/_vllm.py's ``plugin_env``), then
 checks against the rank-order fp32 reference (tests/_reference.py), every result exact:
 
 - eager ``GroupCoordinator.all_reduce`` (vLLM's ``torch.ops.vllm.all_reduce`` -> CudaCommunicator ->
@@ -47,7 +47,7 @@ EAGER_CASES = [(t, HIDDEN, torch.bfloat16) for t in DECODE_TOKENS] + [
 
 def _env() -> dict[str, str]:
     return plugin_env(PCIE_AR_VLLM_MODE="always", PCIE_AR_VLLM_MAX_BYTES=str(MAX_BYTES),
-                      PCIE_AR_VLLM_TIMEOUT_S="30", VLLM_DISABLE_PYNCCL="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0")
+                      PCIE_AR_VLLM_TIMEOUT_S="30")
 
 
 def _inputs(ctx, seed: int, tokens: int, hidden: int, dtype: torch.dtype):

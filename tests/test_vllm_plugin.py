@@ -279,6 +279,7 @@ def _rank(ctx, unavailable_on: int | None = None) -> dict:
     out["after_unregister"] = type(cc2.ca_comm).__name__
     adapter.close()
     out["closed"] = adapter.comm.closed and adapter.disabled
+    out["nccl_or_cuda"] = (cc.pynccl_comm is not None and not cc.pynccl_comm.disabled, torch.cuda.is_initialized())
     return out
 
 
@@ -324,6 +325,7 @@ def test_cuda_communicator_builds_and_uses_the_adapter(world: int) -> None:
                                      "norm_close": True}, r["compile_pass"]
         assert "all_reduce_rmsnorm" in r["calls"] and "workspace" not in r["calls"]
         assert r["after_unregister"] == "CustomAllreduce" and r["closed"]
+        assert r["nccl_or_cuda"] == (False, False), "a CPU rank started vLLM's NCCL communicator or CUDA"
     assert len({tuple(r["calls"]) for r in results}) == 1, "ranks issued different call sequences"
 
 
