@@ -68,6 +68,12 @@ EXPECTED: tuple[Expectation, ...] = (
                 "appends the inductor_passes post-grad pass after vLLM's own"),
     Expectation("vllm.compilation.backends.VllmBackend.configure_post_pass", ("self",),
                 "adds CompilationConfig.inductor_passes['post_grad_custom_post_pass'] to the pass manager"),
+    Expectation("vllm.compilation.passes.inductor_pass.InductorPass.uuid", ("self",),
+                "the pass's cache key, folded into CompilationConfig.compile_factors and PostGradPassManager.uuid"),
+    Expectation("vllm.compilation.passes.inductor_pass.InductorPass.hash_dict", ("dict_",),
+                "hashes what the pass's output depends on into its uuid"),
+    Expectation("vllm.compilation.caching.compute_env_and_config_hashes", ("vllm_config",),
+                "vLLM's compile cache key (AOT and JIT), which the tests check follows the pass's settings and code"),
 )
 
 
