@@ -262,7 +262,7 @@ def _rank(ctx, unavailable_on: int | None = None) -> dict:
     op = torch.ops.pcie_allreduce_vllm.all_reduce_rmsnorm
     plain = cc.all_reduce(x)
     normed, new_residual = op(x, residual, weight, 1e-6, tp.unique_name)
-    want_normed, want_residual = ops.add_rms_norm(plain, residual, weight, 1e-6)
+    want_normed, want_residual = ops.engine_add_rms_norm(plain, residual, weight, 1e-6)
     out["fused_residual_bitwise"] = torch.equal(new_residual, residual + plain) and torch.equal(new_residual,
                                                                                                 want_residual)
     out["fused_norm_close"] = torch.allclose(normed.float(), want_normed.float(), rtol=2 ** -7, atol=2 ** -7)
