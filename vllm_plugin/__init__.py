@@ -6,24 +6,24 @@ point ``pcie_allreduce`` of group ``vllm.general_plugins`` and calls
 :class:`vllm_plugin.adapter.VllmAllReduceAdapter` as its ``ca_comm`` on PCIe groups of 2-16 GPUs.
 :func:`fuse_allreduce_rmsnorm` is the optional compile pass (see ``vllm_plugin/README.md``).
 
-Importing this package is cheap (no torch, no vLLM): vLLM resolves the pass by this module's
-attribute, so the pass is a plain function here that imports its body when it runs.
+vLLM resolves a pass named in ``inductor_passes`` from this package's own namespace (its
+``__dict__``, not ``getattr``) and keys its compile cache on the pass's ``uuid()`` only when the
+object is an ``InductorPass``; so where vLLM is installed, importing the package imports
+:mod:`vllm_plugin.fusion` (torch and vLLM's pass base class) to put the pass instance here. Without
+vLLM the package imports without torch and holds the settings only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 __all__ = ["Settings", "SettingsError", "VllmAllReduceAdapter", "from_env", "fuse_allreduce_rmsnorm", "register",
            "unregister"]
 
 
-def fuse_allreduce_rmsnorm(graph: Any) -> None:
-    """vLLM post-grad pass (``"post_grad_custom_post_pass": "vllm_plugin.fuse_allreduce_rmsnorm"``):
-    all-reduce followed by add + RMSNorm -> the fused op (:mod:`vllm_plugin.fusion`)."""
-    from vllm_plugin.fusion import rewrite
-
-    rewrite(graph)
+if importlib.util.find_spec("vllm") is not None:
+    from vllm_plugin.fusion import fuse_allreduce_rmsnorm
 
 
 def __getattr__(name: str) -> Any:  # lazy, see the module docstring
@@ -39,4 +39,6 @@ def __getattr__(name: str) -> Any:  # lazy, see the module docstring
         from vllm_plugin.adapter import VllmAllReduceAdapter
 
         return VllmAllReduceAdapter
+    if name == "fuse_allreduce_rmsnorm":
+        raise AttributeError("vllm_plugin.fuse_allreduce_rmsnorm is defined only where vLLM is installed")
     raise AttributeError(f"module 'vllm_plugin' has no attribute {name!r}")

@@ -17,6 +17,12 @@ It rewrites nothing unless the plugin is on with ``PCIE_AR_VLLM_FUSED=1`` and se
 process's tp group. Switch it on with::
 
     --compilation-config '{"inductor_passes": {"post_grad_custom_post_pass": "vllm_plugin.fuse_allreduce_rmsnorm"}}'
+
+vLLM caches compiled graphs on disk under a key that includes each pass's ``uuid()``
+(``CompilationConfig.compile_factors`` and ``PostGradPassManager.uuid``). The pass is therefore an
+``InductorPass`` whose uuid covers what its output depends on besides the graph: this module's and
+the op's code, and the state it reads (plugin on, fused on, the tp group served). A graph compiled
+with the rewrite is never reused where the fused op would not be registered, nor the other way round.
 """
 
 from __future__ import annotations
@@ -26,8 +32,33 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import get_hash_for_files
+from vllm.compilation.passes.inductor_pass import InductorPass
 
 logger = logging.getLogger("vllm_plugin")
+
+
+class FuseAllReduceRMSNorm(InductorPass):
+    """The post-grad pass vLLM runs (``vllm_plugin.fuse_allreduce_rmsnorm`` is its instance):
+    :func:`rewrite` on the graph, under a cache key that changes with what the rewrite would do."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        rewrite(graph)
+
+    def uuid(self) -> str:
+        return InductorPass.hash_dict(cache_key_inputs())
+
+
+def cache_key_inputs() -> dict[str, Any]:
+    """What the rewrite's output depends on besides the graph: the code of this module and of the
+    op it emits (its schema), and the state :func:`served_tp_group` reads."""
+    from vllm_plugin import ops, plugin
+
+    state = plugin.STATE
+    return {"code": get_hash_for_files((__file__, ops.__file__)).hex(),
+            "plugin_on": state is not None,
+            "fused": state is not None and state.settings.fused,
+            "served_tp_group": served_tp_group()}
 
 
 def rewrite(graph: fx.Graph, group_name: str | None = None) -> int:
@@ -103,3 +134,7 @@ def _arguments(target: Any, node: fx.Node) -> dict[str, Any]:
         named[arg.name] = value
     named.update(node.kwargs)
     return named
+
+
+fuse_allreduce_rmsnorm = FuseAllReduceRMSNorm()
+"""The instance vLLM's ``CompilationConfig`` resolves by name (re-exported by the package)."""

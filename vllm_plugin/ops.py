@@ -5,10 +5,11 @@
 vLLM's ``all_reduce`` followed by its IR op ``fused_add_rms_norm`` computes, in one kernel where the
 group's ``ca_comm`` is our adapter and takes the shapes (``VllmAllReduceAdapter.can_fuse``: a pure
 function of dtype and shape, so every rank takes the same branch, in graphs too). Otherwise it runs
-that unfused pair itself, through the group's own all-reduce. Either way the new residual is
-bitwise ``residual + all_reduce(x)``. The op is functional (no input is written) and has a fake
-implementation, so Dynamo and Inductor treat it as one opaque call; :mod:`vllm_plugin.fusion`
-puts it in compiled graphs.
+the engine's own unfused pair: the group's all-reduce (what ``torch.ops.vllm.all_reduce`` runs),
+then vLLM's ``fused_add_rms_norm`` kernel (:func:`engine_add_rms_norm`). Either way the new
+residual is bitwise ``residual + all_reduce(x)`` rounded to the input's dtype. The op is
+functional (no input is written) and has a fake implementation, so Dynamo and Inductor treat it
+as one opaque call; :mod:`vllm_plugin.fusion` puts it in compiled graphs.
 """
 
 from __future__ import annotations
@@ -49,17 +50,30 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         fused = ca_comm.fused_allreduce_rmsnorm(x, residual, weight, eps)
         if fused is not None:
             return fused
-    return add_rms_norm(group._all_reduce_out_place(x), residual, weight, eps)
+    return engine_add_rms_norm(group._all_reduce_out_place(x), residual, weight, eps)
 
 
-def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``fused_add_rms_norm`` reference semantics (vllm/ir/ops/layernorm.py): the sum in
-    fp32 rounded to the input dtype is the new residual; the norm is taken in fp32."""
-    total = reduced.float() + residual.float()
-    new_residual = total.to(reduced.dtype)
-    normed = total * torch.rsqrt(total.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed.to(weight.dtype) * weight).to(reduced.dtype), new_residual
+def engine_add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own ``fused_add_rms_norm`` (vllm/ir/ops/layernorm.py) on ``reduced``, functional:
+    ``(normed, new_residual)``, no input written.
+
+    Its CUDA kernel ``torch.ops._C.fused_add_rms_norm`` (the IR op's ``vllm_c`` implementation, run
+    on copies as vLLM's functional overload does) where vLLM's kernels are built for this platform
+    and take the arguments (no variance size, the weight in the input's dtype); else its reference
+    implementation (``native``: what ``RMSNorm.forward_native`` computes; a CPU has no ``_C``). The
+    choice is a pure function of the platform and the dtypes, the same on every rank.
+    """
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    current_platform.import_ir_kernels()  # registers vllm_c where vLLM's kernels exist
+    op = ir.ops.fused_add_rms_norm
+    kernel = op.impls.get("vllm_c")
+    if (kernel is None or not kernel.supported or not hasattr(torch.ops._C, "fused_add_rms_norm")
+            or not kernel.supports_args(reduced, residual, weight, eps)):
+        kernel = op.impls["native"]
+    return kernel.func_impl_fn(reduced, residual, weight, eps)
 
 
 def _fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -64,10 +64,22 @@ EXPECTED: tuple[Expectation, ...] = (
     Expectation("torch.ops.vllm_ir.fused_add_rms_norm.default",
                 ("x", "x_residual", "weight", "epsilon", "variance_size"),
                 "torch.ops.vllm_ir.fused_add_rms_norm, which the pass matches"),
+    Expectation("vllm.kernels.vllm_c.fused_add_rms_norm", ("x", "x_residual", "weight", "epsilon", "variance_size"),
+                "vLLM's CUDA norm kernel (its IR op's vllm_c implementation): the fused op's fallback"),
+    Expectation("vllm.ir.op.IrOpImpl.supports_args", ("self", "args", "kwargs"),
+                "whether vLLM's kernel takes the fallback's arguments"),
+    Expectation("vllm.ir.op.IrOpImpl.func_impl_fn", ("self", "args", "kwargs"),
+                "runs vLLM's in-place kernel on copies in the fused op's fallback"),
     Expectation("vllm.compilation.passes.pass_manager.PostGradPassManager.add", ("self", "pass_"),
                 "appends the inductor_passes post-grad pass after vLLM's own"),
     Expectation("vllm.compilation.backends.VllmBackend.configure_post_pass", ("self",),
                 "adds CompilationConfig.inductor_passes['post_grad_custom_post_pass'] to the pass manager"),
+    Expectation("vllm.compilation.passes.inductor_pass.InductorPass.uuid", ("self",),
+                "the pass's cache key, folded into CompilationConfig.compile_factors and PostGradPassManager.uuid"),
+    Expectation("vllm.compilation.passes.inductor_pass.InductorPass.hash_dict", ("dict_",),
+                "hashes what the pass's output depends on into its uuid"),
+    Expectation("vllm.compilation.caching.compute_env_and_config_hashes", ("vllm_config",),
+                "vLLM's compile cache key (AOT and JIT), which the tests check follows the pass's settings and code"),
 )
 
 
