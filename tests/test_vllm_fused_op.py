@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import ranks
+from pcie_allreduce.tools import ranks
 from tests import _reference as ref
 from tests._vllm import ensure_entry_point, plugin_env, tp_group, vllm_skip_reason
 
