@@ -195,6 +195,9 @@ def _skipped_replay(ctx: ranks.RankContext) -> dict:
     if not late:
         graph.replay()
     torch.cuda.synchronize()
+    # The late rank's next replay would otherwise complete the others' (the same call, one step
+    # late): it waits until their replay gave up.
+    torch.distributed.barrier(group=ctx.group)
     result.update(late=late, all_nan=bool(torch.isnan(out).all()), raised=None)
     for step in range(2, 6):
         try:
@@ -272,9 +275,13 @@ def test_teardown_twice_frees_every_workspace(transport: str) -> None:
     world = 2
     env = {**_env(), "PCIE_AR_TRANSPORT": transport}
     for r in ranks.run_ranks(_teardown_twice, world, timeout_s=600, env=env):
-        (free0, segments0), per_stream = r["start"], r["per_stream"]
+        (_, segments0), per_stream = r["start"], r["per_stream"]
+        # The first round also leaves what the process keeps for good (torch's cached blocks, CUDA's
+        # and vLLM's first-use buffers: ~240 MiB on an H100), so GPU memory is compared with the end
+        # of the first round: a second make-and-destroy must give back all it took.
+        free1 = r["rounds"][0]["free"]
         for n, round_ in enumerate(r["rounds"]):
             assert round_["streams"] == 2 and round_["retained"] == 0 and round_["open"] == 0, (n, r)
             assert round_["segments"] == segments0, f"round {n}: host segments left mapped or in /dev/shm: {r}"
             # every rank's workspaces are on this one GPU; less than one of them may be missing
-            assert free0 - round_["free"] < per_stream, f"round {n}: GPU memory not returned: {r}"
+            assert free1 - round_["free"] < per_stream, f"round {n}: GPU memory not returned: {r}"
