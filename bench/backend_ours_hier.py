@@ -5,7 +5,7 @@ The nodes are the hosts the ranks run on, or ``$PCIE_AR_NODES`` emulated nodes; 
 runner sets ``PCIE_AR_NODES=2``. Between nodes the sends go over NCCL where every rank has its own
 GPU (capturable in a CUDA graph), else over the ranks' gloo group through host memory, which a
 graph cannot capture: time that with ``--eager``. Its wire columns are the bytes a rank puts on
-the inter-node link (``hierarchy.off_node_wire``); the report sets flat NCCL's beside them.
+the inter-node link (``fabric.nodes.off_node_wire``); the report sets flat NCCL's beside them.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def format_inter_node_bytes(results: Iterable[Result]) -> str:
     """For the hierarchy's rows: the most bytes a rank puts on the inter-node link per call, beside
     a flat ring's (NCCL's all-reduce on PCIe), which sends 2(W-1)/W of the message from each rank
     whose ring neighbour sits on the next node."""
-    from pcie_allreduce.hierarchy import flat_ring_off_node_bytes
+    from pcie_allreduce.fabric.nodes import flat_ring_off_node_bytes
 
     rows = sorted({(r.world, r.nodes, r.size_bytes, r.wire) for r in results
                    if r.backend == OURS_HIER and r.wire is not None and r.algo == "auto"}, key=lambda t: (t[0], t[2], t[1]))

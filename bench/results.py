@@ -157,7 +157,7 @@ class Result:
         if self.backend == OURS_HIER:  # the inter-node link: what a rank sends off its node and receives
             if not self.nodes or self.world % self.nodes:
                 return None
-            from pcie_allreduce.hierarchy import off_node_wire
+            from pcie_allreduce.fabric.nodes import off_node_wire
             from pcie_allreduce.fabric.nodes import equal_nodes
 
             elem = max(1, self.size_bytes // max(1, self.count))

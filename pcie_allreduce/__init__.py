@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS", "AlgoTable", "Choice", "Rule", "default_table", "load_table",
     "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "InterNodeError", "UnavailableError",
-    "Communicator", "HierarchicalCommunicator", "is_available", "unavailable_reason", "__version__",
+    "AllReducer", "Communicator", "HierarchicalCommunicator", "is_available", "unavailable_reason", "__version__",
 ]
 
 
@@ -36,6 +36,10 @@ def is_available() -> bool:
 
 
 def __getattr__(name: str):  # lazy: keep `import pcie_allreduce` free of torch.distributed setup cost
+    if name == "AllReducer":
+        from pcie_allreduce.interface import AllReducer
+
+        return AllReducer
     if name == "Communicator":
         from pcie_allreduce.communicator import Communicator
 

@@ -20,8 +20,9 @@ tables pick. The exceptions are those of the full-payload algorithms (README, "s
 zero"): they send -0.0 as +0.0 and the fp32 pattern 0x80008000 as -0.0. Here partials cross a
 node's all-reduce as fp32 data, so a partial of exactly that negative subnormal is the one value
 that may reach the sum altered. Off the node each rank sends 1/L of the message per call (4 bytes
-an element of the partial, or its dtype's of the result to each other node: ``off_node_bytes``). A
-node that is not the first receives the whole partial at its first rank. The cost is one all-reduce
+an element of the partial, or its dtype's of the result to each other node:
+:func:`pcie_allreduce.fabric.nodes.off_node_bytes`). A node that is not the first receives the
+whole partial at its first rank. The cost is one all-reduce
 per node on fp32, plus one more on the result in every node but the last.
 
 Between nodes: point-to-point sends on the caller's group (or ``inter_node_group``, or a group
@@ -54,12 +55,12 @@ from typing import Any, Callable, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, outcomes, validation
+from pcie_allreduce import _ext, ops, outcomes, validation
 from pcie_allreduce.fabric import nodes as nodes_mod
 from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
 from pcie_allreduce.constants import MAX_MESSAGE_BYTES
 from pcie_allreduce.errors import InterNodeError, one_line
-from pcie_allreduce.plan.algorithms import UNFUSED, WireBytes, capacity_of
+from pcie_allreduce.plan.algorithms import UNFUSED, capacity_of
 
 #: Seconds a send or receive between nodes may take before the call fails.
 DEFAULT_INTER_NODE_TIMEOUT_S = 60.0
@@ -77,42 +78,6 @@ class IntraNode(Protocol):
     """What the hierarchy needs of a node's own all-reduce: the fp32 sum in rank order."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
-
-
-def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each of ``parts`` near-equal shards of ``numel`` elements, in order."""
-    return [(i * numel // parts, (i + 1) * numel // parts) for i in range(parts)]
-
-
-def off_node_bytes(numel: int, elem_size: int, layout: nodes_mod.NodeLayout, rank: int) -> int:
-    """Bytes ``rank`` sends off its node for one call of ``numel`` elements of ``elem_size`` bytes:
-    its shard of the node's fp32 partial (every node but the last), or its shard of the result to
-    each other node (the last node): 1/L of the message, L ranks a node."""
-    start, end = shard_bounds(numel, len(layout.nodes[0]))[layout.local_rank(rank)]
-    if layout.node_of(rank) == layout.count - 1:
-        return (layout.count - 1) * (end - start) * elem_size
-    return 4 * (end - start)
-
-
-def off_node_wire(numel: int, elem_size: int, layout: nodes_mod.NodeLayout) -> WireBytes:
-    """The most bytes any rank sends off its node (``out``) and receives from other nodes
-    (``into``) in one call: a non-first node's first rank receives the whole fp32 partial."""
-    shards = shard_bounds(numel, len(layout.nodes[0]))
-    last = layout.count - 1
-
-    def received(rank: int) -> int:
-        node, local = layout.node_of(rank), layout.local_rank(rank)
-        start, end = shards[local]
-        return (4 * numel if node > 0 and local == 0 else 0) + ((end - start) * elem_size if node < last else 0)
-
-    ranks = range(layout.world)
-    return WireBytes(max(off_node_bytes(numel, elem_size, layout, r) for r in ranks), max(received(r) for r in ranks))
-
-
-def flat_ring_off_node_bytes(nbytes: int, world: int) -> int:
-    """What a flat ring all-reduce (NCCL's on PCIe) sends per call from each rank whose ring
-    neighbour is on the next node: 2(W-1)/W of the message, as every rank of the ring sends."""
-    return 2 * (world - 1) * nbytes // world
 
 
 class HierarchicalCommunicator:
@@ -215,6 +180,7 @@ class HierarchicalCommunicator:
             with contextlib.suppress(Exception):  # the failure that got us here is the one to see
                 self.close()
             raise
+        self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
 
     def _set_up_node(self, group: dist.ProcessGroup, intra_node: Callable[[dist.ProcessGroup], IntraNode] | None,
                      communicator_kwargs: dict[str, Any]) -> None:
@@ -239,11 +205,13 @@ class HierarchicalCommunicator:
 
     # ---- the collective ----------------------------------------------------------------
 
-    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str = "auto") -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, algo: str = "auto", *,
+                   wire: str | None = None) -> torch.Tensor:
         """The sum of ``x`` over every rank of every node, bitwise the single-node result on
         every rank (module docstring). ``out``: where to write it (default a new tensor);
-        ``algo``: what the nodes' all-reduces run ("auto": their tables)."""
+        ``algo``: what the nodes' all-reduces run ("auto": their tables); ``wire``: None only."""
         self._refuse_if_unusable()
+        _refuse_wire(wire)
         validation.plain_call(x, out, algo, device=self.device, max_bytes=self.max_bytes)
         capturing = _capturing()
         if self._through_host and capturing:
@@ -258,7 +226,7 @@ class HierarchicalCommunicator:
         flat = x.reshape(-1)
         if flat.numel() == 0:
             return x.clone() if out is None else out
-        last, shards = self.layout.count - 1, shard_bounds(flat.numel(), self.node_size)
+        last, shards = self.layout.count - 1, nodes_mod.shard_bounds(flat.numel(), self.node_size)
         mine = slice(*shards[self.local_rank])
         if self.node > 0 and self.local_rank == 0:
             # The previous node's partial, a shard from each of its ranks, then our input onto it.
@@ -287,15 +255,20 @@ class HierarchicalCommunicator:
         return out
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                           out: torch.Tensor | None = None,
-                           residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                           algo: str = "auto", wire: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``new_residual = residual + all_reduce(x)``, ``normed = rmsnorm(new_residual) * weight``:
         the hierarchical all-reduce, then the library's one add + RMSNorm kernel (the pair
         ``Communicator.all_reduce_rmsnorm`` runs unfused), so both outputs are bitwise those of a
-        single node's unfused call on the same inputs. Arguments as there."""
+        single node's unfused call on the same inputs. Arguments as there; ``algo`` "auto" or
+        "unfused" (no fused kernel spans nodes), ``wire`` None."""
         from pcie_allreduce import add_rmsnorm
 
         self._refuse_if_unusable()
+        _refuse_wire(wire)
+        if algo not in ("auto", UNFUSED):
+            raise ValueError(f"algo={algo!r}: no fused kernel spans nodes; across nodes the call runs the all-reduce, "
+                             f"then the add + RMSNorm kernel (algo='auto' or {UNFUSED!r})")
         validation.fused_call(x, residual, weight, eps, out, residual_out, UNFUSED, device=self.device,
                               max_bytes=self.max_bytes, world=self.world_size)
         normed = torch.empty_like(x) if out is None else out
@@ -346,11 +319,12 @@ class HierarchicalCommunicator:
             return "between nodes only"
         return self.intra.select_algo(nbytes * 4 // dtype.itemsize, torch.float32)
 
-    def has_workspace(self, stream: int) -> bool:
+    def has_workspace(self, stream: int | None = None) -> bool:
+        """Whether the node communicator has the workspace of ``stream`` (default: the current one)."""
         return bool(self.intra.has_workspace(stream)) if self.intra is not None else True
 
-    def workspace(self, stream: int) -> Any:
-        """The node communicator's workspace of ``stream`` (collective over the node)."""
+    def workspace(self, stream: int | None = None) -> Any:
+        """The node communicator's workspace of ``stream`` (default: the current one; collective over the node)."""
         return self.intra.workspace(stream) if self.intra is not None else None
 
     def close(self, *, release_captured: bool = False) -> None:
@@ -494,6 +468,12 @@ class HierarchicalCommunicator:
         self._failed = f"rank {self.rank}: {step} (rank {peer}) failed"
         raise InterNodeError(f"rank {self.rank}: the inter-node step '{step}' with rank {peer} failed over "
                              f"{self.backend}: {why}", rank=self.rank, peer=peer, stage=step)
+
+
+def _refuse_wire(wire: str | None) -> None:
+    if wire is not None:
+        raise ValueError(f"wire={wire!r}: no compressed wire spans nodes (the chain between them carries fp32 "
+                         "partials); a hierarchical communicator's wires are none")
 
 
 def _capturing() -> bool:

@@ -5,42 +5,34 @@ the Triton launch and the extension call stay out of the graph).
 A compiled graph cannot hold a Python object, so it refers to a communicator by an integer
 handle. The handle table is the one piece of process-wide state in the package: it holds weak
 references only, so a communicator's lifetime is still its owner's. The communicator imports
-this module, never the reverse: the table holds anything with the two calls the ops make
-(:class:`Reducer`).
+this module, never the reverse: the table holds any
+:class:`pcie_allreduce.interface.AllReducer`.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Optional, Protocol
+from typing import Optional
 
 import torch
 
-
-class Reducer(Protocol):
-    """What the ops call on a registered communicator (:class:`pcie_allreduce.Communicator`)."""
-
-    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, algo: str = "auto", *,
-                   wire: str | None = None) -> Any: ...
-
-    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                           algo: str = "auto", wire: str | None = None) -> Any: ...
+from pcie_allreduce.interface import AllReducer
 
 
 class _Handles:
     """int handle <-> communicator, weakly held."""
 
     def __init__(self) -> None:
-        self._by_id: "weakref.WeakValueDictionary[int, Reducer]" = weakref.WeakValueDictionary()
+        self._by_id: "weakref.WeakValueDictionary[int, AllReducer]" = weakref.WeakValueDictionary()
         self._next = itertools.count(1)
 
-    def register(self, comm: Reducer) -> int:
+    def register(self, comm: AllReducer) -> int:
         handle = next(self._next)
         self._by_id[handle] = comm
         return handle
 
-    def get(self, handle: int) -> Reducer:
+    def get(self, handle: int) -> AllReducer:
         comm = self._by_id.get(handle)
         if comm is None:
             raise RuntimeError(f"pcie_allreduce: communicator handle {handle} is closed or was never registered")

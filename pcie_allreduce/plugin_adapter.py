@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from pcie_allreduce import validation
+from pcie_allreduce.interface import AllReducer
 from pcie_allreduce.plan import algorithms
 
-CommunicatorFactory = Callable[..., Any]
+CommunicatorFactory = Callable[..., AllReducer]
 
 
 def default_factory() -> CommunicatorFactory:
@@ -89,7 +90,7 @@ class CaCommAdapter:
         self._IS_CAPTURING = False
         self.disabled = True
         factory = communicator_factory or default_factory()
-        self.comm = factory(group, device, max_bytes=settings.max_bytes, timeout_s=settings.timeout_s)
+        self.comm: AllReducer = factory(group, device, max_bytes=settings.max_bytes, timeout_s=settings.timeout_s)
         self.group = group
         self.device: torch.device = self.comm.device
         self.rank: int = self.comm.rank
@@ -108,7 +109,7 @@ class CaCommAdapter:
         self.wire: str | None = None
         self.wire_min_bytes: int = settings.wire_min_bytes
         if settings.wire != "exact":
-            if settings.wire in getattr(self.comm, "wires", ()):
+            if settings.wire in self.comm.wires:
                 self.wire = settings.wire
             else:
                 self._logger().warning("pcie_allreduce[%s]: %s=%s: this group's communicator (%s) has no such wire; "

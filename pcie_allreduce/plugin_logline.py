@@ -64,8 +64,8 @@ def serving(start: str, adapter: Any, reason: str, *, engine_name: str, max_byte
     if adapter.wire is not None:
         algos += (f"; {adapter.wire} wire from {format_bytes(adapter.wire_min_bytes)} (lossy, bitwise equal on "
                   "every rank)")
-    transport = getattr(adapter.comm, "transport", None)
-    over = f" over {transport} ({adapter.comm.transport_reason})" if transport else ""
+    transport = adapter.comm.transport
+    over = f" over {transport} ({adapter.comm.transport_reason})"
     return (f"{start}: all-reduce of contiguous bf16/fp16/fp32 tensors of 1B..{format_bytes(adapter.largest_served)} "
             f"-> pcie_allreduce{over} ({algos}); larger or other -> {engine_name}'s other backends{others}; {fused}; "
             f"{workspace_memory(adapter.max_bytes, adapter.world_size, transport, engine_name, max_bytes_variable)}; "

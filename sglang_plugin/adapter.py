@@ -116,10 +116,6 @@ class PcieAllReduceAdapter(CaCommAdapter):
         if torch.compiler.is_compiling():
             # Under torch.compile (--enable-torch-compile) the call is one opaque op of the graph:
             # Dynamo never traces the Triton launch. (The forward-step hook does the check there.)
-            # A group across nodes has no such op: SGLang's unfused path serves it there.
-            handle = getattr(self.comm, "handle", None)
-            if handle is None:
-                return None
             return torch.ops.pcie_allreduce.all_reduce_rmsnorm(input_, residual_inp_, weight_, float(eps),
-                                                               handle, "auto", self._wire_for(input_))
+                                                               self.comm.handle, "auto", self._wire_for(input_))
         return self._all_reduce_rmsnorm(input_, residual_inp_, weight_, eps)

@@ -2,7 +2,7 @@
 
 ``GlooCommunicator`` stands in for ``pcie_allreduce.Communicator`` on gloo in the CPU conformance
 tests (the real one's kernels need a GPU; the engines' classes are never stood in for): it has the
-methods the plugins' adapters use, sums through ``dist.all_reduce`` on the CPU group, and records
+members of :class:`pcie_allreduce.interface.AllReducer` with its signatures, sums through ``dist.all_reduce`` on the CPU group, and records
 what it was asked, so a test can see what the engine routed to it. ``ensure_entry_point`` makes an
 engine's plugin loader find the plugin in a checkout that was not pip-installed."""
 
@@ -39,18 +39,19 @@ class GlooCommunicator:
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
         self.ll_capacity = Layout.make(max_bytes, self.world_size).ll_capacity
         self.transport, self.transport_reason, self.island_ranks = "p2p", "asked for", 0
+        self.handle = 0  # never registered: the CPU tests make no torch.ops call
         self.calls: list[tuple] = []
         self.streams = {0}
         self.closed = False
 
-    def all_reduce(self, x, out=None, algo="auto", wire=None):
+    def all_reduce(self, x, out=None, algo="auto", *, wire=None):
         assert x.numel() * x.element_size() <= self.max_bytes
         y = x.clone()
         dist.all_reduce(y, group=self.group)
         self.calls.append(("all_reduce", tuple(x.shape), x.dtype, algo))
         return y
 
-    def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto", wire=None):
+    def all_reduce_rmsnorm(self, x, residual, weight, eps, *, out=None, residual_out=None, algo="auto", wire=None):
         reduced = x.clone()
         dist.all_reduce(reduced, group=self.group)
         new_residual = residual + reduced
@@ -63,7 +64,7 @@ class GlooCommunicator:
     def capacity_of(self, algo):
         return None if algo == "auto" else algorithms.capacity_of(algo, self.ll_capacity)
 
-    def has_workspace(self, stream):
+    def has_workspace(self, stream=None):
         return stream in self.streams
 
     def workspace(self, stream=None):
@@ -73,7 +74,7 @@ class GlooCommunicator:
     def check(self):
         self.calls.append(("check",))
 
-    def close(self, release_captured=False):
+    def close(self, *, release_captured=False):
         self.closed = True
         dist.barrier(group=self.group)
 

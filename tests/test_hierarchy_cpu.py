@@ -13,8 +13,8 @@ import torch.distributed as dist
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import nodes
 from pcie_allreduce.errors import InterNodeError
-from pcie_allreduce.hierarchy import HierarchicalCommunicator, off_node_bytes, shard_bounds
-from pcie_allreduce.fabric.nodes import NodeLayout, layout_of
+from pcie_allreduce.hierarchy import HierarchicalCommunicator
+from pcie_allreduce.fabric.nodes import NodeLayout, layout_of, off_node_bytes, shard_bounds
 from pcie_allreduce.settings import SettingsError
 from tests import _reference as ref
 

@@ -940,7 +940,8 @@ def _compiled_fused_step(ctx) -> dict:
             super().__init__(*args, **kwargs)
             self.handle = ops.HANDLES.register(self)
 
-        def all_reduce_rmsnorm(self, x, residual, weight, eps, algo="auto", wire=None):
+        def all_reduce_rmsnorm(self, x, residual, weight, eps, *, out=None, residual_out=None, algo="auto",
+                               wire=None):
             assert wire is None, wire
             return super().all_reduce_rmsnorm(x, residual, weight, eps)
 

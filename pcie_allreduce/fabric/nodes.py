@@ -6,7 +6,8 @@ memory). ``$PCIE_AR_NODES=K`` emulates K nodes on one machine for tests: the gro
 into K equal runs of consecutive ranks, whatever the machine is; every rank must set the same K.
 
 Pure functions over the gathered identities (:func:`layout_of`) with one collective entry point
-(:func:`gather_layout`), so the layout's rules run, and are tested, on a CPU.
+(:func:`gather_layout`), so the layout's rules run, and are tested, on a CPU; and what the
+hierarchical all-reduce sends between nodes per call (:func:`off_node_bytes`, :func:`off_node_wire`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch.distributed as dist
 
 from pcie_allreduce import settings
+from pcie_allreduce.plan.algorithms import WireBytes
 
 #: Emulate this many nodes (equal runs of consecutive ranks) on one machine.
 NODES_ENV = "PCIE_AR_NODES"
@@ -156,3 +158,39 @@ def ranks_per_gpu(group: dist.ProcessGroup, device: Any) -> int:
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     return max(collections.Counter(gathered).values())
+
+
+def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` near-equal shards of ``numel`` elements, in order."""
+    return [(i * numel // parts, (i + 1) * numel // parts) for i in range(parts)]
+
+
+def off_node_bytes(numel: int, elem_size: int, layout: NodeLayout, rank: int) -> int:
+    """Bytes ``rank`` sends off its node for one call of ``numel`` elements of ``elem_size`` bytes:
+    its shard of the node's fp32 partial (every node but the last), or its shard of the result to
+    each other node (the last node): 1/L of the message, L ranks a node."""
+    start, end = shard_bounds(numel, len(layout.nodes[0]))[layout.local_rank(rank)]
+    if layout.node_of(rank) == layout.count - 1:
+        return (layout.count - 1) * (end - start) * elem_size
+    return 4 * (end - start)
+
+
+def off_node_wire(numel: int, elem_size: int, layout: NodeLayout) -> WireBytes:
+    """The most bytes any rank sends off its node (``out``) and receives from other nodes
+    (``into``) in one call: a non-first node's first rank receives the whole fp32 partial."""
+    shards = shard_bounds(numel, len(layout.nodes[0]))
+    last = layout.count - 1
+
+    def received(rank: int) -> int:
+        node, local = layout.node_of(rank), layout.local_rank(rank)
+        start, end = shards[local]
+        return (4 * numel if node > 0 and local == 0 else 0) + ((end - start) * elem_size if node < last else 0)
+
+    ranks = range(layout.world)
+    return WireBytes(max(off_node_bytes(numel, elem_size, layout, r) for r in ranks), max(received(r) for r in ranks))
+
+
+def flat_ring_off_node_bytes(nbytes: int, world: int) -> int:
+    """What a flat ring all-reduce (NCCL's on PCIe) sends per call from each rank whose ring
+    neighbour is on the next node: 2(W-1)/W of the message, as every rank of the ring sends."""
+    return 2 * (world - 1) * nbytes // world
