@@ -63,6 +63,18 @@ def check_serving(adapters: Iterable["CaCommAdapter"]) -> None:
             adapter.comm.check()
 
 
+def close_before_teardown(ca_comm: object, log: logging.Logger, tag: str) -> None:
+    """Close ``ca_comm`` where it is one of ours, on an engine's group teardown before the engine's
+    own (collective over the group's CPU group, which the engine destroys next). A failure is
+    logged, its workspaces staying allocated, never raised: the engine's teardown must still run."""
+    if isinstance(ca_comm, CaCommAdapter):
+        try:
+            ca_comm.close()
+        except Exception as exc:  # noqa: BLE001 - the engine's own teardown must still run
+            log.warning("%s: closing the communicator failed (%s: %s); its workspaces stay allocated", tag,
+                        type(exc).__name__, exc)
+
+
 class CaCommAdapter:
     """A communicator behind an engine's custom-all-reduce interface.
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from pcie_allreduce import plugin_logline
-from pcie_allreduce.plugin_adapter import check_serving
+from pcie_allreduce.plugin_adapter import check_serving, close_before_teardown
 from sglang_plugin import eligibility
 from sglang_plugin.adapter import PcieAllReduceAdapter, hierarchical_factory
 from sglang_plugin.registry import REGISTRY
@@ -189,13 +189,8 @@ def check_serving_adapters() -> None:
 def group_coordinator_destroy(original: Callable[..., Any], self: Any) -> None:
     """AROUND ``GroupCoordinator.destroy``: close our ``ca_comm`` (collective over the group's CPU
     group, which SGLang destroys next), then SGLang's teardown."""
-    ca_comm = getattr(self, "ca_comm", None)
-    if isinstance(ca_comm, PcieAllReduceAdapter):
-        try:
-            ca_comm.close()
-        except Exception as exc:  # noqa: BLE001 - SGLang's own teardown must still run
-            logger.warning("pcie_allreduce[sglang]: closing the communicator of group %s failed (%s: %s); its "
-                           "workspaces stay allocated", getattr(self, "unique_name", "?"), type(exc).__name__, exc)
+    close_before_teardown(getattr(self, "ca_comm", None), logger,
+                          f"pcie_allreduce[sglang] group {getattr(self, 'unique_name', '?')}")
     return original(self)
 
 

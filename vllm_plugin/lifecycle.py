@@ -23,7 +23,7 @@ import importlib
 import logging
 from typing import Any, Callable, Iterable
 
-from pcie_allreduce.plugin_adapter import CaCommAdapter, check_serving
+from pcie_allreduce.plugin_adapter import CaCommAdapter, check_serving, close_before_teardown
 
 logger = logging.getLogger("vllm_plugin")
 
@@ -79,13 +79,7 @@ def _step_wrapper(original: Callable[..., Any], adapters: Iterable[CaCommAdapter
 def _destroy_wrapper(original: Callable[..., Any], adapters: Iterable[CaCommAdapter]) -> Callable[..., Any]:
     @functools.wraps(original)
     def destroy(self: Any) -> None:
-        ca_comm = getattr(self, "ca_comm", None)
-        if isinstance(ca_comm, CaCommAdapter):
-            try:
-                ca_comm.close()
-            except Exception as exc:  # noqa: BLE001 - vLLM's own teardown must still run
-                logger.warning("pcie_allreduce[vllm]: closing the communicator failed (%s: %s); its workspaces "
-                               "stay allocated", type(exc).__name__, exc)
+        close_before_teardown(getattr(self, "ca_comm", None), logger, "pcie_allreduce[vllm]")
         return original(self)
 
     return destroy
