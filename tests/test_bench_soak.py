@@ -26,7 +26,7 @@ from pcie_allreduce.fused import shapes
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench import __main__ as bench_cli
-from bench import soak
+from bench import soak, soak_rank
 from bench.norm_ops import torch_rmsnorm
 from bench.soak_schedule import (
     FUSED_ALIGN, FUSED_HIDDENS, FUSED_SHAPES, LATE_S, MAX_TOKENS, Call, GraphEpisode, Schedule, ScheduleParams,
@@ -187,7 +187,7 @@ def test_schedule_late_rank_rate() -> None:
 
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_exact_sum_formula(world: int) -> None:
-    per_rank, total = soak.exact_inputs(50_000, world, soak.dtype_seed(5, "bfloat16"))
+    per_rank, total = soak_rank.exact_inputs(50_000, world, soak_rank.dtype_seed(5, "bfloat16"))
     assert len(per_rank) == world and total.dtype == torch.int64
     assert torch.equal(total.double(), torch.stack([v.double() for v in per_rank]).sum(0))
     assert int(total.abs().max()) <= 7 * world and len(set(per_rank[0][:100].tolist())) > 5
@@ -195,8 +195,8 @@ def test_exact_sum_formula(world: int) -> None:
         for values in (*per_rank, total):
             assert torch.equal(values.to(dtype).to(torch.int64), values)
     # Each rank computes every rank's inputs from the formula: the same on every rank.
-    assert torch.equal(soak.exact_inputs(100, world, 9)[1], soak.exact_inputs(100, world, 9)[1])
-    assert soak.dtype_seed(5, "bfloat16") != soak.dtype_seed(5, "float16")
+    assert torch.equal(soak_rank.exact_inputs(100, world, 9)[1], soak_rank.exact_inputs(100, world, 9)[1])
+    assert soak_rank.dtype_seed(5, "bfloat16") != soak_rank.dtype_seed(5, "float16")
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -344,8 +344,8 @@ def cpu_soak_rank(ctx: ranks.RankContext, cfg: soak.SoakConfig, fault: tuple[str
     torch.cuda.CUDAGraph = FakeGraph
     torch.cuda.graph = fake_graph
     environment.rank_environment = lambda c: {"mps": False, "shared_gpu": True}
-    soak.make_communicator = lambda c, conf: FakeComm(c, fault)
-    return soak.soak_rank(ctx, cfg)
+    soak_rank.make_communicator = lambda c, conf: FakeComm(c, fault)
+    return soak_rank.soak_rank(ctx, cfg)
 
 
 CPU_CFG = soak.SoakConfig(world=2, calls=600, minutes=0.001, seed=4, max_bytes=1 << 16, check_every=50,

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from bench import fabric_model as fm
+from bench import fabric_phases as fp
 from pcie_allreduce.plan import algorithms
 
 KIB = 1024
@@ -25,8 +26,8 @@ def test_default_policy_variants() -> None:
     """The calibration uses FlashInfer's seed policy: unstaged below 32 KiB at TP8, staged ring above."""
     variants = {n: v for n, (v, *_rest) in fm.calibration_errors().items()}
     assert variants == {12 * KIB: "fi_UNSTAGED", 96 * KIB: "fi_STAGED_RING", 384 * KIB: "fi_STAGED_RING"}
-    assert fm.flashinfer_default_blocks(8, 96 * KIB) == ("STAGED_RING", 1, 256)
-    assert fm.flashinfer_default_blocks(8, 1024 * KIB) == ("STAGED_RING", 4, 256)
+    assert fp.flashinfer_default_blocks(8, 96 * KIB) == ("STAGED_RING", 1, 256)
+    assert fp.flashinfer_default_blocks(8, 1024 * KIB) == ("STAGED_RING", 4, 256)
 
 
 def test_fitted_values_are_a_local_optimum() -> None:
@@ -70,7 +71,7 @@ def test_a_better_fabric_is_never_slower(change: dict) -> None:
 
 
 def _ours(fabric: fm.Fabric, name: str, blocks: int | None = None) -> fm.Algorithm:
-    algo = next(a for a in fm.ours(fabric) if a.name == name)
+    algo = next(a for a in fp.ours(fabric) if a.name == name)
     return algo if blocks is None else replace(algo, blocks=lambda n: blocks)
 
 
@@ -109,7 +110,7 @@ def test_more_blocks_never_slower_without_headers() -> None:
 
 
 def test_fp32_partials_never_faster_than_bf16() -> None:
-    algos = {a.name: a for a in fm.planned(fm.SEED_BOX)}
+    algos = {a.name: a for a in fp.planned(fm.SEED_BOX)}
     for n in SIZES:
         for form in ("flagless", "staged"):
             assert fm.predict_us(fm.SEED_BOX, algos[f"island_{form}_fp32"], n) >= \
@@ -118,8 +119,8 @@ def test_fp32_partials_never_faster_than_bf16() -> None:
 
 def test_one_island_has_no_island_forms_and_no_boundary() -> None:
     one = replace(fm.SEED_BOX, islands=1, cross_gbps=0.001)
-    assert fm.planned(one) == [] and fm.flashinfer(one) == []
-    for algo in fm.ours(one):
+    assert fp.planned(one) == [] and fm.flashinfer(one) == []
+    for algo in fp.ours(one):
         assert fm.predict_us(one, algo, 56 * KIB) < 1e3  # the tiny cross rate is never used
 
 
@@ -150,7 +151,7 @@ TUNED_ONLY = algorithms.ISLAND_ALGORITHMS + algorithms.PULL_ALGORITHMS
 
 
 def _times(fab: fm.Fabric, nbytes: int) -> dict[str, float]:
-    return {a.name: fm.predict_us(fab, a, nbytes) for a in fm.ours(fab)
+    return {a.name: fm.predict_us(fab, a, nbytes) for a in fp.ours(fab)
             if not (a.name in CAPPED and nbytes > 496 * KIB) and a.name not in TUNED_ONLY}
 
 
@@ -169,8 +170,8 @@ def test_the_island_table_picks_near_the_safest_built_in_algorithm(world: int) -
 @pytest.mark.parametrize("a2a", [fm.FITTED["a2a_fraction"], fm.MILD_A2A])
 def test_across_islands_the_island_table_is_never_slower_than_the_flat_one(a2a: float) -> None:
     fab = replace(fm.SEED_BOX, a2a_fraction=a2a)
-    flat = fm.default_table()
-    by_name = {a.name: a for a in fm.ours(fab)}
+    flat = fp.default_table()
+    by_name = {a.name: a for a in fp.ours(fab)}
     for n in ISLAND_SIZES[:-2]:
         island_us = fm.predict_us(fab, fm.our_default(fab, n), n)
         flat_us = fm.predict_us(fab, by_name[flat.select(n, 8, "bfloat16", ll_capacity=512 * KIB).algo], n)
