@@ -561,7 +561,7 @@ class Communicator:
         return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
                 "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
                 "ranks_per_gpu": ranks_per_gpu, "sms": self._sms,
-                "mps_share": bool(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()),
+                "mps_share": dispatch.runs_in_mps_share(),
                 ISLANDS_KEY: topology.islands_override(self.world_size),
                 "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
 

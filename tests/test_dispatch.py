@@ -384,3 +384,10 @@ def test_ranks_sharing_a_gpu_each_get_their_share(ranks_per_gpu, environ, expect
     assert shares.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == mps.thread_share_env(ranks_per_gpu, dict(
         __import__("os").environ)).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in ranks._child_env(None, {}, ranks_per_gpu)  # no MPS, no share
+
+
+@pytest.mark.parametrize("environ, expected", [({}, False), ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": ""}, False),
+                                               ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": " "}, False),
+                                               ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}, True)])
+def test_a_process_runs_in_an_mps_share_where_the_variable_is_set(environ, expected) -> None:
+    assert dispatch.runs_in_mps_share(environ) is expected

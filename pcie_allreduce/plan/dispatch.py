@@ -12,6 +12,9 @@ imports a kernel module or Triton.
 
 from __future__ import annotations
 
+import os
+from typing import Mapping
+
 import torch
 
 from pcie_allreduce import constants
@@ -119,6 +122,16 @@ def fused_kernel(tokens: int, hidden: int, dtype: torch.dtype, world: int, table
     return "oneshot"
 
 
+#: MPS's client variable that caps a process to a share of its GPU's SMs (the rank spawner sets it).
+MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+def runs_in_mps_share(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs capped to an MPS share of its GPU (``$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+    set): the SM count its device reports is then that share (:func:`block_cap`)."""
+    return bool((os.environ if environ is None else environ).get(MPS_SHARE_ENV, "").strip())
+
+
 def block_cap(ranks_per_gpu: int, sms_per_gpu: int, mps_share: bool = False) -> int:
     """Most blocks (CUDA) or programs (Triton) one call may launch.
 
@@ -126,8 +139,8 @@ def block_cap(ranks_per_gpu: int, sms_per_gpu: int, mps_share: bool = False) -> 
     must be able to run at once. On distinct GPUs (``ranks_per_gpu`` 1) that always holds. When
     ranks share a GPU (tests under MPS) their blocks compete for its SMs: each rank gets
     ``sms_per_gpu // ranks_per_gpu``, since one block per SM always fits; where every rank runs
-    capped to its MPS share (``mps_share``: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, which the rank
-    spawner sets), ``sms_per_gpu`` is already the share the device reports (the fewest of any
+    capped to its MPS share (``mps_share``: :func:`runs_in_mps_share` on every rank; the rank
+    spawner sets the variable), ``sms_per_gpu`` is already the share the device reports (the fewest of any
     rank's) and is the cap as it is. Computed from agreed values, so the same on every rank."""
     if ranks_per_gpu <= 1:
         return MAX_LAUNCH_BLOCKS

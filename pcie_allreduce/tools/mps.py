@@ -18,6 +18,8 @@ import time
 import warnings
 from typing import Mapping, Sequence
 
+from pcie_allreduce.plan.dispatch import MPS_SHARE_ENV
+
 MPS_CONTROL_BINARY = "nvidia-cuda-mps-control"
 _LOG_PROBLEM = re.compile(r"error|fail|fault|exception|terminat|invalid", re.IGNORECASE)
 
@@ -122,8 +124,6 @@ def client_visible_devices(environ: Mapping[str, str]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(len(entries)))}
 
 
-THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-
 
 def thread_share_env(ranks_per_gpu: int, environ: Mapping[str, str]) -> dict[str, str]:
     """The SM share of each of ``ranks_per_gpu`` MPS clients of one GPU, as the client variable
@@ -138,11 +138,11 @@ def thread_share_env(ranks_per_gpu: int, environ: Mapping[str, str]) -> dict[str
     if ranks_per_gpu <= 1:
         return {}
     share = 100 // ranks_per_gpu
-    current = environ.get(THREAD_PERCENTAGE_ENV, "")
+    current = environ.get(MPS_SHARE_ENV, "")
     with contextlib.suppress(ValueError):
         if 0 < float(current) <= share:
-            return {THREAD_PERCENTAGE_ENV: current}
-    return {THREAD_PERCENTAGE_ENV: str(share)}
+            return {MPS_SHARE_ENV: current}
+    return {MPS_SHARE_ENV: str(share)}
 
 
 class MpsDaemon:
