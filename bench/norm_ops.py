@@ -5,7 +5,7 @@
 
 - ``"<algo>+norm"``: as separate eager torch ops (several kernels; what a model does without a
   fused op);
-- ``"<algo>+addnorm"``: ONE kernel, the library's :func:`pcie_allreduce.add_rmsnorm.add_rmsnorm`
+- ``"<algo>+addnorm"``: ONE kernel, the library's :func:`pcie_allreduce.fused.path.add_rmsnorm`
   (out of place);
 - ``"<algo>+fi_addnorm"`` / ``"<algo>+sgl_addnorm"``: ONE kernel, FlashInfer's / sgl-kernel's
   ``fused_add_rmsnorm`` where the rank can import it (in place: ``residual += y``, then ``y`` is
@@ -44,7 +44,7 @@ NORMED_RTOL = NORMED_ATOL = 2.0 ** -6  # a few bf16 ulps: two roundings and a di
 CROSS_CHECK_SEED = 1234
 # suffix -> (module, function) of the one-kernel residual add + RMSNorm it runs after the all-reduce.
 ONE_KERNELS: Mapping[str, tuple[str, str]] = MappingProxyType({
-    ONE_KERNEL_NORM_SUFFIX: ("pcie_allreduce.add_rmsnorm", "add_rmsnorm"),
+    ONE_KERNEL_NORM_SUFFIX: ("pcie_allreduce.fused.path", "add_rmsnorm"),
     FLASHINFER_NORM_SUFFIX: ("flashinfer.norm", "fused_add_rmsnorm"),
     SGL_NORM_SUFFIX: ("sgl_kernel", "fused_add_rmsnorm"),
 })

@@ -182,7 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fused.add_argument("--fused-algos", nargs="+", metavar="ALGO",
                        help="--fused: also time our fused call with each of these algo= values forced, one row "
                             "\"fused:ALGO\" each (a kernel that cannot take a shape is skipped there): 'auto' or a "
-                            "name of pcie_allreduce.fused_rmsnorm.FUSED_ALGORITHMS, or 'unfused' (our all-reduce, then "
+                            "name of pcie_allreduce.plan.algorithms.FUSED_ALGORITHMS, or 'unfused' (our all-reduce, then "
                             "the library's add_rmsnorm kernel); the row \"fused\" (auto) always runs (default auto)")
     add_timing_arguments(parser)
     add_output_arguments(parser, "bench.csv, bench.json and bench.txt (fused.* with --fused)")

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pcie_allreduce.triton_protocol import interpreting, load_acquire, now_ns, store_release
+from pcie_allreduce.fused.protocol import interpreting, load_acquire, now_ns, store_release
 
 INTERPRETER_SPIN_LIMIT = 2_000  # the interpreter has no clock: give up after this many polls
 PUSH_BLOCK = 2048               # 8-byte words per program per step

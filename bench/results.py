@@ -25,7 +25,7 @@ WORKLOADS: tuple[str, ...] = (ALLREDUCE, FUSED, VERIFY)
 # A norm variant's algo is "<all-reduce algo><suffix>": the backend's all-reduce, then the
 # residual add + RMSNorm done one of these ways (baselines for our fused kernel):
 NORM_SUFFIX = "+norm"                   # eager torch ops (several kernels): what a model does without a fused op
-ONE_KERNEL_NORM_SUFFIX = "+addnorm"     # our pcie_allreduce.add_rmsnorm: one kernel, out of place
+ONE_KERNEL_NORM_SUFFIX = "+addnorm"     # our pcie_allreduce.fused.path.add_rmsnorm: one kernel, out of place
 FLASHINFER_NORM_SUFFIX = "+fi_addnorm"  # flashinfer.norm.fused_add_rmsnorm: one kernel, in place
 SGL_NORM_SUFFIX = "+sgl_addnorm"        # sgl_kernel.fused_add_rmsnorm: one kernel, in place
 # The one-kernel baselines: the best of them is what the fused kernel is judged against.

@@ -150,7 +150,7 @@ constexpr uint64_t kMaxTimeoutSeconds = 24 * 3600;
 // arrive (drivers report peer access where the platform drops or misroutes P2P writes).
 constexpr uint64_t kProbeBytes = 16;
 // Local-only words the fused Triton one-shot uses to share per-chunk RMSNorm statistics among
-// the programs of one row (fused_rmsnorm.py); zero when not in flight, like the lines.
+// the programs of one row (fused/rmsnorm.py); zero when not in flight, like the lines.
 constexpr uint64_t kRowStatsSlots = 1024;
 // The host transport's write-once algorithms (host_wire.cuh) rotate through this many buffers of
 // their own, each of kSharedAreas areas of max_bytes (what a rank sends; its reduced shard): a

@@ -9,10 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import time
 import warnings
 import weakref
-import zlib
 from types import ModuleType
 from typing import Any, Callable
 
@@ -25,7 +23,8 @@ from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE
 from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
 from pcie_allreduce.plan import algorithms, cache, dispatch, tables
 from pcie_allreduce.plan.dispatch import DTYPE_IDS
-from pcie_allreduce.layout import Layout, WorkspaceView
+from pcie_allreduce.fused.path import FusedPath
+from pcie_allreduce.layout import Layout
 
 DEFAULT_MAX_BYTES = 8 << 20
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
@@ -42,10 +41,6 @@ DEFAULT_TIMEOUT_S = 10.0
 # Seed of the creation-time transfer test; the workspace index is added, so a test pattern left
 # by one stream's creation never passes for another's.
 PROBE_SEED = 0x5EED0000
-# How long a rank waits for the others at the first fused call of a shape, while they compile it
-# (a cold Triton cache on a loaded host takes tens of seconds); past it the ranks' calls must differ.
-FIRST_FUSED_CALL_WAIT_S = 300
-MEETING_STAGE = "first-call compile meeting"
 # How long close() waits for every rank to reach it before it gives up on freeing: an engine's
 # ranks tear a group down together, so only a rank that is gone (or stuck) is missed.
 CLOSE_WAIT_S = 60.0
@@ -150,13 +145,7 @@ class Communicator:
         # stream -> the address of its workspace's symmetric input area, once symmetric_input
         # handed it out (all_reduce compares the input's address with it)
         self._input_areas: dict[int, int] = {}
-        self._fused_choices: dict[tuple[int, int, torch.dtype], str] = {}
-        self._fused_compiled: set[tuple[Any, ...]] = set()  # fused calls compiled on every rank
-        self._meetings = 0  # meetings this communicator held (_meet): the same count on every rank
-        #: Seconds this rank spent compiling the Triton kernels of each fused call shape (its first
-        #: call), by the call's description: "<algo> [tokens, hidden] <dtype> (weight <dtype>)".
-        self.fused_compile_seconds: dict[str, float] = {}
-        self._views: dict[int, WorkspaceView] = {}
+        self._fused = FusedPath()  # the fused call's plans, compile meetings and launches
 
         # Creation is all or nothing: each step that can fail on one rank runs on every rank and
         # ends in a gather of every rank's outcome (see _collective_step), so a failure anywhere
@@ -309,115 +298,29 @@ class Communicator:
         """
         if self._closed:
             raise RuntimeError(self._closed_reason)
-        tokens, hidden = validation.fused_call(x, residual, weight, eps, out, residual_out, algo, device=self.device,
-                                               max_bytes=self.max_bytes, world=self.world_size)
+        tokens, _, algo, wire_algo = validation.fused_call(x, residual, weight, eps, out, residual_out, algo, wire,
+                                                           device=self.device, max_bytes=self.max_bytes,
+                                                           world=self.world_size)
         normed = torch.empty_like(x) if out is None else out
         new_residual = torch.empty_like(residual) if residual_out is None else residual_out
-        if wire is not None:
-            validation.wire_algo(wire, "auto")
-            if algo not in ("auto", algorithms.UNFUSED):
-                raise ValueError(f"wire={wire!r} runs the all-reduce, then the add + RMSNorm kernel; algo={algo!r} "
-                                 f"cannot be combined with it (leave algo='auto')")
-            algo = algorithms.UNFUSED
-        if x.numel() == 0:
-            return normed, new_residual
-        if algo == "auto":
-            key = (tokens, hidden, x.dtype)
-            algo = self._fused_choices.get(key)
-            if algo is None:
-                algo = self.select_fused_algo(*key)
-                if len(self._fused_choices) < 4096:  # bounded: shapes in serving are few
-                    self._fused_choices[key] = algo
-        call = (algo, tuple(x.shape), x.dtype, weight.dtype)
-        if algo == algorithms.UNFUSED:
-            from pcie_allreduce import add_rmsnorm
-
-            if call not in self._fused_compiled:
-                self._compile_everywhere(call, lambda: add_rmsnorm.add_rmsnorm(
-                    x, residual, weight, eps, normed, new_residual, compile_only=True,
-                    after_all_reduce=self.dependent_launch))
-            self.all_reduce(x, out=normed, wire=wire)
-            add_rmsnorm.add_rmsnorm(normed, residual, weight, eps, normed, new_residual,
-                                    after_all_reduce=self.dependent_launch)
-            return normed, new_residual
-        from pcie_allreduce import fused_rmsnorm
-
-        stream = current_stream_handle(self.device)
-        workspace = self.workspace(stream)
-        if workspace.failed():
-            raise self._error_of(workspace)
-        if not workspace.captured:  # a graph capture: close() must keep this memory (all_reduce notes it in C++)
-            workspace.note_capture(stream)
-        view = self._views.get(id(workspace))
-        if view is None:
-            view = self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
-        if call not in self._fused_compiled:
-            self._compile_everywhere(call, lambda: fused_rmsnorm.launch(
-                view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap,
-                compile_only=True, dependent=self.dependent_launch))
-        fused_rmsnorm.launch(view, algo, x, residual, weight, eps, normed, new_residual, max_programs=self.block_cap,
-                             dependent=self.dependent_launch)
+        if tokens:
+            stream = current_stream_handle(self.device)
+            workspace = self._workspaces.get(stream) or self._workspace_for(stream)
+            self._fused.call(self, workspace, stream, x, residual, weight, eps, normed, new_residual, algo, wire_algo)
         return normed, new_residual
-
-    def _compile_everywhere(self, call: tuple[Any, ...], compile_call: Callable[[], None]) -> None:
-        """Compile a fused call's Triton kernels on this rank, then meet every rank before any of
-        them launches it.
-
-        A kernel's waits count from its own start: a peer still compiling (a second or more, far
-        more with a cold cache or a loaded CPU) would make the ranks already spinning time out. So
-        the first call of each (algorithm, shape, dtypes) compiles, then meets the others; the
-        kernels' compile keys do not depend on the tensors' alignment (FUSED_TENSOR_ARGS), so every
-        rank meets at the same call. The meeting also checks that every rank makes that same call,
-        and it is bounded: a rank that never comes (its calls differ from ours) raises here.
-
-        The meeting is held in the group's key-value store, never as a collective on the group: a
-        collective that timed out would stay posted on the caller's group (SGLang's CPU group) and
-        pair with that group's next collective. A rank that gives up marks its key abandoned, so a
-        rank that arrives later raises too instead of launching a kernel nobody else runs."""
-        described = "{} [{}] {} (weight {})".format(call[0], ", ".join(map(str, call[1])), *call[2:])
-        what = f"the first fused all-reduce + RMSNorm of {described}"
-        digest = zlib.crc32(described.encode())
-        started = time.perf_counter()
-        try:
-            compile_call()
-        except Exception:
-            # Every rank hears of it before this one raises its own exception. Raised from inside
-            # the handler, never kept in a local: a frame holding its own exception is a reference
-            # cycle that keeps this communicator (and its group) alive until a cyclic collection,
-            # perhaps at interpreter exit, after the group was destroyed.
-            self.fused_compile_seconds[described] = time.perf_counter() - started
-            self._meet(what, f"{digest}:1")
-            raise
-        self.fused_compile_seconds[described] = time.perf_counter() - started
-        everyone = self._meet(what, f"{digest}:0")
-        digests = [int(v.split(":")[0]) for v in everyone]
-        failed = [r for r, v in enumerate(everyone) if v.split(":")[1] != "0"]
-        differing = [r for r, d in enumerate(digests) if d != digests[self.rank]]
-        if differing:
-            raise CollectiveMismatch(f"rank {self.rank} calls the fused all-reduce + RMSNorm as {described}; ranks "
-                                     f"{differing} make a different call at the same point (algorithm, shape or dtypes "
-                                     "differ): every rank must make the same call")
-        if failed:
-            raise RuntimeError(f"rank {self.rank}: compiling the fused kernel for {described} failed on rank(s) {failed} "
-                               "(their exception says why)")
-        self._fused_compiled.add(call)
-
-    def _meet(self, what: str, mine: str, *, wait_s: float | None = None, stage: str = MEETING_STAGE) -> list[str]:
-        """Every rank's ``mine`` for this communicator's next meeting (:func:`outcomes.meet`; the
-        count of meetings is the same on every rank), within ``wait_s`` (FIRST_FUSED_CALL_WAIT_S)."""
-        self._meetings += 1
-        return outcomes.meet(self._group, f"pcie_allreduce/{self._meeting_id}/meeting", self._meetings - 1, what,
-                             mine, wait_s=FIRST_FUSED_CALL_WAIT_S if wait_s is None else wait_s, stage=stage)
 
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
         """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: a
         fused kernel where the table's fused rules say one wins at this token count and W (it then
         follows the plain table for the same message size), else ``"unfused"``
-        (:func:`pcie_allreduce.plan.dispatch.fused_algo`)."""
-        from pcie_allreduce.triton_protocol import interpreting
+        (:func:`pcie_allreduce.plan.dispatch.fused_plan`)."""
+        return self._fused.plan(self, (tokens, hidden, dtype, dtype, "auto", None)).algo
 
-        return dispatch.fused_algo(tokens, hidden, dtype, self.world_size, self.table, ll_capacity=self.ll_capacity,
-                                   block_cap=self.block_cap, interpret=interpreting())
+    @property
+    def fused_compile_seconds(self) -> dict[str, float]:
+        """Seconds this rank spent compiling the Triton kernels of each fused call shape (its first
+        call), by the call's description: "<algo> [tokens, hidden] <dtype> (weight <dtype>)"."""
+        return self._fused.compile_seconds
 
     def capacity_of(self, algo: str) -> int | None:
         """Largest message (bytes) a forced ``algo`` takes here; None: up to ``max_bytes``."""
@@ -471,7 +374,8 @@ class Communicator:
         if not dist.is_initialized():
             return True
         try:
-            self._meet("close()", CLOSE_STAGE, wait_s=CLOSE_WAIT_S, stage=CLOSE_STAGE)
+            outcomes.meet(self._group, f"pcie_allreduce/{self._meeting_id}/close", 0, "close()", CLOSE_STAGE,
+                          wait_s=CLOSE_WAIT_S, stage=CLOSE_STAGE)
         except Exception as exc:  # noqa: BLE001 - a missing rank, or the store gone with rank 0's process
             warnings.warn(f"pcie_allreduce: rank {self.rank}: close() keeps this communicator's workspaces "
                           f"allocated ({' '.join(str(exc).split())}): a peer that did not close may still write "
@@ -510,13 +414,10 @@ class Communicator:
         key = (nbytes, dtype, algo, symmetric)
         hit = self._choices.get(key)
         if hit is None:
-            problem = algorithms.availability_problem(algo, self.transport, self.island_ranks)
+            problem = algorithms.call_problem(algo, nbytes, dtype.itemsize, self.transport, self.island_ranks,
+                                              Layout.make(self.max_bytes, 1).slot_bytes, self.ll_capacity)
             if problem is not None:
                 raise ValueError(problem)
-            if algo in algorithms.LOSSY_ALGORITHMS:
-                problem = validation.fp8_fits(nbytes, dtype.itemsize, Layout.make(self.max_bytes, 1).slot_bytes)
-                if problem is not None:
-                    raise ValueError(problem)
             hit = dispatch.plain_launch(nbytes, self.world_size, dtype, self.table, ll_capacity=self.ll_capacity,
                                         block_cap=self.block_cap, algo=algo, symmetric=symmetric)
             if len(self._choices) < 4096:  # bounded: shapes in serving are few

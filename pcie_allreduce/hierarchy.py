@@ -262,7 +262,7 @@ class HierarchicalCommunicator:
         ``Communicator.all_reduce_rmsnorm`` runs unfused), so both outputs are bitwise those of a
         single node's unfused call on the same inputs. Arguments as there; ``algo`` "auto" or
         "unfused" (no fused kernel spans nodes), ``wire`` None."""
-        from pcie_allreduce import add_rmsnorm
+        from pcie_allreduce.fused import path as add_rmsnorm
 
         self._refuse_if_unusable()
         _refuse_wire(wire)

@@ -10,8 +10,8 @@ import math
 import torch
 
 from pcie_allreduce.constants import DTYPE_IDS, MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
-from pcie_allreduce.plan.algorithms import (ALGO_IDS, FORCEABLE_ALGORITHMS, FUSED_ALGORITHMS, WIRE_ALGORITHMS,
-                                            fp8_wire_bytes, fused_problem)
+from pcie_allreduce.plan.algorithms import (ALGO_IDS, FORCEABLE_ALGORITHMS, FUSED_ALGORITHMS, UNFUSED, WIRE_ALGORITHMS,
+                                            fused_problem)
 
 #: The dtypes the kernels take (those with a kernel dtype id), in id order.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name)
@@ -167,15 +167,6 @@ def wire_algo(wire: object, algo: str) -> str:
     return kernel
 
 
-def fp8_fits(nbytes: int, elem_size: int, slot_bytes: int) -> str | None:
-    """Why a message of ``nbytes`` cannot travel coded as FP8 in a slot of ``slot_bytes``, or None."""
-    coded = fp8_wire_bytes(nbytes // elem_size)
-    if coded > slot_bytes:
-        return (f"wire='fp8': the coded message takes {coded} bytes, more than the workspace slot's {slot_bytes}; "
-                "create the Communicator with a larger max_bytes")
-    return None
-
-
 RMSNORM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 MAX_RMSNORM_HIDDEN = 16384
 
@@ -223,10 +214,13 @@ def validate_rmsnorm_args(x: object, residual: object, weight: object, eps: obje
 
 
 def fused_call(x: object, residual: object, weight: object, eps: object, out: object, residual_out: object,
-               algo: object, *, device: torch.device, max_bytes: int, world: int) -> tuple[int, int]:
+               algo: object, wire: object, *, device: torch.device, max_bytes: int,
+               world: int) -> tuple[int, int, str, str | None]:
     """The one check of an ``all_reduce_rmsnorm`` call on ``world`` ranks: every tensor, both
     outputs against their inputs, every pair of arguments for shared memory, the algorithm name
-    (and that it serves ``world``); returns ``(tokens, hidden)``, what dispatch needs."""
+    (and that it serves ``world``) and the wire; returns ``(tokens, hidden, algo, wire_algo)``,
+    what the fused plan needs: a call with a wire runs the all-reduce with the wire's kernel
+    (``wire_algo``), then the add + RMSNorm kernel, so ``algo`` is then "unfused"."""
     validate_rmsnorm_args(x, residual, weight, eps, device=device, max_bytes=max_bytes)
     assert isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
     validate_out(x, out, name="out")
@@ -237,7 +231,13 @@ def fused_call(x: object, residual: object, weight: object, eps: object, out: ob
     if problem is not None:
         raise ValueError(problem)
     validate_rmsnorm_aliasing(x, residual, weight, out, residual_out)  # type: ignore[arg-type]
-    return x.shape[0], x.shape[1]
+    if wire is None:
+        return x.shape[0], x.shape[1], algo, None  # type: ignore[return-value]
+    kernel = wire_algo(wire, "auto")
+    if algo not in ("auto", UNFUSED):
+        raise ValueError(f"wire={wire!r} runs the all-reduce, then the add + RMSNorm kernel; algo={algo!r} "
+                         f"cannot be combined with it (leave algo='auto')")
+    return x.shape[0], x.shape[1], UNFUSED, kernel
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -15,8 +15,9 @@ import torch
 from tests import _reference as ref
 from tests._interpreted import interpreted
 
-norm = pytest.importorskip("pcie_allreduce.add_rmsnorm")
-protocol = pytest.importorskip("pcie_allreduce.triton_protocol")
+norm = pytest.importorskip("pcie_allreduce.fused.add_rmsnorm")
+path = pytest.importorskip("pcie_allreduce.fused.path")
+protocol = pytest.importorskip("pcie_allreduce.fused.protocol")
 pytestmark = interpreted
 
 import triton  # noqa: E402
@@ -55,7 +56,7 @@ def test_add_rmsnorm_matches_fp64(dtype: torch.dtype, tokens: int, hidden: int, 
     residual = _activations(tokens, hidden, dtype, gen)
     weight = (torch.rand(hidden, generator=gen, dtype=torch.float64) + 0.5).to(torch.float32 if weight_fp32 else dtype)
     normed, new_residual = _poisoned((tokens, hidden), dtype), _poisoned((tokens, hidden), dtype)
-    norm.add_rmsnorm(y, residual, weight, EPS, normed, new_residual)
+    path.add_rmsnorm(y, residual, weight, EPS, normed, new_residual)
     _, want_residual = _reference(y, residual, weight, EPS)
     assert torch.equal(new_residual, want_residual), "new residual must be bitwise residual + y"
     assert not torch.isnan(normed).any(), "every element of normed written"
@@ -71,15 +72,15 @@ def test_add_rmsnorm_in_place_and_misaligned() -> None:
     residual = _activations(tokens, hidden, torch.bfloat16, gen)
     weight = (torch.rand(hidden, generator=gen) + 0.5).to(torch.bfloat16)
     normed, new_residual = _poisoned((tokens, hidden), torch.bfloat16), _poisoned((tokens, hidden), torch.bfloat16)
-    norm.add_rmsnorm(y, residual, weight, EPS, normed, new_residual)
-    assert norm.is_aligned(hidden, y, residual, weight, normed, new_residual)
+    path.add_rmsnorm(y, residual, weight, EPS, normed, new_residual)
+    assert path.is_aligned(hidden, y, residual, weight, normed, new_residual)
 
     flat = [torch.empty(tokens * hidden + 1, dtype=torch.bfloat16) for _ in range(2)]
     y2, r2 = (f[1:].view(tokens, hidden) for f in flat)
     y2.copy_(y)
     r2.copy_(residual)
-    assert not norm.is_aligned(hidden, y2, r2, weight, y2, r2)
-    norm.add_rmsnorm(y2, r2, weight, EPS, y2, r2)  # in place, misaligned
+    assert not path.is_aligned(hidden, y2, r2, weight, y2, r2)
+    path.add_rmsnorm(y2, r2, weight, EPS, y2, r2)  # in place, misaligned
     assert torch.equal(r2, new_residual)
     assert torch.equal(y2, normed), "the scalar and the vector variant must give the same bits"
 

@@ -138,6 +138,7 @@ class _RecordingWorkspace:
 def _cpu_communicator(monkeypatch) -> tuple[pcie_allreduce.Communicator, _RecordingWorkspace]:
     """A Communicator on the CPU whose only workspace records calls (no rendezvous, no GPU)."""
     from pcie_allreduce import communicator
+    from pcie_allreduce.fused.path import FusedPath
 
     monkeypatch.setattr(communicator, "current_stream_handle", lambda device: 0)
     comm = communicator.Communicator.__new__(communicator.Communicator)
@@ -145,6 +146,7 @@ def _cpu_communicator(monkeypatch) -> tuple[pcie_allreduce.Communicator, _Record
     comm._closed, comm.device, comm.max_bytes, comm.ll_capacity = False, torch.device("cpu"), 1 << 16, 1 << 12
     comm.world_size, comm.rank, comm.table, comm.block_cap = 4, 0, tables.default_table(), constants.MAX_LAUNCH_BLOCKS
     comm._choices, comm._workspaces, comm._input_areas = {}, {0: workspace}, {}
+    comm.transport, comm.island_ranks, comm._fused = "p2p", 0, FusedPath()
     return comm, workspace
 
 
@@ -216,7 +218,7 @@ def test_all_reduce_accepts_and_rejects_exactly_as_the_validation_functions(case
 def test_communicator_choices_are_the_dispatch_choices(monkeypatch) -> None:
     """select_algo, select_fused_algo and the cached launch choice are thin over pcie_allreduce.plan.dispatch."""
     from pcie_allreduce.plan import dispatch
-    from pcie_allreduce.triton_protocol import interpreting
+    from pcie_allreduce.fused.protocol import interpreting
 
     comm, _ = _cpu_communicator(monkeypatch)
     comm.block_cap = 8
@@ -228,8 +230,8 @@ def test_communicator_choices_are_the_dispatch_choices(monkeypatch) -> None:
             nbytes, comm.world_size, torch.float16, comm.table, **agreed)
         assert comm._choice(nbytes, torch.float16, "auto")[1] <= 8
     for tokens, hidden in ((1, 2048), (2, 4096), (16, 8192)):
-        assert comm.select_fused_algo(tokens, hidden, torch.bfloat16) == dispatch.fused_algo(
-            tokens, hidden, torch.bfloat16, comm.world_size, comm.table, **agreed, interpret=interpreting())
+        assert comm.select_fused_algo(tokens, hidden, torch.bfloat16) == dispatch.fused_plan(
+            tokens, hidden, torch.bfloat16, comm.world_size, comm.table, **agreed, interpret=interpreting()).algo
 
 
 def test_default_table_is_total_and_pure() -> None:
@@ -455,18 +457,26 @@ def test_one_validation_pass_per_call_checks_everything_dispatch_needs() -> None
         validation.plain_call(x, None, "auto", device=cpu, max_bytes=16)
     rows = torch.zeros(3, 64, dtype=torch.bfloat16)
     res, w = torch.zeros_like(rows), torch.ones(64, dtype=torch.bfloat16)
-    assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", device=cpu, max_bytes=big, world=2) == (3, 64)
-    assert validation.fused_call(rows, res, w, 1e-6, rows, res, "unfused", device=cpu, max_bytes=big, world=2) == (3, 64)
+    assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", None, device=cpu, max_bytes=big,
+                                 world=2) == (3, 64, "auto", None)
+    assert validation.fused_call(rows, res, w, 1e-6, rows, res, "unfused", None, device=cpu, max_bytes=big,
+                                 world=2) == (3, 64, "unfused", None)
+    # A wire runs the pair with the wire's kernel; a fused kernel cannot take it.
+    assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", "fp8", device=cpu, max_bytes=big,
+                                 world=2) == (3, 64, "unfused", "twoshot_fp8")
+    with pytest.raises(ValueError, match="wire='fp8' runs the all-reduce, then the add"):
+        validation.fused_call(rows, res, w, 1e-6, None, None, "oneshot", "fp8", device=cpu, max_bytes=big, world=2)
     with pytest.raises(ValueError, match="unknown fused algo"):
-        validation.fused_call(rows, res, w, 1e-6, None, None, "staged", device=cpu, max_bytes=big, world=2)
+        validation.fused_call(rows, res, w, 1e-6, None, None, "staged", None, device=cpu, max_bytes=big, world=2)
     with pytest.raises(ValueError, match="residual_out is x"):
-        validation.fused_call(rows, res, w, 1e-6, None, rows, "auto", device=cpu, max_bytes=big, world=2)
+        validation.fused_call(rows, res, w, 1e-6, None, rows, "auto", None, device=cpu, max_bytes=big, world=2)
     # Above SMALL_WORLD ranks the fused op runs unfused; a fused kernel forced there is an error.
     for world in (9, 16):
-        assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", device=cpu, max_bytes=big,
-                                     world=world) == (3, 64)
-        assert validation.fused_call(rows, res, w, 1e-6, None, None, "unfused", device=cpu, max_bytes=big,
-                                     world=world) == (3, 64)
+        assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", None, device=cpu, max_bytes=big,
+                                     world=world)[:2] == (3, 64)
+        assert validation.fused_call(rows, res, w, 1e-6, None, None, "unfused", None, device=cpu, max_bytes=big,
+                                     world=world)[:2] == (3, 64)
         for algo in ("oneshot", "twoshot", "oneshot_ll", "oneshot_full"):
             with pytest.raises(ValueError, match=f"fused kernel '{algo}' serves world sizes up to 8, .* {world} ranks"):
-                validation.fused_call(rows, res, w, 1e-6, None, None, algo, device=cpu, max_bytes=big, world=world)
+                validation.fused_call(rows, res, w, 1e-6, None, None, algo, None, device=cpu, max_bytes=big,
+                                      world=world)

@@ -399,7 +399,7 @@ def test_one_kernel_cross_checks(monkeypatch) -> None:
     adapter = _adapter(monkeypatch, {"+addnorm": rounded_twice, "+fi_addnorm": in_place_off_by_a_little},
                        ("auto+addnorm", "auto+fi_addnorm"))
     problem = adapter.cross_check(_norm_bufs(), "auto+addnorm")
-    assert problem.startswith("pcie_allreduce.add_rmsnorm.add_rmsnorm new_residual is not bitwise equal to "
+    assert problem.startswith("pcie_allreduce.fused.path.add_rmsnorm new_residual is not bitwise equal to "
                               "residual + y")
     assert adapter.cross_check(_norm_bufs(), "auto+fi_addnorm") is None  # within tolerance
     adapter = _adapter(monkeypatch, {"+sgl_addnorm": in_place_bad_norm}, ("auto+sgl_addnorm",))

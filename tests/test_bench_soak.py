@@ -102,8 +102,6 @@ def test_schedule_is_a_function_of_the_seed() -> None:
 
 
 def _check_legal(call: Call, params: ScheduleParams) -> None:
-    from pcie_allreduce import fused_oneshot_ll
-
     size = DTYPE_SIZES[call.dtype]
     n = buffer_elements(params.max_bytes, call.dtype)
     assert 1 <= call.count and call.nbytes <= params.max_bytes

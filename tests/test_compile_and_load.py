@@ -1,5 +1,5 @@
 """The first fused call of a shape readies every kernel variant it can launch before the ranks
-meet: compiled, launcher built, module loaded (``triton_protocol.compile_and_load``).
+meet: compiled, launcher built, module loaded (``pcie_allreduce.fused.path.compile_and_load``).
 
 Triton's ``warmup`` compiles only; the launcher (a C module built with the host's compiler) and
 the module load come with the first launch, which follows the meeting while peers already spin
@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from pcie_allreduce import layout as lay
-from pcie_allreduce import triton_protocol
 
-fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
-ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
-norm = pytest.importorskip("pcie_allreduce.add_rmsnorm")
+path = pytest.importorskip("pcie_allreduce.fused.path")
+fused = pytest.importorskip("pcie_allreduce.fused.rmsnorm")
+ll = pytest.importorskip("pcie_allreduce.fused.oneshot_ll")
+norm = pytest.importorskip("pcie_allreduce.fused.add_rmsnorm")
+protocol = pytest.importorskip("pcie_allreduce.fused.protocol")
 
 
 class Compiled:
@@ -64,7 +65,7 @@ class Kernel:
 @pytest.mark.parametrize("compiled_type", [Compiled, CompiledWithoutInitHandles])
 def test_compile_and_load_compiles_then_initialises_the_handles_once(compiled_type: type) -> None:
     kernel = Kernel(compiled_type)
-    triton_protocol.compile_and_load(kernel, 3, "a", grid=(5,), K=7)
+    path.compile_and_load(kernel, 3, "a", grid=(5,), K=7)
     assert kernel.warmups == [((3, "a"), {"K": 7, "grid": (5,)})]
     assert [c.initialised for c in kernel.compiled] == [1]
 
@@ -89,7 +90,7 @@ def test_a_flag_based_fused_kernels_first_call_readies_both_alignment_variants(
     monkeypatch.setattr(fused, "_fused_oneshot_kernel" if algo == "oneshot" else "_fused_twoshot_kernel", kernel)
     view, keep = _view(4)
     x, residual, weight, normed, residual_out = _tensors(5, 7168)
-    fused.launch(view, algo, x, residual, weight, 1e-6, normed, residual_out, interpret=False, compile_only=True)
+    path.launch(view, algo, x, residual, weight, 1e-6, normed, residual_out, interpret=False, compile_only=True)
     assert sorted(kw["ALIGNED"] for _, kw in kernel.warmups) == [False, True]
     assert [c.initialised for c in kernel.compiled] == [1, 1]
 
@@ -101,7 +102,7 @@ def test_a_data_as_flag_fused_kernels_first_call_readies_both_pairing_variants(
     monkeypatch.setattr(ll, "_fused_oneshot_ll_kernel", kernel)
     view, keep = _view(4)
     x, residual, weight, normed, residual_out = _tensors(4, 7168)
-    fused.launch(view, algo, x, residual, weight, 1e-6, normed, residual_out, interpret=False, compile_only=True)
+    path.launch(view, algo, x, residual, weight, 1e-6, normed, residual_out, interpret=False, compile_only=True)
     assert sorted(kw["PAIRED"] for _, kw in kernel.warmups) == [False, True]
     assert [c.initialised for c in kernel.compiled] == [1, 1]
 
@@ -109,8 +110,8 @@ def test_a_data_as_flag_fused_kernels_first_call_readies_both_pairing_variants(
 def test_the_add_rmsnorm_kernels_first_call_readies_both_alignment_variants(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = Kernel()
     monkeypatch.setattr(norm, "_add_rmsnorm_kernel", kernel)
-    monkeypatch.setattr(norm, "interpreting", lambda: False)
+    monkeypatch.setattr(protocol, "interpreting", lambda: False)
     x, residual, weight, normed, residual_out = _tensors(3, 4096)
-    norm.add_rmsnorm(x, residual, weight, 1e-6, normed, residual_out, compile_only=True)
+    path.add_rmsnorm(x, residual, weight, 1e-6, normed, residual_out, compile_only=True)
     assert sorted(kw["ALIGNED"] for _, kw in kernel.warmups) == [False, True]
     assert [c.initialised for c in kernel.compiled] == [1, 1]

@@ -79,14 +79,14 @@ def test_named_ids_follow_the_tables() -> None:
 
 
 def test_triton_constants_come_from_the_constants_module() -> None:
-    from pcie_allreduce import fused_oneshot_ll, fused_rmsnorm, triton_protocol
+    from pcie_allreduce.fused import oneshot_ll, protocol, rmsnorm
     from pcie_allreduce.fused import shapes
 
     assert shapes.MAX_PROGRAMS == constants.MAX_LAUNCH_BLOCKS
-    assert fused_oneshot_ll.STAGE_LOW_LATENCY_GATHER.value == constants.STAGE_LOW_LATENCY_GATHER
-    assert fused_oneshot_ll.STAGE_ROW_STATS.value == constants.STAGE_FUSED_ROW_STATS
-    assert fused_rmsnorm.STAGE_FUSED_GATHER == constants.STAGE_FUSED_GATHER
-    assert triton_protocol.line_flag_of(0, 0) == constants.LINE_FLAG_MIX
+    assert oneshot_ll.STAGE_LOW_LATENCY_GATHER.value == constants.STAGE_LOW_LATENCY_GATHER
+    assert oneshot_ll.STAGE_ROW_STATS.value == constants.STAGE_FUSED_ROW_STATS
+    assert rmsnorm.STAGE_FUSED_GATHER == constants.STAGE_FUSED_GATHER
+    assert protocol.line_flag_of(0, 0) == constants.LINE_FLAG_MIX
 
 
 def test_import_without_the_extension_uses_the_mirror() -> None:

@@ -354,6 +354,8 @@ def test_close_keeps_the_memory_a_captured_graph_may_replay(monkeypatch: pytest.
 def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
     import time
 
+    from pcie_allreduce.fused import path as fused_path
+
     _fake_cuda("none", ctx.rank)
     comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=1 << 20, timeout_s=5.0,
                                        algo_table=pcie_allreduce.default_table())
@@ -368,14 +370,14 @@ def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
             raise RuntimeError("ptxas: out of resources")
 
     if case in ("never_comes", "comes_late"):
-        communicator.FIRST_FUSED_CALL_WAIT_S = 2
+        fused_path.FIRST_FUSED_CALL_WAIT_S = 2
         if last:  # this rank's calls went another way: it reaches no meeting within the bound
             time.sleep(4.0)
     started = time.perf_counter()
     error, message = None, ""
     if not (case == "never_comes" and last):
         try:
-            comm._compile_everywhere(call, compile_call)
+            comm._fused._compile_everywhere(comm, call, compile_call)
         except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
             error, message = type(exc).__name__, str(exc)
     waited = time.perf_counter() - started
@@ -383,7 +385,7 @@ def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
     # this one (and give another sum, or hang until the group's timeout).
     total = torch.tensor([float(10 ** ctx.rank)])
     torch.distributed.all_reduce(total, group=ctx.group)
-    compiled = sorted(map(str, comm._fused_compiled))
+    compiled = sorted(map(str, comm._fused._compiled))
     # A failed call must not leave the communicator in a reference cycle (its exception's traceback
     # holding a frame that holds the exception): it would then outlive the caller's references,
     # and be torn down with its group at interpreter exit, which can abort the process.

@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcie_allreduce import add_rmsnorm, communicator
+from pcie_allreduce import communicator
+norm = pytest.importorskip("pcie_allreduce.fused.add_rmsnorm")  # the kernel's module (Triton)
+protocol = pytest.importorskip("pcie_allreduce.fused.protocol")
+from pcie_allreduce.fused import path  # noqa: E402
 
 
 @pytest.mark.parametrize(("env", "major", "on"), [
@@ -39,11 +42,11 @@ class _Kernel:
 @pytest.mark.parametrize("after", [False, True])
 def test_the_norm_kernel_is_launched_as_a_dependent_only_after_an_all_reduce(monkeypatch, after: bool) -> None:
     kernel = _Kernel()
-    monkeypatch.setattr(add_rmsnorm, "_add_rmsnorm_kernel", kernel)
-    monkeypatch.setattr(add_rmsnorm, "interpreting", lambda: False)
+    monkeypatch.setattr(norm, "_add_rmsnorm_kernel", kernel)
+    monkeypatch.setattr(protocol, "interpreting", lambda: False)
     y = torch.zeros(3, 64, dtype=torch.bfloat16)
     res, w = torch.zeros_like(y), torch.ones(64, dtype=torch.bfloat16)
-    add_rmsnorm.add_rmsnorm(y, res, w, 1e-6, y, res, after_all_reduce=after)
+    path.add_rmsnorm(y, res, w, 1e-6, y, res, after_all_reduce=after)
     ((grid, kwargs),) = kernel.launches
     assert grid == (3,)
     assert kwargs.get("launch_pdl", False) is after and kwargs.get("PDL", False) is after
@@ -51,10 +54,10 @@ def test_the_norm_kernel_is_launched_as_a_dependent_only_after_an_all_reduce(mon
 
 def test_under_the_interpreter_the_kernel_never_waits_for_a_dependency(monkeypatch) -> None:
     kernel = _Kernel()
-    monkeypatch.setattr(add_rmsnorm, "_add_rmsnorm_kernel", kernel)
-    monkeypatch.setattr(add_rmsnorm, "interpreting", lambda: True)
+    monkeypatch.setattr(norm, "_add_rmsnorm_kernel", kernel)
+    monkeypatch.setattr(protocol, "interpreting", lambda: True)
     y = torch.zeros(2, 64, dtype=torch.float16)
-    add_rmsnorm.add_rmsnorm(y, torch.zeros_like(y), torch.ones(64, dtype=torch.float16), 1e-6, y, y.clone(),
-                            after_all_reduce=True)
+    path.add_rmsnorm(y, torch.zeros_like(y), torch.ones(64, dtype=torch.float16), 1e-6, y, y.clone(),
+                     after_all_reduce=True)
     ((_, kwargs),) = kernel.launches
     assert "launch_pdl" not in kwargs and "PDL" not in kwargs

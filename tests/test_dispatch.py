@@ -49,9 +49,12 @@ def test_plain_choice(nbytes, world, ll_capacity, block_cap, algo, expected) -> 
                                  algo=algo) == (ALGO_IDS[expected.algo], expected.blocks)
 
 
-def test_plain_choice_refuses_a_forced_low_latency_call_above_the_capacity() -> None:
-    with pytest.raises(ValueError, match="takes messages up to 32768 bytes"):
-        dispatch.plain_choice(32 * KIB + 1, 4, BF16, TABLE, ll_capacity=32 * KIB, algo="oneshot_ll")
+def test_a_forced_low_latency_call_above_the_capacity_is_refused() -> None:
+    from pcie_allreduce.plan.algorithms import call_problem
+
+    assert "takes messages up to 32768 bytes" in call_problem("oneshot_ll", 32 * KIB + 1, 2, "p2p", 0, MIB, 32 * KIB)
+    assert call_problem("oneshot_ll", 32 * KIB, 2, "p2p", 0, MIB, 32 * KIB) is None
+    assert call_problem("oneshot", 32 * KIB + 1, 2, "p2p", 0, MIB, 32 * KIB) is None
 
 
 def test_plain_choice_reads_dtype_rules() -> None:
@@ -59,6 +62,16 @@ def test_plain_choice_reads_dtype_rules() -> None:
     assert dispatch.plain_choice(4 * KIB, 2, torch.float32, table, ll_capacity=None).algo == "staged"
     assert dispatch.plain_choice(4 * KIB, 2, "float32", table, ll_capacity=None).algo == "staged"
     assert dispatch.plain_choice(4 * KIB, 2, BF16, table, ll_capacity=None).algo == "twoshot"
+
+
+def _fused_algo(tokens, hidden, dtype, world, table, **kwargs) -> str:
+    """What the fused call runs with ``algo="auto"`` (the plan's choice alone)."""
+    return dispatch.fused_plan(tokens, hidden, dtype, world, table, **kwargs).algo
+
+
+def _fused_kernel(tokens, hidden, dtype, world, table, **kwargs) -> str:
+    """The fused kernel that follows the plain choice (a fused rule's "kernel")."""
+    return dispatch.fused_plan(tokens, hidden, dtype, world, table, algo="kernel", **kwargs).algo
 
 
 @pytest.mark.parametrize("tokens, hidden, world, ll_capacity, block_cap, interpret, expected", [
@@ -73,8 +86,8 @@ def test_plain_choice_reads_dtype_rules() -> None:
     (16, 32768, 8, LL_CAP, 64, False, "oneshot"),    # 1 MiB: the plain one-shot's range
 ])
 def test_fused_kernel(tokens, hidden, world, ll_capacity, block_cap, interpret, expected) -> None:
-    got = dispatch.fused_kernel(tokens, hidden, BF16, world, TABLE, ll_capacity=ll_capacity, block_cap=block_cap,
-                              interpret=interpret)
+    got = _fused_kernel(tokens, hidden, BF16, world, TABLE, ll_capacity=ll_capacity, block_cap=block_cap,
+                        interpret=interpret)
     assert got == expected
 
 
@@ -88,7 +101,7 @@ def test_fused_kernel(tokens, hidden, world, ll_capacity, block_cap, interpret, 
 def test_fused_kernel_follows_the_default_tables_wire_format(tokens, world, expected) -> None:
     """Where the plain default picks ``oneshot_full`` (half the lines' bytes), the fused call
     takes the fused kernel in the same format."""
-    got = dispatch.fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=64)
+    got = _fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=64)
     assert got == expected
 
 
@@ -101,21 +114,21 @@ def test_fused_algo_follows_the_fused_rules() -> None:
     table = AlgoTable(TABLE.rules, rules)
 
     def pick(tokens: int, world: int, hidden: int = 4096) -> str:
-        return dispatch.fused_algo(tokens, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
+        return _fused_algo(tokens, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
 
-    assert pick(1, 2) == dispatch.fused_kernel(1, 4096, BF16, 2, table, ll_capacity=LL_CAP, block_cap=64)
+    assert pick(1, 2) == _fused_kernel(1, 4096, BF16, 2, table, ll_capacity=LL_CAP, block_cap=64)
     assert pick(3, 2) == "oneshot_ll"
     assert pick(3, 2, hidden=4095) == "unfused", "odd hidden: the named data-as-flag kernel has no shape"
     assert pick(9, 2) == "unfused"
     assert pick(1, 8) == "oneshot_ll"
     # Above SMALL_WORLD ranks no fused kernel runs, whatever the rules say: the pair serves every call.
     assert [pick(t, w) for w in range(SMALL_WORLD + 1, MAX_RANKS + 1) for t in (1, 3, 9)] == ["unfused"] * 24
-    assert dispatch.fused_algo(1, 4096, BF16, 16, AlgoTable(TABLE.rules, (FusedRule("oneshot"),)),
-                               ll_capacity=LL_CAP) == "unfused"
-    assert dispatch.fused_algo(1, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
-                               ll_capacity=LL_CAP) == "oneshot_ll"
-    assert dispatch.fused_algo(2, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
-                               ll_capacity=LL_CAP) == "unfused", "past the last rule: unfused"
+    assert _fused_algo(1, 4096, BF16, 16, AlgoTable(TABLE.rules, (FusedRule("oneshot"),)),
+                       ll_capacity=LL_CAP) == "unfused"
+    assert _fused_algo(1, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
+                       ll_capacity=LL_CAP) == "oneshot_ll"
+    assert _fused_algo(2, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
+                       ll_capacity=LL_CAP) == "unfused", "past the last rule: unfused"
 
 
 def test_fused_rules_round_trip_and_validation() -> None:

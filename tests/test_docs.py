@@ -226,13 +226,14 @@ def test_readme_gives_the_default_full_payload_range() -> None:
 
 def test_readme_gives_the_communicators_limits() -> None:
     from pcie_allreduce import communicator
+    from pcie_allreduce.fused import path as fused_path
     from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
     text = _flat(_user_docs())
     assert f"`max_bytes` up to {MAX_MESSAGE_BYTES >> 20} MiB" in text
     assert MAX_TIMEOUT_S == 24 * 3600 and "`timeout_s` / `PCIE_AR_TIMEOUT_S` up to a day" in text
     assert f"after `timeout_s` (default {communicator.DEFAULT_TIMEOUT_S:g} s)" in text
-    assert f"reaches that meeting within {communicator.FIRST_FUSED_CALL_WAIT_S} s" in text
+    assert f"reaches that meeting within {fused_path.FIRST_FUSED_CALL_WAIT_S} s" in text
 
 
 def test_readme_measured_figures_are_in_results() -> None:

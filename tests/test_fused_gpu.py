@@ -261,7 +261,7 @@ def test_add_rmsnorm_kernel_compiled(dtype: torch.dtype) -> None:
     """The one add + RMSNorm kernel of the unfused path, compiled (one GPU, one process): against
     the fp64 norm, new residual bitwise ``residual + y``, outputs poisoned first, fresh inputs per
     shape, and the vector and scalar variants (aligned, misaligned views) give the same bits."""
-    from pcie_allreduce import add_rmsnorm
+    from pcie_allreduce.fused import path as add_rmsnorm
 
     device = torch.device("cuda", 0)
     gen = torch.Generator(device=device).manual_seed(5)

@@ -13,12 +13,14 @@ import torch
 
 from pcie_allreduce import layout as lay
 from pcie_allreduce.constants import FLAG_ROWS, NOTICE_KIND, WRAP_SEAL_MIX
-from pcie_allreduce.triton_protocol import next_epoch_of, sealed_word_of
+from pcie_allreduce.fused import shapes
+from pcie_allreduce.fused.protocol import next_epoch_of, sealed_word_of
 from tests import _reference as ref
 from tests._interpreted import interpreted
 
-fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
-ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
+kernels = pytest.importorskip("pcie_allreduce.fused.rmsnorm")
+path = pytest.importorskip("pcie_allreduce.fused.path")
+ll = pytest.importorskip("pcie_allreduce.fused.oneshot_ll")
 pytestmark = interpreted
 
 MAX_BYTES = 256 << 10
@@ -124,15 +126,15 @@ def _shard(tokens: int, world: int, owner: int) -> range:
 def test_oneshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     fake = FakeRanks(world, rank)
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens)
-    programs, *_ = fused.launch_shape("oneshot", tokens, world, hidden)
-    sig = fused.signature("oneshot", dtype, tokens, hidden, programs)
+    programs, *_ = shapes.flag_based("oneshot", tokens, world, hidden)
+    sig = shapes.flag_based_signature("oneshot", dtype, tokens, hidden, programs)
     for peer in range(world):
         if peer != rank:
             fake.slot(rank, peer, dtype)[:tokens * hidden] = xs[peer].reshape(-1)
             fake.post_flag(0, peer, programs, sig)
     normed = torch.full_like(residual, float("nan"))
     res_out = torch.full_like(residual, float("nan"))
-    fused.launch(fake.view, "oneshot", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
 
     want_res = _expected(xs, residual)
     assert torch.equal(res_out, want_res), "new residual must be bitwise residual + all_reduce(x)"
@@ -154,8 +156,8 @@ def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     fake = FakeRanks(world, rank)
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 100 + tokens)
     want_res = _expected(xs, residual)
-    programs, *_ = fused.launch_shape("twoshot", tokens, world, hidden)
-    sig = fused.signature("twoshot", dtype, tokens, hidden, programs)
+    programs, *_ = shapes.flag_based("twoshot", tokens, world, hidden)
+    sig = shapes.flag_based_signature("twoshot", dtype, tokens, hidden, programs)
     mine = _shard(tokens, world, rank)
     for peer in range(world):
         if peer == rank:
@@ -169,7 +171,7 @@ def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
         fake.post_flag(1, peer, programs, sig)
     normed = torch.full_like(residual, float("nan"))
     res_out = torch.full_like(residual, float("nan"))
-    fused.launch(fake.view, "twoshot", xs[rank], residual, weight, 1e-5, normed, res_out, interpret=True)
+    path.launch(fake.view, "twoshot", xs[rank], residual, weight, 1e-5, normed, res_out, interpret=True)
 
     assert torch.equal(res_out, want_res)
     ref.check_rmsnorm(normed, res_out, weight, 1e-5, "twoshot normed")
@@ -184,14 +186,14 @@ def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     assert fake.advanced()
 
 
-@pytest.mark.parametrize("algo, gather_stage", [("oneshot", fused.STAGE_FUSED_GATHER),
+@pytest.mark.parametrize("algo, gather_stage", [("oneshot", kernels.STAGE_FUSED_GATHER),
                                                  ("oneshot_ll", ll.STAGE_LOW_LATENCY_GATHER.value),
                                                  ("oneshot_full", ll.STAGE_FULL_GATHER.value)])
 def test_missing_peer_records_timeout_instead_of_hanging(algo: str, gather_stage: int) -> None:
     fake = FakeRanks(2, 0)
     xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=3)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, algo, xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, algo, xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
     kind, rank, peer, stage, block, epoch = (int(v) for v in fake.error[:6])
     assert (kind, rank, peer, stage, block, epoch) == (1, 0, 1, gather_stage, 0, fake.epoch)
     assert int(fake.control(0)[lay.ABORT_WORD]) == 1, "abort flag raised so queued calls drain"
@@ -214,8 +216,8 @@ def test_a_call_that_gives_up_leaves_nan(algo: str, cause: str, in_place: bool) 
     if cause == "aborted":
         fake.control(rank)[lay.ABORT_WORD] = 1
     elif cause == "mismatch":
-        programs, *_ = fused.launch_shape(algo, tokens, world, hidden)
-        sig = fused.signature(algo, torch.bfloat16, tokens, hidden, programs)
+        programs, *_ = shapes.flag_based(algo, tokens, world, hidden)
+        sig = shapes.flag_based_signature(algo, torch.bfloat16, tokens, hidden, programs)
         for peer in range(world):
             if peer != rank:
                 fake.slot(rank, peer, torch.bfloat16)[:tokens * hidden] = xs[peer].reshape(-1)
@@ -229,7 +231,7 @@ def test_a_call_that_gives_up_leaves_nan(algo: str, cause: str, in_place: bool) 
         normed, res_out = x, residual.clone()
     else:
         normed, res_out = torch.zeros_like(residual), residual.clone()  # old contents that are not NaN
-    fused.launch(fake.view, algo, x, res_out if in_place else residual, weight, 1e-6, normed, res_out,
+    path.launch(fake.view, algo, x, res_out if in_place else residual, weight, 1e-6, normed, res_out,
                  interpret=True)
     assert int(fake.error[0]) == {"timeout": 1, "mismatch": 2, "aborted": 0}[cause]
     assert bool(torch.isnan(normed).all()), f"normed holds {int((~torch.isnan(normed)).sum())} non-NaN elements"
@@ -240,12 +242,12 @@ def test_a_call_that_gives_up_leaves_nan(algo: str, cause: str, in_place: bool) 
 def test_mismatched_peer_call_records_mismatch() -> None:
     fake = FakeRanks(2, 1)
     xs, residual, weight = _inputs(2, 2, 64, torch.bfloat16, seed=4)
-    programs, *_ = fused.launch_shape("oneshot", 2, 2, 64)
-    theirs = fused.signature("oneshot", torch.bfloat16, 2, 128, programs)  # the peer thinks the call is [2, 128]
+    programs, *_ = shapes.flag_based("oneshot", 2, 2, 64)
+    theirs = shapes.flag_based_signature("oneshot", torch.bfloat16, 2, 128, programs)  # the peer thinks the call is [2, 128]
     fake.post_flag(0, 0, programs, theirs)
     fake.post_notice(0, theirs)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
     assert int(fake.error[7]) & 0xFFFFFFFF == theirs, "the report names the peer's call signature"
 
@@ -265,7 +267,7 @@ def test_a_peer_running_another_kind_of_kernel_is_a_mismatch(algo: str) -> None:
     # peer 0's notice of the call before last (the same parity): old news, never a mismatch
     fake.post_notice(0, stale, epoch=fake.epoch - 2)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
     kind, _, peer, _, _, epoch, _, observed = (int(v) & 0xFFFFFFFF for v in fake.error)
     assert (kind, peer, epoch, observed) == (2, 2, fake.epoch, other)
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
@@ -282,12 +284,12 @@ def test_oneshot_across_the_epoch_wrap(completed: int) -> None:
     fake = FakeRanks(2, 1, completed=completed)
     assert fake.epoch == ((1 << 32) | 2 if completed == 0xFFFFFFFF else completed + 1)
     xs, residual, weight = _inputs(2, 3, 96, torch.bfloat16, seed=5)
-    programs, *_ = fused.launch_shape("oneshot", 3, 2, 96)
-    sig = fused.signature("oneshot", torch.bfloat16, 3, 96, programs)
+    programs, *_ = shapes.flag_based("oneshot", 3, 2, 96)
+    sig = shapes.flag_based_signature("oneshot", torch.bfloat16, 3, 96, programs)
     fake.slot(1, 0, torch.bfloat16)[:3 * 96] = xs[0].reshape(-1)
     fake.post_flag(0, 0, programs, sig)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 0
     assert torch.equal(res_out, _expected(xs, residual))
     assert fake.advanced()
@@ -304,11 +306,11 @@ def test_a_stale_flag_is_never_a_go(stale: object) -> None:
     epoch = {0: 0, 1: 1, "half a cycle ahead": fake.epoch + (1 << 31) - 1, "one ahead": fake.epoch + 1,
              "two ahead": fake.epoch + 2, "another signature": fake.epoch}[stale]
     xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=6)
-    programs, *_ = fused.launch_shape("oneshot", 1, 2, 64)
-    sig = fused.signature("oneshot", torch.bfloat16, 1, 64, programs)
+    programs, *_ = shapes.flag_based("oneshot", 1, 2, 64)
+    sig = shapes.flag_based_signature("oneshot", torch.bfloat16, 1, 64, programs)
     fake.post_flag(0, 1, programs, sig ^ 1 if stale == "another signature" else sig, epoch=epoch)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, "oneshot", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 1, f"a stale flag was taken for the peer's data (error record {fake.error.tolist()})"
 
 
@@ -341,15 +343,15 @@ def test_fused_calls_across_the_wrap_carry_the_64_bit_epoch(algo: str) -> None:
     the low word over the bare signature."""
     world, rank, tokens, hidden, dtype = 2, 1, 3, 96, torch.bfloat16
     fake = FakeRanks(world, rank, completed=0xFFFFFFFE)
-    programs, *_ = fused.launch_shape(algo, tokens, world, hidden)
-    sig = fused.signature(algo, dtype, tokens, hidden, programs)
+    programs, *_ = shapes.flag_based(algo, tokens, world, hidden)
+    sig = shapes.flag_based_signature(algo, dtype, tokens, hidden, programs)
     for call in range(3):
         epoch = fake.epoch
         xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=30 + call)
         want_res = _expected(xs, residual)
         _play_peer_flags(fake, algo, 0, xs, want_res, tokens, hidden, dtype, programs, sig)
         normed, res_out = torch.full_like(residual, float("nan")), torch.full_like(residual, float("nan"))
-        fused.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+        path.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
         assert int(fake.error[0]) == 0, f"call {call} (epoch {epoch:#x}): error record {fake.error.tolist()}"
         assert torch.equal(res_out, want_res), f"call {call} (epoch {epoch:#x})"
         assert fake.advanced(), f"call {call}: the epoch copies hold {epoch:#x}"
@@ -364,8 +366,8 @@ def test_fused_calls_across_the_wrap_carry_the_64_bit_epoch(algo: str) -> None:
     assert bool((fake.epochs(rank) == (1 << 32) | 3).all())
 
 
-@pytest.mark.parametrize("algo, stage", [("oneshot", fused.STAGE_FUSED_GATHER),
-                                         ("twoshot", fused.STAGE_FUSED_REDUCE_SCATTER)])
+@pytest.mark.parametrize("algo, stage", [("oneshot", kernels.STAGE_FUSED_GATHER),
+                                         ("twoshot", kernels.STAGE_FUSED_REDUCE_SCATTER)])
 def test_a_flag_from_the_last_wrap_is_not_taken(algo: str, stage: int) -> None:
     """The peer's flag slot still holds the word this call's flag had in the 32-bit encoding:
     the same low epoch and signature, sealed with the previous wrap's count (a slot idle for
@@ -374,13 +376,13 @@ def test_a_flag_from_the_last_wrap_is_not_taken(algo: str, stage: int) -> None:
     world, rank, tokens, hidden, dtype = 2, 0, 2, 64, torch.bfloat16
     fake = FakeRanks(world, rank, completed=WRAPPED)
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=8)
-    programs, *_ = fused.launch_shape(algo, tokens, world, hidden)
-    sig = fused.signature(algo, dtype, tokens, hidden, programs)
+    programs, *_ = shapes.flag_based(algo, tokens, world, hidden)
+    sig = shapes.flag_based_signature(algo, dtype, tokens, hidden, programs)
     last_wrap = fake.epoch - (1 << 32)
     assert sealed_word_of(last_wrap, sig) == (42 << 32) | sig, "wrap 0's sealed word is the 32-bit encoding's"
     fake.post_flag(0, 1, programs, sig, epoch=last_wrap)
     normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
-    fused.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
     kind, _, peer, got_stage, _, epoch = (int(v) for v in fake.error[:6])
     assert (kind, peer, got_stage, epoch) == (1, 1, stage, 42), f"error record {fake.error.tolist()}"
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
@@ -394,15 +396,15 @@ def test_a_mismatch_is_named_from_the_notice_not_the_flag() -> None:
     world, rank, tokens, hidden, dtype = 3, 1, 2, 64, torch.bfloat16
     fake = FakeRanks(world, rank, completed=WRAPPED)
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=9)
-    programs, *_ = fused.launch_shape("oneshot", tokens, world, hidden)
-    sig = fused.signature("oneshot", dtype, tokens, hidden, programs)
+    programs, *_ = shapes.flag_based("oneshot", tokens, world, hidden)
+    sig = shapes.flag_based_signature("oneshot", dtype, tokens, hidden, programs)
     theirs, in_flag = 0x5EED5EED, 0x0BAD0BAD
     _play_peer_flags(fake, "oneshot", 0, xs, None, tokens, hidden, dtype, programs, sig)
     fake.post_flag(0, 2, programs, in_flag)
     fake.post_notice(2, theirs)
     normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
-    fused.launch(fake.view, "oneshot", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
     kind, got_rank, peer, stage, _, epoch, expected, observed = (int(v) & 0xFFFFFFFF for v in fake.error)
     assert (kind, got_rank, peer, stage, epoch, expected, observed) == (
-        2, rank, 2, fused.STAGE_FUSED_GATHER, 42, sig, theirs), f"error record {fake.error.tolist()}"
+        2, rank, 2, kernels.STAGE_FUSED_GATHER, 42, sig, theirs), f"error record {fake.error.tolist()}"
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())

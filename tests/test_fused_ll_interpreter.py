@@ -1,4 +1,4 @@
-"""The fused data-as-flag one-shots (pcie_allreduce.fused_oneshot_ll) under TRITON_INTERPRET=1.
+"""The fused data-as-flag one-shots (pcie_allreduce.fused.oneshot_ll) under TRITON_INTERPRET=1.
 
 As in test_fused_interpreter.py the test plays the peers: it writes their words into the rank's
 workspace before launching (lines: the wire format of csrc/oneshot_ll.cuh, 8-byte words {4
@@ -15,13 +15,13 @@ from pcie_allreduce import constants
 from pcie_allreduce import layout as lay
 from pcie_allreduce.constants import NOTICE_KIND, WRAP_SEAL_MIX
 from pcie_allreduce.fused import shapes
-from pcie_allreduce.triton_protocol import line_flag_of, sealed_word_of
+from pcie_allreduce.fused.protocol import line_flag_of, sealed_word_of
 from tests import _reference as ref
 from tests._interpreted import interpreted
 from tests.test_fused_interpreter import ONE_SHOT_CASES, WRAPPED, FakeRanks, _expected, _inputs, signed64
 
-fused = pytest.importorskip("pcie_allreduce.fused_rmsnorm")
-ll = pytest.importorskip("pcie_allreduce.fused_oneshot_ll")
+path = pytest.importorskip("pcie_allreduce.fused.path")
+ll = pytest.importorskip("pcie_allreduce.fused.oneshot_ll")
 pytestmark = interpreted
 
 
@@ -46,7 +46,7 @@ def _stats(fake: FakeRanks) -> torch.Tensor:
 
 def _call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
     programs, chunks, *_ = shapes.data_as_flag(tokens, hidden, fake.world, 64, interpret=True)
-    return programs, ll.signature(dtype, tokens, hidden, programs, chunks)
+    return programs, shapes.data_as_flag_signature(dtype, tokens, hidden, programs, chunks)
 
 
 def _run_one_rank(fake: FakeRanks, algo: str, xs: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
@@ -58,7 +58,7 @@ def _run_one_rank(fake: FakeRanks, algo: str, xs: list[torch.Tensor], residual: 
     x, res = xs[fake.rank], residual
     if misaligned:
         x, res, normed, res_out = (ref.misaligned_copy(t) for t in (x, res, normed, res_out))
-    fused.launch(fake.view, algo, x, res, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, algo, x, res, weight, 1e-6, normed, res_out, interpret=True)
 
     assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
     want_res = _expected(xs, residual)
@@ -97,7 +97,7 @@ def test_oneshot_ll_peer_with_another_call_records_mismatch() -> None:
     _, theirs = _call(fake, 2, 128, torch.bfloat16)  # the peer thinks the call is [2, 128]
     _lines(fake, 1, 0)[:64] = _encode(xs[0], line_flag_of(fake.epoch, theirs))
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, "oneshot_ll", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot_ll", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
     assert int(fake.error[7]) & 0xFFFFFFFF == theirs, "the report names the peer's call signature"
 
@@ -143,7 +143,7 @@ def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, c
     dtype = torch.bfloat16
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=7 * world + tokens)
     programs, c_count, width, *_ = shapes.shape_with_chunks(tokens, hidden, chunks)
-    sig = ll.signature(dtype, tokens, hidden, programs, c_count)
+    sig = shapes.data_as_flag_signature(dtype, tokens, hidden, programs, c_count)
     flag = line_flag_of(fake.epoch, sig)
     for peer in range(world):
         if peer != rank:
@@ -161,8 +161,8 @@ def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, c
                 later.add((row * c_count + a) * c_count + b)
     normed = torch.full_like(residual, float("nan"))
     res_out = torch.full_like(residual, float("nan"))
-    ll.launch(fake.view, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True, max_programs=64,
-              chunks=chunks, backoff_ns=backoff_ns)
+    path.launch(fake.view, "oneshot_ll", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True,
+                max_programs=64, chunks=chunks, backoff_ns=backoff_ns)
 
     assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
     assert torch.equal(res_out, want_res)
@@ -216,7 +216,7 @@ def _header(epoch: int, sig: int) -> int:
 
 def _full_call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
     programs, chunks, *_ = shapes.data_as_flag(tokens, hidden, fake.world, 64, interpret=True)
-    return programs, ll.signature(dtype, tokens, hidden, programs, chunks, full=True)
+    return programs, shapes.data_as_flag_signature(dtype, tokens, hidden, programs, chunks, full=True)
 
 
 @pytest.mark.parametrize("world, rank, tokens, hidden, dtype, misaligned",
@@ -253,7 +253,7 @@ def test_oneshot_full_waits_for_the_header_of_this_call() -> None:
     _full_slot(fake, 0, 1)[:32] = _full_words(xs[1])
     _full_headers(fake, 0)[fake.epoch & 1, 1, :programs] = _header(fake.epoch - 2, sig)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert (int(fake.error[0]), int(fake.error[2]), int(fake.error[3])) == (1, 1, ll.STAGE_FULL_GATHER.value)
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
 
@@ -267,14 +267,14 @@ def test_oneshot_full_peer_with_another_call_records_mismatch() -> None:
     _full_headers(fake, 1)[fake.epoch & 1, 0, :programs] = _header(fake.epoch, theirs)
     fake.post_notice(0, theirs)  # a header of another call alone is only "not yet"
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    fused.launch(fake.view, "oneshot_full", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot_full", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     assert int(fake.error[0]) == 2 and int(fake.error[2]) == 0
     assert int(fake.error[7]) & 0xFFFFFFFF == theirs, "the report names the peer's call signature"
     assert bool(torch.isnan(normed).all()), "a mismatch is never reduced"
 
 
 def test_full_and_line_signatures_differ() -> None:
-    assert ll.signature(torch.bfloat16, 4, 7168, 28, 7) != ll.signature(torch.bfloat16, 4, 7168, 28, 7, full=True)
+    assert shapes.data_as_flag_signature(torch.bfloat16, 4, 7168, 28, 7) != shapes.data_as_flag_signature(torch.bfloat16, 4, 7168, 28, 7, full=True)
 
 
 # ---- the 64-bit epoch and sealed headers (invariant 3 of csrc/protocol.cuh) ------------------
@@ -333,7 +333,7 @@ def test_oneshot_full_header_from_the_last_wrap_is_not_taken() -> None:
     _full_headers(fake, 0)[fake.epoch & 1, 1, :programs] = _header(fake.epoch - (1 << 32), sig)
     assert _header(fake.epoch - (1 << 32), sig) == signed64((42 << 32) | sig), "wrap 0's is the 32-bit encoding"
     normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
-    fused.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
     kind, _, peer, stage, _, epoch = (int(v) for v in fake.error[:6])
     assert (kind, peer, stage, epoch) == (1, 1, ll.STAGE_FULL_GATHER.value, 42), f"error record {fake.error.tolist()}"
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
@@ -352,7 +352,7 @@ def test_oneshot_full_mismatch_is_named_from_the_notice_not_the_header() -> None
     _full_headers(fake, 1)[fake.epoch & 1, 0, :programs] = _header(fake.epoch, in_header)
     fake.post_notice(0, theirs)
     normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
-    fused.launch(fake.view, "oneshot_full", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, "oneshot_full", xs[1], residual, weight, 1e-6, normed, res_out, interpret=True)
     kind, rank, peer, stage, _, epoch, expected, observed = (int(v) & 0xFFFFFFFF for v in fake.error)
     assert (kind, rank, peer, stage, epoch, expected, observed) == (
         2, 1, 0, ll.STAGE_FULL_GATHER.value, 42, sig, theirs), f"error record {fake.error.tolist()}"

@@ -157,7 +157,7 @@ def test_no_import_cycles_across_packages() -> None:
 
 MAX_LINES = 500
 # Modules already longer than MAX_LINES, with their length today: each may only shrink.
-OVER_THE_LIMIT = {"pcie_allreduce/communicator.py": 728}
+OVER_THE_LIMIT = {"pcie_allreduce/communicator.py": 626}
 
 
 @pytest.mark.parametrize("package", ["pcie_allreduce", "sglang_plugin", "vllm_plugin"])
@@ -198,8 +198,9 @@ SERVING = sorted(m for m in MODULES if m.startswith(("pcie_allreduce", "sglang_p
 # What a server imports, for the fresh interpreter: the communicators, the plan, the fused kernels,
 # the fabric, the plugins' shared core and both engines' plugins as their entry points load them.
 SERVED = ("pcie_allreduce", "pcie_allreduce.communicator", "pcie_allreduce.hierarchy", "pcie_allreduce.plan.cache",
-          "pcie_allreduce.plan.dispatch", "pcie_allreduce.fused.shapes", "pcie_allreduce.fused_rmsnorm",
-          "pcie_allreduce.fused_oneshot_ll", "pcie_allreduce.add_rmsnorm", "pcie_allreduce.fabric.topology",
+          "pcie_allreduce.plan.dispatch", "pcie_allreduce.fused.shapes", "pcie_allreduce.fused.path",
+          "pcie_allreduce.fused.rmsnorm", "pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.add_rmsnorm",
+          "pcie_allreduce.fabric.topology",
           "pcie_allreduce.fabric.nodes", "pcie_allreduce.plugin_adapter", "pcie_allreduce.plugin_settings",
           "sglang_plugin.plugin", "sglang_plugin.adapter", "vllm_plugin.plugin", "vllm_plugin.adapter")
 
@@ -243,8 +244,9 @@ def test_a_tool_is_seen_when_loaded() -> None:
 # Pure modules: choices and launch shapes, importable (and tested) where Triton is not.
 TRITON_FREE = ("pcie_allreduce.plan", "pcie_allreduce.fused.shapes")
 # The kernel modules: what launches kernels (Triton's and the extension's).
-KERNEL_MODULES = ("pcie_allreduce.fused_oneshot_ll", "pcie_allreduce.fused_rmsnorm", "pcie_allreduce.add_rmsnorm",
-                  "pcie_allreduce.triton_protocol", "pcie_allreduce.transport", "pcie_allreduce.communicator")
+KERNEL_MODULES = ("pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.rmsnorm", "pcie_allreduce.fused.add_rmsnorm",
+                  "pcie_allreduce.fused.protocol", "pcie_allreduce.fused.path", "pcie_allreduce.transport",
+                  "pcie_allreduce.communicator")
 
 
 def _reachable(module: str) -> set[str]:
@@ -267,8 +269,8 @@ def test_the_plan_and_the_launch_shapes_import_no_triton_and_no_kernel_module(mo
 
 def test_triton_and_the_kernel_modules_are_found_where_they_are() -> None:
     """The check above can fail: the same search finds Triton where it is imported."""
-    assert "triton" in imported("pcie_allreduce.triton_protocol")
-    assert "pcie_allreduce.triton_protocol" in _reachable("pcie_allreduce.fused_oneshot_ll")
+    assert "triton" in imported("pcie_allreduce.fused.protocol")
+    assert "pcie_allreduce.fused.protocol" in _reachable("pcie_allreduce.fused.oneshot_ll")
 
 
 SMALL_PACKAGES = ("pcie_allreduce.plan", "pcie_allreduce.fabric", "pcie_allreduce.tools")

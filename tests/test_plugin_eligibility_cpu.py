@@ -53,9 +53,8 @@ class CheckingCommunicator:
         nbytes = validation.plain_call(x, out, algo, device=self.device, max_bytes=self.max_bytes)
         if nbytes == 0:
             return x
-        problem = algorithms.availability_problem(algo, self.transport, self.island_ranks)
-        if problem is None and algo in algorithms.LOSSY_ALGORITHMS:
-            problem = validation.fp8_fits(nbytes, x.dtype.itemsize, Layout.make(self.max_bytes, 1).slot_bytes)
+        problem = algorithms.call_problem(algo, nbytes, x.dtype.itemsize, self.transport, self.island_ranks,
+                                          Layout.make(self.max_bytes, 1).slot_bytes, self.ll_capacity)
         if problem is not None:
             raise ValueError(problem)
         dispatch.plain_launch(nbytes, self.world_size, x.dtype, self.table, ll_capacity=self.ll_capacity,
@@ -64,16 +63,13 @@ class CheckingCommunicator:
 
     def all_reduce_rmsnorm(self, x: Any, residual: Any, weight: Any, eps: float, *, algo: str = "auto",
                            wire: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, hidden = validation.fused_call(x, residual, weight, eps, None, None, algo, device=self.device,
-                                               max_bytes=self.max_bytes, world=self.world_size)
-        if wire is not None:
-            validation.wire_algo(wire, "auto")
-            algo = algorithms.UNFUSED
-        if algo == "auto":
-            algo = dispatch.fused_algo(tokens, hidden, x.dtype, self.world_size, self.table,
-                                       ll_capacity=self.ll_capacity, block_cap=self.block_cap)
-        if algo == algorithms.UNFUSED:
-            self.all_reduce(x, wire=wire)
+        tokens, hidden, algo, wire_algo = validation.fused_call(x, residual, weight, eps, None, None, algo, wire,
+                                                                device=self.device, max_bytes=self.max_bytes,
+                                                                world=self.world_size)
+        dispatch.fused_plan(tokens, hidden, x.dtype, self.world_size, self.table, ll_capacity=self.ll_capacity,
+                            block_cap=self.block_cap, algo=algo, weight_dtype=weight.dtype, wire_algo=wire_algo,
+                            transport=self.transport, island_ranks=self.island_ranks,
+                            slot_bytes=Layout.make(self.max_bytes, 1).slot_bytes)
         return x, residual
 
 

@@ -687,6 +687,10 @@ class _Capped:
         from pcie_allreduce.plan import algorithms, tables
         from pcie_allreduce.plan import dispatch
 
+        problem = algorithms.call_problem(algo, x.numel() * x.element_size(), x.element_size(), self.transport, 0,
+                                          1 << 30, self.ll_capacity)
+        if problem is not None:  # raises as the communicator would
+            raise ValueError(problem)
         dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, tables.default_table(),
                               ll_capacity=self.ll_capacity, algo=algo)  # raises as the communicator would
         if not algorithms.runs_on(algo, self.transport):
@@ -731,6 +735,10 @@ class _NodeSum:
         from pcie_allreduce.plan import algorithms, tables
         from pcie_allreduce.plan import dispatch
 
+        problem = algorithms.call_problem(algo, x.numel() * x.element_size(), x.element_size(), "p2p", 0, 1 << 30,
+                                          self.ll_capacity)
+        if problem is not None:
+            raise ValueError(problem)
         dispatch.plain_choice(x.numel() * x.element_size(), self.node_size, x.dtype, tables.default_table(),
                               ll_capacity=self.ll_capacity, algo=algo)
         self.ran.append((x.numel() * x.element_size(), algo))

@@ -412,6 +412,10 @@ class _Capped:
         from pcie_allreduce.plan import algorithms, tables
         from pcie_allreduce.plan import dispatch
 
+        problem = algorithms.call_problem(algo, x.numel() * x.element_size(), x.element_size(), self.transport, 0,
+                                          1 << 30, self.ll_capacity)
+        if problem is not None:  # raises as the communicator would
+            raise ValueError(problem)
         dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, tables.default_table(),
                               ll_capacity=self.ll_capacity, algo=algo)
         if not algorithms.runs_on(algo, self.transport):

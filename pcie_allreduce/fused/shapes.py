@@ -1,21 +1,22 @@
-"""Launch shapes of the fused Triton kernels, as pure arithmetic (no Triton).
+"""Launch shapes and call signatures of the fused Triton kernels, as pure arithmetic (no Triton).
 
-Every rank must launch the same grid for the same call (the kernels' flags are per program), so
-each shape here is a pure function of the call's shape and of the communicator's agreed block
-cap. The fused choice (:mod:`pcie_allreduce.plan.dispatch`) asks whether a kernel has a shape for
-a call and the launch (:mod:`pcie_allreduce.fused_oneshot_ll`) takes it, so both read one answer;
-this module imports neither Triton nor a kernel module.
+Every rank must launch the same grid with the same signature for the same call (the kernels'
+flags are per program), so each shape here is a pure function of the call's shape and of the
+communicator's agreed block cap. The fused plan (:func:`pcie_allreduce.plan.dispatch.fused_plan`)
+computes them once per call shape and the launches (:mod:`pcie_allreduce.fused.path`) take what
+it computed: this module imports neither Triton nor a kernel module.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import zlib
 
 from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS, ROW_STATS_SLOTS
 
 #: (programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps) of the
-#: data-as-flag one-shot (fused_oneshot_ll.py).
+#: data-as-flag one-shot (fused/oneshot_ll.py).
 DataAsFlagShape = tuple[int, int, int, int, int]
 
 MAX_PROGRAMS = MAX_LAUNCH_BLOCKS  # the data-as-flag one-shot's cap: the CUDA kernels'
@@ -74,3 +75,42 @@ def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> DataAsFlagShape:
     chunks = math.ceil(hidden / width)
     block_w = max(next_power_of_2(width // 2), 128)
     return tokens * chunks, chunks, width, block_w, min(block_w // 32, MAX_WARPS)
+
+
+#: The flag-based kernels' (fused/rmsnorm.py) cap: few programs, since W ranks' programs must be
+#: co-resident when GPUs are shared.
+FLAG_MAX_PROGRAMS = 32
+
+
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every new call shape
+def flag_based(algo: str, tokens: int, world: int, hidden: int,
+               max_programs: int = FLAG_MAX_PROGRAMS) -> tuple[int, int, int, int]:
+    """(programs, rows per program, BLOCK_H, num_warps) of the flag-based one-shot (``algo``
+    "oneshot": every row) or the token-split two-shot (any other: a rank's share of the rows),
+    the row in one program."""
+    rows = tokens if algo == "oneshot" else math.ceil(tokens / world)
+    programs = max(1, min(FLAG_MAX_PROGRAMS, max_programs, rows))
+    rows_per_program = max(1, math.ceil(rows / programs))
+    programs = max(1, math.ceil(rows / rows_per_program))
+    block_h = next_power_of_2(hidden)
+    return programs, rows_per_program, block_h, 4 if block_h <= 1024 else 8 if block_h <= 4096 else 16
+
+
+@functools.lru_cache(maxsize=256)  # pure, and asked on every new call shape
+def add_rmsnorm(hidden: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the add + RMSNorm kernel for rows of ``hidden`` elements: the row in
+    one program, up to 32 elements (two 16-byte accesses of bf16) per thread."""
+    block = next_power_of_2(hidden)
+    return block, 4 if block <= 1024 else 8 if block <= 8192 else 16
+
+
+def data_as_flag_signature(dtype: object, tokens: int, hidden: int, programs: int, chunks: int,
+                           full: bool = False) -> int:
+    """32-bit signature of a data-as-flag call (peers must agree); differs from every other call's."""
+    algo = "oneshot_full" if full else "oneshot_ll"
+    return zlib.crc32(f"fused-rmsnorm:{algo}:{dtype}:{tokens}:{hidden}:{programs}:{chunks}".encode())
+
+
+def flag_based_signature(algo: str, dtype: object, tokens: int, hidden: int, programs: int) -> int:
+    """32-bit signature of a flag-based call (peers must agree); differs from every plain all-reduce's."""
+    return zlib.crc32(f"fused-rmsnorm:{algo}:{dtype}:{tokens}:{hidden}:{programs}".encode())

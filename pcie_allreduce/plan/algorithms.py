@@ -241,6 +241,25 @@ def fused_problem(algo: str, world: int) -> str | None:
     return None
 
 
+def call_problem(algo: str, nbytes: int, elem_size: int, transport: str, island_ranks: int, slot_bytes: int,
+                 ll_capacity: int | None) -> str | None:
+    """Why a call forcing ``algo`` on a message of ``nbytes`` cannot run on this communicator, or
+    None: :func:`availability_problem`; a message above the algorithm's capacity (given the
+    workspace's low-latency capacity ``ll_capacity``); a lossy wire's coded message larger than
+    a workspace slot of ``slot_bytes``. The plain and the fused call both ask it before they
+    launch; "auto" always has an answer."""
+    problem = availability_problem(algo, transport, island_ranks)
+    if problem is None and not fits_capacity(algo, nbytes, ll_capacity):
+        problem = (f"algo={algo!r} takes messages up to {capacity_of(algo, ll_capacity)} bytes (the low-latency "
+                   f"capacity of this communicator), got {nbytes}; use 'auto' or another algorithm")
+    if problem is None and algo in LOSSY_ALGORITHMS:
+        coded = fp8_wire_bytes(nbytes // elem_size)
+        if coded > slot_bytes:
+            problem = (f"wire='fp8': the coded message takes {coded} bytes, more than the workspace slot's "
+                       f"{slot_bytes}; create the Communicator with a larger max_bytes")
+    return problem
+
+
 def availability_problem(algo: str, transport: str, island_ranks: int = 0) -> str | None:
     """Why ``algo`` cannot run on a communicator of ``transport`` ("p2p" or "host") whose ranks
     form islands of ``island_ranks`` ranks each (0: no such islands), or None."""

@@ -6,22 +6,23 @@ values every rank agreed on when the communicator was created: the algorithm tab
 (:mod:`pcie_allreduce.plan.tables`), the low-latency capacity of the workspace and the block cap;
 the algorithms' facts are their records (:mod:`pcie_allreduce.plan.algorithms`) and the fused
 kernels' launch shapes are pure arithmetic (:mod:`pcie_allreduce.fused.shapes`). The
-communicator caches the results per call shape; these functions hold the policy. Nothing here
-imports a kernel module or Triton.
+communicator (plain calls) and the fused path (:mod:`pcie_allreduce.fused.path`) cache the
+results per call shape; these functions hold the policy. Nothing here imports a kernel module
+or Triton.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS
+from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_LAUNCH_BLOCKS
 from pcie_allreduce.fused import shapes
 from pcie_allreduce.plan.algorithms import (ALGO_IDS, DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, LOSSY_ALGORITHMS,
-                                            SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, capacity_of, fits_capacity)
+                                            SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, call_problem, fits_capacity)
 from pcie_allreduce.plan.rules import Choice
 from pcie_allreduce.plan.tables import AlgoTable
 
@@ -41,9 +42,9 @@ def plain_choice(nbytes: int, world: int, dtype: torch.dtype | str, table: AlgoT
     ``algo="auto"``: the table's first matching rule (``oneshot_ll`` rules only for messages
     within ``ll_capacity``; the in-place rules, ``SYMMETRIC_INPUT_ALGORITHMS``, only where
     ``symmetric``: the input is the symmetric input area on every rank). A forced ``algo`` takes
-    the launch shape of its own rule; raises ValueError when it is ``oneshot_ll`` and the message
-    exceeds ``ll_capacity``, or an in-place one and the input is elsewhere. The blocks are capped
-    at ``block_cap`` either way."""
+    the launch shape of its own rule (whether it can take the call at all is
+    :func:`~pcie_allreduce.plan.algorithms.call_problem`'s question); raises ValueError when it is
+    an in-place one and the input is elsewhere. The blocks are capped at ``block_cap`` either way."""
     dtype_name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, str(dtype))
     if algo == "auto":
         choice = table.select(nbytes, world, dtype_name, ll_capacity, symmetric=symmetric)
@@ -52,10 +53,6 @@ def plain_choice(nbytes: int, world: int, dtype: torch.dtype | str, table: AlgoT
             raise ValueError(f"algo={algo!r} reads every rank's input in place: x must start at the tensor "
                              "Communicator.symmetric_input() returned for the current stream, on every rank; "
                              "use 'auto' for other inputs")
-        if not fits_capacity(algo, nbytes, ll_capacity):
-            raise ValueError(f"algo={algo!r} takes messages up to {capacity_of(algo, ll_capacity)} bytes (the "
-                             f"low-latency capacity of this communicator), got {nbytes}; use 'auto' or another "
-                             "algorithm")
         blocks = (min(MAX_LAUNCH_BLOCKS, max(1, -(-nbytes // LOSSY_BYTES_PER_BLOCK))) if algo in LOSSY_ALGORITHMS
                   else table.blocks_for(algo, nbytes, world, dtype_name))
         choice = Choice(algo, blocks)
@@ -70,24 +67,70 @@ def plain_launch(nbytes: int, world: int, dtype: torch.dtype, table: AlgoTable, 
     return ALGO_IDS[choice.algo], choice.blocks
 
 
-def fused_algo(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: AlgoTable, *,
-               ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False) -> str:
-    """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: the
-    table's fused rules (``AlgoTable.fused``) say whether a fused kernel beats the plain all-reduce
-    followed by the one add + RMSNorm kernel (``"unfused"``) at this token count and W; "kernel"
-    means :func:`fused_kernel`'s choice, and a named kernel that cannot take the shape runs
-    unfused, as does every call above ``FUSED_MAX_WORLD`` ranks (the fused kernels' limit).
-    Never raises for a valid call: every shape has the unfused pair."""
-    if world > FUSED_MAX_WORLD:
-        return UNFUSED
-    choice = table.select_fused(tokens, world)
-    if choice == UNFUSED:
-        return UNFUSED
-    if choice == "kernel":
-        return fused_kernel(tokens, hidden, dtype, world, table, ll_capacity=ll_capacity, block_cap=block_cap,
-                            interpret=interpret)
-    return choice if fused_kernel_fits(choice, tokens, hidden, dtype, world, ll_capacity=ll_capacity,
-                                       block_cap=block_cap, interpret=interpret) else UNFUSED
+class FusedPlan(NamedTuple):
+    """What one ``all_reduce_rmsnorm`` call shape runs, computed once (:func:`fused_plan`) and
+    cached by the fused path: ``algo``, a fused kernel or UNFUSED, with its launch ``shape``
+    (:mod:`pcie_allreduce.fused.shapes`; for UNFUSED the add + RMSNorm kernel's) and call
+    ``signature``; for UNFUSED also the plain all-reduce's ``plain_id`` and ``blocks``; and
+    ``call``, what the ranks' first-call compile meeting compares."""
+
+    algo: str
+    shape: tuple[int, ...]
+    signature: int
+    plain_id: int
+    blocks: int
+    call: tuple[Any, ...]
+
+
+def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: AlgoTable, *,
+               ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False,
+               algo: str = "auto", weight_dtype: torch.dtype | None = None, wire_algo: str | None = None,
+               transport: str = "p2p", island_ranks: int = 0, slot_bytes: int | None = None) -> FusedPlan:
+    """The plan of a validated ``all_reduce_rmsnorm`` call of ``[tokens, hidden]`` of ``dtype``.
+
+    ``algo="auto"``: the table's fused rules (``AlgoTable.fused``) say whether a fused kernel
+    beats the plain all-reduce followed by the one add + RMSNorm kernel (UNFUSED) at this token
+    count and W; "kernel" is the fused kernel that follows the plain choice for the same message
+    size (the token-split two-shot where that picks two-shot and there is a token per rank; the
+    same data-as-flag one-shot where it picks one and that kernel has a launch shape within
+    ``block_cap``; else the flag-based one-shot); a named kernel that cannot take the shape runs
+    unfused, as does every call above ``FUSED_MAX_WORLD`` ranks. A forced kernel that cannot take
+    the shape raises ValueError. ``wire_algo`` (a compressed wire's kernel, checked against the
+    ``transport``, ``island_ranks`` and the slot) runs the pair with that all-reduce.
+    ``interpret``: under Triton's CPU interpreter (one chunk per row). Never raises for a valid
+    "auto" call: every shape has the unfused pair."""
+    nbytes = tokens * hidden * dtype.itemsize
+    plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap,
+                         algo=wire_algo or "auto")
+    rule = table.select_fused(tokens, world) if algo == "auto" else algo
+    problem = None if wire_algo is None or slot_bytes is None else call_problem(
+        wire_algo, nbytes, dtype.itemsize, transport, island_ranks, slot_bytes, ll_capacity)
+    if problem is not None:
+        raise ValueError(problem)
+    ll_fits = fits_capacity(DATA_AS_FLAG_ONESHOTS[0], nbytes, ll_capacity)  # both share one capacity and shape
+    ll_shape = shapes.data_as_flag(tokens, hidden, world, block_cap, interpret) if ll_fits else None
+    if world > FUSED_MAX_WORLD or wire_algo is not None:
+        rule = UNFUSED
+    elif rule == "kernel":
+        rule = ("twoshot" if plain.algo == "twoshot" and tokens >= world
+                else plain.algo if plain.algo in DATA_AS_FLAG_ONESHOTS and ll_shape is not None else "oneshot")
+    elif rule in DATA_AS_FLAG_ONESHOTS and ll_shape is None and algo == "auto":
+        rule = UNFUSED
+    call = (rule, (tokens, hidden), dtype, dtype if weight_dtype is None else weight_dtype)
+    if rule == UNFUSED:
+        return FusedPlan(rule, shapes.add_rmsnorm(hidden), 0, ALGO_IDS[plain.algo], plain.blocks, call)
+    if rule in DATA_AS_FLAG_ONESHOTS:
+        if ll_shape is None:
+            raise ValueError(f"fused {rule} cannot take [{tokens}, {hidden}] {dtype} at world size {world} (needs an "
+                             f"even hidden size, at most {ll_capacity} bytes and at most {block_cap} programs); use "
+                             "algo='auto'")
+        signature = shapes.data_as_flag_signature(dtype, tokens, hidden, ll_shape[0], ll_shape[1],
+                                                  rule != DATA_AS_FLAG_ONESHOTS[0])
+        return FusedPlan(rule, ll_shape, signature, 0, 0, call)
+    shape = shapes.flag_based(rule, tokens, world, hidden, block_cap)
+    if shape[0] > MAX_FLAG_BLOCKS:
+        raise ValueError(f"fused all-reduce needs {shape[0]} programs, more than the {MAX_FLAG_BLOCKS} flag slots")
+    return FusedPlan(rule, shape, shapes.flag_based_signature(rule, dtype, tokens, hidden, shape[0]), 0, 0, call)
 
 
 def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, world: int, *,
@@ -95,31 +138,9 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
     """Whether the fused kernel ``algo`` has a launch shape for the call (the data-as-flag ones:
     an even hidden size, a message within the workspace's low-latency capacity and few enough
     programs; the flag-based ones take every call)."""
-    if algo not in DATA_AS_FLAG_ONESHOTS:
-        return True
-    if not fits_capacity(algo, tokens * hidden * dtype.itemsize, ll_capacity):
-        return False
-    return shapes.data_as_flag(tokens, hidden, world, block_cap, interpret) is not None
-
-
-def fused_kernel(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: AlgoTable, *,
-                 ll_capacity: int | None, block_cap: int = MAX_LAUNCH_BLOCKS, interpret: bool = False) -> str:
-    """The fused all-reduce + residual + RMSNorm kernel for ``[tokens, hidden]`` of ``dtype``,
-    following the plain choice for the same message size: the token-split two-shot where that
-    picks two-shot and there is at least one token per rank; the same data-as-flag one-shot
-    (``oneshot_ll`` or ``oneshot_full``, one launch shape for both) where it picks one and that
-    kernel has a launch shape for the call within ``block_cap`` (``interpret``: under Triton's
-    CPU interpreter, which runs one chunk per row); else the flag-based one-shot. The launch
-    shapes: :mod:`pcie_allreduce.fused.shapes`."""
-    nbytes = tokens * hidden * dtype.itemsize
-    plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap).algo
-    if plain == "twoshot" and tokens >= world:
-        return "twoshot"
-    if plain in DATA_AS_FLAG_ONESHOTS and fused_kernel_fits(plain, tokens, hidden, dtype, world,
-                                                            ll_capacity=ll_capacity, block_cap=block_cap,
-                                                            interpret=interpret):
-        return plain
-    return "oneshot"
+    return algo not in DATA_AS_FLAG_ONESHOTS or (
+        fits_capacity(algo, tokens * hidden * dtype.itemsize, ll_capacity)
+        and shapes.data_as_flag(tokens, hidden, world, block_cap, interpret) is not None)
 
 
 #: MPS's client variable that caps a process to a share of its GPU's SMs (the rank spawner sets it).

@@ -108,7 +108,7 @@ class FusedRule:
     """One row of the fused table: for ``[tokens, hidden]`` calls on ``world`` ranks with at most
     ``max_tokens`` tokens (None: any), what ``all_reduce_rmsnorm(algo="auto")`` runs: ``"kernel"``
     (the fused Triton kernel that follows the plain table's choice for the message, see
-    ``pcie_allreduce.plan.dispatch.fused_kernel``), a named fused kernel, or ``"unfused"`` (the plain all-reduce, then
+    ``pcie_allreduce.plan.dispatch.fused_plan``), a named fused kernel, or ``"unfused"`` (the plain all-reduce, then
     one add + RMSNorm kernel). A named kernel that cannot take a call's shape runs unfused."""
 
     algo: str

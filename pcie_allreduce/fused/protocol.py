@@ -19,8 +19,6 @@ plain tl.load(volatile=True) poll may be hoisted or re-issued by the compiler.
 
 from __future__ import annotations
 
-from typing import Any
-
 import triton
 import triton.language as tl
 
@@ -218,23 +216,6 @@ def interpreting() -> bool:
     """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1
     when it was imported): launches then take the interpreter's paths (INTERPRET=True)."""
     return _BUILT_FOR_INTERPRETER
-
-
-def compile_and_load(kernel: Any, *args: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
-    """Make ``kernel``'s launch with these arguments ready without launching it: compile it (or
-    take it from Triton's cache), build its launcher and load its module into this process.
-
-    ``warmup`` alone only compiles. The launcher (a small C module Triton builds with the host's
-    C compiler, cached on disk per signature) and the module load then wait for the first launch.
-    A fused call's first launch comes right after every rank met (``Communicator``'s first-call
-    meeting), with the peers already spinning in the kernel, so that work must not be left for
-    it: with a cold cache on a loaded CPU it can take one rank past the kernel's timeout."""
-    compiled = kernel.warmup(*args, grid=grid, **kwargs)
-    init_handles = getattr(compiled, "_init_handles", None)
-    if callable(init_handles):  # every Triton of the supported range (3.4-3.9)
-        init_handles()
-    else:  # reading .run initialises the handles where _init_handles is gone
-        getattr(compiled, "run")
 
 
 # ---- protocol ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
     new_residual = residual + y                                   (rounded once, as torch adds)
     normed       = new_residual * rsqrt(mean(new_residual^2) + eps) * weight   (fp32 math)
 
-:func:`add_rmsnorm` is the library's own unfused epilogue: where no fused all-reduce + RMSNorm
+:func:`pcie_allreduce.fused.path.add_rmsnorm` launches the library's own unfused epilogue: where no fused all-reduce + RMSNorm
 kernel beats the plain all-reduce followed by it, ``Communicator.all_reduce_rmsnorm`` runs those
 two kernels instead (``algo="unfused"``). One program per row, the whole row in registers.
 With ``$PCIE_AR_PDL=1`` on Hopper and later the pair overlaps: this kernel is launched as the
@@ -26,18 +26,15 @@ the sum); a row holding inf or NaN gets the fp32 sum of its squares (inf or NaN,
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from pcie_allreduce.triton_protocol import compile_and_load, interpreting, round_to
+from pcie_allreduce.fused.protocol import round_to
 
 # The row's largest square lands at 2^48 <= term < 2^49 on the fixed-point grid, so
 # MAX_RMSNORM_HIDDEN (2^14) terms sum below 2^63.
 _GRID_TOP: tl.constexpr = tl.constexpr(48)
-VECTOR_BYTES = 16  # the widest access a thread makes
 
 
 @triton.jit
@@ -122,52 +119,3 @@ def _add_rmsnorm_kernel(y_addr, res_addr, w_addr, normed_addr, res_out_addr, eps
 
 #: torch dtype -> Triton dtype, for kernels that take addresses and a DT constexpr.
 TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@functools.lru_cache(maxsize=256)  # pure, and asked on every eager call
-def launch_shape(hidden: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for rows of ``hidden`` elements: the row in one program, up to 32
-    elements (two 16-byte accesses of bf16) per thread."""
-    block = triton.next_power_of_2(hidden)
-    return block, 4 if block <= 1024 else 8 if block <= 8192 else 16
-
-
-def is_aligned(hidden: int, *tensors: torch.Tensor) -> bool:
-    """Whether every tensor starts on a 16-byte boundary and every row does too: the kernel's
-    vector variant applies (same results as the other, faster)."""
-    return (hidden * tensors[0].element_size()) % VECTOR_BYTES == 0 and all(
-        t.data_ptr() % VECTOR_BYTES == 0 for t in tensors)
-
-
-def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                normed: torch.Tensor, new_residual: torch.Tensor, *, compile_only: bool = False,
-                after_all_reduce: bool = False) -> None:
-    """Enqueue ``new_residual = residual + y``, ``normed = rmsnorm(new_residual) * weight`` on the
-    current stream (arguments already validated: contiguous ``[tokens, hidden]`` bf16/fp16,
-    weight ``[hidden]`` of the same dtype or fp32). ``normed`` may be ``y`` and ``new_residual``
-    may be ``residual`` (in place).
-
-    ``after_all_reduce``: the kernel just before this one on the stream is the library's
-    all-reduce that wrote ``y`` (and nothing of ``residual`` or ``weight``): the kernel is then
-    launched as its programmatic dependent (Hopper and later), starting while that kernel ends and
-    waiting for it only before it reads ``y``. ``compile_only``: compile both variants (16-byte
-    aligned or not) for this shape and dtypes, launch nothing; nothing to compile under the
-    interpreter."""
-    tokens, hidden = y.shape
-    interpret = interpreting()
-    if compile_only and interpret:
-        return
-    block, num_warps = launch_shape(hidden)
-    tensors = (y, residual, weight, normed, new_residual)
-    args = (*(t.data_ptr() for t in tensors), float(eps))
-    pdl = after_all_reduce and not interpret
-    constexprs = dict(H=hidden, BLOCK=block, DT=TRITON_DTYPES[y.dtype], WT=TRITON_DTYPES[weight.dtype],
-                      INTERPRET=interpret, num_warps=num_warps,
-                      **({"PDL": True, "launch_pdl": True} if pdl else {}))
-    if compile_only:
-        for aligned in (True, False):
-            compile_and_load(_add_rmsnorm_kernel, *args, grid=(max(tokens, 1),), ALIGNED=aligned, **constexprs)
-        return
-    if tokens == 0:
-        return
-    _add_rmsnorm_kernel[(tokens,)](*args, ALIGNED=is_aligned(hidden, *tensors), **constexprs)

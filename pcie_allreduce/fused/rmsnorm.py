@@ -5,7 +5,7 @@
 
 Same protocol as csrc/protocol.cuh, so fused and plain calls interleave on one workspace:
 push into peers' slots, then a release store of this call's sealed word (the epoch's low 32 bits
-over the signature sealed with the wrap count: triton_protocol.sealed_word) into the peer's flag
+over the signature sealed with the wrap count: protocol.sealed_word) into the peer's flag
 for this program and epoch parity; spin only on our own flags with acquire loads until each holds
 exactly that word, bounded by the timeout; the epoch lives in the workspace's control words, one
 copy per program slot, and each program advances the copies it owns (CUDA graph safe).
@@ -22,33 +22,24 @@ Two kernels here:
   norm is a deterministic function of the residual row, so all ranks still agree bitwise.
 
 Memory-order primitives and the protocol helpers shared with other Triton kernels live in
-:mod:`pcie_allreduce.triton_protocol`; the low-latency (data-as-flag) one-shot for small
-messages in :mod:`pcie_allreduce.fused_oneshot_ll`.
+:mod:`pcie_allreduce.fused.protocol`; the low-latency (data-as-flag) one-shot for small
+messages in :mod:`pcie_allreduce.fused.oneshot_ll`; their launches in :mod:`pcie_allreduce.fused.path`.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import zlib
-
-import torch
 import triton
 import triton.language as tl
 
-from pcie_allreduce import constants, fused_oneshot_ll
-from pcie_allreduce.add_rmsnorm import TRITON_DTYPES, finish_row, is_aligned, typed_pointer
-from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS
-from pcie_allreduce.constants import MAX_FLAG_BLOCKS, SMALL_WORLD
-from pcie_allreduce.layout import WorkspaceView
-from pcie_allreduce.fused_oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
-from pcie_allreduce.triton_protocol import (allow_dependent_launch, begin_call, block_any, compile_and_load, end_call,
+from pcie_allreduce import constants
+from pcie_allreduce.fused.add_rmsnorm import finish_row, typed_pointer
+from pcie_allreduce.fused.oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
+from pcie_allreduce.fused.protocol import (allow_dependent_launch, begin_call, block_any, end_call,
                                             flag_addr, wait_for_previous_kernel,
-                                            foreign_notice, interpreting, load_acquire_where, my_notices, now_ns,
+                                            foreign_notice, load_acquire_where, my_notices, now_ns,
                                             pick_base, post_notices, record_error, release_fence, round_to,
                                             sealed_word, spin_verdict, store_flag)
 
-MAX_PROGRAMS = 32  # few CTAs: W ranks' programs must be co-resident when GPUs are shared
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
 STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
@@ -193,7 +184,7 @@ def _wait_all_peers(my_base, flags_offset, kind: tl.constexpr, ctrl, err_addr, e
     Every pending peer's flag is loaded in each spin, one peer per thread (a BLOCK-wide tensor
     masked to the W - 1 peers: each slot is polled by exactly one thread), so a peer whose flag
     comes late costs one round trip, not one per peer before it; the exit test is one block-wide
-    reduction of the worst state (fused_oneshot_ll's wait states), so every thread leaves in the
+    reduction of the worst state (oneshot_ll's wait states), so every thread leaves in the
     same spin."""
     peers = tl.arange(0, BLOCK)
     live = (peers < W) & (peers != rank)
@@ -354,66 +345,3 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
             _fill_rows_with_nan(normed_ptr, res_out_ptr, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
     allow_dependent_launch(PDL)
     end_call(ctrl, epoch, pid)
-
-
-# ---- host side ---------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
-def launch_shape(algo: str, tokens: int, world: int, hidden: int,
-                 max_programs: int = MAX_PROGRAMS) -> tuple[int, int, int, int]:
-    """(programs, rows per program, BLOCK_H, num_warps): a pure function of the call's shape
-    (and of the communicator's agreed block cap)."""
-    rows = tokens if algo == "oneshot" else math.ceil(tokens / world)
-    programs = max(1, min(MAX_PROGRAMS, max_programs, rows))
-    rows_per_program = max(1, math.ceil(rows / programs))
-    programs = max(1, math.ceil(rows / rows_per_program))
-    block_h = triton.next_power_of_2(hidden)
-    num_warps = 4 if block_h <= 1024 else 8 if block_h <= 4096 else 16
-    return programs, rows_per_program, block_h, num_warps
-
-
-@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
-def signature(algo: str, dtype: torch.dtype, tokens: int, hidden: int, programs: int) -> int:
-    """32-bit call signature (peers must agree); differs from every plain all-reduce's."""
-    return zlib.crc32(f"fused-rmsnorm:{algo}:{dtype}:{tokens}:{hidden}:{programs}".encode())
-
-
-def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-           eps: float, normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool | None = None,
-           max_programs: int = MAX_PROGRAMS, compile_only: bool = False, dependent: bool = False) -> None:
-    """Enqueue one fused call on the current stream (arguments already validated).
-
-    ``compile_only``: compile (or load from Triton's cache) every kernel variant this call's
-    shape and dtypes can launch, and launch nothing (nothing to compile under the interpreter).
-    ``dependent``: launch as the previous kernel's programmatic dependent (``$PCIE_AR_PDL``)."""
-    interpret = interpreting() if interpret is None else interpret
-    if algo in DATA_AS_FLAG_ONESHOTS:
-        fused_oneshot_ll.launch(view, x, residual, weight, eps, normed, residual_out, interpret=interpret,
-                                full=algo == "oneshot_full",
-                                max_programs=max_programs, compile_only=compile_only, dependent=dependent)
-        return
-    if compile_only and interpret:
-        return
-    tokens, hidden = x.shape
-    programs, rows, block_h, num_warps = launch_shape(algo, tokens, view.world, hidden, max_programs)
-    if programs > MAX_FLAG_BLOCKS:
-        raise ValueError(f"fused all-reduce needs {programs} programs, more than the {MAX_FLAG_BLOCKS} flag slots")
-    kernel = _fused_oneshot_kernel if algo == "oneshot" else _fused_twoshot_kernel
-    bases = view.padded_bases()
-    assert len(bases) == SMALL_WORLD
-    tensors = (x, residual, weight, normed, residual_out)
-    args = (*(t.data_ptr() for t in tensors), *bases, view.bases[view.rank], view.error_ptr,
-            view.rank, tokens, rows, float(eps), signature(algo, x.dtype, tokens, hidden, programs), view.timeout_ns,
-            view.layout.slot_bytes, view.layout.parity_bytes, view.layout.flags_offset,
-            view.local_offset(view.layout.control_offset))
-    # The compile key holds the hidden size, dtypes, W and ALIGNED, never the token count: one
-    # compilation per model shape serves every batch.
-    constexprs = dict(H=hidden, DT=TRITON_DTYPES[x.dtype], WT=TRITON_DTYPES[weight.dtype], W=view.world,
-                      BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps,
-                      **({"PDL": True, "launch_pdl": True} if dependent and not interpret else {}))
-    if compile_only:
-        for aligned in (True, False):
-            compile_and_load(kernel, *args, grid=(programs,), ALIGNED=aligned, **constexprs)
-    else:
-        kernel[(programs,)](*args, ALIGNED=is_aligned(hidden, *tensors), **constexprs)

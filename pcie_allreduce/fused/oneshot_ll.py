@@ -8,7 +8,7 @@ that is not ours means a peer issued a different call (mismatch, never reduced).
 Full payload: the slots, headers and invariants of csrc/oneshot_full.cuh (F1-F2): 4-byte words of
 two elements, -0.0 sent as +0.0 so that no 16-bit lane is ever the poison pattern 0x8000; a word
 has arrived when no lane is poison and its sender's header for this program is exactly this
-call's sealed word (triton_protocol.sealed_word; any other header is "not yet": a peer's call
+call's sealed word (protocol.sealed_word; any other header is "not yet": a peer's call
 notice names a mismatch); the receiver re-poisons every word it consumed. Either way fused and
 plain calls of the same format interleave on one workspace, and there is no fence and no flag
 round trip: the fused call costs about what the plain all-reduce costs.
@@ -35,19 +35,12 @@ Under the interpreter (programs run one after another) C is 1, so no program wai
 
 from __future__ import annotations
 
-import functools
-import math
-import zlib
-
-import torch
 import triton
 import triton.language as tl
 
 from pcie_allreduce import constants
-from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_RANKS, ROW_STATS_SLOTS, SMALL_WORLD
-from pcie_allreduce.fused.shapes import PUSH_WORDS, data_as_flag, shape_with_chunks
-from pcie_allreduce.layout import Layout, WorkspaceView
-from pcie_allreduce.triton_protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call, compile_and_load,
+from pcie_allreduce.constants import MAX_RANKS, ROW_STATS_SLOTS
+from pcie_allreduce.fused.protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call,
                                             end_call, wait_for_previous_kernel,
                                             foreign_notice, line_flag, line_signature, load_volatile, my_notices,
                                             now_ns, pause_ns, pick_base, post_notices, record_error, round_to,
@@ -383,66 +376,3 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         _store_pairs(normed_ptr, word, nan, nan, w_ok, PAIRED)
     allow_dependent_launch(PDL)
     end_call(ctrl, epoch, pid)
-
-
-# ---- host side ---------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1024)  # pure, and asked on every eager call
-def signature(dtype: torch.dtype, tokens: int, hidden: int, programs: int, chunks: int, full: bool = False) -> int:
-    """32-bit call signature (peers must agree); differs from every other call's."""
-    algo = "oneshot_full" if full else "oneshot_ll"
-    return zlib.crc32(f"fused-rmsnorm:{algo}:{dtype}:{tokens}:{hidden}:{programs}:{chunks}".encode())
-
-
-def _slots(layout: Layout, full: bool) -> tuple[int, int, int]:
-    """(slot stride, offset of the slots, offset of the headers) in a workspace, bytes: the line
-    slots (no headers), or the full-payload slots after their headers (csrc/oneshot_full.cuh)."""
-    if full:
-        return layout.ll_capacity, layout.full_offset + FULL_HEADER_BYTES, layout.full_offset
-    return layout.ll_slot_bytes, layout.ll_offset, layout.ll_offset
-
-
-def launch(view: WorkspaceView, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-           normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool, max_programs: int,
-           full: bool = False, chunks: int | None = None, backoff_ns: int = 0, compile_only: bool = False,
-           dependent: bool = False) -> None:
-    """Enqueue one call on the current stream (arguments validated, eligibility checked).
-
-    ``full``: the full-payload wire format (the slots and headers of csrc/oneshot_full.cuh, half
-    the lines' bytes) instead of the lines.
-
-    ``chunks`` forces that many column chunks per row instead of :func:`~pcie_allreduce.fused.shapes.data_as_flag`'s choice
-    (tests: under the interpreter the choice is 1, which never exercises the row statistics
-    exchange between programs). ``backoff_ns`` > 0 sleeps that long between polls (an experiment
-    for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without the knob).
-    ``compile_only``: compile both word-pairing variants of this shape, launch nothing.
-    ``dependent``: launch as the previous kernel's programmatic dependent (``$PCIE_AR_PDL``)."""
-    tokens, hidden = x.shape
-    shape = (data_as_flag(tokens, hidden, view.world, max_programs, interpret) if chunks is None
-             else shape_with_chunks(tokens, hidden, chunks))
-    nbytes = x.numel() * x.element_size()
-    if shape is None or nbytes > view.layout.ll_capacity:
-        raise ValueError(f"fused {'oneshot_full' if full else 'oneshot_ll'} cannot take [{tokens}, {hidden}] {x.dtype} "
-                         f"at world size {view.world} "
-                         f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
-                         f"{max_programs} programs); use algo='auto'")
-    if compile_only and interpret:
-        return
-    programs, chunks, width, block_w, num_warps = shape
-    bases = view.padded_bases()
-    assert len(bases) == SMALL_WORLD
-    args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
-            view.rank, tokens, hidden, float(eps), signature(x.dtype, tokens, hidden, programs, chunks, full),
-            view.timeout_ns, *_slots(view.layout, full), view.local_offset(view.layout.control_offset),
-            view.local_offset(view.layout.stats_offset), view.layout.flags_offset)
-    constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=triton.next_power_of_2(view.world),
-                      PUSH=min(PUSH_WORDS, block_w), FULL=full, INTERPRET=interpret, num_warps=num_warps,
-                      **({"BACKOFF": backoff_ns} if backoff_ns else {}),
-                      **({"PDL": True, "launch_pdl": True} if dependent and not interpret else {}))
-    if compile_only:  # PAIRED follows the tensors' alignment, which may differ between calls and ranks
-        for paired in (True, False):
-            compile_and_load(_fused_oneshot_ll_kernel, *args, grid=(programs,), PAIRED=paired, **constexprs)
-        return
-    paired = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
-    _fused_oneshot_ll_kernel[(programs,)](*args, PAIRED=paired, **constexprs)
