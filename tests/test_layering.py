@@ -157,7 +157,7 @@ def test_no_import_cycles_across_packages() -> None:
 
 MAX_LINES = 500
 # Modules already longer than MAX_LINES, with their length today: each may only shrink.
-OVER_THE_LIMIT = {"pcie_allreduce/communicator.py": 728}
+OVER_THE_LIMIT = {"pcie_allreduce/communicator.py": 529}
 
 
 @pytest.mark.parametrize("package", ["pcie_allreduce", "sglang_plugin", "vllm_plugin"])
