@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, gpu_count: int) -> SoakConfig:
     """The validated configuration; usage errors go through ``parser.error`` (exit 2)."""
-    from pcie_allreduce.communicator import DEFAULT_TIMEOUT_S
+    from pcie_allreduce.rendezvous import DEFAULT_TIMEOUT_S
     from pcie_allreduce.constants import MAX_MESSAGE_BYTES
     from pcie_allreduce.tools.tune.cli import default_worlds
 

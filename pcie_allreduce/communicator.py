@@ -1,14 +1,14 @@
-"""The object users hold: rendezvous, per-stream workspaces, caches of choices, errors.
+"""The object users hold: its state, per-stream workspaces, caches of choices, errors, lifetime.
 
-What a call launches is decided by :mod:`pcie_allreduce.plan.dispatch` (pure functions); the
-communicator holds the state those choices read (agreed table, capacity, block cap) and caches
-their results per call shape."""
+Creation's collective steps are :mod:`pcie_allreduce.rendezvous` (what every rank agrees on) and
+:mod:`pcie_allreduce.workspaces` (one stream's workspace); what a call launches is decided by
+:mod:`pcie_allreduce.plan.dispatch` (pure functions). The communicator holds the state those
+choices read (agreed table, capacity, block cap) and caches their results per call shape."""
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import warnings
 import weakref
 from types import ModuleType
@@ -17,51 +17,28 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, ops, outcomes, settings, transport as transport_mod, validation
+from pcie_allreduce import ops, outcomes, rendezvous, validation, workspaces
 from pcie_allreduce.fabric import topology
-from pcie_allreduce.constants import ERROR_MISMATCH, MAX_RANKS, MIN_RANKS, STAGE_NAMES, TRANSPORT_IDS
-from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, UnavailableError
-from pcie_allreduce.plan import algorithms, cache, dispatch, tables
+from pcie_allreduce.constants import ERROR_MISMATCH, STAGE_NAMES
+from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from pcie_allreduce.plan import algorithms, dispatch, tables
 from pcie_allreduce.plan.dispatch import DTYPE_IDS
 from pcie_allreduce.fused.path import FusedPath
 from pcie_allreduce.layout import Layout
 
 DEFAULT_MAX_BYTES = 8 << 20
-TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
-# "1": programmatic dependent launch where the GPU has it (Hopper and later): every all-reduce is
-# launched as the previous kernel's dependent (it waits for that kernel before it reads anything:
-# csrc/protocol.cuh's begin_call), and the unfused pair's norm kernel as the all-reduce's (it waits
-# before it reads the sum), and the fused kernels as dependents too (waiting first thing); anything else: off. Each rank's own launch choice (results, protocol
-# and peers are the same either way), so ranks need not agree.
-PDL_ENV = "PCIE_AR_PDL"
 logger = logging.getLogger("pcie_allreduce")
 
 
-DEFAULT_TIMEOUT_S = 10.0
-# Seed of the creation-time transfer test; the workspace index is added, so a test pattern left
-# by one stream's creation never passes for another's.
-PROBE_SEED = 0x5EED0000
 # How long close() waits for every rank to reach it before it gives up on freeing: an engine's
 # ranks tear a group down together, so only a rank that is gone (or stuck) is missed.
 CLOSE_WAIT_S = 60.0
 CLOSE_STAGE = "close"
-# What ranks agree on for the islands (named so a disagreement says which setting differs).
-ISLANDS_KEY = f"islands (${topology.ISLANDS_ENV})"
 
 # Communicators alive in this process, for the fork handler; and workspaces that must never be
 # freed here (a forked child's copies, or those of a communicator dropped without close()).
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _NEVER_FREED: list[Any] = []
-
-
-def _dependent_launch(device: torch.device) -> bool:
-    """Whether this rank launches the unfused pair's norm kernel as the all-reduce's dependent."""
-    return settings.env_bool(PDL_ENV, False) and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _default_timeout() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    return DEFAULT_TIMEOUT_S if raw is None else settings.parse_seconds(TIMEOUT_ENV, raw)
 
 
 def _disown_after_fork() -> None:
@@ -138,73 +115,42 @@ class Communicator:
         self._pid = os.getpid()
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
-        if not MIN_RANKS <= self.world_size <= MAX_RANKS:
-            raise ValueError(f"pcie_allreduce supports {MIN_RANKS} to {MAX_RANKS} ranks, "
-                             f"the group has {self.world_size}")
+        self._collective = rendezvous.Collective(group, self.rank, self.world_size)
         self._choices: dict[tuple[int, torch.dtype, str, bool], tuple[int, int]] = {}
         # stream -> the address of its workspace's symmetric input area, once symmetric_input
         # handed it out (all_reduce compares the input's address with it)
         self._input_areas: dict[int, int] = {}
         self._fused = FusedPath()  # the fused call's plans, compile meetings and launches
 
-        # Creation is all or nothing: each step that can fail on one rank runs on every rank and
-        # ends in a gather of every rank's outcome (see _collective_step), so a failure anywhere
-        # makes every rank raise at once instead of leaving peers in a later rendezvous.
-        explicit_table = algo_table is not None or bool(os.environ.get(tables.TABLE_ENV))
-        agreed = self._collective_step("argument checks and GPU set-up",
-                                       lambda: self._set_up_locally(device, max_bytes, timeout_s, algo_table,
-                                                                    transport, ranks_per_gpu))
-        for key in ("max_bytes", "timeout_s", "table", "transport", "ranks_per_gpu", ISLANDS_KEY):
-            self._check_agreement(agreed, key)
-        self._meeting_id: str = agreed[0]["meeting_id"]  # names this communicator's keys in the group's store
-        self.table_source: str = ("algo_table argument" if algo_table is not None
-                                  else f"${tables.TABLE_ENV}" if explicit_table else "built-in default")
-        self.placements: list[topology.RankPlacement] = [a["placement"] for a in agreed]
-        fabrics = [p.fabric for p in self.placements]  # each read by its own rank
-        override = agreed[0][ISLANDS_KEY]
-        self.islands = override if override is not None else topology.islands(fabrics)
-        self.islands_source = f"${topology.ISLANDS_ENV}" if override is not None else topology.islands_basis(fabrics)
-        self.island_ranks = topology.island_ranks(self.islands)
-        requested = agreed[0]["transport"]
-        hosts = sorted({p.host for p in self.placements})
-        if len(hosts) > 1:  # neither transport reaches another host
-            raise UnavailableError(f"pcie_allreduce needs every rank on one host; this group spans {hosts}")
-        problems = [p for p in self._collective_step(
-            "the peer-access check",
-            lambda: topology.peer_access_problem(self._ext, self.placements[self.rank], self.device.index,
-                                                 self.placements)) if p]
-        no_peer_access = problems[0] if len(problems) == 1 else "; ".join(dict.fromkeys(problems))
-        if problems and requested == "p2p":
-            raise UnavailableError(no_peer_access)
-        self.transport = "host" if requested == "host" or problems else "p2p"
-        if not explicit_table:
-            self._adopt_tuned_table()
-        self.transport_reason = ("asked for" if requested == self.transport
-                                      else f"no peer-to-peer: {no_peer_access}")
-        self.shares_gpu: bool = topology.shares_gpu(self.placements)
-        sharing = max(topology.ranks_per_gpu(self.placements), agreed[0]["ranks_per_gpu"] or 1)
-        # The fewest SMs any rank sees, and whether every rank runs capped to an MPS share of its GPU.
-        self.block_cap: int = dispatch.block_cap(sharing, min(a["sms"] for a in agreed),
-                                                 all(a["mps_share"] for a in agreed))
+        # Creation is all or nothing (pcie_allreduce.rendezvous): a failure on any rank makes
+        # every rank raise here at once, and frees what it made.
+        agreed, first = rendezvous.first_workspace(
+            self._collective,
+            rendezvous.agree(self._collective, device, max_bytes, timeout_s, algo_table, transport, ranks_per_gpu),
+            lambda agreed: workspaces.create(self._collective, agreed, 0))
+        #: What every rank agreed on at creation (its fields are also this communicator's attributes).
+        self.agreed: rendezvous.Agreed = agreed
+        self._ext: ModuleType = agreed.ext
+        self.device: torch.device = agreed.device
+        self.max_bytes: int = agreed.max_bytes
+        #: Largest message ``oneshot_ll`` takes (its line slots cost twice the payload).
+        self.ll_capacity: int = agreed.ll_capacity
+        self.timeout_s: float = agreed.timeout_s
+        #: The unfused pair's norm kernel starts as the all-reduce's programmatic dependent ($PCIE_AR_PDL).
+        self.dependent_launch: bool = agreed.dependent_launch
+        self.table: tables.AlgoTable = agreed.table
+        self.table_source: str = agreed.table_source
+        self.transport, self.transport_reason = agreed.transport, agreed.transport_reason
+        self.placements: list[topology.RankPlacement] = agreed.placements
+        self.islands, self.islands_source = agreed.islands, agreed.islands_source
+        self.island_ranks = agreed.island_ranks
+        self.shares_gpu: bool = agreed.shares_gpu
+        self.block_cap: int = agreed.block_cap
+        self._meeting_id: str = agreed.meeting_id  # names this communicator's keys in the group's store
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
-        with torch.cuda.device(self.device):
-            stream = current_stream_handle(self.device)
-            try:
-                self._workspace_for(stream)
-            except Exception as exc:  # noqa: BLE001 - every rank raised here together (collective steps)
-                if requested != "auto" or self.transport != "p2p":
-                    raise
-                # The driver reports peer access, but mapping or the transfer test failed on some
-                # pair: the platform does not deliver P2P. Every rank saw the same failure.
-                self.transport = "host"
-                self.transport_reason = f"peer-to-peer failed at creation: {' '.join(str(exc).split())}"
-                if not explicit_table:
-                    self._adopt_tuned_table()
-                self._workspace_for(stream)
-        if requested == "auto" and self.transport == "p2p":
-            self.transport_reason = "every pair has peer access and the creation transfer test passed"
+        self._workspaces[current_stream_handle(self.device)] = first
         problem = self.table.availability_problem(self.transport, self.island_ranks)
         if problem is not None:  # the same table and transport on every rank: all raise here
             self.close()
@@ -424,148 +370,14 @@ class Communicator:
                 self._choices[key] = hit
         return hit
 
-    def _adopt_tuned_table(self) -> None:
-        """Use the table `pcie-allreduce tune` cached for this GPU model, W, topology and transport,
-        if any, else the transport's built-in one (:func:`pcie_allreduce.plan.cache.resolve_table`).
-
-        Rank 0 reads it and every rank adopts rank 0's copy, so the table is agreed once, here.
-        """
-        found = None
-        if self.rank == 0:
-            found = cache.find_tuned(self._ext, [p.pci_bus_id for p in self.placements], self.islands,
-                                     torch.cuda.get_device_name(self.device), self.world_size, self.transport)
-        found = self._gather({"tuned": found})[0]["tuned"]
-        self.table, self.table_source = cache.resolve_table(found, self.transport, self.islands, self.island_ranks)
-
-    def _set_up_locally(self, device: torch.device | int | str, max_bytes: object, timeout_s: object,
-                        algo_table: tables.AlgoTable | str | os.PathLike[str] | None,
-                        transport: str | None, ranks_per_gpu: object) -> dict[str, Any]:
-        """This rank's part of creation before any memory is allocated: arguments, extension, GPU.
-        Returns what every rank must agree on (and its placement)."""
-        if ranks_per_gpu is not None and (isinstance(ranks_per_gpu, bool) or not isinstance(ranks_per_gpu, int)
-                                          or ranks_per_gpu < 1):
-            raise ValueError(f"ranks_per_gpu must be a positive int or None, got {ranks_per_gpu!r}")
-        self._ext: ModuleType = _ext.require()
-        self.device: torch.device = _cuda_device(device)
-        self.max_bytes: int = validation.validate_max_bytes(max_bytes)
-        #: Largest message ``oneshot_ll`` takes (its line slots cost twice the payload).
-        self.ll_capacity: int = Layout.make(self.max_bytes, self.world_size).ll_capacity
-        self.timeout_s: float = _default_timeout() if timeout_s is None else validation.validate_timeout(timeout_s)
-        self.table: tables.AlgoTable = tables.load_table(algo_table)
-        requested = transport_mod.requested(transport)
-        status = self._ext.runtime_status()
-        if status:
-            raise UnavailableError(f"rank {self.rank}: no usable CUDA GPU ({status})")
-        self._sms: int = torch.cuda.get_device_properties(self.device).multi_processor_count
-        #: The unfused pair's norm kernel starts as the all-reduce's programmatic dependent ($PCIE_AR_PDL).
-        self.dependent_launch: bool = _dependent_launch(self.device)
-        return {"max_bytes": self.max_bytes, "timeout_s": self.timeout_s,
-                "table": self.table.to_json(), "transport": requested, "meeting_id": secrets.token_hex(8),
-                "ranks_per_gpu": ranks_per_gpu, "sms": self._sms,
-                "mps_share": dispatch.runs_in_mps_share(),
-                ISLANDS_KEY: topology.islands_override(self.world_size),
-                "placement": topology.local_placement(self._ext, self.rank, self.device.index)}
-
     def _workspace_for(self, stream: int) -> Any:
-        """Create (collectively) the workspace for a stream this rank has not used before.
-
-        Three collective steps, each ending in a gather of every rank's outcome: allocate and
-        export (with the layout, checked to be the same everywhere); map the peers' memory and
-        write a probe into each; read the probes the peers wrote here. A pair whose probe did not
-        arrive means the driver reports peer access the platform does not deliver: a clean
-        UnavailableError now instead of timeouts on the first calls."""
+        """Create (collectively: :func:`pcie_allreduce.workspaces.create`) the workspace for a
+        stream this rank has not used before, on the transport agreed at creation."""
         if self._closed:
             raise RuntimeError(self._closed_reason)
-        index = len(self._workspaces)
-        created: list[Any] = []
-        if self.transport == "host":
-            transport_mod.remove_stale_segments()
-
-        def allocate() -> dict[str, Any]:
-            # The host transport's segment is named here: its name records who created it, which
-            # the stale-segment sweep reads (transport.py).
-            name = transport_mod.new_segment_name() if self.transport == "host" else ""
-            workspace = self._ext.Workspace(self.device.index, self.rank, self.world_size, self.max_bytes,
-                                            self.timeout_s, TRANSPORT_IDS[self.transport], name)
-            created.append(workspace)
-            workspace.island_ranks = self.island_ranks
-            workspace.dependent_launch = self.dependent_launch
-            return {"index": index, "handle": workspace.ipc_handle(),
-                    "layout": (workspace.total_bytes, workspace.max_bytes, workspace.world, workspace.rank)}
-
-        try:
-            exchanged = self._collective_step("workspace allocation", allocate)
-            workspace = created[0]
-            indices = [e["index"] for e in exchanged]
-            if len(set(indices)) != 1:
-                raise CollectiveMismatch(
-                    f"ranks disagree on which stream this is (workspace indices {indices}): every rank must use "
-                    "its streams in the same order", rank=self.rank)
-            layouts = [e["layout"] for e in exchanged]
-            if any(lay[:3] != layouts[0][:3] or lay[3] != r for r, lay in enumerate(layouts)):
-                raise UnavailableError(f"the ranks' workspaces differ (total bytes, max_bytes, world, rank per rank: "
-                                       f"{layouts}): every rank must run the same pcie_allreduce build")
-            seed = PROBE_SEED + index
-
-            def map_and_probe() -> None:
-                workspace.open_peers([e["handle"] for e in exchanged])
-                workspace.write_probes(seed)
-
-            self._collective_step("mapping the peers' workspaces", map_and_probe)
-            workspace.release_name()  # every rank has mapped it: a later crash leaves nothing in /dev/shm
-            missing = [(sender, receiver) for receiver, senders in
-                       enumerate(self._collective_step("the transfer test", lambda: workspace.probe_failures(seed)))
-                       for sender in senders]
-            if missing:
-                pairs = ", ".join(f"{s} -> {r}" for s, r in missing)
-                if self.transport == "host":
-                    raise UnavailableError(
-                        f"writes into the shared pinned host memory do not arrive (rank -> rank: {pairs}): the GPUs "
-                        "cannot reach each other's registered /dev/shm segments. Use NCCL for this group.")
-                raise UnavailableError(
-                    f"P2P writes between the ranks' GPUs do not arrive (rank -> rank: {pairs}) although the driver "
-                    "reports peer access: the platform drops or misroutes peer-to-peer writes (IOMMU / ACS settings, "
-                    "a cross-socket path). Use transport='host' (what 'auto' falls back to), NCCL, or fix the "
-                    "platform's P2P.")
-        except BaseException:
-            for made in created:
-                made.close()
-            raise
+        workspace = workspaces.create(self._collective, self.agreed, len(self._workspaces))
         self._workspaces[stream] = workspace
         return workspace
-
-    def _collective_step(self, step: str, local: Callable[[], Any]) -> list[Any]:
-        """Run ``local`` on this rank and gather every rank's result.
-
-        A rank whose ``local`` raises still joins the gather, with its error; then every rank
-        raises: that rank its own exception, the others UnavailableError naming it and why. So no
-        rank is left waiting in a later rendezvous for one that gave up (gloo would hold it for the
-        process group's timeout, 30 minutes by default)."""
-        try:
-            result = local()
-        except Exception as exc:
-            # Raised from inside the handler, never kept in a local (see _compile_everywhere).
-            self._gather({"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"})
-            raise
-        gathered = self._gather({"ok": result})
-        failed = {r: g["error"] for r, g in enumerate(gathered) if "error" in g}
-        if failed:
-            reasons = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
-            raise UnavailableError(f"rank {self.rank}: creating the communicator failed on another rank in {step} "
-                                   f"({reasons})")
-        return [g["ok"] for g in gathered]
-
-    def _gather(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self._group)
-        return gathered
-
-    def _check_agreement(self, agreed: list[dict[str, Any]], key: str) -> None:
-        values = [a[key] for a in agreed]
-        if any(v != values[0] for v in values):
-            differing = [r for r, v in enumerate(values) if v != values[0]]
-            raise ValueError(f"ranks disagree on {key}: rank 0 has {values[0]!r}, ranks {differing} differ "
-                             f"({[values[r] for r in differing]!r})")
 
     def _error_of(self, workspace: Any) -> CollectiveError:
         err = workspace.error()
@@ -616,11 +428,3 @@ def current_stream_handle(device: torch.device) -> int:
     device guard first, which costs microseconds on every call."""
     return torch._C._cuda_getCurrentRawStream(device.index)
 
-
-def _cuda_device(device: torch.device | int | str) -> torch.device:
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {dev}")
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev

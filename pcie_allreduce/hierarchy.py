@@ -48,18 +48,16 @@ CollectiveTimeout and write NaN.
 from __future__ import annotations
 
 import contextlib
-import time
-from datetime import timedelta
-from typing import Any, Callable, NoReturn, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import _ext, ops, outcomes, validation
+from pcie_allreduce import _ext, inter_node, ops, outcomes, validation
 from pcie_allreduce.fabric import nodes as nodes_mod
 from pcie_allreduce.communicator import DEFAULT_MAX_BYTES, Communicator
 from pcie_allreduce.constants import MAX_MESSAGE_BYTES
-from pcie_allreduce.errors import InterNodeError, one_line
+from pcie_allreduce.errors import one_line
 from pcie_allreduce.plan.algorithms import UNFUSED, capacity_of
 
 #: Seconds a send or receive between nodes may take before the call fails.
@@ -67,8 +65,6 @@ DEFAULT_INTER_NODE_TIMEOUT_S = 60.0
 #: The largest message: the nodes all-reduce a 16-bit message's fp32 partials, twice its bytes,
 #: and a node's communicator takes at most MAX_MESSAGE_BYTES.
 MAX_BYTES = MAX_MESSAGE_BYTES // 2
-_MAX_PENDING = 256  # NCCL works of eager calls not yet complete; at this many the host waits for the oldest
-_POLL_S = 0.0005
 # NCCL groups between nodes that served a CUDA graph capture: never shut down (the graph may be
 # replayed after close(), and its kernels use the group's NCCL communicator).
 _NEVER_SHUT_DOWN: list[Any] = []
@@ -117,7 +113,6 @@ class HierarchicalCommunicator:
                  max_bytes: int = DEFAULT_MAX_BYTES, **communicator_kwargs: Any) -> None:
         creation = outcomes.next_step(group, "hierarchy")  # first: every rank counts it, whatever fails after
         self._closed = False
-        self._failed: str | None = None
         self._owned_groups: list[dist.ProcessGroup] = []  # shut down by close()
         self.intra: IntraNode | None = None
         self.inter_node_timeout_s = validation.validate_timeout(inter_node_timeout_s, source="inter_node_timeout_s")
@@ -144,27 +139,19 @@ class HierarchicalCommunicator:
         self.node_size = len(self.layout.nodes[0])
         self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         if inter_node_backend is not None:
-            # NCCL's watchdog bounds an eager work by its group's timeout (module docstring). Through
-            # host memory each wait passes its own, and a gloo group's timeout would also bound its
-            # connections at creation, which a rank that comes late there must not fail.
-            bound = timedelta(seconds=self.inter_node_timeout_s) if "nccl" in inter_node_backend else None
-            inter_node_group = dist.new_group(self._global, backend=inter_node_backend, timeout=bound,
-                                              use_local_synchronization=True)
+            inter_node_group = inter_node.make_group(self._global, inter_node_backend, self.inter_node_timeout_s)
             self._owned_groups.append(inter_node_group)
-        self._data_group = group if inter_node_group is None else inter_node_group
-        if dist.get_world_size(self._data_group) != self.world_size:
-            raise ValueError(f"inter_node_group has {dist.get_world_size(self._data_group)} ranks, the group "
+        between = group if inter_node_group is None else inter_node_group
+        if dist.get_world_size(between) != self.world_size:
+            raise ValueError(f"inter_node_group has {dist.get_world_size(between)} ranks, the group "
                              f"{self.world_size}: it must hold the same ranks")
-        # "nccl", "gloo", or e.g. "cpu:gloo,cuda:nccl"
-        self.backend = str(dist.get_backend(self._data_group))
-        self._through_host = "nccl" not in self.backend
-        self._captured = False  # a send or receive was captured in a CUDA graph (close() keeps the group)
+        self._link = inter_node.InterNodeLink(between, self._global, self.rank, self.inter_node_timeout_s,
+                                              str(dist.get_backend(between)))
         # Only this node's ranks make its group (local synchronization): the group may be a part of
         # the world (one tensor-parallel group of several), whose other ranks never come here.
         self.node_group = dist.new_group([self._global[r] for r in self.layout.nodes[self.node]],
                                          backend=dist.get_backend(group), use_local_synchronization=True)
         self._owned_groups.append(self.node_group)
-        self._pending: list[tuple[float, Any, int, str]] = []  # NCCL works of eager calls, until read
         # All or nothing: each rank posts how its part went and hears every other rank's before any
         # returns (outcomes.agree), within a bound: each of its waits between nodes takes at most
         # inter_node_timeout_s, and a node's can follow the previous node's.
@@ -194,11 +181,9 @@ class HierarchicalCommunicator:
         # One call now: every pair of ranks the sends join meets here, outside any graph capture
         # (NCCL makes a pair's communicator at its first send), and a broken setup fails at once.
         self.all_reduce(torch.zeros(self.node_size, dtype=torch.float32, device=self.device))
-        # On NCCL the host posted its sends and receives without waiting (_wait): wait for them,
-        # bounded, so a receive that never completes fails creation instead of a later call.
-        while self._pending:
-            self._check_pending()  # InterNodeError past inter_node_timeout_s
-            time.sleep(_POLL_S if self._pending else 0)
+        # On NCCL the host posted its sends and receives without waiting: wait for them, bounded,
+        # so a receive that never completes fails creation instead of a later call.
+        self._link.drain()  # InterNodeError past inter_node_timeout_s
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the node's kernels: bounded by their timeout
         self.check()
@@ -213,16 +198,16 @@ class HierarchicalCommunicator:
         self._refuse_if_unusable()
         _refuse_wire(wire)
         validation.plain_call(x, out, algo, device=self.device, max_bytes=self.max_bytes)
-        capturing = _capturing()
-        if self._through_host and capturing:
+        in_graph = inter_node.capturing()
+        if self._link.through_host and in_graph:
             raise RuntimeError(f"the inter-node step runs on a {self.backend!r} group through host memory, which a "
                                "CUDA graph cannot capture; use an NCCL group between nodes for graphs")
         limit = self.capacity_of(algo)
         if limit is not None and x.numel() * x.element_size() > limit:
             raise ValueError(f"algo={algo!r} takes at most {limit} bytes across nodes (its capacity on the nodes' "
                              f"fp32 partials), got {x.numel() * x.element_size()}")
-        if not capturing:
-            self._check_pending()  # a failure of an earlier call's send or receive raises before this one posts
+        if not in_graph:
+            self._link.check_pending()  # an earlier call's failed send or receive raises before this one posts
         flat = x.reshape(-1)
         if flat.numel() == 0:
             return x.clone() if out is None else out
@@ -231,23 +216,23 @@ class HierarchicalCommunicator:
         if self.node > 0 and self.local_rank == 0:
             # The previous node's partial, a shard from each of its ranks, then our input onto it.
             partial = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
-            self._receive_all([(partial[slice(*b)], self._peer(self.node - 1, i)) for i, b in enumerate(shards)],
+            self._link.receive_all([(partial[slice(*b)], self._peer(self.node - 1, i)) for i, b in enumerate(shards)],
                               f"the fp32 partial from node {self.node - 1}")
             partial.add_(flat)  # previous + x: the flat sum's next addition (x widened exactly)
         else:
             partial = flat.to(torch.float32)  # exact; x itself when it is fp32 (never written)
         node_sum = self._node_all_reduce(partial, algo)
         if self.node < last:
-            self._send(node_sum[mine], self._peer(self.node + 1, 0), f"the fp32 partial to node {self.node + 1}")
+            self._link.send(node_sum[mine], self._peer(self.node + 1, 0), f"the fp32 partial to node {self.node + 1}")
             # Our shard of the result from the last node; the node's shards gathered by an
             # all-reduce in which every other rank adds -0.0 (x + -0.0 is x, for every x).
             padded = torch.full(flat.shape, -0.0, dtype=flat.dtype, device=flat.device)
-            self._receive_all([(padded[mine], self._peer(last, self.local_rank))], f"the result from node {last}")
+            self._link.receive_all([(padded[mine], self._peer(last, self.local_rank))], f"the result from node {last}")
             result = self._node_all_reduce(padded, algo)
         else:
             result = node_sum.to(flat.dtype)  # rounded once, as the kernels round (to nearest even)
             for node in range(last):
-                self._send(result[mine], self._peer(node, self.local_rank), f"the result to node {node}")
+                self._link.send(result[mine], self._peer(node, self.local_rank), f"the result to node {node}")
         result = result.view(x.shape)
         if out is None:
             return result
@@ -282,10 +267,15 @@ class HierarchicalCommunicator:
     def check(self) -> None:
         """Raise the error of an earlier failed call (between nodes, or of the node's kernels)."""
         self._refuse_if_failed()
-        self._check_pending()
+        self._link.check_pending()
         check = getattr(self.intra, "check", None)
         if check is not None:
             check()
+
+    @property
+    def backend(self) -> str:
+        """The backend of the group between nodes: "nccl", "gloo", or e.g. "cpu:gloo,cuda:nccl"."""
+        return self._link.backend
 
     # What the SGLang adapter and log line read of a communicator: the node's.
     @property
@@ -352,7 +342,7 @@ class HierarchicalCommunicator:
                     close()
         finally:
             for group in self._owned_groups:
-                if self._captured and group is self._data_group:
+                if self._link.captured and group is self._link.group:
                     _NEVER_SHUT_DOWN.append(group)
                 else:
                     group.shutdown()
@@ -364,8 +354,8 @@ class HierarchicalCommunicator:
         self._refuse_if_failed()
 
     def _refuse_if_failed(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"this hierarchical communicator failed earlier ({self._failed}); create a new one")
+        if self._link.failed is not None:
+            raise RuntimeError(f"this hierarchical communicator failed earlier ({self._link.failed}); create a new one")
 
     def _node_all_reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
         if self.intra is None:
@@ -377,104 +367,9 @@ class HierarchicalCommunicator:
     def _peer(self, node: int, local_rank: int) -> int:
         return self.layout.nodes[node][local_rank]
 
-    def _receive_all(self, parts: list[tuple[torch.Tensor, int]], step: str) -> None:
-        """Receive each ``(view, peer)`` pair, all posted at once (empty views skipped)."""
-        parts = [(into, peer) for into, peer in parts if into.numel()]
-        staged = [torch.empty(into.shape, dtype=into.dtype) if self._through_host else into for into, _ in parts]
-        works = []
-        for (_, peer), buf in zip(parts, staged):
-            start = lambda buf=buf, peer=peer: dist.irecv(buf, src=self._global[peer], group=self._data_group)  # noqa: E731
-            works.append((self._start(start, peer, step), peer))
-        for work, peer in works:
-            self._wait(work, peer, step)
-        for (into, _), buf in zip(parts, staged):
-            if buf is not into:
-                into.copy_(buf)
-
-    def _send(self, tensor: torch.Tensor, peer: int, step: str) -> None:
-        if not tensor.numel():
-            return
-        staged = tensor.cpu() if self._through_host else tensor.contiguous()
-        work = self._start(lambda: dist.isend(staged, dst=self._global[peer], group=self._data_group), peer, step)
-        self._wait(work, peer, step)
-
-    def _start(self, start: Callable[[], Any], peer: int, step: str) -> Any:
-        try:
-            return start()
-        except Exception as exc:  # noqa: BLE001 - any backend's failure becomes the library's error
-            self._fail(peer, step, one_line(exc))
-
-    def _wait(self, work: Any, peer: int, step: str) -> None:
-        """Wait for one send or receive, bounded: InterNodeError naming ``step``.
-
-        Through host memory the host waits (it must, to copy the data). On NCCL the current
-        stream waits instead, so the call never blocks the host and a graph capture records the
-        dependency; eager works are kept until read (:meth:`_track`)."""
-        try:
-            if self._through_host:
-                done = work.wait(timeout=timedelta(seconds=self.inter_node_timeout_s))
-            else:
-                done = work.wait()
-        except Exception as exc:  # noqa: BLE001 - any backend's failure becomes the library's error
-            self._fail(peer, step, one_line(exc))
-        if done is False:
-            self._fail(peer, step, f"not complete after {self.inter_node_timeout_s:g} s")
-        if not self._through_host:
-            if _capturing():
-                self._captured = True
-            else:
-                self._track(work, peer, step)
-
-    def _track(self, work: Any, peer: int, step: str) -> None:
-        """Keep an eager NCCL work until it is read (:meth:`_check_pending`), never dropping one
-        unread: at ``_MAX_PENDING`` still pending, the host waits for the oldest, at most until
-        ``inter_node_timeout_s`` after it was issued."""
-        while len(self._pending) >= _MAX_PENDING:
-            started, oldest, old_peer, old_step = self._pending[0]
-            while not self._completed(oldest, old_peer, old_step):
-                waited = time.monotonic() - started
-                if waited > self.inter_node_timeout_s:
-                    self._fail(old_peer, old_step, f"not complete {waited:.1f} s after it was issued")
-                time.sleep(_POLL_S)
-            self._pending.pop(0)
-        self._pending.append((time.monotonic(), work, peer, step))
-
-    def _completed(self, work: Any, peer: int, step: str) -> bool:
-        """Whether ``work`` is complete; InterNodeError where it failed (torch reports a failed
-        work complete: its exception says it failed, or reading it raises)."""
-        try:
-            if not work.is_completed():
-                return False
-            failure = work.exception()
-        except Exception as exc:  # noqa: BLE001 - the backend's failure becomes the library's error
-            self._fail(peer, step, one_line(exc))
-        if failure is not None:
-            self._fail(peer, step, one_line(failure))
-        return True
-
-    def _check_pending(self) -> None:
-        """Raise for an NCCL send or receive of an eager call that failed, or is still not
-        complete ``inter_node_timeout_s`` after it was issued (no host wait); forget the ones
-        that completed."""
-        now, still = time.monotonic(), []
-        for started, work, peer, step in self._pending:
-            if not self._completed(work, peer, step):
-                if now - started > self.inter_node_timeout_s:
-                    self._fail(peer, step, f"not complete {now - started:.1f} s after it was issued")
-                still.append((started, work, peer, step))
-        self._pending = still
-
-    def _fail(self, peer: int, step: str, why: str) -> NoReturn:
-        self._failed = f"rank {self.rank}: {step} (rank {peer}) failed"
-        raise InterNodeError(f"rank {self.rank}: the inter-node step '{step}' with rank {peer} failed over "
-                             f"{self.backend}: {why}", rank=self.rank, peer=peer, stage=step)
-
 
 def _refuse_wire(wire: str | None) -> None:
     if wire is not None:
         raise ValueError(f"wire={wire!r}: no compressed wire spans nodes (the chain between them carries fp32 "
                          "partials); a hierarchical communicator's wires are none")
 
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

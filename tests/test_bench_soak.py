@@ -49,7 +49,7 @@ def _parse(argv: list[str], gpu_count: int = 1) -> soak.SoakConfig:
 
 
 def test_defaults() -> None:
-    from pcie_allreduce.communicator import DEFAULT_TIMEOUT_S
+    from pcie_allreduce.rendezvous import DEFAULT_TIMEOUT_S
 
     cfg = _parse([])
     assert (cfg.world, cfg.calls, cfg.minutes, cfg.seed, cfg.max_bytes) == (8, 1_000_000, 10.0, 0, 2 << 20)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import communicator, constants, validation
+from pcie_allreduce import communicator, constants, rendezvous, validation
 from pcie_allreduce.tools import ranks
 
 WORLD = 2
@@ -281,11 +281,11 @@ def test_timeout_out_of_bounds(value: object) -> None:
 
 
 def test_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(communicator.TIMEOUT_ENV, "2.5")
-    assert communicator._default_timeout() == 2.5
-    monkeypatch.setenv(communicator.TIMEOUT_ENV, "1e300")
-    with pytest.raises(ValueError, match=communicator.TIMEOUT_ENV):
-        communicator._default_timeout()
+    monkeypatch.setenv(rendezvous.TIMEOUT_ENV, "2.5")
+    assert rendezvous.default_timeout() == 2.5
+    monkeypatch.setenv(rendezvous.TIMEOUT_ENV, "1e300")
+    with pytest.raises(ValueError, match=rendezvous.TIMEOUT_ENV):
+        rendezvous.default_timeout()
 
 
 # ---- lifetime ----------------------------------------------------------------------------

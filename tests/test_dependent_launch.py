@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcie_allreduce import communicator
+from pcie_allreduce import rendezvous
+
 norm = pytest.importorskip("pcie_allreduce.fused.add_rmsnorm")  # the kernel's module (Triton)
 protocol = pytest.importorskip("pcie_allreduce.fused.protocol")
 from pcie_allreduce.fused import path  # noqa: E402
@@ -20,11 +21,11 @@ from pcie_allreduce.fused import path  # noqa: E402
 def test_the_switch_needs_the_setting_and_a_gpu_that_has_it(monkeypatch, env: str | None, major: int,
                                                             on: bool) -> None:
     if env is None:
-        monkeypatch.delenv(communicator.PDL_ENV, raising=False)
+        monkeypatch.delenv(rendezvous.PDL_ENV, raising=False)
     else:
-        monkeypatch.setenv(communicator.PDL_ENV, env)
+        monkeypatch.setenv(rendezvous.PDL_ENV, env)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
-    assert communicator._dependent_launch(torch.device("cuda", 0)) is on
+    assert rendezvous.dependent_launch(torch.device("cuda", 0)) is on
 
 
 class _Kernel:

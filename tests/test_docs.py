@@ -136,11 +136,11 @@ def test_every_variable_a_readme_names_is_read_by_the_code(doc: str) -> None:
 
 def test_every_library_setting_is_documented() -> None:
     """The variables the library reads at run time are each named in README.md or bench/README.md."""
-    from pcie_allreduce import _archs, communicator, transport
+    from pcie_allreduce import _archs, rendezvous, transport
     from pcie_allreduce.plan import cache, tables
 
     docs = _user_docs() + _doc("bench/README.md")
-    for name in (transport.ENV, tables.TABLE_ENV, communicator.TIMEOUT_ENV, cache.CACHE_ENV, _archs.ENV_VAR):
+    for name in (transport.ENV, tables.TABLE_ENV, rendezvous.TIMEOUT_ENV, cache.CACHE_ENV, _archs.ENV_VAR):
         assert f"`{name}" in docs or f"${name}" in docs, name
 
 
@@ -225,14 +225,14 @@ def test_readme_gives_the_default_full_payload_range() -> None:
 
 
 def test_readme_gives_the_communicators_limits() -> None:
-    from pcie_allreduce import communicator
+    from pcie_allreduce import rendezvous
     from pcie_allreduce.fused import path as fused_path
     from pcie_allreduce.constants import MAX_MESSAGE_BYTES, MAX_TIMEOUT_S
 
     text = _flat(_user_docs())
     assert f"`max_bytes` up to {MAX_MESSAGE_BYTES >> 20} MiB" in text
     assert MAX_TIMEOUT_S == 24 * 3600 and "`timeout_s` / `PCIE_AR_TIMEOUT_S` up to a day" in text
-    assert f"after `timeout_s` (default {communicator.DEFAULT_TIMEOUT_S:g} s)" in text
+    assert f"after `timeout_s` (default {rendezvous.DEFAULT_TIMEOUT_S:g} s)" in text
     assert f"reaches that meeting within {fused_path.FIRST_FUSED_CALL_WAIT_S} s" in text
 
 

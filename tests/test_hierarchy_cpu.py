@@ -13,7 +13,9 @@ import torch.distributed as dist
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import nodes
 from pcie_allreduce.errors import InterNodeError
+from pcie_allreduce import inter_node
 from pcie_allreduce.hierarchy import HierarchicalCommunicator
+from pcie_allreduce.inter_node import InterNodeLink
 from pcie_allreduce.fabric.nodes import NodeLayout, layout_of, off_node_bytes, shard_bounds
 from pcie_allreduce.settings import SettingsError
 from tests import _reference as ref
@@ -129,7 +131,7 @@ def _silent_last_node_rank(ctx: ranks.RankContext) -> dict:
     comm = HierarchicalCommunicator(ctx.group, "cpu", layout=layout, intra_node=_RankOrderSum,
                                     inter_node_timeout_s=2)
     if ctx.rank == 2:  # the last node's first rank never sends the result back
-        comm._send = lambda tensor, peer, step: None  # type: ignore[method-assign]
+        comm._link.send = lambda tensor, peer, step: None  # type: ignore[method-assign]
     x = torch.randn(64)
     started = time.monotonic()
     raised = None
@@ -213,8 +215,8 @@ class _Unreadable(Exception):
 def _nccl_comm(timeout_s: float = 5.0) -> HierarchicalCommunicator:
     """Rank 0 of two nodes of two ranks, sends on NCCL, no node all-reduce (the host side only)."""
     comm = object.__new__(HierarchicalCommunicator)
-    comm.rank, comm.backend, comm._through_host, comm.inter_node_timeout_s = 0, "nccl", False, timeout_s
-    comm._failed, comm._closed, comm._captured, comm.intra, comm._pending = None, False, False, None, []
+    comm.rank, comm.inter_node_timeout_s, comm._closed, comm.intra = 0, timeout_s, False, None
+    comm._link = InterNodeLink(None, [0, 1, 2, 3], 0, timeout_s, "nccl")
     comm.device, comm.max_bytes, comm.layout = torch.device("cpu"), 1 << 20, nodes.equal_nodes(4, 2)
     comm.node, comm.local_rank, comm.node_size, comm._global = 0, 0, 2, [0, 1, 2, 3]
     return comm
@@ -224,18 +226,19 @@ def test_nccl_works_are_checked_without_waiting_on_the_host() -> None:
     """On NCCL the stream waits, not the host; check() raises InterNodeError for a work that
     failed, or is still pending past the timeout, and forgets the completed ones."""
     comm = object.__new__(HierarchicalCommunicator)
-    comm.rank, comm.backend, comm.inter_node_timeout_s, comm._failed, comm.intra = 0, "nccl", 5.0, None, None
+    comm.rank, comm.inter_node_timeout_s, comm.intra = 0, 5.0, None
+    comm._link = InterNodeLink(None, [0, 1, 2, 3], 0, 5.0, "nccl")
     now = time.monotonic()
-    comm._pending = [(now, _FakeWork(True), 1, "a"), (now, _FakeWork(False), 2, "the result from node 1")]
+    comm._link.pending = [(now, _FakeWork(True), 1, "a"), (now, _FakeWork(False), 2, "the result from node 1")]
     comm.check()
-    assert [p[2] for p in comm._pending] == [2]
-    comm._pending = [(now - 10, _FakeWork(False), 2, "the result from node 1")]
+    assert [p[2] for p in comm._link.pending] == [2]
+    comm._link.pending = [(now - 10, _FakeWork(False), 2, "the result from node 1")]
     with pytest.raises(InterNodeError, match="'the result from node 1' with rank 2 failed over nccl: not complete"):
         comm.check()
     with pytest.raises(RuntimeError, match="failed earlier"):
         comm.check()
-    comm._failed = None
-    comm._pending = [(now, _FakeWork(True, RuntimeError("NCCL error: remote process exited")), 3, "x")]
+    comm._link.failed = None
+    comm._link.pending = [(now, _FakeWork(True, RuntimeError("NCCL error: remote process exited")), 3, "x")]
     with pytest.raises(InterNodeError, match="with rank 3 failed over nccl: NCCL error: remote process exited"):
         comm.check()
 
@@ -247,45 +250,43 @@ def test_a_failed_nccl_work_is_never_forgotten_unread(monkeypatch, failure: Base
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager, on a CPU
     comm = _nccl_comm()
     work = _FakeWork(False)
-    comm._wait(work, 2, "the fp32 partial to node 1")
+    comm._link._wait(work, 2, "the fp32 partial to node 1")
     work.completed, work.failure = True, failure
-    comm._wait(_FakeWork(True), 3, "the result from node 1")  # a later send of the same call
+    comm._link._wait(_FakeWork(True), 3, "the result from node 1")  # a later send of the same call
     why = "NCCL error: remote process exited" if isinstance(failure, RuntimeError) else "communicator was aborted"
     with pytest.raises(InterNodeError, match=f"'the fp32 partial to node 1' with rank 2 failed over nccl: .*{why}"):
         comm.check()
     comm = _nccl_comm()
-    comm._wait(work, 2, "the fp32 partial to node 1")
+    comm._link._wait(work, 2, "the fp32 partial to node 1")
     posted: list = []
-    comm._start = lambda start, peer, step: posted.append(step)  # type: ignore[method-assign]
+    comm._link._start = lambda start, peer, step: posted.append(step)  # type: ignore[method-assign]
     with pytest.raises(InterNodeError, match="with rank 2 failed over nccl"):
         comm.all_reduce(torch.ones(64, dtype=torch.bfloat16))
     assert posted == []
 
 
 def test_the_pending_nccl_works_are_bounded_without_dropping_one(monkeypatch) -> None:
-    """At _MAX_PENDING works still pending the host waits for the oldest, at most until its
+    """At MAX_PENDING works still pending the host waits for the oldest, at most until its
     timeout: a work that completes meanwhile is read and forgotten, one that does not raises."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager, on a CPU
-    from pcie_allreduce import hierarchy
-
     comm = _nccl_comm(timeout_s=0.5)
     oldest = _FakeWork(False, polls=3)
-    comm._wait(oldest, 2, "oldest")
-    for _ in range(hierarchy._MAX_PENDING - 1):
-        comm._wait(_FakeWork(False), 3, "newer")
-    comm._wait(_FakeWork(False), 3, "one more")  # waits for the oldest, which completes
-    assert len(comm._pending) == hierarchy._MAX_PENDING and all(p[3] != "oldest" for p in comm._pending)
-    comm._pending[0] = (time.monotonic(), _FakeWork(False), 2, "stuck")
+    comm._link._wait(oldest, 2, "oldest")
+    for _ in range(inter_node.MAX_PENDING - 1):
+        comm._link._wait(_FakeWork(False), 3, "newer")
+    comm._link._wait(_FakeWork(False), 3, "one more")  # waits for the oldest, which completes
+    assert len(comm._link.pending) == inter_node.MAX_PENDING and all(p[3] != "oldest" for p in comm._link.pending)
+    comm._link.pending[0] = (time.monotonic(), _FakeWork(False), 2, "stuck")
     started = time.monotonic()
     with pytest.raises(InterNodeError, match=r"'stuck' with rank 2 failed over nccl: not complete 0\.[5-9] s after"):
-        comm._wait(_FakeWork(False), 3, "one too many")
+        comm._link._wait(_FakeWork(False), 3, "one too many")
     assert 0.4 < time.monotonic() - started < 5
     comm = _nccl_comm()
-    comm._wait(_FakeWork(False), 2, "fails later")
-    comm._pending[0][1].completed, comm._pending[0][1].failure = True, RuntimeError("NCCL timeout")
+    comm._link._wait(_FakeWork(False), 2, "fails later")
+    comm._link.pending[0][1].completed, comm._link.pending[0][1].failure = True, RuntimeError("NCCL timeout")
     with pytest.raises(InterNodeError, match="'fails later' with rank 2 failed over nccl: NCCL timeout"):
-        for _ in range(hierarchy._MAX_PENDING):
-            comm._wait(_FakeWork(False), 3, "newer")
+        for _ in range(inter_node.MAX_PENDING):
+            comm._link._wait(_FakeWork(False), 3, "newer")
 
 
 class _ClosableSum(_RankOrderSum):
@@ -319,7 +320,7 @@ def _lifetime_rank(ctx: ranks.RankContext) -> dict:
     # One rank gathers the layout ($PCIE_AR_NODES=2), the others pass the same one: agreed.
     comm = HierarchicalCommunicator(ctx.group, "cpu", layout=None if ctx.rank == 0 else nodes.equal_nodes(4, 2),
                                     intra_node=_ClosableSum, inter_node_backend="gloo", inter_node_timeout_s=7)
-    between = comm._data_group
+    between = comm._link.group
     out["made"] = between is not ctx.group and comm.layout.nodes == ((0, 1), (2, 3))
     x = torch.ones(64)
     out["sum"] = comm.all_reduce(x).tolist() == [4.0] * 64
@@ -327,7 +328,7 @@ def _lifetime_rank(ctx: ranks.RankContext) -> dict:
     comm.close()  # a second close does nothing
     out["closed"] = (_ClosableSum.made[-1].closed, comm._owned_groups == [])
     posted: list = []
-    comm._start = lambda start, peer, step: posted.append(step)  # type: ignore[method-assign]
+    comm._link._start = lambda start, peer, step: posted.append(step)  # type: ignore[method-assign]
     for call in (lambda: comm.all_reduce(x), lambda: comm.all_reduce_rmsnorm(x.view(1, 64), x.view(1, 64),
                                                                              torch.ones(64), 1e-6)):
         try:
@@ -409,7 +410,7 @@ def _one_rank_skips_its_exchange(ctx: ranks.RankContext) -> dict:
     """2x2 emulated nodes; rank 2 (node 1's first rank) never sends during creation's warm-up, so
     rank 0 never gets its shard of the result: creation must fail on every rank alike."""
     if ctx.rank == 2:
-        HierarchicalCommunicator._send = lambda self, tensor, peer, step: None  # type: ignore[method-assign]
+        InterNodeLink.send = lambda self, tensor, peer, step: None  # type: ignore[method-assign]
     started = time.monotonic()
     try:
         comm = HierarchicalCommunicator(ctx.group, "cpu", layout=nodes.equal_nodes(4, 2),

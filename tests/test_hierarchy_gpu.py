@@ -77,7 +77,7 @@ def _silent_last_node_rank(ctx: ranks.RankContext) -> dict:
     comm = HierarchicalCommunicator(ctx.group, ctx.device, layout=equal_nodes(4, 2), inter_node_timeout_s=3,
                                     max_bytes=MAX_BYTES, timeout_s=5)
     if ctx.rank == 2:  # the last node's first rank never sends node 0's first rank its shard of the result
-        comm._send = lambda tensor, peer, step: None  # type: ignore[method-assign]
+        comm._link.send = lambda tensor, peer, step: None  # type: ignore[method-assign]
     x = ref.rank_input(5, ctx.rank, 4 * 7168, torch.bfloat16).to(ctx.device)
     started = time.monotonic()
     raised = None
@@ -108,7 +108,7 @@ def _graph_across_nodes(ctx: ranks.RankContext, replays: int) -> dict:
     comm = HierarchicalCommunicator(ctx.group, ctx.device, layout=equal_nodes(ctx.world_size, 2),
                                     inter_node_backend="nccl", inter_node_timeout_s=30, max_bytes=MAX_BYTES,
                                     timeout_s=30)
-    between = comm._data_group
+    between = comm._link.group
     shapes = [(4 * 7168, torch.bfloat16), (7, torch.float16), (1000, torch.float32)]
     static_in = [torch.zeros(n, dtype=d, device=ctx.device) for n, d in shapes]
     outs = [torch.full_like(x, float("nan")) for x in static_in]
@@ -127,7 +127,7 @@ def _graph_across_nodes(ctx: ranks.RankContext, replays: int) -> dict:
             assert torch.equal(ref.bits(out.cpu()), ref.bits(ref.exact(per_rank))), f"replay {rep}: {n} x {d}"
             checked += 1
     comm.check()
-    captured = comm._captured
+    captured = comm._link.captured
     comm.close()
     kept = any(g is between for g in hierarchy._NEVER_SHUT_DOWN)  # a graph may still replay its sends
     return {"checked": checked, "captured": captured, "kept": kept}

@@ -14,6 +14,7 @@ import torch
 import pcie_allreduce
 from pcie_allreduce.communicator import Communicator
 from pcie_allreduce.hierarchy import HierarchicalCommunicator
+from pcie_allreduce.inter_node import InterNodeLink
 from pcie_allreduce.interface import AllReducer
 from tests._standins import GlooCommunicator
 
@@ -80,7 +81,7 @@ def test_exported_lazily():
 
 def test_hierarchy_refuses_what_it_cannot_serve_with_a_value_error():
     comm = object.__new__(HierarchicalCommunicator)  # the refusals come before any collective
-    comm._closed, comm._failed = False, None
+    comm._closed, comm._link = False, InterNodeLink(None, [], 0, 60.0, "gloo")
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="no compressed wire spans nodes"):
         comm.all_reduce(x, wire="fp8")

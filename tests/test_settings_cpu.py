@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from pcie_allreduce import communicator, settings
+from pcie_allreduce import rendezvous, settings
 from pcie_allreduce.fabric import nodes
 from pcie_allreduce.settings import SettingsError
 
@@ -37,25 +37,25 @@ def test_the_shared_parsers() -> None:
 @pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("true", True), ("On", True), ("0", False),
                                        ("off", False), ("", False)])
 def test_dependent_launch_takes_every_boolean_spelling(monkeypatch, value: str, on: bool) -> None:
-    monkeypatch.setenv(communicator.PDL_ENV, value)
+    monkeypatch.setenv(rendezvous.PDL_ENV, value)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert communicator._dependent_launch(torch.device("cuda", 0)) is on
+    assert rendezvous.dependent_launch(torch.device("cuda", 0)) is on
 
 
 def test_a_dependent_launch_value_that_is_no_boolean_names_the_variable(monkeypatch) -> None:
-    monkeypatch.setenv(communicator.PDL_ENV, "sure")
+    monkeypatch.setenv(rendezvous.PDL_ENV, "sure")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(SettingsError, match="PCIE_AR_PDL='sure': expected 1 or 0"):
-        communicator._dependent_launch(torch.device("cuda", 0))
+        rendezvous.dependent_launch(torch.device("cuda", 0))
 
 
 def test_the_timeout_setting_names_the_variable(monkeypatch) -> None:
-    monkeypatch.setenv(communicator.TIMEOUT_ENV, "2.5")
-    assert communicator._default_timeout() == 2.5
+    monkeypatch.setenv(rendezvous.TIMEOUT_ENV, "2.5")
+    assert rendezvous.default_timeout() == 2.5
     for bad in ("soon", "0", "inf", "nan", ""):
-        monkeypatch.setenv(communicator.TIMEOUT_ENV, bad)
+        monkeypatch.setenv(rendezvous.TIMEOUT_ENV, bad)
         with pytest.raises(SettingsError, match=f"PCIE_AR_TIMEOUT_S={bad!r}"):
-            communicator._default_timeout()
+            rendezvous.default_timeout()
 
 
 @pytest.mark.parametrize("value", ["\u00b2", "\u0664", "2.0", "two", "0", "-1"])

@@ -749,14 +749,16 @@ def _hierarchy_rank(rank: int, max_bytes: int):
     """The real HierarchicalCommunicator, ``rank`` of two nodes of two ranks, its sends stubbed out."""
     from pcie_allreduce.hierarchy import HierarchicalCommunicator
     from pcie_allreduce.fabric.nodes import equal_nodes
+    from pcie_allreduce.inter_node import InterNodeLink
 
     comm = object.__new__(HierarchicalCommunicator)
     comm.layout, comm.rank, comm.world_size, comm.max_bytes = equal_nodes(4, 2), rank, 4, max_bytes
     comm.node, comm.local_rank, comm.node_size = comm.layout.node_of(rank), comm.layout.local_rank(rank), 2
-    comm.device, comm._closed, comm._failed, comm._through_host, comm._pending = torch.device("cpu"), False, None, True, []
+    comm.device, comm._closed = torch.device("cpu"), False
+    comm._link = InterNodeLink(None, [0, 1, 2, 3], rank, 60.0, "gloo")  # through host memory
     comm.intra = _NodeSum(2 * max_bytes, 2)
-    comm._send = lambda tensor, peer, step: None
-    comm._receive_all = lambda parts, step: [into.zero_() for into, _ in parts]
+    comm._link.send = lambda tensor, peer, step: None
+    comm._link.receive_all = lambda parts, step: [into.zero_() for into, _ in parts]
     return comm
 
 

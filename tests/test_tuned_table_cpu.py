@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce.communicator import Communicator
+from pcie_allreduce import rendezvous
 from pcie_allreduce.fabric import topology
 from pcie_allreduce.plan import cache as plan_cache
 from pcie_allreduce.plan import rules, tables
@@ -31,36 +31,49 @@ class _FakeExt:
         return True
 
 
+class _Creation:
+    """What the tuned-table step of creation reads (a one-rank group, this GPU, its placement, the
+    islands, the transport), and what it decided: ``table`` and ``table_source``."""
+
+    def __init__(self) -> None:
+        self.collective = rendezvous.Collective(dist.group.WORLD, 0, 1)
+        self.ext, self.world_size = _FakeExt(), 1
+        self.device = torch.device("cuda", 0)  # the constructor needs a GPU; this step does not
+        self.placements = [topology.RankPlacement(0, "host", BUS)]
+        self.table, self.table_source = tables.default_table(), "built-in default"
+        self.islands: tuple[tuple[int, ...], ...] = ((0,),)
+        self.transport = "p2p"
+
+    def adopt_tuned_table(self) -> None:
+        self.table, self.table_source = rendezvous.tuned_table(
+            self.collective, self.ext, self.device, self.placements, self.islands,
+            topology.island_ranks(self.islands), self.transport)
+
+
 @pytest.fixture
 def comm(tmp_path, monkeypatch):
     tmp_path.chmod(0o700)  # the user's own cache directory, whatever the umask
     monkeypatch.setenv(plan_cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
-    c = Communicator.__new__(Communicator)  # the constructor needs a GPU; this step does not
-    c._ext, c._group, c.rank, c.world_size = _FakeExt(), dist.group.WORLD, 0, 1
-    c.device = torch.device("cuda", 0)
-    c.placements = [topology.RankPlacement(0, "host", BUS)]
-    c.table, c.table_source = tables.default_table(), "built-in default"
-    c.islands = ((0,),)
-    yield c
+    yield _Creation()
     dist.destroy_process_group()
 
 
-def _cache_path(comm: Communicator) -> str:
-    fp = plan_cache.fingerprint_of(comm._ext, [BUS])
+def _cache_path(comm: _Creation) -> str:
+    fp = plan_cache.fingerprint_of(comm.ext, [BUS])
     return plan_cache.table_path("NVIDIA Test GPU", comm.world_size, fp)
 
 
 def test_no_cached_table_keeps_the_default(comm) -> None:
-    comm._adopt_tuned_table()
+    comm.adopt_tuned_table()
     assert comm.table == tables.default_table() and comm.table_source == "built-in default"
 
 
 @pytest.mark.parametrize("transport", ["p2p", "host"])
 def test_a_group_across_islands_takes_the_island_table_on_p2p(comm, transport: str) -> None:
     comm.transport, comm.islands = transport, ((0, 1, 2, 3), (4, 5, 6, 7))
-    comm._adopt_tuned_table()
+    comm.adopt_tuned_table()
     if transport == "p2p":
         assert comm.table == tables.island_fabric_table()
         assert comm.table_source == "built-in default for 2 islands (an estimate)"
@@ -71,7 +84,7 @@ def test_a_group_across_islands_takes_the_island_table_on_p2p(comm, transport: s
 def test_cached_table_is_adopted(comm) -> None:
     tuned = tables.AlgoTable((rules.Rule("twoshot", bytes_per_block=1024, max_blocks=3),))
     write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
-    comm._adopt_tuned_table()
+    comm.adopt_tuned_table()
     assert comm.table == tuned
     assert comm.table_source == f"tune cache {_cache_path(comm)}"
     assert comm.table.select(56 << 10, 2, "bfloat16") == rules.Choice("twoshot", 3)
@@ -82,15 +95,15 @@ def test_a_table_tuned_on_islands_serves_only_groups_with_those_islands(comm) ->
     picks fit that fabric) is not loaded by a flat group on the same GPUs, nor by other islands."""
     halves = ((0, 1, 2, 3), (4, 5, 6, 7))
     tuned = tables.AlgoTable((rules.Rule("twoshot_pull", bytes_per_block=1024, max_blocks=3),))
-    path = plan_cache.table_path("NVIDIA Test GPU", comm.world_size, plan_cache.fingerprint_of(comm._ext, [BUS], halves))
+    path = plan_cache.table_path("NVIDIA Test GPU", comm.world_size, plan_cache.fingerprint_of(comm.ext, [BUS], halves))
     write_table(path, tuned.to_json(), {"by": "test"})
-    comm._adopt_tuned_table()  # flat (one island)
+    comm.adopt_tuned_table()  # flat (one island)
     assert comm.table == tables.default_table() and comm.table_source == "built-in default"
     comm.islands = ((0, 1), (2, 3), (4, 5), (6, 7))
-    comm._adopt_tuned_table()
+    comm.adopt_tuned_table()
     assert comm.table == tables.island_fabric_table()
     comm.islands = halves
-    comm._adopt_tuned_table()
+    comm.adopt_tuned_table()
     assert comm.table == tuned and comm.table_source == f"tune cache {path}"
 
 
@@ -101,7 +114,7 @@ def test_corrupt_cached_table_warns_and_keeps_the_default(comm) -> None:
         fh.write('{"rules": [{"algo": "ring"}]}')
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        comm._adopt_tuned_table()
+        comm.adopt_tuned_table()
     assert comm.table == tables.default_table()
     assert any("ignoring tuned table" in str(w.message) for w in caught)
 
@@ -122,7 +135,7 @@ def test_any_corrupt_cached_table_warns_and_keeps_the_default(comm, content: byt
         fh.write(content)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        comm._adopt_tuned_table()
+        comm.adopt_tuned_table()
     assert comm.table == tables.default_table() and comm.table_source == "built-in default"
     assert any(path in str(w.message) for w in caught), [str(w.message) for w in caught]
 
@@ -203,12 +216,12 @@ def test_a_communicator_keeps_the_default_where_the_cache_is_not_the_users_own(c
     write_table(_cache_path(comm), tuned.to_json(), {"by": "test"})
     tmp_path.chmod(0o777)
     try:
-        messages = _warnings_of(comm._adopt_tuned_table)
+        messages = _warnings_of(comm.adopt_tuned_table)
     finally:
         tmp_path.chmod(0o700)
     assert comm.table == tables.default_table() and comm.table_source == "built-in default"
     assert any("its directory is writable by others" in m for m in messages), messages
-    comm._adopt_tuned_table()
+    comm.adopt_tuned_table()
     assert comm.table == tuned
 
 
