@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pcie_allreduce.plugin_eligibility import RankFacts
 from vllm_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
 from tests import _standins
 
@@ -59,3 +60,13 @@ def tp_group(ctx: Any, device: torch.device) -> Any:
     return tp
 
 
+
+
+def cpu_facts(unavailable_on: int | None = None):
+    """The per-rank GPU facts the plugin's eligibility reads, for gloo ranks on a CPU (one GPU per
+    rank, SM120, one host); rank ``unavailable_on`` cannot run the kernels."""
+    def facts(device) -> RankFacts:
+        rank = torch.distributed.get_rank()
+        return RankFacts(host="testhost", unavailable="no GPU (test)" if rank == unavailable_on else None,
+                         physical_gpu=rank, sm="SM120")
+    return facts

@@ -26,7 +26,7 @@ from pcie_allreduce.tools import ranks
 from pcie_allreduce.settings import SettingsError
 from sglang_plugin import settings as sglang_settings
 from tests._standins import GlooCommunicator
-from tests._vllm import REPO, ensure_entry_point, plugin_env, tp_group, vllm_skip_reason
+from tests._vllm import REPO, cpu_facts, ensure_entry_point, plugin_env, tp_group, vllm_skip_reason
 from vllm_plugin import settings as settings_mod
 from pcie_allreduce.plugin_eligibility import RankFacts
 from vllm_plugin.settings import Settings
@@ -197,14 +197,6 @@ def test_a_bad_setting_is_logged_by_name_and_vllm_runs_without_the_plugin() -> N
 # ---------------------------------------------------------------------------- vLLM's communicator, on CPU
 
 
-def _cpu_facts(unavailable_on: int | None):
-    def facts(device) -> RankFacts:
-        rank = torch.distributed.get_rank()
-        return RankFacts(host="testhost", unavailable="no GPU (test)" if rank == unavailable_on else None,
-                         physical_gpu=rank, sm="SM120")
-    return facts
-
-
 def _rank(ctx, unavailable_on: int | None = None) -> dict:
     """One rank: vLLM's loader loads the plugin; vLLM's CudaCommunicator builds and uses our adapter."""
     import logging
@@ -223,7 +215,7 @@ def _rank(ctx, unavailable_on: int | None = None) -> dict:
     load_general_plugins()
     assert plugin.STATE is not None, "load_general_plugins() did not run the entry point"
     plugin.STATE.communicator_factory = GlooCommunicator  # the two seams: our communicator, the GPU facts
-    plugin.STATE.facts_fn = _cpu_facts(unavailable_on)
+    plugin.STATE.facts_fn = cpu_facts(unavailable_on)
     device = torch.device("cpu")
     tp = tp_group(ctx, device)
     cc = tp.device_communicator

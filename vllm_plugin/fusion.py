@@ -98,6 +98,10 @@ def rewrite(graph: fx.Graph, group_name: str | None = None) -> int:
             new = graph.call_function(fused, (ar_args["tensor"], args["x_residual"], args["weight"],
                                               float(args["epsilon"]), group_name))
         new.meta.update(node.meta)
+        # The tracer's record of the norm's eager arguments, by the norm's schema: Inductor would
+        # normalize it against ours and fail. Without it Inductor constrains no layout, as for any
+        # op a custom pass inserts.
+        new.meta.pop("eager_input_vals", None)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         graph.erase_node(reduced)
