@@ -108,7 +108,7 @@ class OursBackend(Backend):
         # Creating the capture stream's workspace is collective (IPC handle exchange): do it once,
         # outside any capture and at the same point on every rank.
         self._capture = stream
-        self._comm.workspace(stream.cuda_stream)
+        self._comm.prepare_stream(stream.cuda_stream)
 
     def device_sync(self) -> None:
         self._comm.all_reduce(self._sync, out=self._sync)  # zeros stay zeros

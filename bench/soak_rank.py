@@ -92,7 +92,7 @@ def soak_rank(ctx: "RankContext", cfg: SoakConfig) -> dict[str, Any]:
         # collectively here, outside any capture.
         side = torch.cuda.Stream(ctx.device)
         with torch.cuda.stream(side):
-            comm.workspace()
+            comm.prepare_stream()
         result.update(_Soak(ctx, cfg, comm, side).run())
         if ctx.rank == 0:
             result["environment"] = rank_environment(ctx)

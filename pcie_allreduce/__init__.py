@@ -8,18 +8,17 @@ Importing never needs a GPU; :func:`is_available` says whether the kernels can r
 
 from __future__ import annotations
 
-from pcie_allreduce.plan.algorithms import ALGORITHMS
-from pcie_allreduce.plan.rules import Choice, Rule
-from pcie_allreduce.plan.tables import AlgoTable, default_table, load_table
 from pcie_allreduce.errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, InterNodeError,
                                    UnavailableError)
 
 __version__ = "0.1.0"
 
+# The public surface: the communicators, their errors, whether the kernels can run here, and the
+# FP8 wire's error helpers. Algorithm tables (``algo_table=``) are pcie_allreduce.plan.tables'.
 __all__ = [
-    "ALGORITHMS", "AlgoTable", "Choice", "Rule", "default_table", "load_table",
     "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "InterNodeError", "UnavailableError",
-    "AllReducer", "Communicator", "HierarchicalCommunicator", "is_available", "unavailable_reason", "__version__",
+    "AllReducer", "Communicator", "HierarchicalCommunicator", "is_available", "unavailable_reason",
+    "fp8_error_bound", "fp8_all_reduce", "__version__",
 ]
 
 
@@ -44,6 +43,10 @@ def __getattr__(name: str):  # lazy: keep `import pcie_allreduce` free of torch.
         from pcie_allreduce.communicator import Communicator
 
         return Communicator
+    if name in ("fp8_error_bound", "fp8_all_reduce"):
+        from pcie_allreduce import fp8_wire
+
+        return fp8_wire.error_bound if name == "fp8_error_bound" else fp8_wire.all_reduce
     if name == "HierarchicalCommunicator":
         from pcie_allreduce.hierarchy import HierarchicalCommunicator
 

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 import weakref
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pcie_allreduce import ops, outcomes, rendezvous, validation, workspaces
+from pcie_allreduce import ops, rendezvous, validation, workspaces
 from pcie_allreduce.fabric import topology
-from pcie_allreduce.constants import ERROR_MISMATCH, STAGE_NAMES
-from pcie_allreduce.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from pcie_allreduce.plan import algorithms, dispatch, tables
 from pcie_allreduce.plan.dispatch import DTYPE_IDS
 from pcie_allreduce.fused.path import FusedPath
@@ -30,15 +27,8 @@ DEFAULT_MAX_BYTES = 8 << 20
 logger = logging.getLogger("pcie_allreduce")
 
 
-# How long close() waits for every rank to reach it before it gives up on freeing: an engine's
-# ranks tear a group down together, so only a rank that is gone (or stuck) is missed.
-CLOSE_WAIT_S = 60.0
-CLOSE_STAGE = "close"
-
-# Communicators alive in this process, for the fork handler; and workspaces that must never be
-# freed here (a forked child's copies, or those of a communicator dropped without close()).
+# Communicators alive in this process, for the fork handler.
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
-_NEVER_FREED: list[Any] = []
 
 
 def _disown_after_fork() -> None:
@@ -46,7 +36,7 @@ def _disown_after_fork() -> None:
     fork, so every communicator becomes unusable with an error that says why, and its workspaces
     are never freed from here (the parent and the peers still use that memory)."""
     for comm in list(_LIVE):
-        _NEVER_FREED.extend(comm._workspaces.values())
+        workspaces.NEVER_FREED.extend(comm._workspaces.values())
         comm._workspaces = {}
         comm._closed = True
         comm._closed_reason = (f"this Communicator was created in process {comm._pid}; this process is a child "
@@ -131,21 +121,18 @@ class Communicator:
         #: What every rank agreed on at creation (its fields are also this communicator's attributes).
         self.agreed: rendezvous.Agreed = agreed
         self._ext: ModuleType = agreed.ext
-        self.device: torch.device = agreed.device
-        self.max_bytes: int = agreed.max_bytes
+        self.device, self.max_bytes = agreed.device, agreed.max_bytes
         #: Largest message ``oneshot_ll`` takes (its line slots cost twice the payload).
         self.ll_capacity: int = agreed.ll_capacity
         self.timeout_s: float = agreed.timeout_s
         #: The unfused pair's norm kernel starts as the all-reduce's programmatic dependent ($PCIE_AR_PDL).
         self.dependent_launch: bool = agreed.dependent_launch
-        self.table: tables.AlgoTable = agreed.table
-        self.table_source: str = agreed.table_source
+        self.table, self.table_source = agreed.table, agreed.table_source  # the algorithm table, where it came from
         self.transport, self.transport_reason = agreed.transport, agreed.transport_reason
         self.placements: list[topology.RankPlacement] = agreed.placements
         self.islands, self.islands_source = agreed.islands, agreed.islands_source
         self.island_ranks = agreed.island_ranks
-        self.shares_gpu: bool = agreed.shares_gpu
-        self.block_cap: int = agreed.block_cap
+        self.shares_gpu, self.block_cap = agreed.shares_gpu, agreed.block_cap  # ranks on one GPU; blocks per call
         self._meeting_id: str = agreed.meeting_id  # names this communicator's keys in the group's store
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
@@ -194,7 +181,7 @@ class Communicator:
         hit = self._choices.get((nbytes, dtype, algo, symmetric))  # _choice's cache, without the call
         algo_id, blocks = hit if hit is not None else self._choice(nbytes, dtype, algo, symmetric)
         if workspace.all_reduce(algo_id, x.data_ptr(), out.data_ptr(), nbytes, DTYPE_IDS[dtype], blocks, stream):
-            raise self._error_of(workspace)
+            raise workspaces.error_of(workspace)
         return out
 
     def symmetric_input(self, shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.bfloat16, *,
@@ -281,11 +268,11 @@ class Communicator:
         """Raise the CollectiveTimeout / CollectiveMismatch a kernel recorded, if any (no GPU sync)."""
         for workspace in self._workspaces.values():
             if workspace.failed():
-                raise self._error_of(workspace)
+                raise workspaces.error_of(workspace)
 
     def close(self, *, release_captured: bool = False) -> None:
         """Free the workspaces. Collective: waits for this rank's streams, then for every rank,
-        at most :data:`CLOSE_WAIT_S`; never hangs on a rank that is gone.
+        at most :data:`pcie_allreduce.workspaces.CLOSE_WAIT_S`; never hangs on a rank that is gone.
 
         A workspace that served a CUDA graph capture is not freed unless ``release_captured``
         (the caller's promise that no graph captured with this communicator is replayed after
@@ -298,36 +285,12 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        if not self._workspaces:
-            return
-        torch.cuda.synchronize(self.device)
-        everyone = self._every_rank_closing()
-        for workspace in self._workspaces.values():
-            if everyone and (release_captured or not workspace.captured):
-                workspace.close()
-            else:
-                workspace.retire()
-                _NEVER_FREED.append(workspace)
-                self.retained_bytes += workspace.total_bytes
+        if self._workspaces:
+            torch.cuda.synchronize(self.device)
+            self.retained_bytes += workspaces.release(self._workspaces.values(), self._group, self._meeting_id,
+                                                      self.rank, release_captured=release_captured)
         self._workspaces.clear()
         self._input_areas.clear()
-
-    def _every_rank_closing(self) -> bool:
-        """Whether every rank has reached close() (so none writes into this rank's memory any
-        more), met in the group's store within :data:`CLOSE_WAIT_S`: never a collective on the
-        group, which a gone peer would hold for the group's timeout (30 minutes by default). Where
-        no process group is left to ask, nobody can be waited for: True, as before any group."""
-        if not dist.is_initialized():
-            return True
-        try:
-            outcomes.meet(self._group, f"pcie_allreduce/{self._meeting_id}/close", 0, "close()", CLOSE_STAGE,
-                          wait_s=CLOSE_WAIT_S, stage=CLOSE_STAGE)
-        except Exception as exc:  # noqa: BLE001 - a missing rank, or the store gone with rank 0's process
-            warnings.warn(f"pcie_allreduce: rank {self.rank}: close() keeps this communicator's workspaces "
-                          f"allocated ({' '.join(str(exc).split())}): a peer that did not close may still write "
-                          "into them", ResourceWarning, stacklevel=3)
-            return False
-        return True
 
     def __enter__(self) -> "Communicator":
         return self
@@ -335,24 +298,14 @@ class Communicator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- for the fused Triton kernels and tests ------------------------------------------
+    def serves_stream(self, stream: int | None = None) -> bool:
+        """Whether ``stream`` (default: the current one) has its workspace already (no collective)."""
+        return (current_stream_handle(self.device) if stream is None else stream) in self._workspaces
 
-    def workspace(self, stream: int | None = None) -> Any:
-        """The `_C.Workspace` serving ``stream`` (default: the current stream), created if needed."""
-        if stream is None:
-            stream = current_stream_handle(self.device)
-        return self._workspaces.get(stream) or self._workspace_for(stream)
-
-    def has_workspace(self, stream: int | None = None) -> bool:
-        """Whether ``stream`` (default: the current stream) already has its workspace (no collective)."""
-        if stream is None:
-            stream = current_stream_handle(self.device)
-        return stream in self._workspaces
-
-    def raise_if_failed(self, workspace: Any) -> None:
-        """Raise the recorded error of ``workspace`` if one of its kernels failed."""
-        if workspace.failed():
-            raise self._error_of(workspace)
+    def prepare_stream(self, stream: int | None = None) -> None:
+        """Make the workspace of ``stream`` (default: the current one) now, collectively on every
+        rank: before a CUDA graph is captured on a stream, whose first call cannot make it."""
+        self._workspace(stream)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -370,6 +323,12 @@ class Communicator:
                 self._choices[key] = hit
         return hit
 
+    def _workspace(self, stream: int | None = None) -> Any:
+        """The `_C.Workspace` serving ``stream`` (default: the current stream), made if new."""
+        if stream is None:
+            stream = current_stream_handle(self.device)
+        return self._workspaces.get(stream) or self._workspace_for(stream)
+
     def _workspace_for(self, stream: int) -> Any:
         """Create (collectively: :func:`pcie_allreduce.workspaces.create`) the workspace for a
         stream this rank has not used before, on the transport agreed at creation."""
@@ -379,38 +338,15 @@ class Communicator:
         self._workspaces[stream] = workspace
         return workspace
 
-    def _error_of(self, workspace: Any) -> CollectiveError:
-        err = workspace.error()
-        stage = STAGE_NAMES.get(err.stage, f"stage {err.stage}")
-        where = dict(rank=err.rank, peer=err.peer, stage=stage, epoch=err.epoch, block=err.block)
-        if err.kind == ERROR_MISMATCH:
-            return CollectiveMismatch(
-                f"rank {err.rank} got a different collective from rank {err.peer} as call #{err.epoch} "
-                f"({stage}, block {err.block}; signature {err.observed_signature:#010x} vs ours "
-                f"{err.expected_signature:#010x}): every rank must issue the same sequence of calls with the same "
-                "size, dtype and algorithm. This communicator is now unusable.", **where)
-        return CollectiveTimeout(
-            f"rank {err.rank} waited more than {workspace.timeout:g} s for rank {err.peer} in {stage} of call "
-            f"#{err.epoch} (block {err.block}): that rank is stuck, dead, or skipped a collective. "
-            "This communicator is now unusable.", **where)
-
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"max_bytes={self.max_bytes}, transport={getattr(self, 'transport', None)!r}, "
                 f"streams={len(self._workspaces)})")
 
     def __del__(self) -> None:
-        # Never free here: peers may still write into this memory, and a CUDA graph captured with
-        # it may still be replayed. Only close() (collective) frees; without it the memory stays
-        # allocated until the process exits.
-        workspaces = getattr(self, "_workspaces", None)
-        if workspaces and not getattr(self, "_closed", True):
-            _NEVER_FREED.extend(workspaces.values())
-            mib = sum(getattr(w, "total_bytes", 0) for w in workspaces.values()) / 2**20
-            warnings.warn(f"pcie_allreduce: a Communicator (rank {self.rank}) was dropped without close(); its "
-                          f"{mib:.0f} MiB of workspaces stay allocated until the process exits, since peers may "
-                          "still write into them. Call close() on every rank to free them.", ResourceWarning,
-                          stacklevel=2)
+        # Never free here (peers may still write into this memory, a captured graph may be replayed).
+        if getattr(self, "_workspaces", None) and not getattr(self, "_closed", True):
+            workspaces.abandon(self._workspaces.values(), self.rank)
 
 
 class _DeviceBytes:

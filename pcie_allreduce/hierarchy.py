@@ -309,13 +309,14 @@ class HierarchicalCommunicator:
             return "between nodes only"
         return self.intra.select_algo(nbytes * 4 // dtype.itemsize, torch.float32)
 
-    def has_workspace(self, stream: int | None = None) -> bool:
+    def serves_stream(self, stream: int | None = None) -> bool:
         """Whether the node communicator has the workspace of ``stream`` (default: the current one)."""
-        return bool(self.intra.has_workspace(stream)) if self.intra is not None else True
+        return bool(self.intra.serves_stream(stream)) if self.intra is not None else True
 
-    def workspace(self, stream: int | None = None) -> Any:
-        """The node communicator's workspace of ``stream`` (default: the current one; collective over the node)."""
-        return self.intra.workspace(stream) if self.intra is not None else None
+    def prepare_stream(self, stream: int | None = None) -> None:
+        """Make the node communicator's workspace of ``stream`` (default: the current one; collective over the node)."""
+        if self.intra is not None:
+            self.intra.prepare_stream(stream)
 
     def close(self, *, release_captured: bool = False) -> None:
         """Release the node's communicator, then shut down the process groups made here (their

@@ -69,10 +69,10 @@ class AllReducer(Protocol):
 
     # The engine plugins make a graph-capture stream's workspace before the capture:
 
-    def has_workspace(self, stream: int | None = None) -> bool:
+    def serves_stream(self, stream: int | None = None) -> bool:
         """Whether ``stream`` (default: the current one) has its workspace already (no collective)."""
         ...
 
-    def workspace(self, stream: int | None = None) -> Any:
-        """The workspace of ``stream`` (default: the current one), made collectively if new."""
+    def prepare_stream(self, stream: int | None = None) -> None:
+        """Make the workspace of ``stream`` (default: the current one) now, collectively on every rank."""
         ...

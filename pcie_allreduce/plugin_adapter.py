@@ -239,7 +239,7 @@ class CaCommAdapter:
 
     def _agree_on_stream_workspace(self) -> None:
         stream = 0 if self.device.type != "cuda" else torch.cuda.current_stream(self.device).cuda_stream
-        known = bool(self.comm.has_workspace(stream))  # no collective, no creation
+        known = bool(self.comm.serves_stream(stream))  # no collective, no creation
         views: list[Any] = [None] * self.world_size
         dist.all_gather_object(views, known, group=self.group)
         if len(set(views)) != 1:
@@ -248,7 +248,7 @@ class CaCommAdapter:
                 f"(per rank: {views}); a CUDA stream handle was reused on some ranks only. Capture on a fresh "
                 "torch.cuda.Stream() created in the same order on every rank.")
         if not known:
-            self.comm.workspace(stream)  # collective on every rank, outside any capture
+            self.comm.prepare_stream(stream)  # collective on every rank, outside any capture
 
     def _logger(self) -> logging.Logger:
         return logging.getLogger(f"{self.ENGINE}_plugin")

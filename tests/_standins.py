@@ -64,11 +64,11 @@ class GlooCommunicator:
     def capacity_of(self, algo):
         return None if algo == "auto" else algorithms.capacity_of(algo, self.ll_capacity)
 
-    def has_workspace(self, stream=None):
+    def serves_stream(self, stream=None):
         return stream in self.streams
 
-    def workspace(self, stream=None):
-        self.calls.append(("workspace", stream))
+    def prepare_stream(self, stream=None):
+        self.calls.append(("prepare_stream", stream))
         self.streams.add(stream)
 
     def check(self):

@@ -37,7 +37,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # island algorithms need islands: tests/test_island_gpu.py.
 # The in-place algorithms (SYMMETRIC_INPUT_ALGORITHMS) read the symmetric input area: their own
 # checks (_symmetric_results), on p2p.
-ALGOS = tuple(a for a in pcie_allreduce.ALGORITHMS
+ALGOS = tuple(a for a in algorithms.ALGORITHMS
               if a not in algorithms.HOST_ONLY_ALGORITHMS + algorithms.ISLAND_ALGORITHMS
               + algorithms.SYMMETRIC_INPUT_ALGORITHMS)
 HOST_ALGOS = ALGOS + algorithms.HOST_ONLY_ALGORITHMS
@@ -347,7 +347,7 @@ def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
     earlier calls (or nobody) wrote, so never-written and long-unused slots are what they would be
     in production, and each waiter must hold out for the real flag."""
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30)
-    comm.workspace().debug_set_epoch(completed)
+    comm._workspace().debug_set_epoch(completed)
     torch.distributed.barrier(group=ctx.group)
     fused_algos = ("oneshot", "twoshot", "oneshot_ll", "oneshot_full")
     for i in range(32):
@@ -369,7 +369,7 @@ def _across_epoch_boundaries(ctx: ranks.RankContext, completed: int) -> dict:
         else:
             out = comm.all_reduce(x, out=torch.full_like(x, float("nan")), algo=ALGOS[i % len(ALGOS)])
             ref.check(out, inputs, f"call {i} ({ALGOS[i % len(ALGOS)]}) across epoch {completed:#x}")
-    epoch = comm.workspace().debug_epoch()
+    epoch = comm._workspace().debug_epoch()
     comm.close()
     return {"epoch": epoch}
 
@@ -396,14 +396,14 @@ def _a_cycle_later(ctx: ranks.RankContext, transport: str) -> dict:
     for i, algo in enumerate(_algos_of(comm)):
         low = 1000 + 2 * i
         numel = 4 * 7168 + 2 * i + 1
-        comm.workspace().debug_set_epoch(low - 1)
+        comm._workspace().debug_set_epoch(low - 1)
         torch.distributed.barrier(group=ctx.group)
         first = ref.all_inputs(500 + i, ctx.world_size, numel, torch.bfloat16)
         out = comm.all_reduce(first[ctx.rank].to(ctx.device), out=torch.full((numel,), float("nan"),
                               dtype=torch.bfloat16, device=ctx.device), algo=algo)
         ref.check(out, first, f"{algo}: the call of epoch {low}")
         torch.distributed.barrier(group=ctx.group)
-        comm.workspace().debug_set_epoch((1 << 32) | (low - 1))
+        comm._workspace().debug_set_epoch((1 << 32) | (low - 1))
         torch.distributed.barrier(group=ctx.group)
         if late:
             time.sleep(1.0)
@@ -412,7 +412,7 @@ def _a_cycle_later(ctx: ranks.RankContext, transport: str) -> dict:
                               dtype=torch.bfloat16, device=ctx.device), algo=algo)
         ref.check(out, again, f"{algo}: the call of epoch {low} one wrap later, with rank {ctx.world_size - 1} late")
         checked.append(algo)
-    epoch = comm.workspace().debug_epoch()
+    epoch = comm._workspace().debug_epoch()
     comm.close()
     return {"checked": checked, "epoch": epoch}
 

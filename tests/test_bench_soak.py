@@ -320,7 +320,7 @@ class FakeComm:
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
         return "twoshot"
 
-    def workspace(self) -> None:
+    def prepare_stream(self, stream: int | None = None) -> None:
         pass
 
     def check(self) -> None:

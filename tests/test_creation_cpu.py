@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import communicator, constants, rendezvous, validation
+from pcie_allreduce.plan.tables import default_table
+from pcie_allreduce import communicator, constants, rendezvous, validation, workspaces
 from pcie_allreduce.tools import ranks
 
 WORLD = 2
@@ -121,7 +122,7 @@ def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int, transport: str
     gc.disable()  # a failed creation must leave nothing behind that only a cyclic collection frees
     try:
         comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=max_bytes, timeout_s=timeout_s,
-                                           algo_table=pcie_allreduce.default_table(), transport=transport,
+                                           algo_table=default_table(), transport=transport,
                                            ranks_per_gpu=sharing)
     except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
         failure = {"error": type(exc).__name__, "message": str(exc),
@@ -297,6 +298,7 @@ def _bare_communicator() -> communicator.Communicator:
     comm._workspaces = {7: FakeWorkspace(0, 0, 2, 1 << 20, 5.0, fault="none")}
     comm._input_areas = {}
     comm._closed, comm._closed_reason, comm._pid, comm.rank = False, "Communicator is closed", 12345, 0
+    comm._group, comm._meeting_id = None, "0" * 16  # no process group: close() has no rank to wait for
     comm.device, comm.max_bytes = torch.device("cpu"), 1 << 20
     return comm
 
@@ -309,8 +311,8 @@ def test_dropping_without_close_warns_and_never_frees() -> None:
         del comm
         gc.collect()
     assert any(issubclass(w.category, ResourceWarning) and "without close()" in str(w.message) for w in caught)
-    assert not workspace.closed and workspace in communicator._NEVER_FREED
-    communicator._NEVER_FREED.remove(workspace)
+    assert not workspace.closed and workspace in workspaces.NEVER_FREED
+    workspaces.NEVER_FREED.remove(workspace)
 
 
 def test_a_forked_child_cannot_use_the_communicator() -> None:
@@ -321,10 +323,10 @@ def test_a_forked_child_cannot_use_the_communicator() -> None:
         communicator._disown_after_fork()  # what os.register_at_fork runs in the child
         with pytest.raises(RuntimeError, match="created in process 12345; this process is a child forked"):
             comm.all_reduce(torch.ones(4))
-        assert not workspace.closed and workspace in communicator._NEVER_FREED
+        assert not workspace.closed and workspace in workspaces.NEVER_FREED
     finally:
         communicator._LIVE.discard(comm)
-        communicator._NEVER_FREED.remove(workspace)
+        workspaces.NEVER_FREED.remove(workspace)
 
 
 def test_close_keeps_the_memory_a_captured_graph_may_replay(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -339,13 +341,13 @@ def test_close_keeps_the_memory_a_captured_graph_may_replay(monkeypatch: pytest.
     try:
         comm.close()
         assert eager.closed and not eager.retired
-        assert captured.retired and not captured.closed and captured in communicator._NEVER_FREED
+        assert captured.retired and not captured.closed and captured in workspaces.NEVER_FREED
         assert comm.retained_bytes == captured.total_bytes
         with pytest.raises(RuntimeError, match="closed"):
             comm.all_reduce(torch.ones(4))
     finally:
-        if captured in communicator._NEVER_FREED:
-            communicator._NEVER_FREED.remove(captured)
+        if captured in workspaces.NEVER_FREED:
+            workspaces.NEVER_FREED.remove(captured)
 
 
 # ---- the first fused call of a shape: compiled on every rank before any rank launches it ------
@@ -358,7 +360,7 @@ def _first_fused_call(ctx: ranks.RankContext, case: str) -> dict[str, Any]:
 
     _fake_cuda("none", ctx.rank)
     comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=1 << 20, timeout_s=5.0,
-                                       algo_table=pcie_allreduce.default_table())
+                                       algo_table=default_table())
     comm._closed = True  # no CUDA here: skip close()'s synchronize
     last = ctx.rank == ctx.world_size - 1
     call = ("oneshot_ll", (4, 7168 if case != "shape_differs" or not last else 4096), torch.bfloat16, torch.bfloat16)

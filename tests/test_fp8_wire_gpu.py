@@ -71,7 +71,7 @@ def _fp8_rank(ctx: ranks.RankContext, transport: str) -> dict:
     static = torch.empty(numel, dtype=dtype, device=ctx.device)
     outs = [torch.empty_like(static) for _ in range(3)]
     stream = torch.cuda.Stream(ctx.device)
-    comm.workspace(stream.cuda_stream)  # collective: outside the capture, on every rank
+    comm.prepare_stream(stream.cuda_stream)  # collective: outside the capture, on every rank
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for o in outs:

@@ -253,7 +253,7 @@ def _measure(benchmark, path: str, dist) -> None:
         choice = comm.table.select(x.numel() * 2, comm.world_size, "bfloat16")
         algo_id, blocks = algorithms.ALGO_IDS[choice.algo], min(choice.blocks, comm.block_cap)
         stream = torch.cuda.current_stream(device).cuda_stream
-        workspace = comm.workspace(stream)
+        workspace = comm._workspace(stream)
         args = (algo_id, x.data_ptr(), out.data_ptr(), x.numel() * 2, 2, blocks, stream)
         target = lambda: workspace.all_reduce(*args)  # noqa: E731
         what = "Workspace.all_reduce: binding + kernel launch only"

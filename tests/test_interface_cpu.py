@@ -45,7 +45,7 @@ def mismatches(cls: type, *, exact_annotations: bool = True) -> list[str]:
 
 
 def test_protocol_lists_the_plugins_calls():
-    assert {"all_reduce", "all_reduce_rmsnorm", "check", "close", "has_workspace", "workspace"} <= set(METHODS)
+    assert {"all_reduce", "all_reduce_rmsnorm", "check", "close", "serves_stream", "prepare_stream"} <= set(METHODS)
     assert {"handle", "wires", "transport", "max_bytes"} <= set(ATTRIBUTES)
 
 
@@ -77,6 +77,21 @@ def test_check_catches_a_renamed_parameter_and_a_missing_method():
 def test_exported_lazily():
     assert "AllReducer" in pcie_allreduce.__all__
     assert pcie_allreduce.AllReducer is AllReducer
+
+
+def test_the_public_surface_is_small_and_every_name_resolves():
+    """The package exports the communicators, their errors, whether the kernels can run here and the
+    FP8 wire's error helpers; nothing of the plan, the fused path or the workspaces."""
+    from pcie_allreduce import fp8_wire
+
+    assert set(pcie_allreduce.__all__) == {
+        "AllReducer", "Communicator", "HierarchicalCommunicator", "CollectiveError", "CollectiveMismatch",
+        "CollectiveTimeout", "InterNodeError", "UnavailableError", "is_available", "unavailable_reason",
+        "fp8_error_bound", "fp8_all_reduce", "__version__"}
+    assert all(getattr(pcie_allreduce, name) is not None for name in pcie_allreduce.__all__)
+    assert pcie_allreduce.fp8_error_bound is fp8_wire.error_bound
+    public = {n for n in dir(Communicator) if not n.startswith("_")}
+    assert not public & {"workspace", "has_workspace", "raise_if_failed"}, public
 
 
 def test_hierarchy_refuses_what_it_cannot_serve_with_a_value_error():

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pcie_allreduce
+from pcie_allreduce.plan.tables import default_table
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import sysfs as fabric_sysfs, topology
 from tests import _sysfs
@@ -45,7 +46,7 @@ def _create_each(ctx: ranks.RankContext, root: str) -> list[dict[str, Any]]:
             os.environ[topology.ISLANDS_ENV] = env[ctx.rank]
         try:
             comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=1 << 20, timeout_s=5.0,
-                                               algo_table=pcie_allreduce.default_table(), transport="p2p")
+                                               algo_table=default_table(), transport="p2p")
         except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
             results.append({"scenario": name, "error": type(exc).__name__, "message": str(exc)})
             continue

@@ -158,7 +158,7 @@ def test_no_import_cycles_across_packages() -> None:
 
 MAX_LINES = 500
 # Modules already longer than MAX_LINES, with their length today: each may only shrink.
-OVER_THE_LIMIT = {"pcie_allreduce/communicator.py": 529}
+OVER_THE_LIMIT: dict[str, int] = {}
 
 
 @pytest.mark.parametrize("package", ["pcie_allreduce", "sglang_plugin", "vllm_plugin"])
@@ -176,7 +176,7 @@ def test_no_module_grows_past_500_lines(package: str) -> None:
 
 MAX_CLASS_LINES = 300
 # Classes already longer than MAX_CLASS_LINES, with their length today: each may only shrink.
-CLASSES_OVER_THE_LIMIT = {"pcie_allreduce.communicator.Communicator": 448}
+CLASSES_OVER_THE_LIMIT: dict[str, int] = {}
 
 
 def _class_lengths(tree: ast.Module, module: str) -> dict[str, int]:

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import pcie_allreduce
-from pcie_allreduce import communicator
+from pcie_allreduce.plan.tables import default_table
+from pcie_allreduce import communicator, workspaces
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.errors import CollectiveTimeout
 from tests._sglang import ensure_entry_point as ensure_sglang_entry_point, sglang_skip_reason
@@ -65,7 +66,7 @@ def _real_communicator(transport: str):
 
     def make(group: Any, device: Any, *, max_bytes: int, timeout_s: float) -> Any:
         return pcie_allreduce.Communicator(group, "cuda:0", max_bytes=max_bytes, timeout_s=timeout_s,
-                                           algo_table=pcie_allreduce.default_table(), transport=transport)
+                                           algo_table=default_table(), transport=transport)
 
     return make
 
@@ -150,7 +151,7 @@ def _vllm_teardown(ctx: ranks.RankContext, transport: str) -> dict:
     for _ in range(2):
         tp = tp_group(ctx, torch.device("cpu"))
         adapter = tp.device_communicator.ca_comm
-        adapter.comm.workspace(8).captured = True  # a second stream's workspace, as a graph capture records it
+        adapter.comm._workspace(8).captured = True  # a second stream's workspace, as a graph capture records it
         out["made"] = _live() - start
         tp.destroy()  # vLLM's teardown: CudaCommunicator.destroy drops ca_comm
         out["after"].append(_live())
@@ -188,7 +189,7 @@ def _sglang_teardown(ctx: ranks.RankContext) -> dict:
                               use_hpu_communicator=False, use_xpu_communicator=False, group_name="tp")
         adapter = tp.ca_comm
         assert isinstance(adapter, PcieAllReduceAdapter), adapter
-        adapter.comm.workspace(8).captured = True
+        adapter.comm._workspace(8).captured = True
         out["made"] = _live() - start
         tp.destroy()  # SGLang's teardown: destroys the process groups, then drops ca_comm
         out["after"].append(_live())
@@ -208,7 +209,7 @@ def test_sglang_teardown_frees_every_workspace() -> None:
 
 def _peer_never_tears_down(ctx: ranks.RankContext) -> dict:
     _fake_gpu(ctx.rank)
-    communicator.CLOSE_WAIT_S = 2.0
+    workspaces.CLOSE_WAIT_S = 2.0
     ensure_vllm_entry_point()
     from vllm.plugins import load_general_plugins
 

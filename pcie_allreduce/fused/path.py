@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from pcie_allreduce import outcomes
+from pcie_allreduce import outcomes, workspaces
 from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_FLAG_BLOCKS, SMALL_WORLD
 from pcie_allreduce.errors import CollectiveMismatch
 from pcie_allreduce.fused import shapes
@@ -62,7 +62,7 @@ class FusedPath:
         view = None
         if plan.algo != UNFUSED:
             if workspace.failed():
-                raise comm._error_of(workspace)
+                raise workspaces.error_of(workspace)
             if not workspace.captured:  # a graph capture: close() must keep this memory (all_reduce notes it in C++)
                 workspace.note_capture(stream)
             view = self._views.get(id(workspace)) or self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
@@ -72,7 +72,7 @@ class FusedPath:
                 dependent=comm.dependent_launch))
         if plan.algo == UNFUSED and workspace.all_reduce(plan.plain_id, x.data_ptr(), normed.data_ptr(), x.nbytes,
                                                           dispatch.DTYPE_IDS[x.dtype], plan.blocks, stream):
-            raise comm._error_of(workspace)
+            raise workspaces.error_of(workspace)
         _run(view, plan, x, residual, weight, eps, normed, new_residual, dependent=comm.dependent_launch)
 
     def plan(self, comm: Any, key: tuple[Any, ...]) -> dispatch.FusedPlan:

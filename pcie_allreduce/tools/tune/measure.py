@@ -59,7 +59,7 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
                         transport=job.transport)
     try:
         stream = torch.cuda.Stream(ctx.device)
-        comm.workspace(stream.cuda_stream)  # collective (IPC handle exchange): once, before any capture
+        comm.prepare_stream(stream.cuda_stream)  # collective (IPC handle exchange): once, before any capture
         rows = []
         for size in job.sizes:
             count = size // sizes.DTYPE_SIZES[job.dtype]
@@ -106,12 +106,14 @@ def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out
     reason = skip_reason(algo, blocks, size, comm.block_cap, comm.ll_capacity)
     if reason is not None:
         return {**row, "status": SKIPPED, "error": reason}
-    workspace = comm.workspace(stream.cuda_stream)
+    from pcie_allreduce.workspaces import error_of  # torch: only inside the ranks
+
+    workspace = comm._workspace(stream.cuda_stream)  # its raw launch: the measurement, without the call's checks
     args = (ALGO_IDS[algo], inp.data_ptr(), out.data_ptr(), size, DTYPE_IDS[inp.dtype], blocks, stream.cuda_stream)
 
     def launch() -> None:
         if workspace.all_reduce(*args):
-            comm.raise_if_failed(workspace)
+            raise error_of(workspace)
 
     def wrong() -> str:
         stream.synchronize()
