@@ -40,7 +40,10 @@ PDL_ENV = "PCIE_AR_PDL"
 # What ranks agree on for the islands (named so a disagreement says which setting differs).
 ISLANDS_KEY = f"islands (${topology.ISLANDS_ENV})"
 # The arguments every rank must give alike, compared after the first step.
-AGREED_ARGUMENTS = ("max_bytes", "timeout_s", "table", "transport", "ranks_per_gpu", ISLANDS_KEY)
+# Whether the caller gave the table: a rank that did not reads the tuned cache in a collective step
+# of its own, which the others must make too.
+TABLE_GIVEN_KEY = f"whether a table was given (algo_table= or ${tables.TABLE_ENV})"
+AGREED_ARGUMENTS = ("max_bytes", "timeout_s", "table", TABLE_GIVEN_KEY, "transport", "ranks_per_gpu", ISLANDS_KEY)
 
 Made = TypeVar("Made")
 
@@ -161,6 +164,7 @@ def set_up_locally(rank: int, world: int, device: torch.device | int | str, max_
                    ranks_per_gpu: object) -> _LocalSetUp:
     """This rank's part of creation before any memory is allocated: arguments, extension, GPU.
     Returns what it keeps, and (``shared``) what every rank must agree on and its placement."""
+    table_given = algo_table is not None or bool(os.environ.get(tables.TABLE_ENV))
     if ranks_per_gpu is not None and (isinstance(ranks_per_gpu, bool) or not isinstance(ranks_per_gpu, int)
                                       or ranks_per_gpu < 1):
         raise ValueError(f"ranks_per_gpu must be a positive int or None, got {ranks_per_gpu!r}")
@@ -177,7 +181,8 @@ def set_up_locally(rank: int, world: int, device: torch.device | int | str, max_
     return _LocalSetUp(
         ext=ext, device=dev, max_bytes=checked_bytes, ll_capacity=Layout.make(checked_bytes, world).ll_capacity,
         timeout_s=timeout, table=table, dependent_launch=dependent_launch(dev),
-        shared={"max_bytes": checked_bytes, "timeout_s": timeout, "table": table.to_json(), "transport": requested,
+        shared={"max_bytes": checked_bytes, "timeout_s": timeout, "table": table.to_json(), TABLE_GIVEN_KEY: table_given,
+                "transport": requested,
                 "meeting_id": secrets.token_hex(8), "ranks_per_gpu": ranks_per_gpu, "sms": sms,
                 "mps_share": dispatch.runs_in_mps_share(), ISLANDS_KEY: topology.islands_override(world),
                 "placement": topology.local_placement(ext, rank, dev.index)})
@@ -210,7 +215,6 @@ def agree(collective: Collective, device: torch.device | int | str, max_bytes: o
         raise ValueError(f"pcie_allreduce supports {MIN_RANKS} to {MAX_RANKS} ranks, "
                          f"the group has {collective.world}")
     rank = collective.rank
-    table_given = algo_table is not None or bool(os.environ.get(tables.TABLE_ENV))
     mine: list[_LocalSetUp] = []
 
     def set_up() -> dict[str, Any]:
@@ -222,6 +226,7 @@ def agree(collective: Collective, device: torch.device | int | str, max_bytes: o
     local = mine[0]
     for key in AGREED_ARGUMENTS:
         check_agreement(agreed, key)
+    table_given = local.shared[TABLE_GIVEN_KEY]
     table_source = ("algo_table argument" if algo_table is not None
                     else f"${tables.TABLE_ENV}" if table_given else "built-in default")
     placements = [a["placement"] for a in agreed]

@@ -121,9 +121,10 @@ def _create(ctx: ranks.RankContext, fault: str, faulty_rank: int, transport: str
     failure = None
     gc.disable()  # a failed creation must leave nothing behind that only a cyclic collection frees
     try:
+        # one rank leaving the table to the tuned cache while the others give the built-in one
+        table = None if fault == "table_given_differs" and ctx.rank == faulty_rank else default_table()
         comm = pcie_allreduce.Communicator(ctx.group, "cuda:0", max_bytes=max_bytes, timeout_s=timeout_s,
-                                           algo_table=default_table(), transport=transport,
-                                           ranks_per_gpu=sharing)
+                                           algo_table=table, transport=transport, ranks_per_gpu=sharing)
     except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
         failure = {"error": type(exc).__name__, "message": str(exc),
                    "all_closed": all(w.closed for w in FakeWorkspace.instances), "made": len(FakeWorkspace.instances)}
@@ -259,6 +260,16 @@ def test_ranks_per_gpu_is_agreed_and_checked() -> None:
 def test_timeout_is_agreed() -> None:
     for result in ranks.run_ranks(_create, WORLD, "timeout_differs", 1, gpu=False, timeout_s=120):
         assert result["error"] == "ValueError" and "ranks disagree on timeout_s" in result["message"]
+
+
+def test_whether_a_table_was_given_is_agreed(monkeypatch) -> None:
+    """A rank that leaves the table to the tuned cache would meet the others' next step with the
+    cache's gather: every rank raises at once instead, naming the setting, even where the given
+    table is the same as the one the cache would pick."""
+    monkeypatch.delenv("PCIE_AR_ALGO_TABLE", raising=False)
+    for result in ranks.run_ranks(_create, WORLD, "table_given_differs", 1, gpu=False, timeout_s=120):
+        assert result["error"] == "ValueError", result
+        assert "ranks disagree on whether a table was given (algo_table= or $PCIE_AR_ALGO_TABLE)" in result["message"]
 
 
 # ---- bounds ------------------------------------------------------------------------------
