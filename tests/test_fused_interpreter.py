@@ -186,6 +186,30 @@ def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     assert fake.advanced()
 
 
+@pytest.mark.parametrize("algo, stage", [("oneshot", kernels.STAGE_FUSED_GATHER),
+                                         ("twoshot", kernels.STAGE_FUSED_REDUCE_SCATTER)])
+@pytest.mark.parametrize("world, hidden", [(8, 4), (8, 1), (3, 1)])
+def test_the_last_peer_is_waited_for_when_rows_are_narrower_than_the_world(algo: str, stage: int, world: int,
+                                                                           hidden: int) -> None:
+    """Rows narrower than the world (odd tiny rows take the flag-based kernels): every peer but the
+    last has pushed and flagged, and the call must wait for the last one (the waits poll one peer
+    per element of the row-wide tensor, so it must span the ranks too) and time out naming it,
+    leaving NaN in both outputs."""
+    rank, tokens, dtype = 0, world, torch.bfloat16
+    fake = FakeRanks(world, rank)
+    xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world + hidden)
+    programs, *_ = shapes.flag_based(algo, tokens, world, hidden)
+    sig = shapes.flag_based_signature(algo, dtype, tokens, hidden, programs)
+    for peer in range(1, world - 1):
+        fake.slot(rank, peer, dtype)[:tokens * hidden] = xs[peer].reshape(-1)
+        fake.post_flag(0, peer, programs, sig)
+    normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
+    path.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True)
+    kind, _, peer, got_stage, _, epoch = (int(v) for v in fake.error[:6])
+    assert (kind, peer, got_stage, epoch) == (1, world - 1, stage, fake.epoch), f"error record {fake.error.tolist()}"
+    assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
+
+
 @pytest.mark.parametrize("algo, gather_stage", [("oneshot", kernels.STAGE_FUSED_GATHER),
                                                  ("oneshot_ll", ll.STAGE_LOW_LATENCY_GATHER.value),
                                                  ("oneshot_full", ll.STAGE_FULL_GATHER.value)])

@@ -87,12 +87,13 @@ def flag_based(algo: str, tokens: int, world: int, hidden: int,
                max_programs: int = FLAG_MAX_PROGRAMS) -> tuple[int, int, int, int]:
     """(programs, rows per program, BLOCK_H, num_warps) of the flag-based one-shot (``algo``
     "oneshot": every row) or the token-split two-shot (any other: a rank's share of the rows),
-    the row in one program."""
+    the row in one program. BLOCK_H spans the world too: the waits poll one peer per element of
+    that tensor, so a row narrower than the world must not leave a peer unpolled."""
     rows = tokens if algo == "oneshot" else math.ceil(tokens / world)
     programs = max(1, min(FLAG_MAX_PROGRAMS, max_programs, rows))
     rows_per_program = max(1, math.ceil(rows / programs))
     programs = max(1, math.ceil(rows / rows_per_program))
-    block_h = next_power_of_2(hidden)
+    block_h = next_power_of_2(max(hidden, world))
     return programs, rows_per_program, block_h, 4 if block_h <= 1024 else 8 if block_h <= 4096 else 16
 
 
