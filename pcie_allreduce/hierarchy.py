@@ -247,7 +247,7 @@ class HierarchicalCommunicator:
         ``Communicator.all_reduce_rmsnorm`` runs unfused), so both outputs are bitwise those of a
         single node's unfused call on the same inputs. Arguments as there; ``algo`` "auto" or
         "unfused" (no fused kernel spans nodes), ``wire`` None."""
-        from pcie_allreduce.fused import path as add_rmsnorm
+        from pcie_allreduce.fused import path as fused_path
 
         self._refuse_if_unusable()
         _refuse_wire(wire)
@@ -261,7 +261,7 @@ class HierarchicalCommunicator:
         if x.numel() == 0:
             return normed, new_residual
         self.all_reduce(x, out=normed)
-        add_rmsnorm.add_rmsnorm(normed, residual, weight, eps, normed, new_residual)
+        fused_path.add_rmsnorm(normed, residual, weight, eps, normed, new_residual)
         return normed, new_residual
 
     def check(self) -> None:

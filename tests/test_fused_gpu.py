@@ -261,7 +261,7 @@ def test_add_rmsnorm_kernel_compiled(dtype: torch.dtype) -> None:
     """The one add + RMSNorm kernel of the unfused path, compiled (one GPU, one process): against
     the fp64 norm, new residual bitwise ``residual + y``, outputs poisoned first, fresh inputs per
     shape, and the vector and scalar variants (aligned, misaligned views) give the same bits."""
-    from pcie_allreduce.fused import path as add_rmsnorm
+    from pcie_allreduce.fused import path as fused_path
 
     device = torch.device("cuda", 0)
     gen = torch.Generator(device=device).manual_seed(5)
@@ -271,8 +271,8 @@ def test_add_rmsnorm_kernel_compiled(dtype: torch.dtype) -> None:
         weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
         normed = torch.full_like(y, float("nan"))
         new_residual = torch.full_like(y, float("nan"))
-        add_rmsnorm.add_rmsnorm(y, residual, weight, EPS, normed, new_residual)
+        fused_path.add_rmsnorm(y, residual, weight, EPS, normed, new_residual)
         _check(normed, new_residual, residual + y, weight, f"add_rmsnorm [{tokens}, {hidden}] {dtype}")
         ym, rm = ref.misaligned_copy(y), ref.misaligned_copy(residual)
-        add_rmsnorm.add_rmsnorm(ym, rm, weight, EPS, ym, rm)  # in place, misaligned
+        fused_path.add_rmsnorm(ym, rm, weight, EPS, ym, rm)  # in place, misaligned
         assert _digest(ym, rm) == _digest(normed, new_residual), f"[{tokens}, {hidden}]: misaligned variant differs"

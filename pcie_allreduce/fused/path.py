@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from pcie_allreduce import outcomes, workspaces
-from pcie_allreduce.constants import FULL_HEADER_BYTES, MAX_FLAG_BLOCKS, SMALL_WORLD
+from pcie_allreduce.constants import FULL_HEADER_BYTES, SMALL_WORLD
 from pcie_allreduce.errors import CollectiveMismatch
 from pcie_allreduce.fused import shapes
 from pcie_allreduce.layout import Layout, WorkspaceView
@@ -306,19 +306,11 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
 
     interpret = interpreting() if interpret is None else interpret
     tokens, hidden = x.shape
-    if algo in DATA_AS_FLAG_ONESHOTS:
-        shape = (shapes.data_as_flag(tokens, hidden, view.world, max_programs, interpret) if chunks is None
-                 else shapes.shape_with_chunks(tokens, hidden, chunks))
-        if shape is None or x.numel() * x.element_size() > view.layout.ll_capacity:
-            raise ValueError(f"fused {algo} cannot take [{tokens}, {hidden}] {x.dtype} at world size {view.world} "
-                             f"(needs an even hidden size, at most {view.layout.ll_capacity} bytes and at most "
-                             f"{max_programs} programs); use algo='auto'")
-        signature = shapes.data_as_flag_signature(x.dtype, tokens, hidden, shape[0], shape[1],
-                                                  algo != DATA_AS_FLAG_ONESHOTS[0])
-    else:
-        shape = shapes.flag_based(algo, tokens, view.world, hidden, max_programs)
-        if shape[0] > MAX_FLAG_BLOCKS:
-            raise ValueError(f"fused all-reduce needs {shape[0]} programs, more than the {MAX_FLAG_BLOCKS} flag slots")
-        signature = shapes.flag_based_signature(algo, x.dtype, tokens, hidden, shape[0])
-    _fused(view, algo, shape, signature, x, residual, weight, eps, normed, residual_out, interpret=interpret,
+    too_large = algo in DATA_AS_FLAG_ONESHOTS and x.numel() * x.element_size() > view.layout.ll_capacity
+    launch = None if too_large else shapes.of_kernel(algo, x.dtype, tokens, hidden, view.world, max_programs,
+                                                     interpret, chunks)
+    if launch is None:
+        raise ValueError(shapes.no_shape(algo, tokens, hidden, x.dtype, view.world, view.layout.ll_capacity,
+                                         max_programs))
+    _fused(view, algo, *launch, x, residual, weight, eps, normed, residual_out, interpret=interpret,
            compile_only=compile_only, dependent=dependent, backoff_ns=backoff_ns)

@@ -13,7 +13,8 @@ import functools
 import math
 import zlib
 
-from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS, ROW_STATS_SLOTS
+from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_LAUNCH_BLOCKS, ROW_STATS_SLOTS
+from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS
 
 #: (programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps) of the
 #: data-as-flag one-shot (fused/oneshot_ll.py).
@@ -103,6 +104,32 @@ def add_rmsnorm(hidden: int) -> tuple[int, int]:
     one program, up to 32 elements (two 16-byte accesses of bf16) per thread."""
     block = next_power_of_2(hidden)
     return block, 4 if block <= 1024 else 8 if block <= 8192 else 16
+
+
+def of_kernel(algo: str, dtype: object, tokens: int, hidden: int, world: int, max_programs: int,
+              interpret: bool = False, chunks: int | None = None) -> tuple[tuple[int, ...], int] | None:
+    """(launch shape, call signature) of the fused kernel ``algo`` for ``[tokens, hidden]`` of
+    ``dtype`` within ``max_programs`` programs, or None where a data-as-flag kernel has no shape
+    (:func:`data_as_flag`; ``chunks`` forces that many column chunks per row instead). What the
+    plan caches and what a launch of a named kernel computes are this one answer."""
+    if algo in DATA_AS_FLAG_ONESHOTS:
+        shape = (data_as_flag(tokens, hidden, world, max_programs, interpret) if chunks is None
+                 else shape_with_chunks(tokens, hidden, chunks))
+        if shape is None:
+            return None
+        return shape, data_as_flag_signature(dtype, tokens, hidden, shape[0], shape[1],
+                                             algo != DATA_AS_FLAG_ONESHOTS[0])
+    shape = flag_based(algo, tokens, world, hidden, max_programs)
+    if shape[0] > MAX_FLAG_BLOCKS:
+        raise ValueError(f"fused all-reduce needs {shape[0]} programs, more than the {MAX_FLAG_BLOCKS} flag slots")
+    return shape, flag_based_signature(algo, dtype, tokens, hidden, shape[0])
+
+
+def no_shape(algo: str, tokens: int, hidden: int, dtype: object, world: int, capacity: int | None,
+             max_programs: int) -> str:
+    """Why the data-as-flag kernel ``algo`` cannot take ``[tokens, hidden]`` of ``dtype``."""
+    return (f"fused {algo} cannot take [{tokens}, {hidden}] {dtype} at world size {world} (needs an even hidden "
+            f"size, at most {capacity} bytes and at most {max_programs} programs); use algo='auto'")
 
 
 def data_as_flag_signature(dtype: object, tokens: int, hidden: int, programs: int, chunks: int,

@@ -19,7 +19,7 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 from pcie_allreduce import constants
-from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_LAUNCH_BLOCKS
+from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS
 from pcie_allreduce.fused import shapes
 from pcie_allreduce.plan.algorithms import (ALGO_IDS, DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, LOSSY_ALGORITHMS,
                                             SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, call_problem, fits_capacity)
@@ -119,18 +119,11 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     call = (rule, (tokens, hidden), dtype, dtype if weight_dtype is None else weight_dtype)
     if rule == UNFUSED:
         return FusedPlan(rule, shapes.add_rmsnorm(hidden), 0, ALGO_IDS[plain.algo], plain.blocks, call)
-    if rule in DATA_AS_FLAG_ONESHOTS:
-        if ll_shape is None:
-            raise ValueError(f"fused {rule} cannot take [{tokens}, {hidden}] {dtype} at world size {world} (needs an "
-                             f"even hidden size, at most {ll_capacity} bytes and at most {block_cap} programs); use "
-                             "algo='auto'")
-        signature = shapes.data_as_flag_signature(dtype, tokens, hidden, ll_shape[0], ll_shape[1],
-                                                  rule != DATA_AS_FLAG_ONESHOTS[0])
-        return FusedPlan(rule, ll_shape, signature, 0, 0, call)
-    shape = shapes.flag_based(rule, tokens, world, hidden, block_cap)
-    if shape[0] > MAX_FLAG_BLOCKS:
-        raise ValueError(f"fused all-reduce needs {shape[0]} programs, more than the {MAX_FLAG_BLOCKS} flag slots")
-    return FusedPlan(rule, shape, shapes.flag_based_signature(rule, dtype, tokens, hidden, shape[0]), 0, 0, call)
+    launch = None if rule in DATA_AS_FLAG_ONESHOTS and not ll_fits else shapes.of_kernel(
+        rule, dtype, tokens, hidden, world, block_cap, interpret)
+    if launch is None:
+        raise ValueError(shapes.no_shape(rule, tokens, hidden, dtype, world, ll_capacity, block_cap))
+    return FusedPlan(rule, launch[0], launch[1], 0, 0, call)
 
 
 def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, world: int, *,
