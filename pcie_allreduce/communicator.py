@@ -205,7 +205,7 @@ class Communicator:
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         numel = validation.symmetric_input_numel(dims, dtype, max_bytes=self.max_bytes, transport=self.transport)
         handle = current_stream_handle(self.device) if stream is None else stream.cuda_stream
-        workspace = self._workspaces.get(handle) or self._workspace_for(handle)
+        workspace = self._workspace(handle)
         area = self._input_areas.get(handle)
         if area is None:
             area = workspace.bases()[self.rank] + workspace.input_offset
@@ -238,8 +238,8 @@ class Communicator:
         new_residual = torch.empty_like(residual) if residual_out is None else residual_out
         if tokens:
             stream = current_stream_handle(self.device)
-            workspace = self._workspaces.get(stream) or self._workspace_for(stream)
-            self._fused.call(self, workspace, stream, x, residual, weight, eps, normed, new_residual, algo, wire_algo)
+            self._fused.call(self, self._workspace(stream), stream, x, residual, weight, eps, normed, new_residual,
+                             algo, wire_algo)
         return normed, new_residual
 
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:

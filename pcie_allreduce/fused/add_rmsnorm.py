@@ -3,9 +3,10 @@
     new_residual = residual + y                                   (rounded once, as torch adds)
     normed       = new_residual * rsqrt(mean(new_residual^2) + eps) * weight   (fp32 math)
 
-:func:`pcie_allreduce.fused.path.add_rmsnorm` launches the library's own unfused epilogue: where no fused all-reduce + RMSNorm
-kernel beats the plain all-reduce followed by it, ``Communicator.all_reduce_rmsnorm`` runs those
-two kernels instead (``algo="unfused"``). One program per row, the whole row in registers.
+This is the library's own unfused epilogue (launched by
+:func:`pcie_allreduce.fused.path.add_rmsnorm`): where no fused all-reduce + RMSNorm kernel beats
+the plain all-reduce followed by it, ``Communicator.all_reduce_rmsnorm`` runs those two kernels
+instead (``algo="unfused"``). One program per row, the whole row in registers.
 With ``$PCIE_AR_PDL=1`` on Hopper and later the pair overlaps: this kernel is launched as the
 all-reduce's programmatic dependent (the all-reduce allows it at its end, csrc/protocol.cuh's
 ``allow_dependent_launch``), loads the residual and the weight, and waits for the all-reduce
