@@ -13,8 +13,10 @@ unfused pair launches the plain all-reduce straight from the plan, never through
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -78,11 +80,9 @@ class FusedPath:
     def plan(self, comm: Any, key: tuple[Any, ...]) -> dispatch.FusedPlan:
         """:func:`~pcie_allreduce.plan.dispatch.fused_plan` for ``key`` (tokens, hidden, dtype,
         weight dtype, algo, the wire's kernel) on ``comm``'s agreed values, cached."""
-        from pcie_allreduce.fused.protocol import interpreting  # Triton: only once a fused call is made
-
         tokens, hidden, dtype, weight_dtype, algo, wire_algo = key
         plan = dispatch.fused_plan(tokens, hidden, dtype, comm.world_size, comm.table, ll_capacity=comm.ll_capacity,
-                                   block_cap=comm.block_cap, interpret=interpreting(), algo=algo,
+                                   block_cap=comm.block_cap, interpret=_triton().protocol.interpreting(), algo=algo,
                                    weight_dtype=weight_dtype, wire_algo=wire_algo, transport=comm.transport,
                                    island_ranks=comm.island_ranks, slot_bytes=Layout.make(comm.max_bytes, 1).slot_bytes)
         if len(self._plans) < _MAX_PLANS:
@@ -144,6 +144,25 @@ class FusedPath:
 # ---- the launches ------------------------------------------------------------------------
 
 
+class _TritonSide:
+    """The Triton modules: the kernels and the protocol (which says whether they run interpreted)."""
+
+    def __init__(self) -> None:
+        from pcie_allreduce.fused import add_rmsnorm, oneshot_ll, protocol, rmsnorm
+
+        self.add_rmsnorm: ModuleType = add_rmsnorm
+        self.oneshot_ll: ModuleType = oneshot_ll
+        self.protocol: ModuleType = protocol
+        self.rmsnorm: ModuleType = rmsnorm
+
+
+@functools.cache
+def _triton() -> _TritonSide:
+    """The Triton modules, imported on the first fused call (choosing needs no Triton) and then
+    kept, so a call's launch looks its kernels up instead of importing them again."""
+    return _TritonSide()
+
+
 def compile_and_load(kernel: Any, *args: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
     """Make ``kernel``'s launch with these arguments ready without launching it: compile it (or
     take it from Triton's cache), build its launcher and load its module into this process.
@@ -178,38 +197,35 @@ def _run(view: WorkspaceView | None, plan: dispatch.FusedPlan, x: torch.Tensor, 
     """Launch what ``plan`` names: the add + RMSNorm kernel of the unfused pair on ``normed``
     (which the plain all-reduce filled; ``dependent``: as its programmatic dependent), or the
     fused kernel on ``view``. ``compile_only``: ready every variant, launch nothing."""
-    from pcie_allreduce.fused.protocol import interpreting
-
     if plan.algo == UNFUSED:
         _norm(normed, residual, weight, eps, normed, new_residual, plan.shape, compile_only=compile_only,
               after_all_reduce=dependent)
     else:
         assert view is not None
         _fused(view, plan.algo, plan.shape, plan.signature, x, residual, weight, eps, normed, new_residual,
-               interpret=interpreting(), compile_only=compile_only, dependent=dependent)
+               interpret=_triton().protocol.interpreting(), compile_only=compile_only, dependent=dependent)
 
 
 def _norm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, normed: torch.Tensor,
           new_residual: torch.Tensor, shape: tuple[int, ...], *, compile_only: bool = False,
           after_all_reduce: bool = False) -> None:
     """The add + RMSNorm kernel with its launch shape (:func:`shapes.add_rmsnorm`); see :func:`add_rmsnorm`."""
-    from pcie_allreduce.fused.add_rmsnorm import TRITON_DTYPES, _add_rmsnorm_kernel
-    from pcie_allreduce.fused.protocol import interpreting
-
+    triton_side = _triton()
+    norm = triton_side.add_rmsnorm
     tokens, hidden = y.shape
-    interpret = interpreting()
+    interpret = triton_side.protocol.interpreting()
     if compile_only and interpret:
         return
     block, num_warps = shape
     tensors = (y, residual, weight, normed, new_residual)
     args = (*(t.data_ptr() for t in tensors), float(eps))
-    constexprs = dict(H=hidden, BLOCK=block, DT=TRITON_DTYPES[y.dtype], WT=TRITON_DTYPES[weight.dtype],
+    constexprs = dict(H=hidden, BLOCK=block, DT=norm.TRITON_DTYPES[y.dtype], WT=norm.TRITON_DTYPES[weight.dtype],
                       INTERPRET=interpret, num_warps=num_warps, **_pdl(after_all_reduce, interpret))
     if compile_only:
         for aligned in (True, False):
-            compile_and_load(_add_rmsnorm_kernel, *args, grid=(max(tokens, 1),), ALIGNED=aligned, **constexprs)
+            compile_and_load(norm._add_rmsnorm_kernel, *args, grid=(max(tokens, 1),), ALIGNED=aligned, **constexprs)
     elif tokens:
-        _add_rmsnorm_kernel[(tokens,)](*args, ALIGNED=is_aligned(hidden, *tensors), **constexprs)
+        norm._add_rmsnorm_kernel[(tokens,)](*args, ALIGNED=is_aligned(hidden, *tensors), **constexprs)
 
 
 def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: int, x: torch.Tensor,
@@ -223,8 +239,8 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
     under the interpreter). ``dependent``: launch as the previous kernel's programmatic dependent
     ($PCIE_AR_PDL). ``backoff_ns`` > 0 (data-as-flag only) sleeps that long between polls (an
     experiment for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without)."""
-    from pcie_allreduce.fused.add_rmsnorm import TRITON_DTYPES
-
+    triton_side = _triton()
+    dtypes = triton_side.add_rmsnorm.TRITON_DTYPES
     if compile_only and interpret:
         return
     tokens, hidden = x.shape
@@ -232,8 +248,7 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
     bases = view.padded_bases()
     assert len(bases) == SMALL_WORLD
     if algo in DATA_AS_FLAG_ONESHOTS:
-        from pcie_allreduce.fused.oneshot_ll import _fused_oneshot_ll_kernel as kernel
-
+        kernel = triton_side.oneshot_ll._fused_oneshot_ll_kernel
         programs, chunks, width, block_w, num_warps = shape
         full = algo != DATA_AS_FLAG_ONESHOTS[0]
         slots = ((layout.ll_capacity, layout.full_offset + FULL_HEADER_BYTES, layout.full_offset) if full
@@ -251,8 +266,6 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
             paired = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
             kernel[(programs,)](*args, PAIRED=paired, **constexprs)
         return
-    from pcie_allreduce.fused.rmsnorm import _fused_oneshot_kernel, _fused_twoshot_kernel
-
     programs, rows, block_h, num_warps = shape
     tensors = (x, residual, weight, normed, residual_out)
     args = (*(t.data_ptr() for t in tensors), *bases, view.bases[view.rank], view.error_ptr,
@@ -260,9 +273,10 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
             layout.slot_bytes, layout.parity_bytes, layout.flags_offset, view.local_offset(layout.control_offset))
     # The compile key holds the hidden size, dtypes, W and ALIGNED, never the token count: one
     # compilation per model shape serves every batch.
-    constexprs = dict(H=hidden, DT=TRITON_DTYPES[x.dtype], WT=TRITON_DTYPES[weight.dtype], W=view.world,
+    constexprs = dict(H=hidden, DT=dtypes[x.dtype], WT=dtypes[weight.dtype], W=view.world,
                       BLOCK_H=block_h, INTERPRET=interpret, num_warps=num_warps, **_pdl(dependent, interpret))
-    kernel = _fused_oneshot_kernel if algo == "oneshot" else _fused_twoshot_kernel
+    flag_based = triton_side.rmsnorm
+    kernel = flag_based._fused_oneshot_kernel if algo == "oneshot" else flag_based._fused_twoshot_kernel
     if compile_only:
         for aligned in (True, False):
             compile_and_load(kernel, *args, grid=(programs,), ALIGNED=aligned, **constexprs)
@@ -302,9 +316,7 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     shape's choice (tests: under the interpreter the choice is 1, which never exercises the row
     statistics exchange between programs). Raises ValueError where the kernel cannot take the
     call (a data-as-flag one with an odd hidden size, too many programs or too large a message)."""
-    from pcie_allreduce.fused.protocol import interpreting
-
-    interpret = interpreting() if interpret is None else interpret
+    interpret = _triton().protocol.interpreting() if interpret is None else interpret
     tokens, hidden = x.shape
     too_large = algo in DATA_AS_FLAG_ONESHOTS and x.numel() * x.element_size() > view.layout.ll_capacity
     launch = None if too_large else shapes.of_kernel(algo, x.dtype, tokens, hidden, view.world, max_programs,
