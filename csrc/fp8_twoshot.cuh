@@ -244,80 +244,74 @@ __device__ __forceinline__ Range fp8_shard_part(uint64_t blocks, int world, int 
 
 template <typename T, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_fp8_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
-  const uint64_t numel = a.nbytes / sizeof(T);
-  const uint64_t blocks = fp8_blocks(numel);
-  const T* in = static_cast<const T*>(a.input);
-  T* out = static_cast<T*>(a.output);
-  const uint64_t warp = threadIdx.x / 32;
-  const uint64_t stride = static_cast<uint64_t>(blockDim.x / 32) * kFp8GroupBlocks;  // blocks per warp sweep
-  const Fp8Wire mine = fp8_wire_of(a, a.rank, epoch, blocks);
-  float v[2][kFp8PerLane];
-  if (!aborted) {
-    for (int s = 1; s < a.world; ++s) {  // our contribution to every other shard (Q2)
-      const Range r = fp8_shard_part(blocks, a.world, (a.rank + s) % a.world);
-      for (uint64_t g = r.begin + warp * kFp8GroupBlocks; g < r.end; g += stride) {
-        const Fp8Lane l = fp8_lane(g);
-        fp8_load_group(in, r.end, numel, l, v);
-        fp8_put_group(mine, g, r.end, l, v, false);
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    const uint64_t numel = a.nbytes / sizeof(T);
+    const uint64_t blocks = fp8_blocks(numel);
+    const T* in = static_cast<const T*>(a.input);
+    T* out = static_cast<T*>(a.output);
+    const uint64_t warp = threadIdx.x / 32;
+    const uint64_t stride = static_cast<uint64_t>(blockDim.x / 32) * kFp8GroupBlocks;  // blocks per warp sweep
+    const Fp8Wire mine = fp8_wire_of(a, a.rank, epoch, blocks);
+    float v[2][kFp8PerLane];
+    if (!aborted) {
+      for (int s = 1; s < a.world; ++s) {  // our contribution to every other shard (Q2)
+        const Range r = fp8_shard_part(blocks, a.world, (a.rank + s) % a.world);
+        for (uint64_t g = r.begin + warp * kFp8GroupBlocks; g < r.end; g += stride) {
+          const Fp8Lane l = fp8_lane(g);
+          fp8_load_group(in, r.end, numel, l, v);
+          fp8_put_group(mine, g, r.end, l, v, false);
+        }
       }
     }
-  }
-  if (__syncthreads_or(aborted) == 0) {
+    if (!verdict_barrier(aborted)) return false;
     signal_all_peers(a, 0, epoch);
-    if (wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) {
-      const Range r = fp8_shard_part(blocks, a.world, a.rank);
-      for (uint64_t g = r.begin + warp * kFp8GroupBlocks; g < r.end; g += stride) {
-        const Fp8Lane l = fp8_lane(g);
-        float acc[2][kFp8PerLane];
-        for (int q = 0; q < a.world; ++q) {  // rank order
-          float part[2][kFp8PerLane];
-          if (q == a.rank) {  // our own contribution, coded as the peers code theirs
-            fp8_load_group(in, r.end, numel, l, part);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float scale;
-              fp8_decode_part(fp8_code_part(part[h], &scale), scale, part[h]);
-            }
-          } else {
-            fp8_get_group(fp8_wire_of(a, q, epoch, blocks), g, r.end, l, part);
-          }
+    if (!wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) return false;
+    const Range r = fp8_shard_part(blocks, a.world, a.rank);
+    for (uint64_t g = r.begin + warp * kFp8GroupBlocks; g < r.end; g += stride) {
+      const Fp8Lane l = fp8_lane(g);
+      float acc[2][kFp8PerLane];
+      for (int q = 0; q < a.world; ++q) {  // rank order
+        float part[2][kFp8PerLane];
+        if (q == a.rank) {  // our own contribution, coded as the peers code theirs
+          fp8_load_group(in, r.end, numel, l, part);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int j = 0; j < kFp8PerLane; ++j) acc[h][j] = q == 0 ? part[h][j] : __fadd_rn(acc[h][j], part[h][j]);
+            float scale;
+            fp8_decode_part(fp8_code_part(part[h], &scale), scale, part[h]);
           }
+        } else {
+          fp8_get_group(fp8_wire_of(a, q, epoch, blocks), g, r.end, l, part);
         }
-        fp8_put_group(mine, g, r.end, l, acc, true);  // the coded sum, and its value
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (l.block[h] < r.end) fp8_store_values(out, l.first[h], numel, acc[h]);
+#pragma unroll
+          for (int j = 0; j < kFp8PerLane; ++j) acc[h][j] = q == 0 ? part[h][j] : __fadd_rn(acc[h][j], part[h][j]);
         }
       }
-      __syncthreads();
-      signal_all_peers(a, 1, epoch);
-      if (wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) {
-        for (int s = 1; s < a.world; ++s) {
-          const int owner = (a.rank + s) % a.world;
-          const Fp8Wire peer = fp8_wire_of(a, owner, epoch, blocks);
-          const Range ro = fp8_shard_part(blocks, a.world, owner);
-          for (uint64_t g = ro.begin + warp * kFp8GroupBlocks; g < ro.end; g += stride) {
-            const Fp8Lane l = fp8_lane(g);
-            fp8_get_group(peer, g, ro.end, l, v);
+      fp8_put_group(mine, g, r.end, l, acc, true);  // the coded sum, and its value
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              if (l.block[h] < ro.end) fp8_store_values(out, l.first[h], numel, v[h]);
-            }
-          }
-        }
-        done = true;
+      for (int h = 0; h < 2; ++h) {
+        if (l.block[h] < r.end) fp8_store_values(out, l.first[h], numel, acc[h]);
       }
     }
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    __syncthreads();
+    signal_all_peers(a, 1, epoch);
+    if (!wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) return false;
+    for (int s = 1; s < a.world; ++s) {
+      const int owner = (a.rank + s) % a.world;
+      const Fp8Wire peer = fp8_wire_of(a, owner, epoch, blocks);
+      const Range ro = fp8_shard_part(blocks, a.world, owner);
+      for (uint64_t g = ro.begin + warp * kFp8GroupBlocks; g < ro.end; g += stride) {
+        const Fp8Lane l = fp8_lane(g);
+        fp8_get_group(peer, g, ro.end, l, v);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (l.block[h] < ro.end) fp8_store_values(out, l.first[h], numel, v[h]);
+        }
+      }
+    }
+    return true;
+  });
 }
 
 }  // namespace pcie_ar

@@ -29,7 +29,7 @@ template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) host_oneshot_kernel(const __grid_constant__ KernelArgs a) {
   write_once_call<T>(a, false, [&](uint32_t buffer, Epoch epoch) {
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
-    const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+    const Range tail = block_tail<T>(a.nbytes);
     publish_header(a, buffer, epoch);
     publish_input<T, Unit>(a, buffer, static_cast<const Unit*>(a.input), body);
     publish_input<T, T>(a, buffer, static_cast<const T*>(a.input), tail);

@@ -42,51 +42,41 @@ namespace pcie_ar {
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock) island_oneshot_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
-  const IslandPlace place(a);
-  const int S = place.size;
-  const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-  const Unit* in = static_cast<const Unit*>(a.input);
-  const T* in_t = static_cast<const T*>(a.input);
-  Unit* out = static_cast<Unit*>(a.output);
-  T* out_t = static_cast<T*>(a.output);
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    const IslandPlace place(a);
+    const int S = place.size;
+    const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
+    const Range tail = block_tail<T>(a.nbytes);
+    const Unit* in = static_cast<const Unit*>(a.input);
+    const T* in_t = static_cast<const T*>(a.input);
+    Unit* out = static_cast<Unit*>(a.output);
+    T* out_t = static_cast<T*>(a.output);
 
-  if (!aborted) {
-    for (int s = 1; s < S; ++s) {
-      const int peer = place.first + (place.local + s) % S;
-      push_to_peer<Unit>(a, peer, epoch, in, body);
-      push_to_peer<T>(a, peer, epoch, in_t, tail);
-    }
-  }
-  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
-  // flag (begin_call): no flag goes out unless every thread pushed its share.
-  if (__syncthreads_or(aborted) == 0) {
-    signal_targets(a, 0, epoch, place.peers);
-    const int prev = place.previous(a.rank);
-    if (wait_targets(a, 0, epoch, place.peers, Stage::kIslandGather, prev, Stage::kIslandChain)) {
-      const float* partial_in = prev >= 0 ? partial_area(a, a.rank, place.index - 1, epoch) : nullptr;
-      if (place.last()) {
-        finish_shard<T, Unit>(a, epoch, in, out, body, partial_in);
-        finish_shard<T, T>(a, epoch, in_t, out_t, tail, partial_in);
-        for (int h = 0; h < place.count - 1; ++h) {  // the same threads read `out` as wrote it
-          push_to_peer<Unit>(a, h * S + place.local, epoch, out, body);
-          push_to_peer<T>(a, h * S + place.local, epoch, out_t, tail);
-        }
-        __syncthreads();
-        uint32_t partners = 0;
-        for (int h = 0; h < place.count - 1; ++h) partners |= 1u << (h * S + place.local);
-        signal_targets(a, 1, epoch, partners);
-        done = true;
-      } else {
-        done = relay_and_receive<T, Unit>(a, place, epoch, in, in_t, out, out_t, body, tail, partial_in);
+    if (!aborted) {
+      for (int s = 1; s < S; ++s) {
+        const int peer = place.first + (place.local + s) % S;
+        push_to_peer<Unit>(a, peer, epoch, in, body);
+        push_to_peer<T>(a, peer, epoch, in_t, tail);
       }
     }
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    if (!verdict_barrier(aborted)) return false;
+    signal_targets(a, 0, epoch, place.peers);
+    const int prev = place.previous(a.rank);
+    if (!wait_targets(a, 0, epoch, place.peers, Stage::kIslandGather, prev, Stage::kIslandChain)) return false;
+    const float* partial_in = prev >= 0 ? partial_area(a, a.rank, place.index - 1, epoch) : nullptr;
+    if (!place.last()) return relay_and_receive<T, Unit>(a, place, epoch, in, in_t, out, out_t, body, tail, partial_in);
+    finish_shard<T, Unit>(a, epoch, in, out, body, partial_in);
+    finish_shard<T, T>(a, epoch, in_t, out_t, tail, partial_in);
+    for (int h = 0; h < place.count - 1; ++h) {  // the same threads read `out` as wrote it
+      push_to_peer<Unit>(a, h * S + place.local, epoch, out, body);
+      push_to_peer<T>(a, h * S + place.local, epoch, out_t, tail);
+    }
+    __syncthreads();
+    uint32_t partners = 0;
+    for (int h = 0; h < place.count - 1; ++h) partners |= 1u << (h * S + place.local);
+    signal_targets(a, 1, epoch, partners);
+    return true;
+  });
 }
 
 }  // namespace pcie_ar

@@ -78,31 +78,27 @@ __device__ __forceinline__ void push_shard_in_turn(const KernelArgs& a, Epoch ep
 
 template <typename T, typename Unit>
 __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
-  const IslandPlace place(a);
-  const int S = place.size;
-  const int first = place.first;
-  const int tail_owner = first + S - 1;
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-  const Range mine = shard_part<Unit>(a.nbytes, S, place.local);
-  const Range my_tail = a.rank == tail_owner ? tail : Range{0, 0};
-  const Unit* in = static_cast<const Unit*>(a.input);
-  const T* in_t = static_cast<const T*>(a.input);
-  Unit* out = static_cast<Unit*>(a.output);
-  T* out_t = static_cast<T*>(a.output);
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    const IslandPlace place(a);
+    const int S = place.size;
+    const int first = place.first;
+    const int tail_owner = first + S - 1;
+    const Range tail = block_tail<T>(a.nbytes);
+    const Range mine = shard_part<Unit>(a.nbytes, S, place.local);
+    const Range my_tail = a.rank == tail_owner ? tail : Range{0, 0};
+    const Unit* in = static_cast<const Unit*>(a.input);
+    const T* in_t = static_cast<const T*>(a.input);
+    Unit* out = static_cast<Unit*>(a.output);
+    T* out_t = static_cast<T*>(a.output);
 
-  if (!aborted) {
-    for (int s = 1; s < S; ++s) {
-      const int peer = first + (place.local + s) % S;
-      push_to_peer<Unit>(a, peer, epoch, in, shard_part<Unit>(a.nbytes, S, peer - first));
+    if (!aborted) {
+      for (int s = 1; s < S; ++s) {
+        const int peer = first + (place.local + s) % S;
+        push_to_peer<Unit>(a, peer, epoch, in, shard_part<Unit>(a.nbytes, S, peer - first));
+      }
+      if (a.rank != tail_owner) push_to_peer<T>(a, tail_owner, epoch, in_t, tail);
     }
-    if (a.rank != tail_owner) push_to_peer<T>(a, tail_owner, epoch, in_t, tail);
-  }
-  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
-  // flag (begin_call): no flag goes out unless every thread pushed its share.
-  if (__syncthreads_or(aborted) == 0) {
+    if (!verdict_barrier(aborted)) return false;
     signal_targets(a, 0, epoch, place.peers);
     const int prev = place.previous(a.rank);
     bool have_shard = false;
@@ -119,17 +115,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock) island_twoshot_kernel(const 
         have_shard = true;
       }
     }
-    if (have_shard && wait_targets(a, 1, epoch, place.peers, Stage::kAllGather)) {
-      for (int s = 1; s < S; ++s) {
-        const int peer = first + (place.local + s) % S;
-        copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, S, peer - first));
-      }
-      if (a.rank != tail_owner) copy_from_slot<T>(a, tail_owner, epoch, out_t, tail);
-      done = true;
+    if (!have_shard || !wait_targets(a, 1, epoch, place.peers, Stage::kAllGather)) return false;
+    for (int s = 1; s < S; ++s) {
+      const int peer = first + (place.local + s) % S;
+      copy_from_slot<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, S, peer - first));
     }
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    if (a.rank != tail_owner) copy_from_slot<T>(a, tail_owner, epoch, out_t, tail);
+    return true;
+  });
 }
 
 }  // namespace pcie_ar

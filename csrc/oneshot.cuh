@@ -21,43 +21,37 @@ namespace pcie_ar {
 
 template <typename T, typename Unit, bool kStaged, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
-  const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-  const Unit* in = static_cast<const Unit*>(a.input);
-  const T* in_t = static_cast<const T*>(a.input);
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
+    const Range tail = block_tail<T>(a.nbytes);
+    const Unit* in = static_cast<const Unit*>(a.input);
+    const T* in_t = static_cast<const T*>(a.input);
 
-  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
-  // flag (begin_call): no flag goes out unless every thread pushed its share.
-  bool sent = true;
-  if constexpr (kStaged) {
-    for (int s = 1; s < a.world && sent; ++s) {
-      const int peer = (a.rank + s) % a.world;
-      if (!aborted) {
-        push_to_peer<Unit>(a, peer, epoch, in, body);
-        push_to_peer<T>(a, peer, epoch, in_t, tail);
+    bool sent = true;
+    if constexpr (kStaged) {
+      for (int s = 1; s < a.world && sent; ++s) {
+        const int peer = (a.rank + s) % a.world;
+        if (!aborted) {
+          push_to_peer<Unit>(a, peer, epoch, in, body);
+          push_to_peer<T>(a, peer, epoch, in_t, tail);
+        }
+        sent = verdict_barrier(aborted);
+        if (sent && threadIdx.x == 0) signal_peer(a, peer, 0, epoch);
       }
-      sent = __syncthreads_or(aborted) == 0;
-      if (sent && threadIdx.x == 0) signal_peer(a, peer, 0, epoch);
+    } else {
+      if (!aborted) {
+        push_to_all_peers<Unit, kCap>(a, epoch, in, body);
+        push_to_all_peers<T, kCap>(a, epoch, in_t, tail);
+      }
+      sent = verdict_barrier(aborted);
+      if (sent) signal_all_peers(a, 0, epoch);
     }
-  } else {
-    if (!aborted) {
-      push_to_all_peers<Unit, kCap>(a, epoch, in, body);
-      push_to_all_peers<T, kCap>(a, epoch, in_t, tail);
-    }
-    sent = __syncthreads_or(aborted) == 0;
-    if (sent) signal_all_peers(a, 0, epoch);
-  }
 
-  if (sent && wait_all_peers(a, 0, epoch, Stage::kOneShotGather)) {
+    if (!sent || !wait_all_peers(a, 0, epoch, Stage::kOneShotGather)) return false;
     reduce_range<T, Unit, false, kCap>(a, epoch, in, static_cast<Unit*>(a.output), body);
     reduce_range<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
-    done = true;
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    return true;
+  });
 }
 
 }  // namespace pcie_ar

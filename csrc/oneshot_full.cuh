@@ -103,26 +103,15 @@ __device__ __forceinline__ bool poll_reduce(const KernelArgs& a, uint32_t parity
   return true;
 }
 
-// One call of a full-payload algorithm (this one-shot, twoshot_full.cuh's two-shot) around its
-// exchange: `exchange(epoch)` returns this thread's success; a block that did not fully succeed
-// leaves NaN (invariant 5 of protocol.cuh), and the epoch advances either way.
-template <typename T, typename Exchange>
-__device__ __forceinline__ void full_payload_call(const KernelArgs& a, Exchange exchange) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  const bool done = __syncthreads_and(!aborted && exchange(epoch)) != 0;  // the block's verdict (begin_call)
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
-}
-
 // kWorld: the world size as a constant (== a.world; the launch picks the instance), as for
 // oneshot_ll: every loop over peers unrolls to exactly W copies; kAnyWorld above kSmallWorld.
 template <typename T, typename Unit, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_full_kernel(const __grid_constant__ KernelArgs a) {
-  full_payload_call<T>(a, [&](Epoch epoch) {
+  p2p_call<T, AbortVerdict::kAtEnd>(a, [&](Epoch epoch, bool aborted) {
+    if (aborted) return false;
     const uint32_t parity = parity_of(epoch);
     const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
-    const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+    const Range tail = block_tail<T>(a.nbytes);
     const int peer = header_peer(a);
     publish_full_header(a, peer, parity, epoch);
     push_units<T, Unit, kWorld>(a, parity, static_cast<const Unit*>(a.input), body);

@@ -116,53 +116,47 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
 // instance for worlds above kSmallWorld.
 template <typename T, bool kAligned, int kWorld>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  const uint32_t flag = line_flag(low_epoch(epoch), a.signature);
-  const uint64_t units = (a.nbytes + kLinePayloadBytes - 1) / kLinePayloadBytes;
-  // A thread that saw the abort flag (begin_call) moves nothing and fails its block below.
-  const Range mine = aborted ? Range{0, 0} : split(units, gridDim.x, blockIdx.x);
+  p2p_call<T, AbortVerdict::kAtEnd>(a, [&](Epoch epoch, bool aborted) {
+    const void* input = a.input;
+    const uint32_t flag = line_flag(low_epoch(epoch), a.signature);
+    const uint64_t units = (a.nbytes + kLinePayloadBytes - 1) / kLinePayloadBytes;
+    // A thread that saw the abort flag (begin_call) moves nothing and fails its block.
+    const Range mine = aborted ? Range{0, 0} : split(units, gridDim.x, blockIdx.x);
 
-  constexpr int kLoop = kRankLoop<kWorld>;
-  const int world = world_of<kWorld>(a);
-  uint4* peer_lines[kLoop];
-#pragma unroll
-  for (int s = 1; s < kLoop; ++s) {
-    if (s < world) peer_lines[s] = line_slot(a, world, (a.rank + s) % world, a.rank, epoch);
-  }
-  for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
-    const uint2 payload = load_payload<T, kAligned>(a.input, i, a.nbytes);
+    constexpr int kLoop = kRankLoop<kWorld>;
+    const int world = world_of<kWorld>(a);
+    uint4* lines0 = line_slot(a, world, a.rank, 0, epoch);
+    uint4* peer_lines[kLoop];
 #pragma unroll
     for (int s = 1; s < kLoop; ++s) {
-      if (s < world) store_line(peer_lines[s] + i, payload, flag);
+      if (s < world) peer_lines[s] = line_slot(a, world, (a.rank + s) % world, a.rank, epoch);
     }
-  }
+    for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
+      const uint2 payload = load_payload<T, kAligned>(input, i, a.nbytes);
+#pragma unroll
+      for (int s = 1; s < kLoop; ++s) {
+        if (s < world) store_line(peer_lines[s] + i, payload, flag);
+      }
+    }
 
-  uint4* lines0 = line_slot(a, world, a.rank, 0, epoch);
-  const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
-  bool gathered = !aborted;
-  for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
-    uint2 got[kLoop];
-    if (!gather_lines<kWorld>(a, lines0, stride, i, flag, epoch, got)) {
-      gathered = false;
-      break;
-    }
-    const uint2 own = load_payload<T, kAligned>(a.input, i, a.nbytes);
-    Pack<T, uint2> in[kLoop];
+    const uint64_t stride = a.layout.ll_slot_bytes / kLineBytes;
+    for (uint64_t i = mine.begin + threadIdx.x; i < mine.end; i += blockDim.x) {
+      uint2 got[kLoop];
+      if (!gather_lines<kWorld>(a, lines0, stride, i, flag, epoch, got)) return false;
+      const uint2 own = load_payload<T, kAligned>(input, i, a.nbytes);
+      Pack<T, uint2> in[kLoop];
 #pragma unroll
-    for (int r = 0; r < kLoop; ++r) {
-      if (r < world) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
-    }
-    store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order(in, world));
+      for (int r = 0; r < kLoop; ++r) {
+        if (r < world) in[r].unit = (r == a.rank) ? own : got[r];  // a select per r: registers only
+      }
+      store_payload<T, kAligned>(a.output, i, a.nbytes, sum_in_rank_order(in, world));
 #pragma unroll
-    for (int r = 0; r < kLoop; ++r) {
-      if (r < world && r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
+      for (int r = 0; r < kLoop; ++r) {
+        if (r < world && r != a.rank) clear_line(lines0 + static_cast<uint64_t>(r) * stride + i);
+      }
     }
-  }
-  // A thread that gave up, or saw the abort flag, fails its whole block.
-  const bool done = __syncthreads_and(gathered) != 0;
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    return !aborted;
+  });
 }
 
 }  // namespace pcie_ar

@@ -54,4 +54,10 @@ __device__ __forceinline__ Range tail_elements(uint64_t nbytes) {
 
 __device__ __forceinline__ bool owns_tail() { return blockIdx.x == gridDim.x - 1; }
 
+// This block's share of the tail: all of it in the last block (owns_tail), nothing in the others.
+template <typename T>
+__device__ __forceinline__ Range block_tail(uint64_t nbytes) {
+  return owns_tail() ? tail_elements<T>(nbytes) : Range{0, 0};
+}
+
 }  // namespace pcie_ar

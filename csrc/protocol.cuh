@@ -225,8 +225,8 @@ __device__ __forceinline__ bool wait_all_peers(const KernelArgs& a, int kind, Ep
 // overlap them with the first input loads. The abort flag can also be raised by a block of this
 // very kernel while this block's threads read it, so `aborted` may differ between threads of a
 // block: a thread that saw it skips its own work, and the kernel takes the block's verdict at the
-// first barrier it has anyway (__syncthreads_or / __syncthreads_and), before any flag is sent or
-// any branch holds a barrier. (A barrier here for the verdict cost 0.1-0.2 us per call.)
+// first barrier it has anyway (AbortVerdict, below), before any flag is sent or any branch holds
+// a barrier. (A barrier here for the verdict cost 0.1-0.2 us per call.)
 __device__ __forceinline__ Epoch begin_call(const KernelArgs& a, bool* aborted) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as the previous kernel's programmatic dependent (Workspace::dependent_launch): wait
@@ -245,6 +245,11 @@ __device__ __forceinline__ Epoch begin_call(const KernelArgs& a, bool* aborted) 
   }
   return epoch;
 }
+
+// The barrier between a block's first data and its first flag (invariant 2), which also takes the
+// block's verdict on the abort flag that begin_call read per thread: true (every thread) when no
+// thread of the block saw it, so no flag goes out unless every thread pushed its share.
+__device__ __forceinline__ bool verdict_barrier(bool aborted) { return __syncthreads_or(aborted) == 0; }
 
 // Lets a kernel that follows on this stream with programmatic dependent launch (Hopper and
 // later: the add + RMSNorm kernel after the all-reduce, PCIE_AR_PDL) start its launch and its
@@ -268,6 +273,37 @@ __device__ __forceinline__ void end_call(const KernelArgs& a, Epoch epoch) {
   for (uint32_t i = blockIdx.x + threadIdx.x * gridDim.x; i < kMaxFlagBlocks; i += blockDim.x * gridDim.x) {
     ctl->epochs[i] = epoch;
   }
+}
+
+// Every thread's stores of NaN over the call's whole output (invariant 5; reduce.cuh).
+template <typename T>
+__device__ __noinline__ void fill_output_with_nan(const KernelArgs& a);
+
+// Where a kernel's body takes its block's verdict on the abort flag (begin_call).
+enum class AbortVerdict {
+  // body(epoch, aborted) runs in every thread; a thread that saw the flag moves nothing, and the
+  // body takes the block's verdict at its first barrier (verdict_barrier), before any flag goes
+  // out. It returns whether the block completed, the same in every thread. For kernels with
+  // barriers: the flag-based exchanges.
+  kFirstBarrier,
+  // body(epoch, aborted) runs in every thread and returns that thread's success (false in a
+  // thread that saw the flag, which moves nothing); the verdict is the block's AND over every
+  // thread after it. For bodies without a barrier: the data-as-flag exchanges (oneshot_ll, the
+  // full-payload kernels).
+  kAtEnd,
+};
+
+// One call of a P2P kernel around its exchange `body` (see AbortVerdict): this call's epoch and
+// notice (begin_call), the body, the block's verdict, NaN over the whole output from a block that
+// did not complete (invariant 5), the epoch published for the next call either way (end_call).
+template <typename T, AbortVerdict kVerdict, typename Body>
+__device__ __forceinline__ void p2p_call(const KernelArgs& a, Body body) {
+  bool aborted;
+  const Epoch epoch = begin_call(a, &aborted);
+  bool done = body(epoch, aborted);
+  if constexpr (kVerdict == AbortVerdict::kAtEnd) done = __syncthreads_and(done) != 0;
+  if (!done) fill_output_with_nan<T>(a);
+  end_call(a, epoch);
 }
 
 }  // namespace pcie_ar

@@ -98,101 +98,82 @@ __device__ __forceinline__ void copy_pulled(const KernelArgs& a, int peer, Epoch
 
 template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) oneshot_pull_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
-  const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-  const Unit* in = static_cast<const Unit*>(a.input);
-  const T* in_t = static_cast<const T*>(a.input);
-  if (!aborted) {
-    push_to_peer<Unit>(a, a.rank, epoch, in, body);  // our own slot (P1)
-    push_to_peer<T>(a, a.rank, epoch, in_t, tail);
-  }
-  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort flag.
-  if (__syncthreads_or(aborted) == 0) {
-    signal_all_peers(a, 0, epoch);
-    if (wait_all_peers(a, 0, epoch, Stage::kPullGather)) {
-      reduce_pulled<T, Unit, false, kCap>(a, epoch, in, static_cast<Unit*>(a.output), body);
-      reduce_pulled<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
-      done = true;
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    const Range body = to_units<Unit>(split(a.nbytes / kGranule, gridDim.x, blockIdx.x));
+    const Range tail = block_tail<T>(a.nbytes);
+    const Unit* in = static_cast<const Unit*>(a.input);
+    const T* in_t = static_cast<const T*>(a.input);
+    if (!aborted) {
+      push_to_peer<Unit>(a, a.rank, epoch, in, body);  // our own slot (P1)
+      push_to_peer<T>(a, a.rank, epoch, in_t, tail);
     }
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    if (!verdict_barrier(aborted)) return false;
+    signal_all_peers(a, 0, epoch);
+    if (!wait_all_peers(a, 0, epoch, Stage::kPullGather)) return false;
+    reduce_pulled<T, Unit, false, kCap>(a, epoch, in, static_cast<Unit*>(a.output), body);
+    reduce_pulled<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+    return true;
+  });
 }
 
 template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_pull_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-  const Unit* in = static_cast<const Unit*>(a.input);
-  const T* in_t = static_cast<const T*>(a.input);
-  Unit* out = static_cast<Unit*>(a.output);
-  if (!aborted) {
-    for (int s = 1; s < a.world; ++s) {  // our own shard's range is read by nobody but us (P3)
-      const int owner = (a.rank + s) % a.world;
-      push_to_peer<Unit>(a, a.rank, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
-    }
-    push_to_peer<T>(a, a.rank, epoch, in_t, tail);
-  }
-  if (__syncthreads_or(aborted) == 0) {
-    signal_all_peers(a, 0, epoch);
-    if (wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) {
-      reduce_pulled<T, Unit, true, kCap>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
-      __syncthreads();
-      signal_all_peers(a, 1, epoch);
-      // Every rank reduces the tail itself (read from every peer's slot, which still holds it).
-      reduce_pulled<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
-      if (wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) {
-        for (int s = 1; s < a.world; ++s) {
-          const int peer = (a.rank + s) % a.world;
-          copy_pulled<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
-        }
-        done = true;
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    const Range tail = block_tail<T>(a.nbytes);
+    const Unit* in = static_cast<const Unit*>(a.input);
+    const T* in_t = static_cast<const T*>(a.input);
+    Unit* out = static_cast<Unit*>(a.output);
+    if (!aborted) {
+      for (int s = 1; s < a.world; ++s) {  // our own shard's range is read by nobody but us (P3)
+        const int owner = (a.rank + s) % a.world;
+        push_to_peer<Unit>(a, a.rank, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
       }
+      push_to_peer<T>(a, a.rank, epoch, in_t, tail);
     }
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    if (!verdict_barrier(aborted)) return false;
+    signal_all_peers(a, 0, epoch);
+    if (!wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) return false;
+    reduce_pulled<T, Unit, true, kCap>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
+    __syncthreads();
+    signal_all_peers(a, 1, epoch);
+    // Every rank reduces the tail itself (read from every peer's slot, which still holds it).
+    reduce_pulled<T, T, false, kCap>(a, epoch, in_t, static_cast<T*>(a.output), tail);
+    if (!wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) return false;
+    for (int s = 1; s < a.world; ++s) {
+      const int peer = (a.rank + s) % a.world;
+      copy_pulled<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
+    }
+    return true;
+  });
 }
 
 template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_symm_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  bool done = false;
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
-  const Unit* in = static_cast<const Unit*>(a.input);  // our own input area (S2)
-  const T* in_t = static_cast<const T*>(a.input);
-  Unit* out = static_cast<Unit*>(a.output);
-  if (__syncthreads_or(aborted) == 0) {
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    if (!verdict_barrier(aborted)) return false;
     signal_all_peers(a, 0, epoch);  // our input is there (S1)
-    if (wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) {
-      reduce_pulled<T, Unit, true, kCap, true>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
-      // The tail is read from every rank's input, so it is reduced before the flag (after it a
-      // peer may finish and its caller rewrite its input, S1) into our own slot's tail, which no
-      // peer reads, and reaches the output only after every peer's flag: in place, our output's
-      // tail is our input's, which the peers read until then.
-      T* own_tail = own_slot<T>(a, a.rank, epoch);
-      reduce_pulled<T, T, false, kCap, true>(a, epoch, in_t, own_tail, tail);
-      __syncthreads();
-      signal_all_peers(a, 1, epoch);
-      if (wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) {
-        for (int s = 1; s < a.world; ++s) {
-          const int peer = (a.rank + s) % a.world;
-          copy_pulled<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
-        }
-        T* out_t = static_cast<T*>(a.output);
-        for (uint64_t i = tail.begin + threadIdx.x; i < tail.end; i += blockDim.x) out_t[i] = own_tail[i];  // same thread
-        done = true;
-      }
+    if (!wait_all_peers(a, 0, epoch, Stage::kPullReduceScatter)) return false;
+    const Unit* in = static_cast<const Unit*>(a.input);  // our own input area (S2)
+    Unit* out = static_cast<Unit*>(a.output);
+    reduce_pulled<T, Unit, true, kCap, true>(a, epoch, in, out, shard_part<Unit>(a.nbytes, a.world, a.rank));
+    // The tail is read from every rank's input, so it is reduced before the flag (after it a
+    // peer may finish and its caller rewrite its input, S1) into our own slot's tail, which no
+    // peer reads, and reaches the output only after every peer's flag: in place, our output's
+    // tail is our input's, which the peers read until then.
+    const Range tail = block_tail<T>(a.nbytes);
+    T* own_tail = own_slot<T>(a, a.rank, epoch);
+    reduce_pulled<T, T, false, kCap, true>(a, epoch, static_cast<const T*>(a.input), own_tail, tail);
+    __syncthreads();
+    signal_all_peers(a, 1, epoch);
+    if (!wait_all_peers(a, 1, epoch, Stage::kPullAllGather)) return false;
+    for (int s = 1; s < a.world; ++s) {
+      const int peer = (a.rank + s) % a.world;
+      copy_pulled<Unit>(a, peer, epoch, out, shard_part<Unit>(a.nbytes, a.world, peer));
     }
-  }
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+    T* out_t = static_cast<T*>(a.output);
+    for (uint64_t i = tail.begin + threadIdx.x; i < tail.end; i += blockDim.x) out_t[i] = own_tail[i];  // same thread
+    return true;
+  });
 }
 
 }  // namespace pcie_ar

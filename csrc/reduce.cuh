@@ -105,6 +105,7 @@ __device__ __forceinline__ Unit reduce_unit(const Unit* own, const Unit* slot0, 
 // A call that gives up (timeout, mismatch, abort) leaves NaN in its whole output: never the
 // previous contents or a partial sum that could pass for a result (protocol invariant 5).
 // Element stores, from every block that gave up: this is the failure path, not a fast one.
+// (Declared in protocol.cuh, whose call frames use it.)
 template <typename T> __device__ __forceinline__ T quiet_nan();
 template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
 template <> __device__ __forceinline__ __half quiet_nan<__half>() { return __ushort_as_half(0x7e00); }

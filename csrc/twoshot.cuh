@@ -33,7 +33,7 @@ namespace pcie_ar {
 // and the all-gather from the reduction itself (one load, W-1 posted writes).
 template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, bool aborted) {
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Range tail = block_tail<T>(a.nbytes);
   const Unit* in = static_cast<const Unit*>(a.input);
   const T* in_t = static_cast<const T*>(a.input);
   Unit* out = static_cast<Unit*>(a.output);
@@ -45,9 +45,7 @@ __device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, 
     }
     push_to_all_peers<T, kCap>(a, epoch, in_t, tail);
   }
-  // The barrier between data and flag (invariant 2) also takes the block's verdict on the abort
-  // flag (begin_call): no flag goes out unless every thread pushed its share.
-  if (__syncthreads_or(aborted) == 0) {
+  if (verdict_barrier(aborted)) {
     signal_all_peers(a, 0, epoch);
 
     if (wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) {
@@ -72,7 +70,7 @@ __device__ __forceinline__ bool twoshot_plain(const KernelArgs& a, Epoch epoch, 
 // (the tail goes with every peer's part of the reduce-scatter, as in the plain form's step 1).
 template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ bool twoshot_staged(const KernelArgs& a, Epoch epoch, bool aborted) {
-  const Range tail = owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  const Range tail = block_tail<T>(a.nbytes);
   const Range mine = shard_part<Unit>(a.nbytes, a.world, a.rank);
   const Unit* in = static_cast<const Unit*>(a.input);
   const T* in_t = static_cast<const T*>(a.input);
@@ -85,7 +83,7 @@ __device__ __forceinline__ bool twoshot_staged(const KernelArgs& a, Epoch epoch,
       push_to_peer<Unit>(a, owner, epoch, in, shard_part<Unit>(a.nbytes, a.world, owner));
       push_to_peer<T>(a, owner, epoch, in_t, tail);
     }
-    sent = __syncthreads_or(aborted) == 0;  // the data-flag barrier, and the block's abort verdict
+    sent = verdict_barrier(aborted);
     if (sent && threadIdx.x == 0) signal_peer(a, owner, 0, epoch);
   }
   if (!sent || !wait_all_peers(a, 0, epoch, Stage::kReduceScatter)) return false;
@@ -107,11 +105,9 @@ __device__ __forceinline__ bool twoshot_staged(const KernelArgs& a, Epoch epoch,
 
 template <typename T, typename Unit, bool kStaged, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock) twoshot_kernel(const __grid_constant__ KernelArgs a) {
-  bool aborted;
-  const Epoch epoch = begin_call(a, &aborted);
-  const bool done = kStaged ? twoshot_staged<T, Unit, kCap>(a, epoch, aborted) : twoshot_plain<T, Unit, kCap>(a, epoch, aborted);
-  if (!done) fill_output_with_nan<T>(a);
-  end_call(a, epoch);
+  p2p_call<T, AbortVerdict::kFirstBarrier>(a, [&](Epoch epoch, bool aborted) {
+    return kStaged ? twoshot_staged<T, Unit, kCap>(a, epoch, aborted) : twoshot_plain<T, Unit, kCap>(a, epoch, aborted);
+  });
 }
 
 }  // namespace pcie_ar

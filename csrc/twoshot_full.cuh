@@ -55,7 +55,7 @@ __device__ __forceinline__ Unit* full_inbox(const KernelArgs& a, int area_owner,
 template <typename T, typename Unit>
 __device__ __forceinline__ Range full_shard_units(const KernelArgs& a, int owner, bool tail) {
   if (!tail) return shard_part<Unit>(a.nbytes, a.world, owner);
-  return owner == a.world - 1 && owns_tail() ? tail_elements<T>(a.nbytes) : Range{0, 0};
+  return owner == a.world - 1 ? block_tail<T>(a.nbytes) : Range{0, 0};
 }
 
 // Reduce-scatter, sending side: our units of every other rank's shard into its inbox for us.
@@ -125,7 +125,8 @@ __device__ __forceinline__ bool gather_shards(const KernelArgs& a, uint32_t pari
 
 template <typename T, typename Unit, int kCap>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) twoshot_full_kernel(const __grid_constant__ KernelArgs a) {
-  full_payload_call<T>(a, [&](Epoch epoch) {
+  p2p_call<T, AbortVerdict::kAtEnd>(a, [&](Epoch epoch, bool aborted) {
+    if (aborted) return false;
     const uint32_t parity = parity_of(epoch);
     const Unit* in = static_cast<const Unit*>(a.input);
     Unit* out = static_cast<Unit*>(a.output);
