@@ -133,6 +133,22 @@ py::dict names_table(const pcie_ar::Named<Id> (&table)[N], bool by_id = false) {
   return out;
 }
 
+// The algorithm records (kAlgorithms), one dict each in id order, under the field names of
+// Python's records (pcie_allreduce/plan/algorithms.py, Algorithm), which are checked against them.
+py::list algorithm_records() {
+  py::list out;
+  for (const auto& r : pcie_ar::kAlgorithms) {
+    out.append(py::dict(
+        py::arg("name") = r.name, py::arg("id") = static_cast<int>(r.id),
+        py::arg("transport") = r.has(pcie_ar::kAlgoHostOnly) ? py::object(py::str("host")) : py::object(py::none()),
+        py::arg("capacity_margin") =
+            r.has(pcie_ar::kAlgoCapped) ? py::object(py::int_(r.capacity_margin)) : py::object(py::none()),
+        py::arg("island") = r.has(pcie_ar::kAlgoIsland), py::arg("symmetric_input") = r.has(pcie_ar::kAlgoSymmetricInput),
+        py::arg("compressed_wire") = r.has(pcie_ar::kAlgoFp8Wire) ? py::object(py::str("fp8")) : py::object(py::none())));
+  }
+  return out;
+}
+
 // Every value Python mirrors in pcie_allreduce/constants.py, from its C++ name.
 void register_constants(py::module_& m) {
   m.attr("MIN_RANKS") = pcie_ar::kMinRanks;
@@ -166,7 +182,7 @@ void register_constants(py::module_& m) {
   m.attr("FP8_BLOCK") = pcie_ar::kFp8Block;
   m.attr("CONTROL_WORDS") = pcie_ar::kControlWords;
   m.attr("ERROR_WORDS") = pcie_ar::kErrorRecordWords;
-  m.attr("ALGO_IDS") = names_table(pcie_ar::kAlgoNames);
+  m.attr("ALGO_RECORDS") = algorithm_records();
   m.attr("DTYPE_IDS") = names_table(pcie_ar::kDTypeNames);
   m.attr("ERROR_KINDS") = names_table(pcie_ar::kErrorKindNames);
   m.attr("TRANSPORT_IDS") = names_table(pcie_ar::kTransportNames);

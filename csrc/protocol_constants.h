@@ -63,25 +63,13 @@ enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
 // own PCIe link. The protocol and the kernels are the same on both.
 enum class Transport : int { kP2P = 0, kHost = 1 };
 
-// The names Python knows each id by (algorithm table, dtype names, error messages, error kinds).
+// The names Python knows each id by (dtype names, error messages, error kinds; the algorithms'
+// names are in their records, kAlgorithms below).
 template <typename Id>
 struct Named {
   Id id;
   const char* name;
 };
-constexpr Named<Algo> kAlgoNames[] = {{Algo::kOneShot, "oneshot"},
-                                      {Algo::kStaged, "staged"},
-                                      {Algo::kTwoShot, "twoshot"},
-                                      {Algo::kOneShotLL, "oneshot_ll"},
-                                      {Algo::kHostOneShot, "host_oneshot"},
-                                      {Algo::kHostTwoShot, "host_twoshot"},
-                                      {Algo::kOneShotFull, "oneshot_full"}, {Algo::kTwoShotFull, "twoshot_full"},
-                                      {Algo::kIslandTwoShot, "island_twoshot"},
-                                      {Algo::kOneShotPull, "oneshot_pull"}, {Algo::kTwoShotPull, "twoshot_pull"},
-                                      {Algo::kTwoShotStaged, "twoshot_staged"},
-                                      {Algo::kIslandOneShot, "island_oneshot"},
-                                      {Algo::kTwoShotSymm, "twoshot_symm"},
-                                      {Algo::kTwoShotFp8, "twoshot_fp8"}};
 constexpr Named<DType> kDTypeNames[] = {
     {DType::kFloat32, "float32"}, {DType::kFloat16, "float16"}, {DType::kBFloat16, "bfloat16"}};
 constexpr Named<Stage> kStageNames[] = {
@@ -220,5 +208,53 @@ struct Layout {
     return l;
   }
 };
+
+// The algorithms: one record each, in id order, with what C++ checks before it launches one
+// (Workspace::all_reduce). The binding exports the records (ALGO_RECORDS); Python's records
+// (pcie_allreduce/plan/algorithms.py, REGISTRY) repeat these fields beside their own, and the
+// import of that module fails where any field differs, so the two sides cannot drift.
+constexpr uint32_t kAlgoHostOnly = 1u << 0;        // its buffers exist only in shared host memory (Transport::kHost)
+constexpr uint32_t kAlgoCapped = 1u << 1;          // messages up to the low-latency capacity less capacity_margin
+constexpr uint32_t kAlgoIsland = 1u << 2;          // needs the workspace's islands (island_ranks)
+constexpr uint32_t kAlgoSymmetricInput = 1u << 3;  // reads every rank's input in place: the symmetric input area
+constexpr uint32_t kAlgoFp8Wire = 1u << 4;         // the lossy FP8 wire: its coded message must fit a slot
+struct AlgoRecord {
+  Algo id;
+  const char* name;
+  uint32_t traits = 0;           // kAlgo* bits above
+  uint64_t capacity_margin = 0;  // with kAlgoCapped: bytes below the low-latency capacity it keeps free
+  constexpr bool has(uint32_t trait) const { return (traits & trait) != 0; }
+};
+constexpr AlgoRecord kAlgorithms[] = {
+    {Algo::kOneShot, "oneshot"},
+    {Algo::kStaged, "staged"},
+    {Algo::kTwoShot, "twoshot"},
+    {Algo::kOneShotLL, "oneshot_ll", kAlgoCapped},
+    {Algo::kHostOneShot, "host_oneshot", kAlgoHostOnly},
+    {Algo::kHostTwoShot, "host_twoshot", kAlgoHostOnly},
+    {Algo::kOneShotFull, "oneshot_full", kAlgoCapped},
+    {Algo::kTwoShotFull, "twoshot_full", kAlgoCapped, kFullTwoShotMargin},
+    {Algo::kIslandTwoShot, "island_twoshot", kAlgoIsland},
+    {Algo::kOneShotPull, "oneshot_pull"},
+    {Algo::kTwoShotPull, "twoshot_pull"},
+    {Algo::kTwoShotStaged, "twoshot_staged"},
+    {Algo::kIslandOneShot, "island_oneshot", kAlgoIsland},
+    {Algo::kTwoShotSymm, "twoshot_symm", kAlgoSymmetricInput},
+    {Algo::kTwoShotFp8, "twoshot_fp8", kAlgoFp8Wire},
+};
+constexpr int kAlgoCount = static_cast<int>(sizeof(kAlgorithms) / sizeof(kAlgorithms[0]));
+
+constexpr bool algorithms_in_id_order() {
+  for (int i = 0; i < kAlgoCount; ++i) {
+    if (static_cast<int>(kAlgorithms[i].id) != i) return false;
+  }
+  return true;
+}
+static_assert(algorithms_in_id_order(), "kAlgorithms: one record per Algo id, in id order (record i has id i)");
+
+// The record of algorithm id `algo`, or nullptr for an id no kernel has.
+constexpr const AlgoRecord* algo_record(int algo) {
+  return algo >= 0 && algo < kAlgoCount ? &kAlgorithms[algo] : nullptr;
+}
 
 }  // namespace pcie_ar

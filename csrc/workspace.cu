@@ -476,30 +476,28 @@ uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64
   if (!state_->captured) note_capture(stream);
   PCIE_AR_HOST_ASSERT(nbytes <= max_bytes_, "message larger than the workspace's max_bytes");
   if (nbytes == 0) return 0;
-  PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kHostOneShot && static_cast<Algo>(algo) != Algo::kHostTwoShot) ||
-                          state_->transport == Transport::kHost,
-                      "host_oneshot and host_twoshot run on the host transport only");
-  PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kOneShotLL && static_cast<Algo>(algo) != Algo::kOneShotFull) ||
-                          nbytes <= state_->layout.ll_capacity,
-                      "message larger than the low-latency capacity (" + std::to_string(state_->layout.ll_capacity) +
-                          " bytes); use another algorithm");
-  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kTwoShotFull ||
-                          nbytes + kFullTwoShotMargin <= state_->layout.ll_capacity,
-                      "message larger than twoshot_full's capacity (" +
-                          std::to_string(state_->layout.ll_capacity - kFullTwoShotMargin) + " bytes); use another algorithm");
-  PCIE_AR_HOST_ASSERT((static_cast<Algo>(algo) != Algo::kIslandTwoShot && static_cast<Algo>(algo) != Algo::kIslandOneShot) ||
-                          state_->island_ranks != 0,
-                      "island_twoshot and island_oneshot need islands: the workspace has none (set_island_ranks)");
-  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kTwoShotSymm ||
+  // What the algorithm's record (kAlgorithms, protocol_constants.h) asks of this workspace and call.
+  const AlgoRecord* record = algo_record(algo);
+  PCIE_AR_HOST_ASSERT(record != nullptr, "unknown algorithm id " + std::to_string(algo));
+  PCIE_AR_HOST_ASSERT(!record->has(kAlgoHostOnly) || state_->transport == Transport::kHost,
+                      std::string(record->name) + " runs on the host transport only");
+  PCIE_AR_HOST_ASSERT(!record->has(kAlgoCapped) || nbytes + record->capacity_margin <= state_->layout.ll_capacity,
+                      "message larger than " + std::string(record->name) + "'s capacity (" +
+                          std::to_string(state_->layout.ll_capacity - record->capacity_margin) +
+                          " bytes, from the low-latency capacity); use another algorithm");
+  PCIE_AR_HOST_ASSERT(!record->has(kAlgoIsland) || state_->island_ranks != 0,
+                      std::string(record->name) + " needs islands: the workspace has none (set_island_ranks)");
+  PCIE_AR_HOST_ASSERT(!record->has(kAlgoSymmetricInput) ||
                           (state_->layout.input_bytes != 0 &&
                            input == reinterpret_cast<uint64_t>(state_->launch_template.bases[rank_]) +
                                         state_->layout.input_offset),
-                      "twoshot_symm reads every rank's input in place: the input must start at this workspace's "
-                      "symmetric input area (Communicator.symmetric_input)");
-  PCIE_AR_HOST_ASSERT(static_cast<Algo>(algo) != Algo::kTwoShotFp8 ||
+                      std::string(record->name) +
+                          " reads every rank's input in place: the input must start at this workspace's "
+                          "symmetric input area (Communicator.symmetric_input)");
+  PCIE_AR_HOST_ASSERT(!record->has(kAlgoFp8Wire) ||
                           fp8_wire_bytes(nbytes / dtype_bytes(dtype)) <= state_->layout.slot_bytes,
-                      "twoshot_fp8: the coded message (" + std::to_string(fp8_wire_bytes(nbytes / dtype_bytes(dtype))) +
-                          " bytes) does not fit the workspace's slot (" + std::to_string(state_->layout.slot_bytes) +
+                      std::string(record->name) + ": the coded message (" +
+                          std::to_string(fp8_wire_bytes(nbytes / dtype_bytes(dtype))) + " bytes) does not fit the workspace's slot (" + std::to_string(state_->layout.slot_bytes) +
                           " bytes); use a larger max_bytes");
   KernelArgs args = state_->launch_template;
   args.input = reinterpret_cast<const void*>(input);

@@ -6,9 +6,10 @@ without the extension (CPU machines, docs builds); when ``pcie_allreduce._C`` lo
 are the ones used. tests/test_constants.py checks that the mirror equals the extension, so a
 constant changed on one side only fails CI instead of mislabelling an error or launching the
 wrong kernel. Every Python user (layout, dispatch, validation, the Triton kernels) imports from
-here; nothing else types these numbers. The one exception is the algorithm ids (``ALGO_IDS``): each
-is a field of its algorithm's record in :mod:`pcie_allreduce.plan.algorithms`, the one Python list
-of the algorithms, which checks them against the extension's at import.
+here; nothing else types these numbers. The one exception is the algorithm records
+(``ALGO_RECORDS``: each algorithm's id, name and the properties C++ checks): they are fields of the
+records of :mod:`pcie_allreduce.plan.algorithms`, the one Python list of the algorithms, which
+checks them against the extension's at import.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ MIRROR: dict[str, Any] = {
 
 
 #: Names the extension exports that are mirrored outside :data:`MIRROR`, and where.
-MIRRORED_ELSEWHERE: dict[str, str] = {"ALGO_IDS": "pcie_allreduce.plan.algorithms"}
+MIRRORED_ELSEWHERE: dict[str, str] = {"ALGO_RECORDS": "pcie_allreduce.plan.algorithms"}
 
 
 def exported(module: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def test_mirror_value_equals_the_extension(extension: ModuleType, name: str) -> 
 
 def test_extension_exports_nothing_the_mirror_lacks(extension: ModuleType) -> None:
     exported = {name for name in dir(extension)
-                if name.isupper() and isinstance(getattr(extension, name), (int, dict))}
+                if name.isupper() and isinstance(getattr(extension, name), (int, dict, list))}
     unmirrored = exported - set(constants.MIRROR) - set(constants.MIRRORED_ELSEWHERE)
     assert unmirrored == set(), "mirror the new constants in pcie_allreduce/constants.py"
 
@@ -52,7 +52,64 @@ def test_algorithm_records_have_the_extension_ids(extension: ModuleType) -> None
     """The records of pcie_allreduce.plan.algorithms mirror the algorithm ids (checked at import too)."""
     from pcie_allreduce.plan import algorithms
 
-    assert algorithms.ALGO_IDS == dict(extension.ALGO_IDS)
+    assert algorithms.ALGO_IDS == {e["name"]: e["id"] for e in extension.ALGO_RECORDS}
+
+
+# The fields of C++'s algorithm record (csrc/protocol_constants.h, kAlgorithms): the ones it checks
+# before a launch, under the names of pcie_allreduce.plan.algorithms.Algorithm.
+CXX_RECORD_FIELDS = {"name", "id", "transport", "capacity_margin", "island", "symmetric_input", "compressed_wire"}
+
+
+def test_algorithm_records_equal_the_extension_field_by_field(extension: ModuleType) -> None:
+    """Every field C++ checks (host only, capacity margin, islands, symmetric input, the FP8 wire)
+    has the value of the Python record of the same name: Python validates a call by its record and
+    C++ refuses it by its own, so a field that differs accepts what the other side refuses."""
+    from pcie_allreduce.plan import algorithms
+
+    exported = [dict(e) for e in extension.ALGO_RECORDS]
+    assert [e["id"] for e in exported] == list(range(len(exported)))
+    assert {e["name"] for e in exported} == set(algorithms.BY_NAME)
+    for entry in exported:
+        assert set(entry) == CXX_RECORD_FIELDS, entry
+        record = algorithms.BY_NAME[entry["name"]]
+        for field, value in entry.items():
+            assert getattr(record, field) == value, f"{record.name}.{field}"
+    assert algorithms.record_problem(algorithms.REGISTRY, exported) is None
+
+
+@pytest.mark.parametrize("name, field, drifted", [
+    ("host_oneshot", "transport", None),
+    ("oneshot", "transport", "host"),
+    ("oneshot_ll", "capacity_margin", None),
+    ("twoshot_full", "capacity_margin", 0),
+    ("staged", "capacity_margin", 16),
+    ("island_oneshot", "island", False),
+    ("twoshot", "island", True),
+    ("twoshot_symm", "symmetric_input", False),
+    ("oneshot_pull", "symmetric_input", True),
+    ("twoshot_fp8", "compressed_wire", None),
+    ("twoshot_pull", "compressed_wire", "fp8"),
+])
+def test_a_drifting_record_fails_the_check(extension: ModuleType, name: str, field: str, drifted: Any) -> None:
+    """A Python record whose field differs from C++'s stops the import, naming the algorithm, the
+    field and both values."""
+    from pcie_allreduce.plan import algorithms
+
+    exported = [dict(e) for e in extension.ALGO_RECORDS]
+    original = getattr(algorithms.BY_NAME[name], field)
+    assert original != drifted
+    records = tuple(replace(r, **{field: drifted}) if r.name == name else r for r in algorithms.REGISTRY)
+    with pytest.raises(ImportError, match=re.escape(f"{name}.{field} is {drifted!r} here, {original!r} in C++")):
+        algorithms.check_records(records, exported)
+
+
+def test_a_field_only_cxx_has_fails_the_check(extension: ModuleType) -> None:
+    """A property C++ starts to check must get its Python field too."""
+    from pcie_allreduce.plan import algorithms
+
+    exported = [dict(e, ring=False) for e in extension.ALGO_RECORDS]
+    with pytest.raises(ImportError, match=re.escape("oneshot.ring is not a field here, False in C++")):
+        algorithms.check_records(algorithms.REGISTRY, exported)
 
 
 def test_module_uses_the_extension_values(extension: ModuleType) -> None:
@@ -109,14 +166,14 @@ def test_import_without_the_extension_uses_the_mirror() -> None:
 
 
 def _header_algorithms() -> dict[str, int]:
-    """Algorithm name -> id as csrc/protocol_constants.h defines them (enum Algo, kAlgoNames)."""
+    """Algorithm name -> id as csrc/protocol_constants.h defines them (enum Algo, kAlgorithms)."""
     header = (Path(__file__).resolve().parents[1] / "csrc" / "protocol_constants.h").read_text()
     enum = header[header.index("enum class Algo"):]
     enum = enum[:enum.index("};")]
     values = {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", enum)}
-    names = header[header.index("kAlgoNames[]"):]
+    names = header[header.index("kAlgorithms[]"):]
     names = names[:names.index("};")]
-    return {name: values[key] for key, name in re.findall(r"\{Algo::(k\w+),\s*\"(\w+)\"\}", names)}
+    return {name: values[key] for key, name in re.findall(r"\{Algo::(k\w+),\s*\"(\w+)\"", names)}
 
 
 def test_algorithm_records_follow_the_header() -> None:
@@ -125,6 +182,11 @@ def test_algorithm_records_follow_the_header() -> None:
 
     assert algorithms.ALGO_IDS == _header_algorithms()
     assert [r.id for r in algorithms.REGISTRY] == sorted(r.id for r in algorithms.REGISTRY)
+
+
+def _ids_only(ids: dict[str, int]) -> list[dict[str, Any]]:
+    """An export of names and ids only (no field to compare): the checks of names and ids alone."""
+    return [{"name": name, "id": algo_id} for name, algo_id in ids.items()]
 
 
 def _record(name: str, algo_id: int) -> Any:
@@ -142,9 +204,9 @@ def test_a_record_the_kernels_do_not_have_fails_the_check(extra: tuple[str, int]
     from pcie_allreduce.plan import algorithms
 
     records = algorithms.REGISTRY + (_record(*extra),)
-    assert algorithms.id_problem(algorithms.REGISTRY, algorithms.ALGO_IDS) is None
+    assert algorithms.record_problem(algorithms.REGISTRY, _ids_only(algorithms.ALGO_IDS)) is None
     with pytest.raises(ImportError, match=match):
-        algorithms.check_ids(records, algorithms.ALGO_IDS)
+        algorithms.check_records(records, _ids_only(algorithms.ALGO_IDS))
 
 
 def test_records_that_differ_from_the_kernels_fail_the_check() -> None:
@@ -152,13 +214,13 @@ def test_records_that_differ_from_the_kernels_fail_the_check() -> None:
 
     renamed = (_record("one_shot", 0),) + algorithms.REGISTRY[1:]
     with pytest.raises(ImportError, match="no record for oneshot=0; records the kernels lack: one_shot=0"):
-        algorithms.check_ids(renamed, algorithms.ALGO_IDS)
+        algorithms.check_records(renamed, _ids_only(algorithms.ALGO_IDS))
     swapped = (_record("oneshot", 1), _record("staged", 0)) + algorithms.REGISTRY[2:]
     with pytest.raises(ImportError, match="oneshot is 1 here, 0 in C[+][+]"):
-        algorithms.check_ids(swapped, algorithms.ALGO_IDS)
+        algorithms.check_records(swapped, _ids_only(algorithms.ALGO_IDS))
     missing = algorithms.REGISTRY[:-1]
     with pytest.raises(ImportError, match="no record for twoshot_fp8=14"):
-        algorithms.check_ids(missing, algorithms.ALGO_IDS)
+        algorithms.check_records(missing, _ids_only(algorithms.ALGO_IDS))
 
 
 def test_an_extension_with_other_ids_fails_the_import() -> None:
@@ -166,7 +228,7 @@ def test_an_extension_with_other_ids_fails_the_import() -> None:
     code = (
         "import sys, types\n"
         "fake = types.ModuleType('pcie_allreduce._C')\n"
-        "fake.ALGO_IDS = {'oneshot': 1, 'staged': 0}\n"
+        "fake.ALGO_RECORDS = [{'name': 'oneshot', 'id': 1}, {'name': 'staged', 'id': 0}]\n"
         "sys.modules['pcie_allreduce._C'] = fake\n"
         "try:\n"
         "    import pcie_allreduce.plan.algorithms\n"
@@ -176,6 +238,6 @@ def test_an_extension_with_other_ids_fails_the_import() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr
-    assert "disagree with the ids pcie_allreduce._C exports" in result.stdout
+    assert "disagree with those pcie_allreduce._C exports" in result.stdout
     assert "ids differ: oneshot is 0 here, 1 in C++" in result.stdout
 

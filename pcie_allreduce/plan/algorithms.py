@@ -1,19 +1,20 @@
 """The all-reduce algorithms: one record each, and every per-algorithm fact derived from the records.
 
-C++ defines the algorithms and their ids (``kAlgoNames`` in csrc/protocol_constants.h, exported by
-the binding as ``ALGO_IDS``). :data:`REGISTRY` is the one Python list of them: name, id, where it
-runs, its capacity, its kind (pull, in place, islands, compressed wire), whether a fused kernel of
-its name exists and the bytes it puts on a rank's link. Tables, dispatch, validation, tune, the
-plugins and the harness read the names and predicates below, all derived from the records, so
-adding an algorithm is one record here next to its kernel. At import the records are checked
-against the ids the extension exports (:func:`id_problem`): a drift fails loudly instead of
-launching the wrong kernel.
+C++ defines the algorithms: their ids, names and the properties it checks before a launch
+(``kAlgorithms`` in csrc/protocol_constants.h, exported by the binding as ``ALGO_RECORDS``).
+:data:`REGISTRY` is the one Python list of them: name, id, where it runs, its capacity, its kind
+(pull, in place, islands, compressed wire), whether a fused kernel of its name exists and the
+bytes it puts on a rank's link. Tables, dispatch, validation, tune, the plugins and the harness
+read the names and predicates below, all derived from the records, so adding an algorithm is one
+record here next to its kernel (and its C++ record). At import the records are checked field by
+field against the extension's (:func:`record_problem`): a drift fails loudly instead of launching
+the wrong kernel or refusing in C++ what Python allowed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pcie_allreduce import _ext
 from pcie_allreduce.constants import FP8_BLOCK, FULL_TWOSHOT_MARGIN, SMALL_WORLD
@@ -110,7 +111,10 @@ class Algorithm:
     ranks. ``compressed_wire``: the name ``all_reduce(x, wire=...)`` asks for this lossy wire by
     (never named by a table, tuned or chosen by auto). ``fused``: a fused all-reduce + RMSNorm
     kernel of this name exists; ``data_as_flag``: the data is its own flag (one fused kernel serves
-    every such one-shot). ``wire_bytes``: the bytes on a rank's link per call."""
+    every such one-shot). ``wire_bytes``: the bytes on a rank's link per call. C++'s record of the
+    algorithm (csrc/protocol_constants.h, kAlgorithms) has the name and id and the fields it checks
+    before a launch (``transport``, ``capacity_margin``, ``island``, ``symmetric_input``,
+    ``compressed_wire``); :func:`record_problem` compares them at import."""
 
     name: str
     id: int
@@ -130,7 +134,7 @@ class Algorithm:
         return self.compressed_wire is not None
 
 
-#: Every algorithm the kernels implement, in id order (csrc/protocol_constants.h, kAlgoNames).
+#: Every algorithm the kernels implement, in id order (csrc/protocol_constants.h, kAlgorithms).
 REGISTRY: tuple[Algorithm, ...] = (
     Algorithm("oneshot", 0, _one_shot, fused=True),
     Algorithm("staged", 1, _one_shot),
@@ -150,18 +154,19 @@ REGISTRY: tuple[Algorithm, ...] = (
 )
 
 
-def id_problem(records: Sequence[Algorithm], exported: Mapping[str, int] | None) -> str | None:
-    """Why ``records`` disagree with the algorithm ids the extension exports (name -> id; None:
-    no extension, only the records' own consistency is checked), or None."""
+def record_problem(records: Sequence[Algorithm], exported: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """Why ``records`` disagree with the algorithm records the extension exports (``ALGO_RECORDS``:
+    one mapping per algorithm from a field name of :class:`Algorithm` to its value in C++; None: no
+    extension, only the records' own consistency is checked), or None. Names and ids first; then,
+    for every algorithm both sides have under the same id, each field C++ exports."""
     names = [r.name for r in records]
     ids = [r.id for r in records]
     if len(set(names)) != len(names) or len(set(ids)) != len(ids):
         return f"algorithm records repeat a name or an id: {dict(zip(names, ids))}"
     if exported is None:
         return None
-    ours, theirs = dict(zip(names, ids)), dict(exported)
-    if ours == theirs:
-        return None
+    ours = dict(zip(names, ids))
+    theirs = {str(e["name"]): int(e["id"]) for e in exported}
     parts = []
     if missing := sorted(set(theirs) - set(ours)):
         parts.append(f"no record for {', '.join(f'{n}={theirs[n]}' for n in missing)}")
@@ -169,25 +174,42 @@ def id_problem(records: Sequence[Algorithm], exported: Mapping[str, int] | None)
         parts.append(f"records the kernels lack: {', '.join(f'{n}={ours[n]}' for n in extra)}")
     if differ := sorted(n for n in set(ours) & set(theirs) if ours[n] != theirs[n]):
         parts.append("ids differ: " + ", ".join(f"{n} is {ours[n]} here, {theirs[n]} in C++" for n in differ))
-    return ("the algorithm records of pcie_allreduce.plan.algorithms disagree with the ids pcie_allreduce._C "
-            f"exports (csrc/protocol_constants.h, kAlgoNames): {'; '.join(parts)}; update the records or rebuild "
-            "the extension")
+    by_name = {r.name: r for r in records}
+    fields = []
+    for entry in exported:
+        record = by_name.get(str(entry["name"]))
+        if record is None or record.id != int(entry["id"]):
+            continue
+        for field, value in entry.items():
+            if field in ("name", "id"):
+                continue
+            if not hasattr(record, field):
+                fields.append(f"{record.name}.{field} is not a field here, {value!r} in C++")
+            elif getattr(record, field) != value:
+                fields.append(f"{record.name}.{field} is {getattr(record, field)!r} here, {value!r} in C++")
+    if fields:
+        parts.append("fields differ: " + ", ".join(fields))
+    if not parts:
+        return None
+    return ("the algorithm records of pcie_allreduce.plan.algorithms disagree with those pcie_allreduce._C "
+            f"exports (csrc/protocol_constants.h, kAlgorithms): {'; '.join(parts)}; update the records or "
+            "rebuild the extension")
 
 
-def check_ids(records: Sequence[Algorithm], exported: Mapping[str, int] | None) -> None:
-    """Raise ImportError where :func:`id_problem` finds one (run at import against the extension)."""
-    problem = id_problem(records, exported)
+def check_records(records: Sequence[Algorithm], exported: Sequence[Mapping[str, Any]] | None) -> None:
+    """Raise ImportError where :func:`record_problem` finds one (run at import against the extension)."""
+    problem = record_problem(records, exported)
     if problem is not None:
         raise ImportError(problem)
 
 
-def _exported_ids() -> dict[str, int] | None:
+def _exported_records() -> list[dict[str, Any]] | None:
     module = _ext.load()
-    ids = None if module is None else getattr(module, "ALGO_IDS", None)
-    return None if ids is None else {str(name): int(i) for name, i in dict(ids).items()}
+    exported = None if module is None else getattr(module, "ALGO_RECORDS", None)
+    return None if exported is None else [dict(entry) for entry in exported]
 
 
-check_ids(REGISTRY, _exported_ids())
+check_records(REGISTRY, _exported_records())
 
 #: Algorithm name -> its record.
 BY_NAME: dict[str, Algorithm] = {r.name: r for r in REGISTRY}
