@@ -163,9 +163,11 @@ class _Workspace:
 
     def __init__(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         self.inp, self.out, self.launched, self.corrupt = inp, out, [], 0.0
+        self.events: list[str] = []  # the tune stream's waits and launches, in order
 
     def all_reduce(self, *args: object) -> int:
         self.launched.append(args)
+        self.events.append("launch")
         self.out.copy_(self.inp)
         self.out[3] += self.corrupt
         return 0
@@ -204,6 +206,7 @@ def one_rank(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the default stream")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
@@ -216,7 +219,8 @@ def _shape(ctx, algo: str, blocks: int, corrupt: float = 0.0, count: int = 512):
     out = torch.empty_like(inp)
     workspace = _Workspace(inp, out)
     workspace.corrupt = corrupt
-    stream = types.SimpleNamespace(cuda_stream=77, synchronize=lambda: None)
+    stream = types.SimpleNamespace(cuda_stream=77, synchronize=lambda: None,
+                                   wait_stream=lambda other: workspace.events.append(f"wait for {other}"))
     job = measure.TuneJob(sizes=(count * 2,), algos=(algo,), blocks=(blocks,), iters=12, warmup=1, calls_per_graph=4)
     row = measure._measure_shape(ctx, job, _Comm(workspace), stream, inp, out, inp.clone(), algo, blocks)
     return row, workspace
@@ -230,6 +234,14 @@ def test_shape_is_checked_then_timed_with_the_raw_launch(one_rank) -> None:
     assert workspace.launched[0] == (algorithms.ALGO_IDS["staged"], workspace.inp.data_ptr(), workspace.out.data_ptr(),
                                      1024, DTYPE_IDS[torch.bfloat16], 8, 77)
     assert len(workspace.launched) == 1 + 4  # the exact-sum check, then the captured calls
+
+
+def test_the_raw_launch_waits_for_the_inputs_written_on_the_default_stream(one_rank) -> None:
+    """The inputs, the expected sum and the poisoned output are written on the default stream and
+    the raw launch runs on the tune's own stream: without a wait between them the launch can read
+    unwritten inputs or be overwritten by the poison, and a correct shape is reported wrong."""
+    _, workspace = _shape(one_rank, "oneshot", 2)
+    assert workspace.events[:2] == ["wait for the default stream", "launch"]
 
 
 def test_shape_with_a_wrong_sum_is_not_timed(one_rank) -> None:

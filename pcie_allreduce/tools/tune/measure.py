@@ -122,6 +122,9 @@ def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out
         return f"rank {ctx.rank}: {bad} of {out.numel()} elements wrong" if bad else ""
 
     out.fill_(float("nan"))
+    # The inputs, the expected sum and the poison were written on the default stream; the raw launch
+    # runs on the tune's stream, which must not start before them (a race that reads as a wrong sum).
+    stream.wait_stream(torch.cuda.current_stream(ctx.device))
     launch()
     problems = [p for p in _agree(ctx, wrong()) if p]
     if problems:
