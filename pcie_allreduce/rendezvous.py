@@ -30,12 +30,13 @@ from pcie_allreduce.plan import cache, dispatch, tables
 
 DEFAULT_TIMEOUT_S = 10.0
 TIMEOUT_ENV = "PCIE_AR_TIMEOUT_S"
-# "1": programmatic dependent launch where the GPU has it (Hopper and later): every all-reduce is
-# launched as the previous kernel's dependent (it waits for that kernel before it reads anything:
-# csrc/protocol.cuh's begin_call), and the unfused pair's norm kernel as the all-reduce's (it waits
-# before it reads the sum), and the fused kernels as dependents too (waiting first thing); anything
-# else: off. Each rank's own launch choice (results, protocol and peers are the same either way), so
-# ranks need not agree.
+# Programmatic dependent launch where the GPU has it (Hopper and later), on unless this says "0":
+# every all-reduce is launched as the previous kernel's dependent (it waits for that kernel before
+# it reads anything: csrc/protocol.cuh's begin_call), and the unfused pair's norm kernel as the
+# all-reduce's (it waits before it reads the sum), and the fused kernels as dependents too (waiting
+# first thing). On by default because a verify pass with each layer's GEMMs between its collectives
+# ran 0.97-1.00x its ordinary launch at W = 2, 4, 8 (bench/RESULTS.md). Each rank's own launch
+# choice (results, protocol and peers are the same either way), so ranks need not agree.
 PDL_ENV = "PCIE_AR_PDL"
 # What ranks agree on for the islands (named so a disagreement says which setting differs).
 ISLANDS_KEY = f"islands (${topology.ISLANDS_ENV})"
@@ -57,7 +58,7 @@ def default_timeout() -> float:
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether this rank launches the unfused pair's norm kernel as the all-reduce's dependent."""
-    return settings.env_bool(PDL_ENV, False) and torch.cuda.get_device_capability(device)[0] >= 9
+    return settings.env_bool(PDL_ENV, True) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def cuda_device(device: torch.device | int | str) -> torch.device:

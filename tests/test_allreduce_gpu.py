@@ -129,8 +129,9 @@ def test_matrix_every_algorithm_dtype_and_size(world: int, transport: str) -> No
 
 def _graph(ctx: ranks.RankContext, captured: int, replays: int, transport: str) -> dict:
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
-    if os.environ.get("PCIE_AR_PDL") == "1":
-        assert comm.dependent_launch == (torch.cuda.get_device_capability(ctx.device)[0] >= 9)
+    # dependent launch: on by default where the GPU has it, off under PCIE_AR_PDL=0
+    assert comm.dependent_launch == (os.environ.get("PCIE_AR_PDL") != "0"
+                                     and torch.cuda.get_device_capability(ctx.device)[0] >= 9)
     rng = random.Random(5)
     algos = _algos_of(comm) + ("auto",)
     shapes = [(rng.choice([1, 7, 4 * 7168, 7168 * 3 + 5, 100_000]), rng.choice(DTYPES), algos[i % len(algos)])
@@ -252,13 +253,13 @@ def test_cuda_graph_128_calls_replayed_100_times(world: int, transport: str) -> 
     assert all(r["checked"] == 128 * 100 for r in results)
 
 
-# Every call launched as the previous kernel's programmatic dependent ($PCIE_AR_PDL, Hopper and
-# later): each kernel waits for the one before it (the previous all-reduce, or the copies that
-# load the inputs) before it reads anything; the same checks as above, every algorithm.
+# The test above launches every call as the previous kernel's programmatic dependent (the default
+# on Hopper and later: each kernel waits for the one before it before it reads anything); this one
+# the ordinary way ($PCIE_AR_PDL=0), the same checks, every algorithm.
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 8)] or WORLDS[:1])
-def test_calls_launched_as_dependents_of_the_kernel_before_them(world: int, transport: str) -> None:
-    results = ranks.run_ranks(_graph, world, 128, 30, transport, timeout_s=600, env={"PCIE_AR_PDL": "1"})
+def test_calls_launched_the_ordinary_way(world: int, transport: str) -> None:
+    results = ranks.run_ranks(_graph, world, 128, 30, transport, timeout_s=600, env={"PCIE_AR_PDL": "0"})
     assert all(r["checked"] == 128 * 30 for r in results)
 
 

@@ -95,7 +95,10 @@ class FakeExtension:
 
 
 class _Properties:
+    """An H100's: its SM count, and the compute capability dependent launch is decided by."""
+
     multi_processor_count = 132
+    major, minor = 9, 0
 
 
 def _fake_cuda(fault: str, rank: int = 0, distinct_gpus: bool = False) -> None:

@@ -15,7 +15,7 @@ from pcie_allreduce.fused import path  # noqa: E402
 
 
 @pytest.mark.parametrize(("env", "major", "on"), [
-    (None, 9, False), ("1", 9, True), ("1", 12, True), ("1", 8, False), ("0", 9, False), ("yes", 9, True),
+    (None, 9, True), (None, 8, False), ("1", 9, True), ("1", 12, True), ("1", 8, False), ("0", 9, False), ("yes", 9, True),
     (" 1 ", 10, True), ("true", 9, True), ("On", 9, True), ("off", 9, False), ("", 9, False),
 ])
 def test_the_switch_needs_the_setting_and_a_gpu_that_has_it(monkeypatch, env: str | None, major: int,
