@@ -357,7 +357,7 @@ def _duration(seconds: float) -> str:
 
 # A first build of the six default archs, measured: 2-vCPU x86_64, nvcc 13.0, MAX_JOBS=2, an idle
 # machine (README's command 1, 3 min 28 s in all, 2026-12-04); on the same machine shared with
-# other work (load average 9-20) it took 19 min 31 s (2026-12-05): README's table has both.
+# other work (load average 9-20) it took 19 min 31 s (2026-12-05): bench/RESULTS.md has both.
 FIRST_BUILD_MINUTES = 3
 
 

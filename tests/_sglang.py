@@ -9,7 +9,7 @@ from typing import Any
 from sglang_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
 from tests import _standins
 
-SKIP_NO_SGLANG = "sglang is not importable here (README.md's '# sglang.' line installs what these tests need)"
+SKIP_NO_SGLANG = "sglang is not importable here (docs/guide.md's '# sglang.' line installs what these tests need)"
 
 
 def sglang_skip_reason() -> str | None:

@@ -11,7 +11,7 @@ from pcie_allreduce.plugin_eligibility import RankFacts
 from vllm_plugin.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, PLUGIN_NAME
 from tests import _standins
 
-SKIP_NO_VLLM = "vllm is not importable here (README.md's '# vllm.' line installs what these tests need)"
+SKIP_NO_VLLM = "vllm is not importable here (docs/guide.md's '# vllm.' line installs what these tests need)"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -115,10 +115,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def _engine_skip_reason(engine: str, tag: str) -> str:
-    """What an engine plugin's skipped tests need: the engine's modules (README.md's line for it), or a GPU."""
+    """What an engine plugin's skipped tests need: the engine's modules (docs/guide.md's line for it), or a GPU."""
     from tests import _sglang, _vllm
 
     missing = (_sglang.sglang_skip_reason if tag == "sglang" else _vllm.vllm_skip_reason)()
     if missing is not None:
-        return f"skipped ones need {engine}'s modules: README.md's '# {tag}.' line; or a GPU"
+        return f"skipped ones need {engine}'s modules: docs/guide.md's '# {tag}.' line; or a GPU"
     return "skipped ones need a GPU"
