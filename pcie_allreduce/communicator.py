@@ -110,7 +110,6 @@ class Communicator:
         # stream -> the address of its workspace's symmetric input area, once symmetric_input
         # handed it out (all_reduce compares the input's address with it)
         self._input_areas: dict[int, int] = {}
-        self._fused = FusedPath()  # the fused call's plans, compile meetings and launches
 
         # Creation is all or nothing (pcie_allreduce.rendezvous): a failure on any rank makes
         # every rank raise here at once, and frees what it made.
@@ -134,6 +133,7 @@ class Communicator:
         self.island_ranks = agreed.island_ranks
         self.shares_gpu, self.block_cap = agreed.shares_gpu, agreed.block_cap  # ranks on one GPU; blocks per call
         self._meeting_id: str = agreed.meeting_id  # names this communicator's keys in the group's store
+        self._fused = FusedPath(group, f"pcie_allreduce/{self._meeting_id}/fused")  # the fused call
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)

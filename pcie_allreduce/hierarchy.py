@@ -16,8 +16,8 @@ node boundaries into one chain of fp32 partials, which is what this module runs:
    but a shard's owner adds -0.0 there (x + -0.0 is x for every x, -0.0 and NaN included).
 
 So the result is bitwise the single-node result on every rank, for every algorithm the nodes'
-tables pick. The exceptions are those of the full-payload algorithms (README, "sign of a
-zero"): they send -0.0 as +0.0 and the fp32 pattern 0x80008000 as -0.0. Here partials cross a
+tables pick. The exceptions are those of the full-payload algorithms (docs/guide.md,
+"Algorithms"): they send -0.0 as +0.0 and the fp32 pattern 0x80008000 as -0.0. Here partials cross a
 node's all-reduce as fp32 data, so a partial of exactly that negative subnormal is the one value
 that may reach the sum altered. Off the node each rank sends 1/L of the message per call (4 bytes
 an element of the partial, or its dtype's of the result to each other node:

@@ -138,7 +138,7 @@ _INT_VIEW = {2: torch.int16, 4: torch.int32}
 POISON_WORD_FP32 = -0x7FFF8000  # 0x80008000 as int32
 NEG_ZERO_FP32 = -0x80000000     # 0x80000000 as int32
 NEG_ZERO_16 = -0x8000           # 0x8000 as int16: -0.0 of bf16/fp16, the poison lane
-# The algorithms whose data is its own arrival flag at full payload (README, "sign of a zero").
+# The algorithms whose data is its own arrival flag at full payload (docs/guide.md, "Algorithms": the sign of a zero).
 FULL_PAYLOAD_ALGORITHMS = ("oneshot_full", "twoshot_full", "host_oneshot", "host_twoshot")
 
 

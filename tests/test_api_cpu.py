@@ -146,7 +146,7 @@ def _cpu_communicator(monkeypatch) -> tuple[pcie_allreduce.Communicator, _Record
     comm._closed, comm.device, comm.max_bytes, comm.ll_capacity = False, torch.device("cpu"), 1 << 16, 1 << 12
     comm.world_size, comm.rank, comm.table, comm.block_cap = 4, 0, tables.default_table(), constants.MAX_LAUNCH_BLOCKS
     comm._choices, comm._workspaces, comm._input_areas = {}, {0: workspace}, {}
-    comm.transport, comm.island_ranks, comm._fused = "p2p", 0, FusedPath()
+    comm.transport, comm.island_ranks, comm._fused = "p2p", 0, FusedPath(None, "no meetings")
     return comm, workspace
 
 

@@ -40,10 +40,13 @@ _MAX_PLANS = 4096  # bounded caches: the shapes a server serves are few
 class FusedPath:
     """A communicator's fused all-reduce + residual + RMSNorm: per call shape its plan (cached),
     the compile meeting on its first call, and the launch on the current stream. Each call is
-    given the communicator (its agreed table, capacity, block cap, group), never kept here, so
-    the path holds no reference back to it."""
+    given the communicator (its agreed table, capacity, block cap), never kept here, so the path
+    holds no reference back to it; the meetings are held in ``group``'s store under
+    ``meeting_key``, which names this communicator alike on every rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any, meeting_key: str) -> None:
+        self._group = group
+        self._meeting_key = meeting_key
         self._plans: dict[tuple[Any, ...], dispatch.FusedPlan] = {}
         self._compiled: set[tuple[Any, ...]] = set()  # calls compiled on every rank
         self._meetings = 0  # meetings held: the same count on every rank
@@ -117,10 +120,10 @@ class FusedPath:
             # cycle that keeps the communicator (and its group) alive until a cyclic collection,
             # perhaps at interpreter exit, after the group was destroyed.
             self.compile_seconds[described] = time.perf_counter() - started
-            self._meet(comm, what, f"{digest}:1")
+            self._meet(what, f"{digest}:1")
             raise
         self.compile_seconds[described] = time.perf_counter() - started
-        everyone = self._meet(comm, what, f"{digest}:0")
+        everyone = self._meet(what, f"{digest}:0")
         digests = [int(v.split(":")[0]) for v in everyone]
         failed = [r for r, v in enumerate(everyone) if v.split(":")[1] != "0"]
         differing = [r for r, d in enumerate(digests) if d != digests[comm.rank]]
@@ -133,11 +136,11 @@ class FusedPath:
                                f"{failed} (their exception says why)")
         self._compiled.add(call)
 
-    def _meet(self, comm: Any, what: str, mine: str) -> list[str]:
+    def _meet(self, what: str, mine: str) -> list[str]:
         """Every rank's ``mine`` for this path's next meeting (the count is the same on every rank),
-        within FIRST_FUSED_CALL_WAIT_S, under the communicator's agreed id."""
+        within FIRST_FUSED_CALL_WAIT_S, under the communicator's meeting key."""
         self._meetings += 1
-        return outcomes.meet(comm._group, f"pcie_allreduce/{comm._meeting_id}/fused", self._meetings - 1, what, mine,
+        return outcomes.meet(self._group, self._meeting_key, self._meetings - 1, what, mine,
                              wait_s=FIRST_FUSED_CALL_WAIT_S, stage=MEETING_STAGE)
 
 

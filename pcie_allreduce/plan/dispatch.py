@@ -107,8 +107,7 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         wire_algo, nbytes, dtype.itemsize, transport, island_ranks, slot_bytes, ll_capacity)
     if problem is not None:
         raise ValueError(problem)
-    ll_fits = fits_capacity(DATA_AS_FLAG_ONESHOTS[0], nbytes, ll_capacity)  # both share one capacity and shape
-    ll_shape = shapes.data_as_flag(tokens, hidden, world, block_cap, interpret) if ll_fits else None
+    ll_shape = _data_as_flag_shape(tokens, hidden, dtype, world, ll_capacity, block_cap, interpret)
     if world > FUSED_MAX_WORLD or wire_algo is not None:
         rule = UNFUSED
     elif rule == "kernel":
@@ -119,7 +118,7 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     call = (rule, (tokens, hidden), dtype, dtype if weight_dtype is None else weight_dtype)
     if rule == UNFUSED:
         return FusedPlan(rule, shapes.add_rmsnorm(hidden), 0, ALGO_IDS[plain.algo], plain.blocks, call)
-    launch = None if rule in DATA_AS_FLAG_ONESHOTS and not ll_fits else shapes.of_kernel(
+    launch = None if rule in DATA_AS_FLAG_ONESHOTS and ll_shape is None else shapes.of_kernel(
         rule, dtype, tokens, hidden, world, block_cap, interpret)
     if launch is None:
         raise ValueError(shapes.no_shape(rule, tokens, hidden, dtype, world, ll_capacity, block_cap))
@@ -131,9 +130,17 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
     """Whether the fused kernel ``algo`` has a launch shape for the call (the data-as-flag ones:
     an even hidden size, a message within the workspace's low-latency capacity and few enough
     programs; the flag-based ones take every call)."""
-    return algo not in DATA_AS_FLAG_ONESHOTS or (
-        fits_capacity(algo, tokens * hidden * dtype.itemsize, ll_capacity)
-        and shapes.data_as_flag(tokens, hidden, world, block_cap, interpret) is not None)
+    return algo not in DATA_AS_FLAG_ONESHOTS or _data_as_flag_shape(
+        tokens, hidden, dtype, world, ll_capacity, block_cap, interpret) is not None
+
+
+def _data_as_flag_shape(tokens: int, hidden: int, dtype: torch.dtype, world: int, ll_capacity: int | None,
+                        block_cap: int, interpret: bool) -> shapes.DataAsFlagShape | None:
+    """The data-as-flag fused kernels' launch shape for the call (both kernels share one capacity
+    and one shape), or None where the message exceeds the capacity or no shape fits."""
+    if not fits_capacity(DATA_AS_FLAG_ONESHOTS[0], tokens * hidden * dtype.itemsize, ll_capacity):
+        return None
+    return shapes.data_as_flag(tokens, hidden, world, block_cap, interpret)
 
 
 #: MPS's client variable that caps a process to a share of its GPU's SMs (the rank spawner sets it).
