@@ -19,7 +19,7 @@ from pcie_allreduce.plan import algorithms, rules, tables
 from pcie_allreduce.plan import cache as plan_cache
 from pcie_allreduce.tools import cli, ranks, timing
 from pcie_allreduce.tools.tune import cli as tune_cli
-from pcie_allreduce.tools.tune import derive, measure
+from pcie_allreduce.tools.tune import derive, measure, report
 from pcie_allreduce.tools.tune.cache import write_table
 from pcie_allreduce.tools.tune.derive import Measurement, Pick
 from tests._bench_fakes import FakeEvent
@@ -109,6 +109,23 @@ def test_merged_rules() -> None:
     picks = [Pick(2, s, "oneshot", s // 4096, 1.0, 1.0) for s in (16384, 32768, 65536)]
     rules = derive.rules_for_world(2, picks)
     assert len(rules) == 1 and rules[0].max_bytes is None and rules[0].bytes_per_block == 4096
+
+
+def test_the_default_tables_own_shape_is_measured_beside_the_grid() -> None:
+    """The default launches 7 blocks at 56 KiB, off the grid of powers of two: it is measured too
+    (capped to the block cap), once, and only for an algorithm the job names and that runs here."""
+    table = tables.AlgoTable((rules.Rule("oneshot_full", max_bytes=64 << 10, bytes_per_block=8192, max_blocks=32),
+                              rules.Rule("twoshot")))
+    job = measure.TuneJob(sizes=(57344,), algos=("oneshot_ll", "oneshot_full"), blocks=(1, 2, 4, 8))
+    shapes = measure.shapes_of(job, 57344, 2, table, 64, lambda algo: True)
+    assert shapes == [(a, b) for a in ("oneshot_ll", "oneshot_full") for b in (1, 2, 4, 8)] + [("oneshot_full", 7)]
+    capped = measure.shapes_of(job, 57344, 2, table, 4, lambda algo: True)
+    assert len(capped) == 8 and ("oneshot_full", 4) in capped  # capped to 4 blocks: on the grid already
+    assert ("oneshot_full", 7) not in measure.shapes_of(job, 57344, 2, table, 64, lambda algo: algo == "oneshot_ll")
+    other = measure.TuneJob(sizes=(57344,), algos=("oneshot_ll",), blocks=(1, 2))
+    assert measure.shapes_of(other, 57344, 2, table, 64, lambda algo: True) == [("oneshot_ll", 1), ("oneshot_ll", 2)]
+    matrix = report.format_matrix([_m(2, 57344, "oneshot_full", 7, 3.5), _m(2, 57344, "oneshot_full", 8, 3.9)], 2, (8,))
+    assert "b=7" in matrix and "3.50" in matrix
 
 
 def test_percentile_matches_numpy() -> None:

@@ -1,7 +1,8 @@
 """What ``pcie-allreduce tune`` runs inside each of its W ranks: every launch shape checked, then timed.
 
-One Communicator per rank; per size, every (algorithm, block count) is the workspace's raw launch
-at that forced block count, bypassing the algorithm table. A shape must first return the exact sum
+One Communicator per rank; per size, every (algorithm, block count) of the job's grid and the
+default table's own shape (:func:`shapes_of`) is the workspace's raw launch at that forced block
+count, bypassing the algorithm table. A shape must first return the exact sum
 of the ranks' small-integer inputs (exact in any reduction order), then is timed as CUDA-graph
 replays of ``calls_per_graph`` launches with the shared replay timer
 (:mod:`pcie_allreduce.tools.timing`); a replay's time is the slowest rank's. Shapes over the block
@@ -11,11 +12,12 @@ cap or the low-latency capacity are skipped identically on every rank.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from pcie_allreduce import sizes
 from pcie_allreduce.plan import algorithms, cache
 from pcie_allreduce.plan.algorithms import ALGO_IDS, fits_capacity
+from pcie_allreduce.plan.tables import AlgoTable, default_table
 from pcie_allreduce.tools.timing import summarize, timed_replays
 from pcie_allreduce.tools.tune.derive import OK, SKIPPED, WRONG
 
@@ -66,9 +68,10 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
             inp = _rank_input(count, ctx.rank, dtype, ctx.device)
             expected = sum(_rank_input(count, r, torch.int64, ctx.device) for r in range(ctx.world_size)).to(dtype)
             out = torch.empty_like(inp)
-            for algo in (a for a in job.algos if algorithms.runs_on(a, comm.transport, comm.island_ranks)):
-                for blocks in job.blocks:
-                    rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
+            default = default_table(comm.transport, islands=len(comm.islands))
+            for algo, blocks in shapes_of(job, size, ctx.world_size, default, comm.block_cap,
+                                          lambda a: algorithms.runs_on(a, comm.transport, comm.island_ranks)):
+                rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
         facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps,
                  "transport": comm.transport, "islands": len(comm.islands)}
         ext = _ext.load()
@@ -77,6 +80,20 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
     finally:
         comm.close()
     return {"rows": rows, "facts": facts} if ctx.rank == 0 else {}
+
+
+def shapes_of(job: TuneJob, size: int, world: int, default: AlgoTable, block_cap: int,
+              runs_here: Callable[[str], bool]) -> list[tuple[str, int]]:
+    """The (algorithm, block count) shapes measured at ``size``: the job's grid of the algorithms
+    that run here, and the default table's own shape for the size where the grid lacks it (its
+    block count need not be one of ``job.blocks``), so the report sets the tuned pick against the
+    default as it launches, measured, and the derived table is never slower than it at a size."""
+    grid = [(algo, blocks) for algo in job.algos if runs_here(algo) for blocks in job.blocks]
+    choice = default.select(size, world, job.dtype)
+    own = (choice.algo, min(choice.blocks, block_cap))
+    if choice.algo in job.algos and runs_here(choice.algo) and own not in grid:
+        grid.append(own)
+    return grid
 
 
 def _rank_input(count: int, rank: int, dtype: Any, device: Any) -> Any:

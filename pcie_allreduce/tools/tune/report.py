@@ -29,7 +29,9 @@ def _render(header: Sequence[tuple[str, int]], rows: Iterable[Sequence[str]]) ->
 
 
 def format_matrix(rows: Sequence[Measurement], world: int, blocks: Sequence[int]) -> str:
-    """p50 us per (size, algo) row and block-count column; '-' not measured, 'skip' not runnable here."""
+    """p50 us per (size, algo) row and block-count column (``blocks``, and any other count measured:
+    the default table's own shape); '-' not measured, 'skip' not runnable here."""
+    blocks = sorted({*blocks, *(r.blocks for r in rows if r.world == world)})
     cells: dict[tuple[int, str], dict[int, str]] = {}
     for r in rows:
         if r.world == world:
