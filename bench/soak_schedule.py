@@ -21,7 +21,7 @@ from typing import Union
 
 from pcie_allreduce.plan.algorithms import (ALGORITHMS, DATA_AS_FLAG_ONESHOTS, SYMMETRIC_INPUT_ALGORITHMS, UNFUSED,
                                             fits_capacity, runs_on)
-from pcie_allreduce.fused import shapes
+from pcie_allreduce.plan import fused_shapes as shapes
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench.options import NORM_DTYPES

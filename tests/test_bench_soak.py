@@ -22,7 +22,7 @@ from pcie_allreduce.plan.algorithms import (ALGORITHMS, HOST_ONLY_ALGORITHMS, IS
                                             SYMMETRIC_INPUT_ALGORITHMS, fits_capacity)
 from pcie_allreduce.errors import CollectiveTimeout
 from pcie_allreduce.layout import Layout
-from pcie_allreduce.fused import shapes
+from pcie_allreduce.plan import fused_shapes as shapes
 from pcie_allreduce.sizes import DTYPE_SIZES
 
 from bench import __main__ as bench_cli

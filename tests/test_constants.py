@@ -137,7 +137,7 @@ def test_named_ids_follow_the_tables() -> None:
 
 def test_triton_constants_come_from_the_constants_module() -> None:
     from pcie_allreduce.fused import oneshot_ll, protocol, rmsnorm
-    from pcie_allreduce.fused import shapes
+    from pcie_allreduce.plan import fused_shapes as shapes
 
     assert shapes.MAX_PROGRAMS == constants.MAX_LAUNCH_BLOCKS
     assert oneshot_ll.STAGE_LOW_LATENCY_GATHER.value == constants.STAGE_LOW_LATENCY_GATHER

@@ -14,7 +14,7 @@ import torch
 from pcie_allreduce import constants
 from pcie_allreduce import layout as lay
 from pcie_allreduce.constants import NOTICE_KIND, WRAP_SEAL_MIX
-from pcie_allreduce.fused import shapes
+from pcie_allreduce.plan import fused_shapes as shapes
 from pcie_allreduce.fused.protocol import line_flag_of, sealed_word_of
 from tests import _reference as ref
 from tests._interpreted import interpreted

@@ -227,7 +227,7 @@ SERVING = sorted(m for m in MODULES if m.startswith(("pcie_allreduce", "sglang_p
 # What a server imports, for the fresh interpreter: the communicators, the plan, the fused kernels,
 # the fabric, the plugins' shared core and both engines' plugins as their entry points load them.
 SERVED = ("pcie_allreduce", "pcie_allreduce.communicator", "pcie_allreduce.hierarchy", "pcie_allreduce.plan.cache",
-          "pcie_allreduce.plan.dispatch", "pcie_allreduce.fused.shapes", "pcie_allreduce.fused.path",
+          "pcie_allreduce.plan.dispatch", "pcie_allreduce.plan.fused_shapes", "pcie_allreduce.fused.path",
           "pcie_allreduce.fused.rmsnorm", "pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.add_rmsnorm",
           "pcie_allreduce.fabric.topology",
           "pcie_allreduce.fabric.nodes", "pcie_allreduce.plugin_adapter", "pcie_allreduce.plugin_settings",
@@ -271,7 +271,7 @@ def test_a_tool_is_seen_when_loaded() -> None:
 
 
 # Pure modules: choices and launch shapes, importable (and tested) where Triton is not.
-TRITON_FREE = ("pcie_allreduce.plan", "pcie_allreduce.fused.shapes")
+TRITON_FREE = ("pcie_allreduce.plan", "pcie_allreduce.plan.fused_shapes")
 # The kernel modules: what launches kernels (Triton's and the extension's).
 KERNEL_MODULES = ("pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.rmsnorm", "pcie_allreduce.fused.add_rmsnorm",
                   "pcie_allreduce.fused.protocol", "pcie_allreduce.fused.path", "pcie_allreduce.transport",

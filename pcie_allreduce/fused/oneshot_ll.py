@@ -27,7 +27,7 @@ Grid: T rows x C column chunks, one program each.
 
 Needs an even hidden size (a word never straddles two chunks), T*C programs that can all be
 resident at once and a message within the line slots' capacity;
-:func:`~pcie_allreduce.fused.shapes.data_as_flag` says None otherwise and the caller takes the flag-based one-shot. "Resident at once" is the communicator's
+:func:`~pcie_allreduce.plan.fused_shapes.data_as_flag` says None otherwise and the caller takes the flag-based one-shot. "Resident at once" is the communicator's
 block cap (one program per SM when ranks share a GPU): step 3 waits for the other programs of
 the row, so a program that never got an SM would stall its row until the timeout.
 Under the interpreter (programs run one after another) C is 1, so no program waits for another.

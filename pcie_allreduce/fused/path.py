@@ -24,7 +24,7 @@ import torch
 from pcie_allreduce import outcomes, workspaces
 from pcie_allreduce.constants import FULL_HEADER_BYTES, SMALL_WORLD
 from pcie_allreduce.errors import CollectiveMismatch
-from pcie_allreduce.fused import shapes
+from pcie_allreduce.plan import fused_shapes
 from pcie_allreduce.layout import Layout, WorkspaceView
 from pcie_allreduce.plan import dispatch
 from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS, UNFUSED
@@ -212,7 +212,7 @@ def _run(view: WorkspaceView | None, plan: dispatch.FusedPlan, x: torch.Tensor, 
 def _norm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, normed: torch.Tensor,
           new_residual: torch.Tensor, shape: tuple[int, ...], *, compile_only: bool = False,
           after_all_reduce: bool = False) -> None:
-    """The add + RMSNorm kernel with its launch shape (:func:`shapes.add_rmsnorm`); see :func:`add_rmsnorm`."""
+    """The add + RMSNorm kernel with its launch shape (:func:`fused_shapes.add_rmsnorm`); see :func:`add_rmsnorm`."""
     triton_side = _triton()
     norm = triton_side.add_rmsnorm
     tokens, hidden = y.shape
@@ -235,7 +235,7 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
            residual: torch.Tensor, weight: torch.Tensor, eps: float, normed: torch.Tensor, residual_out: torch.Tensor,
            *, interpret: bool, compile_only: bool = False, dependent: bool = False, backoff_ns: int = 0) -> None:
     """The fused kernel ``algo`` with its launch shape and signature (what the plan computed:
-    shapes.data_as_flag or shapes.flag_based) on the current stream.
+    fused_shapes.data_as_flag or fused_shapes.flag_based) on the current stream.
 
     ``compile_only``: compile (or load from Triton's cache) every variant this call's shape and
     dtypes can launch (both word pairings, or both alignments), launch nothing (nothing to compile
@@ -259,8 +259,9 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
         args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
                 view.rank, tokens, hidden, float(eps), signature, view.timeout_ns, *slots,
                 view.local_offset(layout.control_offset), view.local_offset(layout.stats_offset), layout.flags_offset)
-        constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world, WP=shapes.next_power_of_2(view.world),
-                          PUSH=min(shapes.PUSH_WORDS, block_w), FULL=full, INTERPRET=interpret, num_warps=num_warps,
+        constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
+                          WP=fused_shapes.next_power_of_2(view.world), PUSH=min(fused_shapes.PUSH_WORDS, block_w),
+                          FULL=full, INTERPRET=interpret, num_warps=num_warps,
                           **({"BACKOFF": backoff_ns} if backoff_ns else {}), **_pdl(dependent, interpret))
         if compile_only:  # PAIRED follows the tensors' alignment, which may differ between calls and ranks
             for paired in (True, False):
@@ -304,13 +305,13 @@ def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     waiting for it only before it reads ``y``. ``compile_only``: compile both variants (16-byte
     aligned or not) for this shape and dtypes, launch nothing; nothing to compile under the
     interpreter."""
-    _norm(y, residual, weight, eps, normed, new_residual, shapes.add_rmsnorm(y.shape[1]), compile_only=compile_only,
-          after_all_reduce=after_all_reduce)
+    _norm(y, residual, weight, eps, normed, new_residual, fused_shapes.add_rmsnorm(y.shape[1]),
+          compile_only=compile_only, after_all_reduce=after_all_reduce)
 
 
 def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
            eps: float, normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool | None = None,
-           max_programs: int = shapes.FLAG_MAX_PROGRAMS, chunks: int | None = None, compile_only: bool = False,
+           max_programs: int = fused_shapes.FLAG_MAX_PROGRAMS, chunks: int | None = None, compile_only: bool = False,
            dependent: bool = False, backoff_ns: int = 0) -> None:
     """Enqueue one fused call of kernel ``algo`` on the current stream (arguments validated),
     computing its launch shape (``max_programs``: the block cap) and signature first.
@@ -322,10 +323,10 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     interpret = _triton().protocol.interpreting() if interpret is None else interpret
     tokens, hidden = x.shape
     too_large = algo in DATA_AS_FLAG_ONESHOTS and x.numel() * x.element_size() > view.layout.ll_capacity
-    launch = None if too_large else shapes.of_kernel(algo, x.dtype, tokens, hidden, view.world, max_programs,
-                                                     interpret, chunks)
+    launch = None if too_large else fused_shapes.of_kernel(algo, x.dtype, tokens, hidden, view.world,
+                                                           max_programs, interpret, chunks)
     if launch is None:
-        raise ValueError(shapes.no_shape(algo, tokens, hidden, x.dtype, view.world, view.layout.ll_capacity,
-                                         max_programs))
+        raise ValueError(fused_shapes.no_shape(algo, tokens, hidden, x.dtype, view.world, view.layout.ll_capacity,
+                                               max_programs))
     _fused(view, algo, *launch, x, residual, weight, eps, normed, residual_out, interpret=interpret,
            compile_only=compile_only, dependent=dependent, backoff_ns=backoff_ns)

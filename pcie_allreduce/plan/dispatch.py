@@ -5,7 +5,7 @@ kernels' flags are per block), so each choice here depends only on the call's sh
 values every rank agreed on when the communicator was created: the algorithm table
 (:mod:`pcie_allreduce.plan.tables`), the low-latency capacity of the workspace and the block cap;
 the algorithms' facts are their records (:mod:`pcie_allreduce.plan.algorithms`) and the fused
-kernels' launch shapes are pure arithmetic (:mod:`pcie_allreduce.fused.shapes`). The
+kernels' launch shapes are pure arithmetic (:mod:`pcie_allreduce.plan.fused_shapes`). The
 communicator (plain calls) and the fused path (:mod:`pcie_allreduce.fused.path`) cache the
 results per call shape; these functions hold the policy. Nothing here imports a kernel module
 or Triton.
@@ -20,7 +20,7 @@ import torch
 
 from pcie_allreduce import constants
 from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS
-from pcie_allreduce.fused import shapes
+from pcie_allreduce.plan import fused_shapes
 from pcie_allreduce.plan.algorithms import (ALGO_IDS, DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, LOSSY_ALGORITHMS,
                                             SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, call_problem, fits_capacity)
 from pcie_allreduce.plan.rules import Choice
@@ -70,7 +70,7 @@ def plain_launch(nbytes: int, world: int, dtype: torch.dtype, table: AlgoTable, 
 class FusedPlan(NamedTuple):
     """What one ``all_reduce_rmsnorm`` call shape runs, computed once (:func:`fused_plan`) and
     cached by the fused path: ``algo``, a fused kernel or UNFUSED, with its launch ``shape``
-    (:mod:`pcie_allreduce.fused.shapes`; for UNFUSED the add + RMSNorm kernel's) and call
+    (:mod:`pcie_allreduce.plan.fused_shapes`; for UNFUSED the add + RMSNorm kernel's) and call
     ``signature``; for UNFUSED also the plain all-reduce's ``plain_id`` and ``blocks``; and
     ``call``, what the ranks' first-call compile meeting compares."""
 
@@ -117,11 +117,11 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         rule = UNFUSED
     call = (rule, (tokens, hidden), dtype, dtype if weight_dtype is None else weight_dtype)
     if rule == UNFUSED:
-        return FusedPlan(rule, shapes.add_rmsnorm(hidden), 0, ALGO_IDS[plain.algo], plain.blocks, call)
-    launch = None if rule in DATA_AS_FLAG_ONESHOTS and ll_shape is None else shapes.of_kernel(
+        return FusedPlan(rule, fused_shapes.add_rmsnorm(hidden), 0, ALGO_IDS[plain.algo], plain.blocks, call)
+    launch = None if rule in DATA_AS_FLAG_ONESHOTS and ll_shape is None else fused_shapes.of_kernel(
         rule, dtype, tokens, hidden, world, block_cap, interpret)
     if launch is None:
-        raise ValueError(shapes.no_shape(rule, tokens, hidden, dtype, world, ll_capacity, block_cap))
+        raise ValueError(fused_shapes.no_shape(rule, tokens, hidden, dtype, world, ll_capacity, block_cap))
     return FusedPlan(rule, launch[0], launch[1], 0, 0, call)
 
 
@@ -135,12 +135,12 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
 
 
 def _data_as_flag_shape(tokens: int, hidden: int, dtype: torch.dtype, world: int, ll_capacity: int | None,
-                        block_cap: int, interpret: bool) -> shapes.DataAsFlagShape | None:
+                        block_cap: int, interpret: bool) -> fused_shapes.DataAsFlagShape | None:
     """The data-as-flag fused kernels' launch shape for the call (both kernels share one capacity
     and one shape), or None where the message exceeds the capacity or no shape fits."""
     if not fits_capacity(DATA_AS_FLAG_ONESHOTS[0], tokens * hidden * dtype.itemsize, ll_capacity):
         return None
-    return shapes.data_as_flag(tokens, hidden, world, block_cap, interpret)
+    return fused_shapes.data_as_flag(tokens, hidden, world, block_cap, interpret)
 
 
 #: MPS's client variable that caps a process to a share of its GPU's SMs (the rank spawner sets it).
