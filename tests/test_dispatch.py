@@ -131,6 +131,23 @@ def test_fused_algo_follows_the_fused_rules() -> None:
                        ll_capacity=LL_CAP) == "unfused", "past the last rule: unfused"
 
 
+@pytest.mark.parametrize("world, tokens, expected", [
+    (2, 4, "oneshot"),    # W = 2: the next rule, the flag-based one-shot
+    (4, 4, "unfused"),    # W = 3-4: the next rule, the pair
+    (8, 4, "unfused"),    # W >= 5: the pair
+    (8, 1, "oneshot_full"),  # one token has a shape within 14 programs: the rule's own kernel
+])
+def test_a_kernel_rule_without_a_data_as_flag_shape_passes_the_call_on(world: int, tokens: int, expected: str) -> None:
+    """Ranks sharing a GPU get few programs (14 at W = 8 on an H100): 4 x 7168 has no data-as-flag
+    launch shape there, so the default fused rule "kernel" cannot take its kernel and the next rule
+    decides (measured: the flag-based one-shot beats the pair at W = 2 and loses above it). A
+    named "kernel" keeps the flag-based one-shot."""
+    plan = dispatch.fused_plan(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=14)
+    assert plan.algo == expected
+    assert _fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=14) == (
+        "oneshot_full" if tokens == 1 else "oneshot")
+
+
 def test_fused_rules_round_trip_and_validation() -> None:
     table = AlgoTable(TABLE.rules, (FusedRule("twoshot", max_tokens=64, world=(4, 8)), FusedRule("unfused")))
     assert AlgoTable.from_json(table.to_json()) == table

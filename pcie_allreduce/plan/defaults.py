@@ -73,6 +73,9 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
 
     - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
       8 tokens at W <= 4 and 4 at W >= 5 (W = 8, 4 x 7168: 11.2 us against 12.5 for the pair).
+      Where it has no launch shape (few programs: ranks sharing a GPU) the next rule takes the
+      call: at W = 2 the flag-based one-shot (4 tokens: 5.6 against 6.2), above it the pair
+      (W = 4, 4 tokens: 8.2 against 9.3 for the flag-based one-shot; W = 8: 12.5 against 15.6).
     - W = 2: the flag-based one-shot beyond (128 tokens: 12.3 against 16.4).
     - W = 3-4: the pair up to 16 tokens (W = 4, 16 tokens: 9.2 against 9.7 for the flag-based
       one-shot), then the fused kernel the plain table's size gives (32 tokens: the flag-based

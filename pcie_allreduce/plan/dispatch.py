@@ -93,8 +93,9 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     count and W; "kernel" is the fused kernel that follows the plain choice for the same message
     size (the token-split two-shot where that picks two-shot and there is a token per rank; the
     same data-as-flag one-shot where it picks one and that kernel has a launch shape within
-    ``block_cap``; else the flag-based one-shot); a named kernel that cannot take the shape runs
-    unfused, as does every call above ``FUSED_MAX_WORLD`` ranks. A forced kernel that cannot take
+    ``block_cap``, and where it has none the call passes to the table's next rule; else the
+    flag-based one-shot); a named kernel that cannot take the shape runs unfused, as does every
+    call above ``FUSED_MAX_WORLD`` ranks. A forced kernel that cannot take
     the shape raises ValueError. ``wire_algo`` (a compressed wire's kernel, checked against the
     ``transport``, ``island_ranks`` and the slot) runs the pair with that all-reduce.
     ``interpret``: under Triton's CPU interpreter (one chunk per row). Never raises for a valid
@@ -102,17 +103,19 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     nbytes = tokens * hidden * dtype.itemsize
     plain = plain_choice(nbytes, world, dtype, table, ll_capacity=ll_capacity, block_cap=block_cap,
                          algo=wire_algo or "auto")
-    rule = table.select_fused(tokens, world) if algo == "auto" else algo
     problem = None if wire_algo is None or slot_bytes is None else call_problem(
         wire_algo, nbytes, dtype.itemsize, transport, island_ranks, slot_bytes, ll_capacity)
     if problem is not None:
         raise ValueError(problem)
     ll_shape = _data_as_flag_shape(tokens, hidden, dtype, world, ll_capacity, block_cap, interpret)
+    following = _kernel_that_follows(plain.algo, tokens, world, ll_shape)
+    # A "kernel" rule whose data-as-flag kernel has no launch shape passes the call to the next rule.
+    rule = (table.select_fused(tokens, world, serves=lambda choice: choice != "kernel" or following is not None)
+            if algo == "auto" else algo)
     if world > FUSED_MAX_WORLD or wire_algo is not None:
         rule = UNFUSED
     elif rule == "kernel":
-        rule = ("twoshot" if plain.algo == "twoshot" and tokens >= world
-                else plain.algo if plain.algo in DATA_AS_FLAG_ONESHOTS and ll_shape is not None else "oneshot")
+        rule = following or "oneshot"  # named: the flag-based one-shot takes what the other cannot
     elif rule in DATA_AS_FLAG_ONESHOTS and ll_shape is None and algo == "auto":
         rule = UNFUSED
     call = (rule, (tokens, hidden), dtype, dtype if weight_dtype is None else weight_dtype)
@@ -132,6 +135,18 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
     programs; the flag-based ones take every call)."""
     return algo not in DATA_AS_FLAG_ONESHOTS or _data_as_flag_shape(
         tokens, hidden, dtype, world, ll_capacity, block_cap, interpret) is not None
+
+
+def _kernel_that_follows(plain_algo: str, tokens: int, world: int,
+                         ll_shape: fused_shapes.DataAsFlagShape | None) -> str | None:
+    """The fused kernel a "kernel" rule takes: the token-split two-shot where the plain choice is the
+    two-shot and every rank has a token, the plain choice's own data-as-flag one-shot where that has
+    a launch shape (None where it has none), else the flag-based one-shot."""
+    if plain_algo == "twoshot" and tokens >= world:
+        return "twoshot"
+    if plain_algo in DATA_AS_FLAG_ONESHOTS:
+        return plain_algo if ll_shape is not None else None
+    return "oneshot"
 
 
 def _data_as_flag_shape(tokens: int, hidden: int, dtype: torch.dtype, world: int, ll_capacity: int | None,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pcie_allreduce.constants import MAX_RANKS, MIN_RANKS
 from pcie_allreduce.plan import defaults
@@ -47,10 +47,11 @@ class AlgoTable:
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     fused: tuple[FusedRule, ...] = field(default_factory=defaults.default_fused_rules)
 
-    def select_fused(self, tokens: int, world: int) -> str:
-        """The fused table's choice for ``tokens`` rows on ``world`` ranks (a name of FUSED_CHOICES)."""
+    def select_fused(self, tokens: int, world: int, serves: Callable[[str], bool] | None = None) -> str:
+        """The fused table's choice for ``tokens`` rows on ``world`` ranks (a name of FUSED_CHOICES):
+        the first matching rule whose choice ``serves`` the call (every choice, without it)."""
         for rule in self.fused:
-            if rule.matches(tokens, world):
+            if rule.matches(tokens, world) and (serves is None or serves(rule.algo)):
                 return rule.algo
         return UNFUSED
 
