@@ -27,7 +27,7 @@ from pcie_allreduce.errors import CollectiveMismatch
 from pcie_allreduce.plan import fused_shapes
 from pcie_allreduce.layout import Layout, WorkspaceView
 from pcie_allreduce.plan import dispatch
-from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS, UNFUSED
+from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS, UNFUSED, fits_capacity
 
 # How long a rank waits for the others at the first fused call of a shape, while they compile it
 # (a cold Triton cache on a loaded host takes tens of seconds); past it the ranks' calls must differ.
@@ -322,9 +322,8 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
     call (a data-as-flag one with an odd hidden size, too many programs or too large a message)."""
     interpret = _triton().protocol.interpreting() if interpret is None else interpret
     tokens, hidden = x.shape
-    too_large = algo in DATA_AS_FLAG_ONESHOTS and x.numel() * x.element_size() > view.layout.ll_capacity
-    launch = None if too_large else fused_shapes.of_kernel(algo, x.dtype, tokens, hidden, view.world,
-                                                           max_programs, interpret, chunks)
+    launch = (fused_shapes.of_kernel(algo, x.dtype, tokens, hidden, view.world, max_programs, interpret, chunks)
+              if fits_capacity(algo, x.nbytes, view.layout.ll_capacity) else None)
     if launch is None:
         raise ValueError(fused_shapes.no_shape(algo, tokens, hidden, x.dtype, view.world, view.layout.ll_capacity,
                                                max_programs))
