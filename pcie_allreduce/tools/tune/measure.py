@@ -63,14 +63,17 @@ def measure_rank(ctx: Any, job: TuneJob) -> dict[str, Any]:
         stream = torch.cuda.Stream(ctx.device)
         comm.prepare_stream(stream.cuda_stream)  # collective (IPC handle exchange): once, before any capture
         rows = []
+        default = default_table(comm.transport, islands=len(comm.islands))
+
+        def runs_here(algo: str) -> bool:
+            return algorithms.runs_on(algo, comm.transport, comm.island_ranks)
+
         for size in job.sizes:
             count = size // sizes.DTYPE_SIZES[job.dtype]
             inp = _rank_input(count, ctx.rank, dtype, ctx.device)
             expected = sum(_rank_input(count, r, torch.int64, ctx.device) for r in range(ctx.world_size)).to(dtype)
             out = torch.empty_like(inp)
-            default = default_table(comm.transport, islands=len(comm.islands))
-            for algo, blocks in shapes_of(job, size, ctx.world_size, default, comm.block_cap,
-                                          lambda a: algorithms.runs_on(a, comm.transport, comm.island_ranks)):
+            for algo, blocks in shapes_of(job, size, ctx.world_size, default, comm.block_cap, runs_here):
                 rows.append(_measure_shape(ctx, job, comm, stream, inp, out, expected, algo, blocks))
         facts = {"gpu_name": torch.cuda.get_device_name(ctx.device), "block_cap": comm.block_cap, "mps": ctx.mps,
                  "transport": comm.transport, "islands": len(comm.islands)}
