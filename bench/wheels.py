@@ -8,10 +8,11 @@ one stand-in module, listed in RECORD):
     python -m bench.wheels sglang sglang-0.5.23-py3-none-any.whl DEST_DIR
     python -m bench.wheels vllm vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl DEST_DIR
 
-- FlashInfer (the ``flashinfer`` backend): every Python file (``import flashinfer.comm`` imports much
-  of the package), and of the CUDA sources only what the PCIe IPC all-reduce's JIT build compiles
-  (``csrc/pcie_ipc_all_reduce.cu``, ``csrc/tvm_ffi_utils.h`` and ``include/``): 100 MB -> about
-  15 MB. Its import-time dependencies there: apache-tvm-ffi, nvidia-ml-py, cuda-bindings, numpy,
+- FlashInfer (the ``flashinfer`` backend and the ``fi_addnorm`` baseline): every Python file
+  (``import flashinfer.comm`` imports much of the package), and of the CUDA sources only what the
+  JIT builds of the PCIe IPC all-reduce and of ``fused_add_rmsnorm`` compile (``csrc/pcie_ipc_*``,
+  ``csrc/norm.cu``, ``csrc/flashinfer_norm_binding.cu``, ``csrc/tvm_ffi_utils.h`` and ``include/``):
+  100 MB -> about 15 MB. Its import-time dependencies there: apache-tvm-ffi, nvidia-ml-py, cuda-bindings, numpy,
   requests, tqdm, jinja2, filelock, packaging; the JIT build needs nvcc, libcuda and libcudart.
 - SGLang (the plugin's GPU test): all but the native server extensions its distributed and plugin
   code never imports.
@@ -38,6 +39,8 @@ FLASHINFER_DATA_KEPT: tuple[str, ...] = (
     "flashinfer/data/include/",
     "flashinfer/data/csrc/pcie_ipc_",
     "flashinfer/data/csrc/tvm_ffi_utils.h",
+    "flashinfer/data/csrc/norm.cu",
+    "flashinfer/data/csrc/flashinfer_norm_binding.cu",
 )
 FLASHINFER_SUFFIXES_KEPT: tuple[str, ...] = (".py", ".json", ".txt", ".typed", ".csv")
 SGLANG_NATIVE_DROPPED: tuple[str, ...] = ("sglang/srt/rust_extensions/", "sglang/srt/mem_cache/rust_tree_core/")

@@ -197,7 +197,7 @@ def test_flashinfer_without_the_workspace_class_skips_with_its_version() -> None
 # ---------------------------------------------------------------------------- the trimmed wheel
 
 
-def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path) -> None:
+def test_trimmed_flashinfer_wheel_keeps_python_the_pcie_ipc_and_the_norm_sources(tmp_path) -> None:
     import zipfile
 
     from bench import wheels
@@ -205,7 +205,8 @@ def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path
     names = ["flashinfer/__init__.py", "flashinfer/comm/pcie_ipc_ar.py", "flashinfer/tuning.json",
              "flashinfer/data/include/flashinfer/comm/pcie_ipc_all_reduce.cuh",
              "flashinfer/data/csrc/pcie_ipc_all_reduce.cu", "flashinfer/data/csrc/tvm_ffi_utils.h",
-             "flashinfer/data/csrc/batch_decode.cu", "flashinfer/data/cutlass/include/cute/tensor.hpp",
+             "flashinfer/data/csrc/norm.cu", "flashinfer/data/csrc/flashinfer_norm_binding.cu",
+             "flashinfer/data/csrc/renorm.cu", "flashinfer/data/csrc/batch_decode.cu", "flashinfer/data/cutlass/include/cute/tensor.hpp",
              "flashinfer/experimental/kernel.cu", "flashinfer/lib/prebuilt.so"]
     src_dir = tmp_path / "src"
     src_dir.mkdir()
@@ -222,6 +223,7 @@ def test_trimmed_flashinfer_wheel_keeps_python_and_the_pcie_ipc_sources(tmp_path
     want = {"flashinfer/__init__.py", "flashinfer/comm/pcie_ipc_ar.py", "flashinfer/tuning.json",
             "flashinfer/data/include/flashinfer/comm/pcie_ipc_all_reduce.cuh",
             "flashinfer/data/csrc/pcie_ipc_all_reduce.cu", "flashinfer/data/csrc/tvm_ffi_utils.h",
+            "flashinfer/data/csrc/norm.cu", "flashinfer/data/csrc/flashinfer_norm_binding.cu",
             "flashinfer_python-0.7.4.dist-info/RECORD"}
     assert kept == want
     assert "batch_decode.cu" not in new_record and "pcie_ipc_ar.py" in new_record
