@@ -1,0 +1,62 @@
+"""``python -m bench.norm_loop``: its check of each kernel against fp64, its options, and its run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import norm_loop
+from pcie_allreduce.tools import ranks
+
+
+def _inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    residual = (4 * torch.randn(tokens, hidden, generator=gen)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    return y, residual, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 7168), (3, 1000), (5, 4095)])
+def test_the_check_takes_a_correct_result_and_refuses_a_wrong_one(tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    y, residual, weight = _inputs(tokens, hidden, dtype, seed=tokens * hidden)
+    want_normed, want_residual = norm_loop.reference(y, residual, weight)
+    # a result computed the way the kernels compute it: fp32 math, rounded once
+    new_residual = (residual.float() + y.float()).to(dtype)
+    assert torch.equal(new_residual, want_residual)
+    v = new_residual.float()
+    normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_loop.EPS) * weight.float()).to(dtype)
+    assert norm_loop.close_enough(normed, want_normed)
+    for wrong in (normed * 1.05, torch.full_like(normed, float("nan")), new_residual.to(dtype)):
+        assert not norm_loop.close_enough(wrong, want_normed)
+    off_by_one_row = normed.clone()
+    off_by_one_row[-1, hidden // 2] += 0.5 * want_normed[-1].abs().max().to(dtype)
+    assert not norm_loop.close_enough(off_by_one_row, want_normed)
+
+
+def test_other_libraries_kernels_are_left_out_with_their_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(norm_loop.IN_PLACE_KERNELS, "nowhere", ("no_such_module_for_norm_loop", "f"))
+    found, missing = norm_loop.in_place_kernels()
+    assert "nowhere" not in found and "no_such_module_for_norm_loop" in missing["nowhere"]
+    assert set(found) | set(missing) == set(norm_loop.IN_PLACE_KERNELS)
+
+
+def test_options_and_the_exit_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        norm_loop.main(["--warps", "3"])
+    assert "--warps" in capsys.readouterr().err
+    if ranks.skip_reason_no_gpu() is None:
+        pytest.skip("a GPU is present: the no-GPU exit is not reachable here")
+    assert norm_loop.main(["--tokens", "1", "4", "--hidden", "7168", "--warps", "16"]) == 3
+    assert "python -m bench.norm_loop:" in capsys.readouterr().err
+
+
+def test_every_kernel_checks_out_and_is_timed_on_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    reason = ranks.skip_reason_no_gpu()
+    if reason is not None:
+        pytest.skip(reason)
+    assert norm_loop.main(["--tokens", "1", "5", "--hidden", "1000", "7168", "--warps", "4", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "wrong" not in out and "ours_w16" in out
+    assert len([line for line in out.splitlines() if line and not line.startswith(("#", "    H"))]) >= 4
