@@ -39,9 +39,13 @@ def _case(ctx: ranks.RankContext, tokens: int, hidden: int, dtype: torch.dtype, 
     return xs, residual, weight, reduced, residual + reduced
 
 
-def _check(normed, new_res, want_res, weight, what):
+def _check(normed, new_res, want_res, weight, what, comm=None):
     """The new residual bitwise ``residual + all_reduce(x)``; normed within ``ref.NORM_ULPS`` of
-    the fp64 RMSNorm of that new residual (on the outputs' device)."""
+    the fp64 RMSNorm of that new residual (on the outputs' device). A call that gave up leaves
+    NaN: with ``comm``, the error it recorded (timeout or mismatch, naming rank, peer and stage)
+    is raised first, so a failure says why rather than only that the sums differ."""
+    if comm is not None and bool(torch.isnan(new_res).any()):
+        comm.check()
     assert torch.equal(new_res, want_res.to(new_res.device)), \
         f"{what}: new residual is not bitwise residual + all_reduce(x)"
     ref.check_rmsnorm(normed, new_res, weight, EPS, what)
@@ -80,7 +84,7 @@ def _fused_matrix(ctx: ranks.RankContext, transport: str) -> dict:
                     # allocator hands out again, already holds the right answer
                     normed, new_res = _poisoned(x, res)
                     comm.all_reduce_rmsnorm(x, res, w, EPS, out=normed, residual_out=new_res, algo=algo)
-                    _check(normed, new_res, want_res, w, f"{dtype} T={tokens} H={hidden} {algo}")
+                    _check(normed, new_res, want_res, w, f"{dtype} T={tokens} H={hidden} {algo}", comm)
                     residuals.append(_digest(new_res))
                     per_algo[algo] = _digest(normed, new_res)
                 # The new residual is THE all-reduce formula in every kernel. The norm's statistics are
@@ -155,7 +159,7 @@ def _fused_graph(ctx: ranks.RankContext, transport: str, replays: int, algo: str
         for i, ((normed, new_res), out) in enumerate(zip(fused, plain)):
             xs = cases[i % 4][0]
             reduced, want_res = wants[i % 4]
-            _check(normed, new_res, want_res, static[i % 4][2], f"replay {rep} graph call {i}")
+            _check(normed, new_res, want_res, static[i % 4][2], f"replay {rep} graph call {i}", comm)
             assert torch.equal(out, reduced), f"replay {rep} plain call {i}: not the rank-order fp32 sum"
             if i < 4:
                 ref.check(out, [x.reshape(-1) for x in xs], f"replay {rep} plain call {i}")
@@ -192,7 +196,7 @@ def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
     x, res, w = xs[ctx.rank].to(ctx.device), residual.to(ctx.device), weight.to(ctx.device)
     normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)  # also compiles the kernel
     torch.cuda.synchronize()
-    _check(normed, new_res, want_res, w, f"{algo} before the failure")
+    _check(normed, new_res, want_res, w, f"{algo} before the failure", comm)
     normed.fill_(7.0)
     new_res.fill_(7.0)
     torch.distributed.barrier(group=ctx.group)
@@ -245,7 +249,7 @@ def _first_calls_of_a_late_rank(ctx: ranks.RankContext) -> dict:
             normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)
         torch.cuda.synchronize()
         comm.check()
-        _check(normed, new_res, want_res, w, f"first call of T={tokens} {algo} (capture={capture})")
+        _check(normed, new_res, want_res, w, f"first call of T={tokens} {algo} (capture={capture})", comm)
         outcomes.append(_digest(normed, new_res))
     comm.close()
     return {"digests": outcomes}
