@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 CALLS_PER_GRAPH = 20
 REPLAYS = 20
@@ -38,9 +38,20 @@ def _time_algo(comm, x, out, algo: str, group) -> float:
 
 
 def _time_call(comm, call, group) -> float:
-    """Per-call time of ``call`` captured CALLS_PER_GRAPH times in a graph, replayed REPLAYS times."""
-    import torch
+    """Per-call time of ``call`` (:func:`time_in_graph`), the ranks lined up before each repetition."""
     import torch.distributed as dist
+
+    best = time_in_graph(call, lambda: dist.barrier(group=group))
+    comm.check()
+    return best
+
+
+def time_in_graph(call: Callable[[], object], before_each: Callable[[], object] = lambda: None) -> float:
+    """Microseconds per call of ``call`` captured CALLS_PER_GRAPH times in one CUDA graph and
+    replayed REPLAYS times back to back: the best of REPETITIONS, ``before_each`` run ahead of
+    each (a barrier between ranks; restoring the inputs of an in-place kernel), outside the
+    timing. The one bare-kernel timing of this module and :mod:`bench.norm_loop`."""
+    import torch
 
     for _ in range(3):
         call()
@@ -54,14 +65,13 @@ def _time_call(comm, call, group) -> float:
     best = float("inf")
     for _ in range(REPETITIONS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier(group=group)
+        before_each()
         start.record()
         for _ in range(REPLAYS):
             graph.replay()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / (CALLS_PER_GRAPH * REPLAYS))
-    comm.check()
     return best
 
 

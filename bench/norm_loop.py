@@ -3,9 +3,9 @@
 The unfused half of the fused op's baseline is ONE add + RMSNorm kernel after the all-reduce:
 the library's own (:func:`pcie_allreduce.fused.path.add_rmsnorm`), FlashInfer's or sgl-kernel's
 ``fused_add_rmsnorm``, whichever is fastest. This times each of them on ``[T, H]`` for every
-``--tokens`` T and ``--hidden`` H, the way :mod:`bench.graph_loop` times a bare kernel (20 calls
-in one CUDA graph, replayed 20 times, the best of three repetitions), in one process and one
-run, so the rows compare. ``--warps`` adds rows of the library's kernel with that many warps
+``--tokens`` T and ``--hidden`` H, the way :mod:`bench.graph_loop` times a bare kernel
+(:func:`bench.graph_loop.time_in_graph`: 20 calls in one CUDA graph, replayed 20 times, the best
+of three repetitions), in one process and one run, so the rows compare. ``--warps`` adds rows of the library's kernel with that many warps
 forced (its built-in choice is the plain ``ours`` row), to tune
 :func:`pcie_allreduce.plan.fused_shapes.add_rmsnorm` from a measurement.
 
@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 from typing import Callable, Sequence
 
-CALLS_PER_GRAPH = 20
-REPLAYS = 20
-REPETITIONS = 3
+from bench.graph_loop import CALLS_PER_GRAPH, REPETITIONS, REPLAYS, time_in_graph
+
 EPS = 1e-6
 # |error| bound of a bf16 result whose math ran in fp32 and rounded once, relative to the
 # magnitude of the reference: half an ulp of bf16 (2^-8) plus fp32's share, with room.
@@ -62,33 +60,6 @@ def close_enough(got, want) -> bool:
     tol = BF16_TOLERANCE if got.dtype == torch.bfloat16 else FP16_TOLERANCE
     scale = want.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
     return bool(torch.isfinite(got).all()) and bool(((got.double() - want).abs() <= tol * scale).all())
-
-
-def time_graph(call: Callable[[], None], reset: Callable[[], None] | None = None) -> float:
-    """Per-call microseconds of ``call`` captured CALLS_PER_GRAPH times in a graph, replayed
-    REPLAYS times; the best of REPETITIONS (``reset`` before each, outside the timing)."""
-    import torch
-
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
-        for _ in range(CALLS_PER_GRAPH):
-            call()
-    best = math.inf
-    for _ in range(REPETITIONS):
-        if reset is not None:
-            reset()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (CALLS_PER_GRAPH * REPLAYS))
-    return best
 
 
 def in_place_kernels() -> tuple[dict[str, Callable], dict[str, str]]:
@@ -129,7 +100,7 @@ def case(tokens: int, hidden: int, dtype, warps: Sequence[int], others: dict[str
         ours()
         torch.cuda.synchronize()
         ok = close_enough(normed, want_normed) and torch.equal(new_residual, want_residual)
-        rows[name] = time_graph(ours) if ok else "wrong"
+        rows[name] = time_in_graph(ours) if ok else "wrong"
 
     for name, kernel in others.items():
         x, r = y.clone(), residual.clone()
@@ -149,7 +120,7 @@ def case(tokens: int, hidden: int, dtype, warps: Sequence[int], others: dict[str
             rows[name] = "failed"
             continue
         ok = close_enough(x, want_normed) and torch.equal(r, want_residual)
-        rows[name] = time_graph(theirs, reset) if ok else "wrong"
+        rows[name] = time_in_graph(theirs, reset) if ok else "wrong"
     return rows
 
 

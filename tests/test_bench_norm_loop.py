@@ -60,3 +60,44 @@ def test_every_kernel_checks_out_and_is_timed_on_a_gpu(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "wrong" not in out and "ours_w16" in out
     assert len([line for line in out.splitlines() if line and not line.startswith(("#", "    H"))]) >= 4
+
+
+def test_the_graph_timing_captures_the_calls_once_and_replays_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """time_in_graph (shared with bench.graph_loop) with torch.cuda's graph and events faked: 3
+    eager calls, CALLS_PER_GRAPH captured ones, ``before_each`` once per repetition, and the best
+    repetition divided by the calls it replayed."""
+    import contextlib
+
+    from bench import graph_loop
+
+    log: list[str] = []
+    elapsed_ms = iter([9.0, 4.0, 6.0])
+
+    class Graph:
+        def replay(self) -> None:
+            log.append("replay")
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: "Event") -> float:
+            return next(elapsed_ms)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    us = graph_loop.time_in_graph(lambda: log.append("call"), lambda: log.append("before"))
+    calls = graph_loop.CALLS_PER_GRAPH
+    assert log.count("call") == 3 + calls
+    assert log.count("before") == graph_loop.REPETITIONS
+    assert log.count("replay") == 1 + graph_loop.REPETITIONS * graph_loop.REPLAYS
+    assert us == pytest.approx(4.0 * 1e3 / (calls * graph_loop.REPLAYS))
