@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -134,6 +135,9 @@ class Communicator:
         self.shares_gpu, self.block_cap = agreed.shares_gpu, agreed.block_cap  # ranks on one GPU; blocks per call
         self._meeting_id: str = agreed.meeting_id  # names this communicator's keys in the group's store
         self._fused = FusedPath(group, f"pcie_allreduce/{self._meeting_id}/fused")  # the fused call
+        #: Seconds this rank spent compiling each fused call shape's Triton kernels, by the call's
+        #: description: "<algo> [tokens, hidden] <dtype> (weight <dtype>)".
+        self.fused_compile_seconds: dict[str, float] = self._fused.compile_seconds
         self._closed = False
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
@@ -174,9 +178,7 @@ class Communicator:
             return out
         dtype = x.dtype
         stream = current_stream_handle(self.device)
-        workspace = self._workspaces.get(stream)
-        if workspace is None:
-            workspace = self._workspace_for(stream)
+        workspace = self._workspaces.get(stream) or self._workspace_for(stream)
         symmetric = x.data_ptr() == self._input_areas.get(stream)
         hit = self._choices.get((nbytes, dtype, algo, symmetric))  # _choice's cache, without the call
         algo_id, blocks = hit if hit is not None else self._choice(nbytes, dtype, algo, symmetric)
@@ -186,19 +188,16 @@ class Communicator:
 
     def symmetric_input(self, shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.bfloat16, *,
                         stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` in this rank's symmetric input area: memory of the
-        workspace that serves ``stream`` (default: the current stream) which every peer has
-        mapped, like a buffer of torch symmetric memory.
-
-        Write a message there (``torch.matmul(a, b, out=buf)``, ``buf.copy_(x)``) and call
-        ``all_reduce(buf)`` on that stream on every rank: large messages then run ``twoshot_symm``
-        (when the table has it, as the built-in p2p table does from the size its two-shot takes
-        over), whose reduce-scatter reads every rank's input where it lies instead of copying it
-        into the workspace first. ``out=buf`` works in place. Every call returns the same memory
-        (the area's start): one message at a time per stream, and it may be rewritten as soon as
-        the all-reduce that read it has completed on that stream. Valid until :meth:`close`;
-        ``numel * itemsize`` at most ``max_bytes``. p2p transport only (the host transport's
-        workspace lives in host memory). Collective the first time a stream is used, like a call.
+        """A tensor of ``shape`` and ``dtype`` in this rank's symmetric input area: memory of the workspace that serves
+        ``stream`` (default: the current stream) which every peer has mapped, like a buffer of torch symmetric memory.
+        Write a message there (``torch.matmul(a, b, out=buf)``, ``buf.copy_(x)``) and call ``all_reduce(buf)`` on that
+        stream on every rank: large messages then run ``twoshot_symm`` (when the table has it, as the built-in p2p
+        table does from the size its two-shot takes over), whose reduce-scatter reads every rank's input where it lies
+        instead of copying it into the workspace first. ``out=buf`` works in place. Every call returns the same memory
+        (the area's start): one message at a time per stream, and it may be rewritten as soon as the all-reduce that
+        read it has completed on that stream. Valid until :meth:`close`; ``numel * itemsize`` at most ``max_bytes``.
+        p2p transport only (the host transport's workspace lives in host memory). Collective the first time a stream is
+        used, like a call.
         """
         if self._closed:
             raise RuntimeError(self._closed_reason)
@@ -242,18 +241,22 @@ class Communicator:
                              algo, wire_algo)
         return normed, new_residual
 
+    def warm_up_fused(self, shapes: Iterable[tuple[int, int]], dtype: torch.dtype = torch.bfloat16, *,
+                      weight_dtype: torch.dtype | None = None, algo: str = "auto") -> int:
+        """Compile the Triton kernels :meth:`all_reduce_rmsnorm` runs for each ``[tokens, hidden]`` in ``shapes``
+        before their first calls, the work shared out: each rank compiles every W-th new shape into Triton's on-disk
+        cache, then loads the others' from it, so a server warming up the batch sizes it captures spends about 1/W of
+        the time. Collective (same arguments on every rank), outside a graph capture; launches nothing; returns how
+        many shapes were new."""
+        calls = validation.warm_up_calls(shapes, dtype, dtype if weight_dtype is None else weight_dtype, algo,
+                                         device=self.device, max_bytes=self.max_bytes, world=self.world_size)
+        return self._fused.warm_up(self, self._workspace(), calls) if calls else 0  # _workspace: raises if closed
+
     def select_fused_algo(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
-        """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: a
-        fused kernel where the table's fused rules say one wins at this token count and W (it then
-        follows the plain table for the same message size), else ``"unfused"``
+        """What ``all_reduce_rmsnorm(algo="auto")`` runs for ``[tokens, hidden]`` of ``dtype``: a fused kernel where
+        the table's fused rules say one wins at this token count and W, else ``"unfused"``
         (:func:`pcie_allreduce.plan.dispatch.fused_plan`)."""
         return self._fused.plan(self, (tokens, hidden, dtype, dtype, "auto", None)).algo
-
-    @property
-    def fused_compile_seconds(self) -> dict[str, float]:
-        """Seconds this rank spent compiling the Triton kernels of each fused call shape (its first
-        call), by the call's description: "<algo> [tokens, hidden] <dtype> (weight <dtype>)"."""
-        return self._fused.compile_seconds
 
     def capacity_of(self, algo: str) -> int | None:
         """Largest message (bytes) a forced ``algo`` takes here; None: up to ``max_bytes``."""
@@ -271,17 +274,15 @@ class Communicator:
                 raise workspaces.error_of(workspace)
 
     def close(self, *, release_captured: bool = False) -> None:
-        """Free the workspaces. Collective: waits for this rank's streams, then for every rank,
-        at most :data:`pcie_allreduce.workspaces.CLOSE_WAIT_S`; never hangs on a rank that is gone.
-
-        A workspace that served a CUDA graph capture is not freed unless ``release_captured``
-        (the caller's promise that no graph captured with this communicator is replayed after
-        this: an engine's teardown, which frees its own all-reduce's graph buffers too): the
-        graph may be replayed after this. Its abort word is raised instead (a replayed call then
-        touches no peer memory and fills its output with NaN), the peers are unmapped, and its
-        own memory stays allocated until the process exits (:attr:`retained_bytes` says how
-        much). Where a rank does not reach close() in time, every workspace is kept that way:
-        a peer that is still running may write into this memory. Calling it again does nothing."""
+        """Free the workspaces. Collective: waits for this rank's streams, then for every rank, at most
+        :data:`pcie_allreduce.workspaces.CLOSE_WAIT_S`; never hangs on a rank that is gone. A workspace that served a
+        CUDA graph capture is not freed unless ``release_captured`` (the caller's promise that no graph captured with
+        this communicator is replayed after this: an engine's teardown, which frees its own all-reduce's graph buffers
+        too): the graph may be replayed after this. Its abort word is raised instead (a replayed call then touches no
+        peer memory and fills its output with NaN), the peers are unmapped, and its own memory stays allocated until
+        the process exits (:attr:`retained_bytes` says how much). Where a rank does not reach close() in time, every
+        workspace is kept that way: a peer that is still running may write into this memory. Calling it again does
+        nothing."""
         if self._closed:
             return
         self._closed = True

@@ -240,6 +240,25 @@ def fused_call(x: object, residual: object, weight: object, eps: object, out: ob
     return x.shape[0], x.shape[1], UNFUSED, kernel
 
 
+def warm_up_calls(shapes: object, dtype: torch.dtype, weight_dtype: torch.dtype, algo: object, *,
+                  device: torch.device, max_bytes: int,
+                  world: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]:
+    """The calls ``warm_up_fused`` compiles, each checked as :func:`fused_call` checks a call:
+    ``(x, residual, weight, algo)`` with (uninitialised) tensors of each ``(tokens, hidden)`` of
+    ``shapes``. A shape that is not two positive ints is refused, naming it."""
+    calls = []
+    for shape in shapes:  # type: ignore[attr-defined]
+        if not (isinstance(shape, (tuple, list)) and len(shape) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+            raise ValueError(f"warm_up_fused: each shape must be (tokens, hidden), two positive ints; got {shape!r}")
+        x = torch.empty(tuple(shape), dtype=dtype, device=device)
+        residual, weight = torch.empty_like(x), torch.empty(shape[1], dtype=weight_dtype, device=device)
+        _, _, call_algo, _ = fused_call(x, residual, weight, 1e-6, None, None, algo, None, device=device,
+                                        max_bytes=max_bytes, world=world)
+        calls.append((x, residual, weight, call_algo))
+    return calls
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()

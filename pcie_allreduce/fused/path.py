@@ -80,6 +80,39 @@ class FusedPath:
             raise workspaces.error_of(workspace)
         _run(view, plan, x, residual, weight, eps, normed, new_residual, dependent=comm.dependent_launch)
 
+    def warm_up(self, comm: Any, workspace: Any, calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]) -> int:
+        """Compile the kernels of validated calls ``calls`` (x, residual, weight, algo: tensors of
+        the calls' shapes and dtypes) ahead of their first calls, the work shared out among the
+        ranks; returns how many call shapes were new. Every rank compiles every W-th new shape
+        into Triton's on-disk cache, then each shape's compile meeting (as at a first call) has
+        every rank load it, from that cache where the ranks share one (ranks of one host do by
+        default) and compiling it again where not. A shape whose share failed to compile fails
+        again at its meeting, which every rank then raises."""
+        pending: dict[tuple[Any, ...], tuple[dispatch.FusedPlan, tuple[torch.Tensor, ...]]] = {}
+        for x, residual, weight, algo in calls:
+            key = (*x.shape, x.dtype, weight.dtype, algo, None)
+            plan = self._plans.get(key) or self.plan(comm, key)
+            if plan.call not in self._compiled:
+                pending.setdefault(plan.call, (plan, (x, residual, weight, torch.empty_like(x), torch.empty_like(residual))))
+        view = None
+        if any(plan.algo != UNFUSED for plan, _ in pending.values()):
+            view = self._views.get(id(workspace)) or self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
+
+        def compile_call(plan: dispatch.FusedPlan, tensors: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+            x, residual, weight, normed, new_residual = tensors
+            return lambda: _run(view, plan, x, residual, weight, 1e-6, normed, new_residual, compile_only=True,
+                                dependent=comm.dependent_launch)
+
+        for i, (plan, tensors) in enumerate(pending.values()):
+            if i % comm.world_size == comm.rank:
+                try:
+                    compile_call(plan, tensors)()
+                except Exception:  # noqa: BLE001 - compiled again at its meeting, which tells every rank
+                    pass
+        for call, (plan, tensors) in pending.items():
+            self._compile_everywhere(comm, call, compile_call(plan, tensors))
+        return len(pending)
+
     def plan(self, comm: Any, key: tuple[Any, ...]) -> dispatch.FusedPlan:
         """:func:`~pcie_allreduce.plan.dispatch.fused_plan` for ``key`` (tokens, hidden, dtype,
         weight dtype, algo, the wire's kernel) on ``comm``'s agreed values, cached."""
