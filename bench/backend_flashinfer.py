@@ -4,13 +4,19 @@
 The workspace resolves a launch configuration per shape with a small collective the first time
 it sees that shape, which cannot happen inside a graph capture: the rank loop's eager
 correctness call comes first for every case, so every shape is resolved before it is captured.
-It runs the seed (untuned) configurations unless its own tune cache exists; the bench does not
-tune it (``workspace.tune`` is FlashInfer's, per machine), and says so in the setup facts.
+Untuned it runs seed launch configurations, which FlashInfer warns are "workable, not fast", and
+tells its users to run ``workspace.tune`` once per machine: the rank loop calls :meth:`tune`
+before the first case (unless ``--untuned-baselines``), so its rows are the best a user would
+run. The tuning goes to a cache file of this run's own, never FlashInfer's per-user cache: a run
+neither reads another process's tuning nor leaves its own behind.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+import os
+import time
 
 import torch
 
@@ -23,7 +29,10 @@ from bench.plan import Case, RankJob
 SYNC_COUNT = 64  # elements of the device-sync all-reduce (whole 16-byte packs in bf16/fp16/fp32)
 
 
-def _open_workspace(group: Any, max_numel: int, dtype: torch.dtype) -> Any:
+TUNE_CACHE = "flashinfer_pcie_ipc_tune.json"  # in the run's own directory
+
+
+def _open_workspace(group: Any, max_numel: int, dtype: torch.dtype, tune_cache: str) -> Any:
     import flashinfer.comm as fi_comm
 
     workspace_cls = getattr(fi_comm, "PcieIpcAllReduceWorkspace", None)
@@ -32,7 +41,9 @@ def _open_workspace(group: Any, max_numel: int, dtype: torch.dtype) -> Any:
 
         raise RuntimeError(f"FlashInfer {getattr(flashinfer, '__version__', '?')} has no "
                            "comm.PcieIpcAllReduceWorkspace (added in 0.7)")
-    return workspace_cls(group=group, max_numel=max_numel, dtype=dtype)
+    # The bench's messages are flat: FlashInfer reads a 1-D tensor as one row of ``count``
+    # elements, so its tuning buckets are batch 1 of each message's count.
+    return workspace_cls(group=group, max_numel=max_numel, dtype=dtype, tune_batches=(1,), tune_cache=tune_cache)
 
 
 class FlashInferPcieIpcBackend(Backend):
@@ -43,8 +54,10 @@ class FlashInferPcieIpcBackend(Backend):
     install_hint = "pip install flashinfer-python; its PCIe IPC all-reduce needs >= 0.7"
 
     def __init__(self, ctx: RankContext, job: RankJob,
-                 open_workspace: Callable[[Any, int, torch.dtype], Any] = _open_workspace) -> None:
+                 open_workspace: Callable[[Any, int, torch.dtype, str], Any] = _open_workspace) -> None:
         self._device = ctx.device
+        self._counts = sorted({case.count for case in job.cases})
+        self._tuning = "untuned: seed launch configurations"
         self._dtype = getattr(torch, job.dtype)
         pack = 16 // DTYPE_SIZES[job.dtype]
         max_numel = max(job.max_bytes // DTYPE_SIZES[job.dtype], SYNC_COUNT)
@@ -52,17 +65,34 @@ class FlashInferPcieIpcBackend(Backend):
         self._problem: str | None = None
         self._ws: Any = None
         try:
-            self._ws = open_workspace(ctx.group, max_numel, self._dtype)
+            self._ws = open_workspace(ctx.group, max_numel, self._dtype, os.path.join(job.progress_dir, TUNE_CACHE))
         except Exception as exc:  # noqa: BLE001 - reported per case as the skip reason (raised on every rank)
             self._problem = f"FlashInfer PCIe IPC workspace unavailable: {type(exc).__name__}: {exc}"
         self._sync = torch.zeros(SYNC_COUNT, dtype=self._dtype, device=ctx.device)
         self._sync_out = torch.empty_like(self._sync)
 
+    def tune(self) -> None:
+        """FlashInfer's per-machine tuning (``workspace.tune``, collective) of every message size
+        of this run the workspace takes; a failure leaves the seed configurations, and says so."""
+        counts = [n for n in self._counts if self._ws is not None and self._ws.supports(
+            torch.empty(n, dtype=self._dtype, device=self._device))]
+        if not counts:
+            return
+        started = time.perf_counter()
+        try:
+            tuned = self._ws.tune(counts, dtype=self._dtype)
+        except Exception as exc:  # noqa: BLE001 - the run goes on with the seed configurations, reported
+            self._tuning = f"untuned: workspace.tune raised {type(exc).__name__}: {exc}"
+            return
+        self._tuning = (f"workspace.tune: {len(tuned)} shapes of {len(counts)} sizes in "
+                        f"{time.perf_counter() - started:.1f} s")
+
     def facts(self) -> dict[str, Any]:
         if self._ws is None:
             return {}
         return {"flashinfer_profile": str(getattr(self._ws, "profile", "")),
-                "flashinfer_profile_reason": str(getattr(self._ws, "profile_reason", ""))}
+                "flashinfer_profile_reason": str(getattr(self._ws, "profile_reason", "")),
+                "baseline_tuning": self._tuning}
 
     def skip_reason(self, case: Case) -> str | None:
         if self._problem is not None:

@@ -92,7 +92,10 @@ class RankBackend(Protocol):
 
     # Optional, looked up with getattr by the rank loop:
     #   skip_reason(case) -> str | None   a case this backend cannot run here (status "skipped")
-    #   facts() -> dict                  JSON-able facts for the run's "setup" event
+    #   facts() -> dict                  JSON-able facts for the run's "setup" event; "baseline_tuning"
+    #                                    (text) is also printed under the backend's rows
+    #   tune() -> None                   the library's own per-machine tuning, which its users are told
+    #                                    to run, before the first case (skipped with --untuned-baselines)
     #   cross_check(bufs, algo) -> str | None   an extra correctness check before timing
     #   checks_after_timing(bufs, algo) -> bool  False: the last timed output cannot be checked
     #   (raising bench.outcome.CaseSkipped inside a case makes it "skipped" with that message)

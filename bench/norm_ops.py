@@ -272,6 +272,12 @@ class NormAdapter:
         facts = getattr(self.inner, "facts", None)
         return facts() if facts is not None else {}
 
+    def tune(self) -> None:
+        """The wrapped all-reduce's per-machine tuning, if it has one (bench.rank calls it)."""
+        tune = getattr(self.inner, "tune", None)
+        if tune is not None:
+            tune()
+
     def _random_inputs(self, bufs: NormBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's x, the replicated residual) on random data, for the cross-checks."""
         device, dtype, shape = self._ctx.device, bufs.inp.dtype, (bufs.tokens, bufs.hidden)

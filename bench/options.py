@@ -79,6 +79,7 @@ class BenchConfig:
     rounds: int = 1
     case_timeout_s: float = 30.0
     setup_timeout_s: float = 90.0
+    tune_baselines: bool = True  # False: --untuned-baselines
     retries: int = 1
     seed: int = 0
     out: str | None = None
@@ -154,6 +155,10 @@ def add_output_arguments(parser: argparse.ArgumentParser, files: str) -> None:
     robust.add_argument("--setup-timeout", type=positive_float, default=90.0, metavar="S",
                         help="same, for a backend's set-up after the ranks started: communicator / rendezvous / "
                              "NCCL init (default 90)")
+    robust.add_argument("--untuned-baselines", action="store_true",
+                        help="time other libraries with their shipped launch configurations, skipping the "
+                             "per-machine tuning they tell their users to run (FlashInfer's workspace.tune), which "
+                             "the bench otherwise runs first, into a cache file of the run's own")
     robust.add_argument("--retries", type=non_negative_int, default=1, metavar="N",
                         help="after a failed or hung case, restart the backend this many times for the cases "
                              "left (default 1)")
@@ -210,6 +215,7 @@ def common_fields(args: argparse.Namespace, gpu_count: int) -> dict[str, Any]:
         rounds=args.rounds,
         case_timeout_s=args.case_timeout,
         setup_timeout_s=args.setup_timeout,
+        tune_baselines=not args.untuned_baselines,
         retries=args.retries,
         seed=args.seed,
         out=args.out,

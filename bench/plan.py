@@ -30,6 +30,9 @@ class Case:
     model: str = ""
 
 
+TUNING_SETUPS = 3  # a backend's tuning (its tune()) may take this many times the set-up timeout
+
+
 @dataclasses.dataclass(frozen=True)
 class RankJob:
     """Everything :func:`bench.rank.bench_rank` needs, pickled into each rank."""
@@ -48,6 +51,7 @@ class RankJob:
     rounds: int = 1
     case_timeout_s: float = 30.0
     setup_timeout_s: float = 90.0
+    tune_baselines: bool = True  # run a third-party backend's per-machine tuning (its tune()) before the cases
     workload: str = ALLREDUCE
     eps: float = 1e-6
     gemms: bool = False  # verify: each layer's GEMMs before its collectives (bench.layer_gemms)

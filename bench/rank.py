@@ -29,7 +29,7 @@ from pcie_allreduce.tools.ranks import RankContext
 from bench import backends, checks, environment, outcome, timing
 from bench.layer_gemms import GemmAdapter
 from bench.norm_ops import NormAdapter
-from bench.plan import Case, RankJob
+from bench.plan import TUNING_SETUPS, Case, RankJob
 from bench.progress import ProgressLog
 from bench.results import FAILED, FUSED, OK, SKIPPED, VERIFY, WRONG
 from bench.watchdog import Watchdog
@@ -169,6 +169,11 @@ def bench_rank(ctx: RankContext, job: RankJob) -> dict[str, Any]:
     with Watchdog(job.progress_dir, ctx.rank) as dog:
         dog.arm(job.setup_timeout_s, "setup")
         backend = open_backend(ctx, job)
+        tune = getattr(backend, "tune", None)
+        if tune is not None and job.tune_baselines:
+            # a library's own per-machine tuning, as its users run it: a search, given three set-ups' time
+            dog.arm(job.setup_timeout_s * TUNING_SETUPS, "tuning")
+            tune()
         capture_stream = torch.cuda.Stream(ctx.device)
         backend.prepare_capture(capture_stream)
         torch.cuda.synchronize()

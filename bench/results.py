@@ -212,7 +212,7 @@ class Note:
 
     world: int
     backend: str
-    kind: str  # "skipped" or "failed"
+    kind: str  # "skipped", "failed" or "tuning" (how a third-party backend was tuned: printed, not an error)
     reason: str
     detail: str = ""  # full text (tracebacks, stacks) for the JSON; never printed in the table
 

@@ -21,7 +21,7 @@ from pcie_allreduce.tools.ranks import placement_label
 from bench import backends, plan, progress, report, watchdog
 from bench.options import BenchConfig
 from bench.outcome import one_line
-from bench.plan import Case
+from bench.plan import TUNING_SETUPS, Case
 from bench.results import ALLREDUCE, FAILED, NOT_RUN, OK, SKIPPED, VERIFY, Note, Report, Result, add_speedups
 
 Echo = Callable[[str], None]
@@ -70,7 +70,7 @@ def make_job(cfg: BenchConfig, backend: str, cases: Sequence[Case], progress_dir
         backend=backend, dtype=cfg.dtype, cases=tuple(cases), max_bytes=cfg.max_bytes, progress_dir=progress_dir,
         seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, calls_per_graph=cfg.calls_per_graph, eager=cfg.eager,
         time_budget_s=cfg.time_budget_s, rounds=cfg.rounds, case_timeout_s=cfg.case_timeout_s,
-        setup_timeout_s=cfg.setup_timeout_s,
+        setup_timeout_s=cfg.setup_timeout_s, tune_baselines=cfg.tune_baselines,
         workload=cfg.workload, eps=cfg.eps, gemms=cfg.gemms,
     )
 
@@ -173,7 +173,7 @@ def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: S
     from bench.rank import bench_rank
 
     job = make_job(cfg, backend, cases, directory)
-    backstop = cfg.setup_timeout_s * 2 + cfg.case_timeout_s * len(cases) + SPAWN_SLACK_S
+    backstop = cfg.setup_timeout_s * (2 + TUNING_SETUPS) + cfg.case_timeout_s * len(cases) + SPAWN_SLACK_S
     follower = _Follower(directory, cases, cfg, world, backend, echo, bar)
     follower.start()
     try:
@@ -209,6 +209,8 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
             failure = _launch(cfg, backend, world, gpu_count, pending, directory, echo, counted)
             events = progress.read_events(directory)
         setup = next((ev for ev in events if ev.get("event") == "setup"), None)
+        if setup is not None and facts is None and setup.get("baseline_tuning"):
+            notes.append(Note(world, backend, "tuning", str(setup["baseline_tuning"])))
         facts = facts or setup
         rows.update(rows_from_events(events, pending, cfg, world, backend))
         open_index = unfinished_case(events)

@@ -461,6 +461,30 @@ def test_run_backend_restarts_after_a_hang_and_keeps_partial_results(monkeypatch
     assert [n.kind for n in out.notes] == ["failed"] and len(lines) == 2
 
 
+def test_a_backends_tuning_is_printed_under_its_rows_once(monkeypatch) -> None:
+    tuned = "workspace.tune: 2 shapes of 2 sizes in 3.1 s"
+    hang = runner.Failure("hung: rank 1 made no progress for 5 s in case 4096 B / pcie_ipc (killed ...)")
+    launch, calls = _fake_launch_factory([
+        ([{"event": "setup", "baseline_tuning": tuned}, {"event": "start", "index": 0}, _done(0),
+          {"event": "start", "index": 1}], hang),
+        ([{"event": "setup", "baseline_tuning": tuned}, _done(1)], None),
+    ])
+    monkeypatch.setattr(runner, "_launch", launch)
+    out = runner.run_backend(_cfg(retries=1), "flashinfer", 2, 1, lambda _: None)
+    assert [(n.kind, n.reason) for n in out.notes] == [("tuning", tuned), ("failed", hang.reason)]
+    text = report.format_world(Report({}, {}, {2: "two GPUs"}, out.results, out.notes), 2)
+    assert f"# tuning: flashinfer: {tuned}" in text.splitlines()
+
+
+def test_untuned_baselines_flag() -> None:
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser)
+    assert options.common_fields(parser.parse_args([]), 1)["tune_baselines"] is True
+    assert options.common_fields(parser.parse_args(["--untuned-baselines"]), 1)["tune_baselines"] is False
+    cfg = _cfg(tune_baselines=False)
+    assert runner.make_job(cfg, "flashinfer", (), "/tmp/x").tune_baselines is False
+
+
 def test_run_backend_setup_failure_is_not_retried(monkeypatch) -> None:
     launch, calls = _fake_launch_factory([([], runner.Failure("rank 0 raised an exception: RuntimeError: no P2P"))])
     monkeypatch.setattr(runner, "_launch", launch)

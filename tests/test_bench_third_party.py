@@ -1,11 +1,13 @@
 """CPU tests of the third-party backends of ``python -m bench`` (FlashInfer's PCIe IPC
 all-reduce, vLLM's and sgl-kernel's custom all-reduce): why they are skipped when their packages
 are missing, and how the rank side drives the libraries' objects (played here by fakes with
-their documented surface), including the capture context the custom all-reduce needs."""
+their documented surface), including the capture context the custom all-reduce needs and the
+per-machine tuning FlashInfer asks its users to run."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from typing import Any, Iterator
 
@@ -22,9 +24,10 @@ from bench.plan import Case, RankJob
 CTX = RankContext(rank=0, world_size=2, group=None, device=torch.device("cpu"))
 
 
-def _job(backend: str, max_bytes: int = 4096, eager: bool = False) -> RankJob:
-    return RankJob(backend=backend, dtype="bfloat16", cases=(), max_bytes=max_bytes, progress_dir="", eager=eager,
-                   calls_per_graph=3)
+def _job(backend: str, max_bytes: int = 4096, eager: bool = False, cases: tuple[Case, ...] = (),
+         progress_dir: str = "") -> RankJob:
+    return RankJob(backend=backend, dtype="bfloat16", cases=cases, max_bytes=max_bytes, progress_dir=progress_dir,
+                   eager=eager, calls_per_graph=3)
 
 
 @pytest.mark.parametrize("backend, missing, says", [
@@ -147,9 +150,17 @@ class FakeWorkspace:
     profile = "rootcplx"
     profile_reason = "fake"
 
-    def __init__(self, max_numel: int) -> None:
+    def __init__(self, max_numel: int, tune_fails: bool = False) -> None:
         self.max_numel = max_numel
         self.destroyed = False
+        self.tuned: list[tuple[list[int], torch.dtype]] = []
+        self._tune_fails = tune_fails
+
+    def tune(self, hiddens: list[int], *, dtype: torch.dtype) -> dict[tuple[int, int], str]:
+        if self._tune_fails:
+            raise ValueError("tune() measured nothing")
+        self.tuned.append((list(hiddens), dtype))
+        return {(h, 1): "config" for h in hiddens}
 
     def supports(self, x: torch.Tensor) -> bool:
         return x.numel() <= self.max_numel
@@ -163,15 +174,18 @@ class FakeWorkspace:
 
 
 def test_flashinfer_backend_drives_the_workspace() -> None:
-    made: list[tuple[int, torch.dtype]] = []
+    made: list[tuple[int, torch.dtype, str]] = []
 
-    def open_workspace(group: Any, max_numel: int, dtype: torch.dtype) -> FakeWorkspace:
-        made.append((max_numel, dtype))
+    def open_workspace(group: Any, max_numel: int, dtype: torch.dtype, tune_cache: str) -> FakeWorkspace:
+        made.append((max_numel, dtype, tune_cache))
         return FakeWorkspace(max_numel)
 
-    backend = FlashInferPcieIpcBackend(CTX, _job("flashinfer", max_bytes=1000), open_workspace=open_workspace)
-    assert made == [(504, torch.bfloat16)], "max_numel: whole 16-byte packs covering max_bytes"
-    assert backend.facts() == {"flashinfer_profile": "rootcplx", "flashinfer_profile_reason": "fake"}
+    backend = FlashInferPcieIpcBackend(CTX, _job("flashinfer", max_bytes=1000, progress_dir="/run"),
+                                       open_workspace=open_workspace)
+    assert made == [(504, torch.bfloat16, "/run/flashinfer_pcie_ipc_tune.json")], \
+        "max_numel: whole 16-byte packs covering max_bytes; the tuning cache is the run's own"
+    assert backend.facts() == {"flashinfer_profile": "rootcplx", "flashinfer_profile_reason": "fake",
+                               "baseline_tuning": "untuned: seed launch configurations"}
     assert backend.skip_reason(Case(0, 1000, 500, "pcie_ipc")) is None
     assert "supports() is False" in backend.skip_reason(Case(0, 2048, 1024, "pcie_ipc"))
     bufs = backend.buffers(16, torch.bfloat16, "pcie_ipc")
@@ -181,6 +195,54 @@ def test_flashinfer_backend_drives_the_workspace() -> None:
     ws = backend._ws
     backend.close()
     assert ws.destroyed
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_flashinfer_is_tuned_for_every_size_it_takes_before_timing(fails: bool) -> None:
+    """What FlashInfer tells its users to run once per machine: ``tune`` of every message count of
+    the run that the workspace takes (once each, sorted); a tuning that raises leaves the seed
+    configurations and says why, instead of failing the run."""
+    cases = (Case(0, 1024, 512, "pcie_ipc"), Case(1, 4096, 2048, "pcie_ipc"), Case(2, 1024, 512, "pcie_ipc"),
+             Case(3, 2048, 1024, "pcie_ipc"), Case(4, 1 << 20, 1 << 19, "pcie_ipc"))  # the last: too large
+    backend = FlashInferPcieIpcBackend(CTX, _job("flashinfer", max_bytes=8192, cases=cases),
+                                       open_workspace=lambda g, n, d, c: FakeWorkspace(n, tune_fails=fails))
+    backend.tune()
+    tuning = backend.facts()["baseline_tuning"]
+    if fails:
+        assert backend._ws.tuned == [] and tuning == "untuned: workspace.tune raised ValueError: tune() measured nothing"
+    else:
+        assert backend._ws.tuned == [([512, 1024, 2048], torch.bfloat16)]
+        assert tuning.startswith("workspace.tune: 3 shapes of 3 sizes in ")
+    backend.close()
+
+
+def test_the_rank_loop_tunes_a_backend_unless_told_not_to(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from bench import rank as bench_rank_module
+
+    calls: list[str] = []
+
+    class Tunable:
+        def tune(self) -> None:
+            calls.append("tune")
+
+        def prepare_capture(self, stream: Any) -> None:
+            calls.append("prepare_capture")
+
+        def close(self) -> None:
+            calls.append("close")
+
+    monkeypatch.setattr(bench_rank_module, "open_backend", lambda ctx, job: Tunable())
+    monkeypatch.setattr(bench_rank_module, "_run_cases", lambda *a: calls.append("cases"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bench_rank_module.dist, "barrier", lambda **k: None)
+    ctx = RankContext(rank=1, world_size=2, group=None, device=torch.device("cpu"))
+    for tune_baselines, want in ((True, ["tune", "prepare_capture", "cases", "close"]),
+                                 (False, ["prepare_capture", "cases", "close"])):
+        calls.clear()
+        job = dataclasses.replace(_job("flashinfer", progress_dir=str(tmp_path)), tune_baselines=tune_baselines)
+        bench_rank_module.bench_rank(ctx, job)
+        assert calls == want, tune_baselines
 
 
 def test_flashinfer_without_the_workspace_class_skips_with_its_version() -> None:
