@@ -13,10 +13,9 @@ neither reads another process's tuning nor leaves its own behind.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import os
 import time
+from typing import Any, Callable
 
 import torch
 

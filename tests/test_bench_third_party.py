@@ -209,7 +209,8 @@ def test_flashinfer_is_tuned_for_every_size_it_takes_before_timing(fails: bool) 
     backend.tune()
     tuning = backend.facts()["baseline_tuning"]
     if fails:
-        assert backend._ws.tuned == [] and tuning == "untuned: workspace.tune raised ValueError: tune() measured nothing"
+        assert backend._ws.tuned == []
+        assert tuning == "untuned: workspace.tune raised ValueError: tune() measured nothing"
     else:
         assert backend._ws.tuned == [([512, 1024, 2048], torch.bfloat16)]
         assert tuning.startswith("workspace.tune: 3 shapes of 3 sizes in ")

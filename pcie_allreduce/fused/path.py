@@ -70,7 +70,7 @@ class FusedPath:
                 raise workspaces.error_of(workspace)
             if not workspace.captured:  # a graph capture: close() must keep this memory (all_reduce notes it in C++)
                 workspace.note_capture(stream)
-            view = self._views.get(id(workspace)) or self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
+            view = self.view_of(workspace)
         if plan.call not in self._compiled:
             self._compile_everywhere(comm, plan.call, lambda: _run(
                 view, plan, x, residual, weight, eps, normed, new_residual, compile_only=True,
@@ -80,7 +80,8 @@ class FusedPath:
             raise workspaces.error_of(workspace)
         _run(view, plan, x, residual, weight, eps, normed, new_residual, dependent=comm.dependent_launch)
 
-    def warm_up(self, comm: Any, workspace: Any, calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]) -> int:
+    def warm_up(self, comm: Any, workspace: Any,
+                calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]) -> int:
         """Compile the kernels of validated calls ``calls`` (x, residual, weight, algo: tensors of
         the calls' shapes and dtypes) ahead of their first calls, the work shared out among the
         ranks; returns how many call shapes were new. Every rank compiles every W-th new shape
@@ -93,10 +94,11 @@ class FusedPath:
             key = (*x.shape, x.dtype, weight.dtype, algo, None)
             plan = self._plans.get(key) or self.plan(comm, key)
             if plan.call not in self._compiled:
-                pending.setdefault(plan.call, (plan, (x, residual, weight, torch.empty_like(x), torch.empty_like(residual))))
+                outputs = (torch.empty_like(x), torch.empty_like(residual))
+                pending.setdefault(plan.call, (plan, (x, residual, weight, *outputs)))
         view = None
         if any(plan.algo != UNFUSED for plan, _ in pending.values()):
-            view = self._views.get(id(workspace)) or self._views.setdefault(id(workspace), WorkspaceView.of(workspace))
+            view = self.view_of(workspace)
 
         def compile_call(plan: dispatch.FusedPlan, tensors: tuple[torch.Tensor, ...]) -> Callable[[], None]:
             x, residual, weight, normed, new_residual = tensors
@@ -112,6 +114,13 @@ class FusedPath:
         for call, (plan, tensors) in pending.items():
             self._compile_everywhere(comm, call, compile_call(plan, tensors))
         return len(pending)
+
+    def view_of(self, workspace: Any) -> WorkspaceView:
+        """The fused kernels' view of ``workspace`` (every rank's base, the layout), made on first asking."""
+        view = self._views.get(id(workspace))
+        if view is None:
+            view = self._views[id(workspace)] = WorkspaceView.of(workspace)
+        return view
 
     def plan(self, comm: Any, key: tuple[Any, ...]) -> dispatch.FusedPlan:
         """:func:`~pcie_allreduce.plan.dispatch.fused_plan` for ``key`` (tokens, hidden, dtype,
