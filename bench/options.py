@@ -17,6 +17,7 @@ from pcie_allreduce.sizes import DTYPE_SIZES
 from pcie_allreduce.tools.tune.cli import add_world_argument, default_worlds
 
 from bench.backends import BACKENDS, DEFAULT_BACKENDS, OPT_IN
+from bench.plan import TUNING_SETUPS
 from bench.results import ALLREDUCE, FUSED
 
 # twoshot_fp8 (the FP8 wire, checked against its own bits) runs where named: it is not lossless.
@@ -154,7 +155,8 @@ def add_output_arguments(parser: argparse.ArgumentParser, files: str) -> None:
                         help="a rank stuck this long in one case is killed and the case marked hung (default 30)")
     robust.add_argument("--setup-timeout", type=positive_float, default=90.0, metavar="S",
                         help="same, for a backend's set-up after the ranks started: communicator / rendezvous / "
-                             "NCCL init (default 90)")
+                             f"NCCL init; a library's own tuning (--untuned-baselines) gets {TUNING_SETUPS}x this "
+                             "(default 90)")
     robust.add_argument("--untuned-baselines", action="store_true",
                         help="time other libraries with their shipped launch configurations, skipping the "
                              "per-machine tuning they tell their users to run (FlashInfer's workspace.tune), which "
