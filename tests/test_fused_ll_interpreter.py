@@ -113,6 +113,11 @@ def test_launch_shape_rules() -> None:
     assert shapes.data_as_flag(4, 7168, 8, 16) == (16, 4, 1792, 1024, 32)
     # one token: 7 1024-column programs would leave the push to too few SMs; 512-column ones instead
     assert shapes.data_as_flag(1, 7168, 8, 16) == (14, 14, 512, 256, 8)
+    # a cap that forces wider chunks: as few programs as their power-of-two width covers (12 ranks
+    # sharing one GPU: 11 chunks of 326 words would fill 512-thread programs two thirds)
+    assert shapes.data_as_flag(1, 7168, 12, 11) == (7, 7, 1024, 512, 16)
+    assert shapes.data_as_flag(1, 8192, 12, 11) == (8, 8, 1024, 512, 16)
+    assert shapes.data_as_flag(1, 7168, 16, 8) == (7, 7, 1024, 512, 16)
     # never more programs than the cap, however small the cap
     programs, chunks, _, _, num_warps = shapes.data_as_flag(2, 7168, 8, 8)
     assert (programs, chunks, num_warps) == (8, 4, 32)
@@ -129,6 +134,8 @@ def test_launch_shape_rules() -> None:
                 if shape is not None:
                     assert shape[0] <= cap and shape[2] <= shapes.MAX_CHUNK and shape[4] <= shapes.MAX_WARPS
                     assert shape[3] == 32 * shape[4], (tokens, hidden, cap, shape)
+                    words = hidden // 2
+                    assert (shape[1] - 1) * shape[3] < words, f"a program fewer would do: {shape}"
 
 
 @pytest.mark.parametrize("world, rank, tokens, hidden, chunks, backoff_ns", [

@@ -48,7 +48,8 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
     1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
     W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
     the cap allows, 512 to 2048 columns each (W=8, cap 16: 1792-column programs, 13.1 us against
-    16.6 for 56 small ones; bench/RESULTS.md). Always one word (two elements) per thread: at
+    16.6 for 56 small ones; bench/RESULTS.md), then as few as the program's power-of-two width
+    covers. Always one word (two elements) per thread: at
     4 x 7168, 16 warps instead of 8 at W=4 and 32 instead of 16 at W=8 were faster
     (bench/PERF_NOTES.md). Under the interpreter (programs run one after another) C is 1."""
     if hidden % 2 or tokens < 1:
@@ -60,6 +61,13 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
             return medium
     chunks = 1 if interpret else max(math.ceil(hidden / MAX_CHUNK), min(cap // tokens, math.ceil(hidden / MIN_CHUNK)))
     shape = shape_with_chunks(tokens, hidden, chunks)
+    if not interpret:
+        # A program's BLOCK_W threads hold their registers whether or not each has a word, so take
+        # the fewest chunks that width serves: the same work per thread in fewer programs. It
+        # matters where a GPU is shared: a 16-warp program fills an SM, and every rank's programs
+        # must be resident at once (12 ranks sharing an H100 under MPS, cap 10: 10 chunks of 359
+        # words in 512-thread programs, 120 of its 132 SMs, hung; 7 chunks of 512 words, 84 SMs, ran).
+        shape = shape_with_chunks(tokens, hidden, math.ceil(hidden / (2 * shape[3])))
     return shape if _fits(tokens, shape[1], cap) else None
 
 
