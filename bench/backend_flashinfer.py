@@ -73,8 +73,9 @@ class FlashInferPcieIpcBackend(Backend):
     def tune(self) -> None:
         """FlashInfer's per-machine tuning (``workspace.tune``, collective) of every message size
         of this run the workspace takes; a failure leaves the seed configurations, and says so."""
-        counts = [n for n in self._counts if self._ws is not None and self._ws.supports(
-            torch.empty(n, dtype=self._dtype, device=self._device))]
+        if self._ws is None:
+            return
+        counts = [n for n in self._counts if self._takes(n)]
         if not counts:
             return
         started = time.perf_counter()
@@ -96,10 +97,13 @@ class FlashInferPcieIpcBackend(Backend):
     def skip_reason(self, case: Case) -> str | None:
         if self._problem is not None:
             return self._problem
-        probe = torch.empty(case.count, dtype=self._dtype, device=self._device)
-        if not self._ws.supports(probe):
+        if not self._takes(case.count):
             return f"PcieIpcAllReduceWorkspace.supports() is False for {case.count} x {self._dtype}"
         return None
+
+    def _takes(self, count: int) -> bool:
+        """Whether the workspace takes a message of ``count`` elements (``supports``)."""
+        return bool(self._ws.supports(torch.empty(count, dtype=self._dtype, device=self._device)))
 
     def buffers(self, count: int, dtype: torch.dtype, algo: str) -> Buffers:
         inp = torch.empty(count, dtype=dtype, device=self._device)

@@ -5,9 +5,9 @@ the library's own (:func:`pcie_allreduce.fused.path.add_rmsnorm`), FlashInfer's 
 ``fused_add_rmsnorm``, whichever is fastest. This times each of them on ``[T, H]`` for every
 ``--tokens`` T and ``--hidden`` H, the way :mod:`bench.graph_loop` times a bare kernel
 (:func:`bench.graph_loop.time_in_graph`: 20 calls in one CUDA graph, replayed 20 times, the best
-of three repetitions), in one process and one run, so the rows compare. ``--warps`` adds rows of the library's kernel with that many warps
-forced (its built-in choice is the plain ``ours`` row), to tune
-:func:`pcie_allreduce.plan.fused_shapes.add_rmsnorm` from a measurement.
+of three repetitions), in one process and one run, so the rows compare. ``--warps`` adds rows of
+the library's kernel with that many warps forced (its built-in choice is the plain ``ours``
+row), to tune :func:`pcie_allreduce.plan.fused_shapes.add_rmsnorm` from a measurement.
 
     python -m bench.norm_loop --tokens 1 4 8 16 32 64 128 --hidden 2048 4096 7168 8192 --warps 4 8 16 32
 
@@ -22,7 +22,6 @@ module does not import is left out with the reason.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Callable, Sequence
 
@@ -34,12 +33,6 @@ EPS = 1e-6
 BF16_TOLERANCE = 2.0 ** -7
 FP16_TOLERANCE = 2.0 ** -10
 
-#: name -> (module, function) of the in-place ``fused_add_rmsnorm(input, residual, weight, eps)``
-#: kernels of other libraries: ``residual += input``, then ``input = rmsnorm(residual) * weight``.
-IN_PLACE_KERNELS: dict[str, tuple[str, str]] = {
-    "flashinfer": ("flashinfer.norm", "fused_add_rmsnorm"),
-    "sgl_kernel": ("sgl_kernel", "fused_add_rmsnorm"),
-}
 
 
 def reference(y, residual, weight):
@@ -63,11 +56,18 @@ def close_enough(got, want) -> bool:
 
 
 def in_place_kernels() -> tuple[dict[str, Callable], dict[str, str]]:
-    """The other libraries' kernels that import here, and why each other one does not."""
+    """The other libraries' in-place ``fused_add_rmsnorm(input, residual, weight, eps)`` kernels
+    that import here, and why each other one does not: the one-kernel baselines of ``--fused``
+    (:data:`bench.norm_ops.ONE_KERNELS`), named as its rows are without the leading "+"."""
+    from bench import norm_ops
+
     found, missing = {}, {}
-    for name, (module, function) in IN_PLACE_KERNELS.items():
+    for suffix in norm_ops.ONE_KERNELS:
+        if suffix not in norm_ops.IN_PLACE_KERNELS:
+            continue
+        name = suffix.lstrip("+")
         try:
-            found[name] = getattr(importlib.import_module(module), function)
+            found[name] = norm_ops.load_kernel(suffix)
         except Exception as exc:  # noqa: BLE001 - any import failure only leaves the row out
             missing[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
     return found, missing

@@ -36,10 +36,17 @@ def test_the_check_takes_a_correct_result_and_refuses_a_wrong_one(tokens: int, h
 
 
 def test_other_libraries_kernels_are_left_out_with_their_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(norm_loop.IN_PLACE_KERNELS, "nowhere", ("no_such_module_for_norm_loop", "f"))
+    from types import MappingProxyType
+
+    from bench import norm_ops
+
+    monkeypatch.setattr(norm_ops, "ONE_KERNELS", MappingProxyType(
+        {**norm_ops.ONE_KERNELS, "+nowhere": ("no_such_module_for_norm_loop", "f")}))
+    monkeypatch.setattr(norm_ops, "IN_PLACE_KERNELS", norm_ops.IN_PLACE_KERNELS | {"+nowhere"})
     found, missing = norm_loop.in_place_kernels()
     assert "nowhere" not in found and "no_such_module_for_norm_loop" in missing["nowhere"]
-    assert set(found) | set(missing) == set(norm_loop.IN_PLACE_KERNELS)
+    assert set(found) | set(missing) == {s.lstrip("+") for s in norm_ops.IN_PLACE_KERNELS}
+    assert "addnorm" not in set(found) | set(missing), "ours is the 'ours' row, not another library's"
 
 
 def test_options_and_the_exit_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:

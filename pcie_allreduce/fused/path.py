@@ -91,8 +91,7 @@ class FusedPath:
         again at its meeting, which every rank then raises."""
         pending: dict[tuple[Any, ...], tuple[dispatch.FusedPlan, tuple[torch.Tensor, ...]]] = {}
         for x, residual, weight, algo in calls:
-            key = (*x.shape, x.dtype, weight.dtype, algo, None)
-            plan = self._plans.get(key) or self.plan(comm, key)
+            plan = self.plan(comm, (*x.shape, x.dtype, weight.dtype, algo, None))
             if plan.call not in self._compiled:
                 outputs = (torch.empty_like(x), torch.empty_like(residual))
                 pending.setdefault(plan.call, (plan, (x, residual, weight, *outputs)))
@@ -124,7 +123,11 @@ class FusedPath:
 
     def plan(self, comm: Any, key: tuple[Any, ...]) -> dispatch.FusedPlan:
         """:func:`~pcie_allreduce.plan.dispatch.fused_plan` for ``key`` (tokens, hidden, dtype,
-        weight dtype, algo, the wire's kernel) on ``comm``'s agreed values, cached."""
+        weight dtype, algo, the wire's kernel) on ``comm``'s agreed values, cached (:meth:`call`
+        looks the cache up itself first: the hot path saves a method call)."""
+        cached = self._plans.get(key)
+        if cached is not None:
+            return cached
         tokens, hidden, dtype, weight_dtype, algo, wire_algo = key
         plan = dispatch.fused_plan(tokens, hidden, dtype, comm.world_size, comm.table, ll_capacity=comm.ll_capacity,
                                    block_cap=comm.block_cap, interpret=_triton().protocol.interpreting(), algo=algo,
