@@ -174,6 +174,7 @@ def bench_rank(ctx: RankContext, job: RankJob) -> dict[str, Any]:
             # a library's own per-machine tuning, as its users run it: a search, given three set-ups' time
             dog.arm(job.setup_timeout_s * TUNING_SETUPS, "tuning")
             tune()
+            dog.arm(job.setup_timeout_s, "setup")  # the rest of the set-up keeps its own bound
         capture_stream = torch.cuda.Stream(ctx.device)
         backend.prepare_capture(capture_stream)
         torch.cuda.synchronize()

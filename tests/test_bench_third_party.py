@@ -237,9 +237,13 @@ def test_the_rank_loop_tunes_a_backend_unless_told_not_to(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(bench_rank_module.dist, "barrier", lambda **k: None)
+    # the watchdog's bounds, in order: the tuning gets TUNING_SETUPS set-ups, the rest its own
+    monkeypatch.setattr(bench_rank_module.Watchdog, "arm",
+                        lambda self, seconds, phase, **facts: calls.append(f"{phase} {seconds:g}"))
     ctx = RankContext(rank=1, world_size=2, group=None, device=torch.device("cpu"))
-    for tune_baselines, want in ((True, ["tune", "prepare_capture", "cases", "close"]),
-                                 (False, ["prepare_capture", "cases", "close"])):
+    for tune_baselines, want in ((True, ["setup 90", "tuning 270", "tune", "setup 90", "prepare_capture", "cases",
+                                         "teardown 90", "close"]),
+                                 (False, ["setup 90", "prepare_capture", "cases", "teardown 90", "close"])):
         calls.clear()
         job = dataclasses.replace(_job("flashinfer", progress_dir=str(tmp_path)), tune_baselines=tune_baselines)
         bench_rank_module.bench_rank(ctx, job)
