@@ -404,9 +404,17 @@ def test_forced_algo_blocks_follow_its_rule() -> None:
     assert table.blocks_for("twoshot", 64 << 10, 2, "bfloat16") == 1
     assert table.blocks_for("oneshot", 64 << 10, 2, "bfloat16") == 16
     assert 1 <= table.blocks_for("staged", 8 << 20, 8, "bfloat16") <= constants.MAX_LAUNCH_BLOCKS
-    # an algorithm the table never names launches as the table's choice for that size
-    for nbytes in (1 << 10, 14 << 10, 56 << 10, 4 << 20):
+    # a named algorithm takes its own rule's shape for the size, and past its rules' sizes the
+    # shape of its rule for the largest messages at this world size (not a smaller size's rule)
+    for nbytes in (8 << 10, 56 << 10):
         assert table.blocks_for("oneshot_full", nbytes, 8, "bfloat16") == table.select(nbytes, 8, "bfloat16").blocks
+    widest = [r for r in table.rules if r.algo == "oneshot_full" and 8 in r.world][-1]
+    assert table.blocks_for("oneshot_full", 4 << 20, 8, "bfloat16") == widest.blocks_for(4 << 20)
+    assert widest.max_bytes == max(r.max_bytes for r in table.rules if r.algo == "oneshot_full" and 8 in r.world)
+    # an algorithm the table never names launches as the table's choice for that size
+    odd = tables.AlgoTable(tuple(r for r in table.rules if r.algo != "oneshot_full"))
+    for nbytes in (1 << 10, 14 << 10, 56 << 10, 4 << 20):
+        assert odd.blocks_for("oneshot_full", nbytes, 8, "bfloat16") == odd.select(nbytes, 8, "bfloat16").blocks
 
 
 def test_torch_library_ops_registered() -> None:

@@ -23,7 +23,9 @@ _WIDE_WORLDS = tuple(range(SMALL_WORLD + 1, MAX_RANKS + 1))  # 9..16
 
 #: The P2P rules of a single-island group.
 FLAT_P2P_RULES: tuple[Rule, ...] = (
-    Rule("oneshot_ll", max_bytes=4 << 10, world=_SMALL_WORLDS + _LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
+    Rule("oneshot_ll", max_bytes=4 << 10, world=_SMALL_WORLDS, bytes_per_block=2 << 10, max_blocks=32),
+    Rule("oneshot_ll", max_bytes=4 << 10, world=_LARGE_WORLDS, bytes_per_block=1 << 10, max_blocks=32),
+    Rule("oneshot_full", max_bytes=16 << 10, world=_LARGE_WORLDS, bytes_per_block=1 << 10, max_blocks=8),
     Rule("oneshot_full", max_bytes=512 << 10, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot_full", max_bytes=192 << 10, world=_LARGE_WORLDS, bytes_per_block=4 << 10, max_blocks=32),
     Rule("oneshot", max_bytes=1 << 20, world=_SMALL_WORLDS, bytes_per_block=4 << 10, max_blocks=32),

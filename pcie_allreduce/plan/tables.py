@@ -66,12 +66,15 @@ class AlgoTable:
         raise ValueError(f"algorithm table has no rule for {nbytes} bytes of {dtype} at world size {world}")
 
     def blocks_for(self, algo: str, nbytes: int, world: int, dtype: str) -> int:
-        """Launch shape when the caller forces ``algo``: the first rule for that algorithm that fits,
-        else that algorithm's first rule; an algorithm the table never names launches as the
+        """Launch shape when the caller forces ``algo``: the first rule for that algorithm that fits;
+        past its rules' sizes, its last rule for this world size (the one sized for the largest
+        messages), else its first rule; an algorithm the table never names launches as the
         table's choice for this message does (its rules' shapes are sized for the message: a
         generic shape would give a 14 KiB message one block where the table's gives four, and
         make a comparison of algorithms a comparison of launch shapes)."""
         candidates = [r for r in self.rules if r.algo == algo and r.matches(nbytes, world, dtype, symmetric=True)]
+        if not candidates:
+            candidates = [r for r in self.rules if r.algo == algo and (r.world is None or world in r.world)][-1:]
         if not candidates:
             candidates = [r for r in self.rules if r.algo == algo]
         if not candidates:
