@@ -117,10 +117,16 @@ def test_launch_shape_rules() -> None:
     # sharing one GPU: 11 chunks of 326 words would fill 512-thread programs two thirds)
     assert shapes.data_as_flag(1, 7168, 12, 11) == (7, 7, 1024, 512, 16)
     assert shapes.data_as_flag(1, 8192, 12, 11) == (8, 8, 1024, 512, 16)
-    assert shapes.data_as_flag(1, 7168, 16, 8) == (7, 7, 1024, 512, 16)
+    # a crowded share (cap <= CROWDED_SHARE: a dozen or more ranks on one GPU): at most half of it,
+    # since a row's programs must all run at once (16 ranks on an H200, cap 8: 7 programs hung)
+    assert [shapes.resident_programs(c) for c in (1, 8, 10, 11, 16, 64, 100)] == [1, 4, 5, 11, 16, 64, 64]
+    assert shapes.data_as_flag(1, 7168, 16, 8) == (4, 4, 1792, 1024, 32)
+    assert shapes.data_as_flag(1, 8192, 16, 8) == (4, 4, 2048, 1024, 32)
+    assert shapes.data_as_flag(1, 4096, 16, 8) == (4, 4, 1024, 512, 16)
+    assert shapes.data_as_flag(1, 7168, 12, 10) == (4, 4, 1792, 1024, 32)
+    assert shapes.data_as_flag(2, 7168, 16, 8) is None, "two rows of four programs exceed half the share"
     # never more programs than the cap, however small the cap
-    programs, chunks, _, _, num_warps = shapes.data_as_flag(2, 7168, 8, 8)
-    assert (programs, chunks, num_warps) == (8, 4, 32)
+    assert shapes.data_as_flag(2, 7168, 8, 16) == (14, 7, 1024, 512, 16)
     # many tokens: the regular shape within the cap, or none
     programs, chunks, *_ = shapes.data_as_flag(16, 7168, 8, 64)
     assert programs == 64 and chunks == 4

@@ -32,6 +32,12 @@ MAX_WARPS = 32      # 1024 threads: one word per thread up to MAX_CHUNK columns
 # slower at W=8 than the regular shape (16.6 vs 13.1 us, bench/PERF_NOTES.md).
 MEDIUM_COLUMNS = 1024
 MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to too few SMs (1 token)
+# A rank's share of a GPU of at most this many SMs (a dozen or more ranks sharing one under MPS)
+# need not be there whole at any moment: the other clients' programs sit on SMs too. The data-as-
+# flag one-shot needs every program of a row running at once (they exchange the row's statistics),
+# so on such a share it takes at most half of it (12 ranks on an H100, cap 10: 10 programs of 512
+# threads, one per SM, hung; 16 ranks on an H200, cap 8: 7 such programs hung, 4 of 1024 ran).
+CROWDED_SHARE = 10
 
 
 def next_power_of_2(n: int) -> int:
@@ -43,7 +49,8 @@ def next_power_of_2(n: int) -> int:
 def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
                  interpret: bool = False) -> DataAsFlagShape | None:
     """The data-as-flag one-shot's launch shape, or None when it cannot take the call (odd hidden
-    size, or more programs than may run at once: ``max_programs``, the communicator's block cap).
+    size, or more programs than may run at once: ``max_programs``, the communicator's block cap,
+    halved on a crowded GPU share, :func:`resident_programs`).
 
     1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
     W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
@@ -54,7 +61,7 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
     (bench/PERF_NOTES.md). Under the interpreter (programs run one after another) C is 1."""
     if hidden % 2 or tokens < 1:
         return None
-    cap = max(1, min(MAX_PROGRAMS, max_programs))
+    cap = resident_programs(max_programs)
     if not interpret:
         medium = shape_with_chunks(tokens, hidden, math.ceil(hidden / MEDIUM_COLUMNS))
         if _fits(tokens, medium[1], cap) and medium[0] >= MIN_SPREAD_PROGRAMS:
@@ -69,6 +76,13 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
         # words in 512-thread programs, 120 of its 132 SMs, hung; 7 chunks of 512 words, 84 SMs, ran).
         shape = shape_with_chunks(tokens, hidden, math.ceil(hidden / (2 * shape[3])))
     return shape if _fits(tokens, shape[1], cap) else None
+
+
+def resident_programs(max_programs: int) -> int:
+    """How many data-as-flag programs one call may launch under the block cap ``max_programs``:
+    the cap, or half of it where the cap is a crowded GPU share (``CROWDED_SHARE``)."""
+    cap = max(1, min(MAX_PROGRAMS, max_programs))
+    return max(1, cap // 2) if cap <= CROWDED_SHARE else cap
 
 
 def _fits(tokens: int, chunks: int, cap: int) -> bool:
@@ -137,7 +151,7 @@ def no_shape(algo: str, tokens: int, hidden: int, dtype: object, world: int, cap
              max_programs: int) -> str:
     """Why the data-as-flag kernel ``algo`` cannot take ``[tokens, hidden]`` of ``dtype``."""
     return (f"fused {algo} cannot take [{tokens}, {hidden}] {dtype} at world size {world} (needs an even hidden "
-            f"size, at most {capacity} bytes and at most {max_programs} programs); use algo='auto'")
+            f"size, at most {capacity} bytes and at most {resident_programs(max_programs)} programs); use algo='auto'")
 
 
 def data_as_flag_signature(dtype: object, tokens: int, hidden: int, programs: int, chunks: int,
