@@ -26,6 +26,10 @@ _EXIT_GRACE_S = 30.0
 _TERM_GRACE_S = 3.0
 # How long a hung rank gets to write its Python stacks after SIGUSR1.
 _STACK_DUMP_WAIT_S = 1.0
+# How long the other ranks get to report after one rank raised: a collective that fails on one
+# rank usually fails on its peers moments later, each naming whom it waited for, and a rank killed
+# while its kernel still runs can fault a GPU shared under MPS for every later client.
+_FAILURE_GRACE_S = 10.0
 # Tracebacks of the other failed ranks are secondary (usually "connection closed by peer");
 # keep their last lines only so the first failure stays readable.
 _SECONDARY_TAIL_LINES = 3
@@ -155,16 +159,26 @@ class Supervisor:
         self.results[rank] = value
 
     def _drain_other_errors(self, skip: int) -> dict[int, str]:
-        """Errors other ranks have already sent (shown as context after the first)."""
-        errors = {}
-        for rank, reader in enumerate(self.readers):
-            if rank == skip or rank in self.results:
-                continue
-            with contextlib.suppress(Exception):
-                if reader.poll(0):
-                    kind, value = pickle.loads(reader.recv_bytes())
-                    if kind == "err":
-                        errors[rank] = value
+        """Errors the other ranks send within ``_FAILURE_GRACE_S`` of the first (shown as context
+        after it); the wait ends as soon as every other rank has replied or exited."""
+        errors: dict[int, str] = {}
+        pending = {r for r in range(self.spec.world_size) if r != skip and r not in self.results}
+        deadline = time.monotonic() + _FAILURE_GRACE_S
+        while pending and (now := time.monotonic()) < deadline:
+            watch = {self.readers[r]: r for r in pending}
+            watch.update({self.procs[r].sentinel: r for r in pending})
+            for obj in multiprocessing.connection.wait(list(watch), timeout=deadline - now):
+                rank = watch[obj]
+                if rank not in pending:
+                    continue
+                pending.discard(rank)
+                with contextlib.suppress(Exception):  # died without a reply: nothing to show
+                    if self.readers[rank].poll(0):
+                        kind, value = pickle.loads(self.readers[rank].recv_bytes())
+                        if kind == "err":
+                            errors[rank] = value
+                        else:
+                            self.results[rank] = value
         return errors
 
     def _handle_exit(self, rank: int) -> None:
