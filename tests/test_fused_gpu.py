@@ -45,7 +45,10 @@ def _check(normed, new_res, want_res, weight, what, comm=None):
     NaN: with ``comm``, the error it recorded (timeout or mismatch, naming rank, peer and stage)
     is raised first, so a failure says why rather than only that the sums differ."""
     if comm is not None and bool(torch.isnan(new_res).any()):
-        comm.check()
+        try:
+            comm.check()
+        except Exception as exc:  # the call that gave up, named: which shape and kernel
+            raise AssertionError(f"{what} (block cap {comm.block_cap}) gave up: {exc}") from exc
     assert torch.equal(new_res, want_res.to(new_res.device)), \
         f"{what}: new residual is not bitwise residual + all_reduce(x)"
     ref.check_rmsnorm(normed, new_res, weight, EPS, what)
