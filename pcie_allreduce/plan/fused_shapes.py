@@ -36,7 +36,8 @@ MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to to
 # need not be there whole at any moment: the other clients' programs sit on SMs too. The data-as-
 # flag one-shot needs every program of a row running at once (they exchange the row's statistics),
 # so on such a share it takes at most half of it (12 ranks on an H100, cap 10: 10 programs of 512
-# threads, one per SM, hung; 16 ranks on an H200, cap 8: 7 such programs hung, 4 of 1024 ran).
+# threads, one per SM, hung and 7 ran; 16 ranks on an H200, cap 8: 7 such programs hung, 4 of 1024
+# ran).
 CROWDED_SHARE = 10
 
 
@@ -56,9 +57,9 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
     W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
     the cap allows, 512 to 2048 columns each (W=8, cap 16: 1792-column programs, 13.1 us against
     16.6 for 56 small ones; bench/RESULTS.md), then as few as the program's power-of-two width
-    covers. Always one word (two elements) per thread: at
-    4 x 7168, 16 warps instead of 8 at W=4 and 32 instead of 16 at W=8 were faster
-    (bench/PERF_NOTES.md). Under the interpreter (programs run one after another) C is 1."""
+    covers. Always one word (two elements) per thread: at 4 x 7168, 16 warps instead of 8 at W=4
+    and 32 instead of 16 at W=8 were faster (bench/PERF_NOTES.md). Under the interpreter
+    (programs run one after another) C is 1."""
     if hidden % 2 or tokens < 1:
         return None
     cap = resident_programs(max_programs)
@@ -70,10 +71,8 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
     shape = shape_with_chunks(tokens, hidden, chunks)
     if not interpret:
         # A program's BLOCK_W threads hold their registers whether or not each has a word, so take
-        # the fewest chunks that width serves: the same work per thread in fewer programs. It
-        # matters where a GPU is shared: a 16-warp program fills an SM, and every rank's programs
-        # must be resident at once (12 ranks sharing an H100 under MPS, cap 10: 10 chunks of 359
-        # words in 512-thread programs, 120 of its 132 SMs, hung; 7 chunks of 512 words, 84 SMs, ran).
+        # the fewest chunks that width serves: the same work per thread in fewer programs, where
+        # a 16-warp program fills an SM (why few programs matter on a shared GPU: CROWDED_SHARE).
         shape = shape_with_chunks(tokens, hidden, math.ceil(hidden / (2 * shape[3])))
     return shape if _fits(tokens, shape[1], cap) else None
 
