@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 
@@ -175,6 +176,17 @@ def algos_for(backend: str, our_algos: Sequence[str], workload: str = ALLREDUCE,
 def skip_reason(backend: str, world: int, gpu_count: int) -> str | None:
     """Why ``backend`` cannot run ``world`` ranks on ``gpu_count`` local GPUs, or None."""
     return backend_class(backend).unavailable_reason(world, gpu_count)
+
+
+# What third-party packages print while they build and tune would bury the bench's rows: FlashInfer
+# logs every JIT build and autotuner step at INFO and draws a progress bar per tuned shape. Ranks
+# (and the one-process loops) start with these values, except for a variable the user set.
+QUIET_THIRD_PARTY: Mapping[str, str] = MappingProxyType({"FLASHINFER_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1"})
+
+
+def quiet_env() -> dict[str, str]:
+    """:data:`QUIET_THIRD_PARTY`, where the user set a variable its value instead."""
+    return {name: os.environ.get(name, value) for name, value in QUIET_THIRD_PARTY.items()}
 
 
 def rank_env(backend: str, world: int, gpu_count: int) -> dict[str, str]:

@@ -22,9 +22,11 @@ module does not import is left out with the reason.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Sequence
 
+from bench.backends import quiet_env
 from bench.graph_loop import CALLS_PER_GRAPH, REPETITIONS, REPLAYS, time_in_graph
 
 EPS = 1e-6
@@ -143,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
     import torch
 
+    os.environ.update(quiet_env())  # before FlashInfer is imported
     others, missing = in_place_kernels()
     for name, why in missing.items():
         print(f"# {name}: left out ({why})")

@@ -180,7 +180,7 @@ def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: S
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ranks.MpsUnavailableWarning)
             ranks.run_ranks(bench_rank, world, job, timeout_s=backstop, gpu=True, mps="auto",
-                              env=backends.rank_env(backend, world, gpu_count))
+                              env={**backends.quiet_env(), **backends.rank_env(backend, world, gpu_count)})
         for w in caught:
             echo(f"[W={world} {backend}] warning: {' '.join(str(w.message).split())}")
         return None

@@ -393,6 +393,21 @@ def test_make_cases_size_major() -> None:
 # ----------------------------------------------------------------------------- runner pieces
 
 
+def test_ranks_start_with_third_party_chatter_quieted_unless_the_user_set_it(monkeypatch, tmp_path) -> None:
+    """FlashInfer's INFO logs and progress bars would bury the rows: every backend's ranks start with
+    them off, a variable the user set keeps its value, and a backend's own variables still apply."""
+    seen: list[dict] = []
+    monkeypatch.setattr(ranks, "run_ranks", lambda *a, env=None, **kw: seen.append(dict(env)))
+    monkeypatch.delenv("FLASHINFER_LOGGING_LEVEL", raising=False)
+    monkeypatch.setenv("TQDM_DISABLE", "0")
+    cases = make_cases([1024], ["one_shot"], "bfloat16")
+    cfg = options.BenchConfig(worlds=(4,), sizes=(1024,), backends=("torch_symm",))
+    assert runner._launch(cfg, "torch_symm", 4, 1, cases, str(tmp_path), lambda line: None, runner.NoProgress()) is None
+    assert seen == [{"FLASHINFER_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "0",
+                     "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}]
+    assert backends.quiet_env() == {"FLASHINFER_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "0"}
+
+
 def _cfg(**kw) -> options.BenchConfig:
     return options.BenchConfig(worlds=(2,), sizes=(1024, 4096), **kw)
 
