@@ -15,8 +15,10 @@ Every kernel's output is checked before it is timed, on fresh random inputs (out
 first), against an fp64 reference: ``wrong`` instead of a time where it is off by more than the
 dtype's rounding (``failed`` where another library's kernel raised: its cell only). The
 in-place kernels (FlashInfer's, sgl-kernel's) write their inputs, so each repetition starts from
-a copy; the library's kernel runs out of place, as the all-reduce's epilogue does. A kernel whose
-module does not import is left out with the reason.
+a copy; the library's kernel runs out of place, as the all-reduce's epilogue does, and launches
+as the unfused pair launches it: as the previous kernel's programmatic dependent on Hopper and
+later unless ``PCIE_AR_PDL=0`` (FlashInfer's and sgl-kernel's launch so by default there too). A
+kernel whose module does not import is left out with the reason.
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ def in_place_kernels() -> tuple[dict[str, Callable], dict[str, str]]:
     return found, missing
 
 
-def case(tokens: int, hidden: int, dtype, warps: Sequence[int], others: dict[str, Callable]) -> dict[str, object]:
-    """Each kernel's time (us) on [tokens, hidden], or "wrong" where its check failed."""
+def case(tokens: int, hidden: int, dtype, warps: Sequence[int], others: dict[str, Callable],
+         dependent: bool = False) -> dict[str, object]:
+    """Each kernel's time (us) on [tokens, hidden], or "wrong" where its check failed. ``dependent``:
+    ours launches as the previous kernel's programmatic dependent, as the unfused pair launches it
+    after the all-reduce (the other libraries' kernels launch so by default on Hopper)."""
     import torch
 
     from pcie_allreduce.fused import path
@@ -97,7 +102,7 @@ def case(tokens: int, hidden: int, dtype, warps: Sequence[int], others: dict[str
         new_residual = torch.full_like(y, float("nan"))
 
         def ours(shape=shape, normed=normed, new_residual=new_residual):
-            path._norm(y, residual, weight, EPS, normed, new_residual, shape)
+            path._norm(y, residual, weight, EPS, normed, new_residual, shape, after_all_reduce=dependent)
 
         ours()
         torch.cuda.synchronize()
@@ -149,13 +154,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     others, missing = in_place_kernels()
     for name, why in missing.items():
         print(f"# {name}: left out ({why})")
+    from pcie_allreduce import rendezvous
+
+    dependent = rendezvous.dependent_launch(torch.device("cuda", torch.cuda.current_device()))
     print(f"# {torch.cuda.get_device_name()}, {args.dtype}; us per call ({CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
-          f"replays, best of {REPETITIONS}); ratio: ours / the fastest other kernel")
+          f"replays, best of {REPETITIONS}); ratio: ours / the fastest other kernel; ours launched as the pair "
+          f"launches it, dependent launch {'on' if dependent else 'off'} ($PCIE_AR_PDL)")
     names: list[str] | None = None
     wrong = False
     for hidden in args.hidden:
         for tokens in args.tokens:
-            rows = case(tokens, hidden, getattr(torch, args.dtype), args.warps, others)
+            rows = case(tokens, hidden, getattr(torch, args.dtype), args.warps, others, dependent)
             if names is None:
                 names = list(rows)
                 print(f"{'H':>5} {'T':>4} " + " ".join(f"{n:>11}" for n in names) + f" {'ratio':>6}")
