@@ -6,7 +6,8 @@
 - ``"<algo>+norm"``: as separate eager torch ops (several kernels; what a model does without a
   fused op);
 - ``"<algo>+addnorm"``: ONE kernel, the library's :func:`pcie_allreduce.fused.path.add_rmsnorm`
-  (out of place);
+  (out of place; after our own all-reduce launched as ``all_reduce_rmsnorm``'s unfused pair
+  launches it);
 - ``"<algo>+fi_addnorm"`` / ``"<algo>+sgl_addnorm"``: ONE kernel, FlashInfer's / sgl-kernel's
   ``fused_add_rmsnorm`` where the rank can import it (in place: ``residual += y``, then ``y`` is
   overwritten with the normed rows), else skipped with the reason;
@@ -132,6 +133,10 @@ class NormAdapter:
         # suffix -> the one-kernel add + RMSNorm, or why it cannot run here. Loaded (and the
         # third-party ones run once: a JIT build can take a minute) in set-up, not in a timed case.
         self._kernels: dict[str, Callable[..., Any] | str] = {}
+        # Ours after our own all-reduce launches as the unfused pair launches it: as that kernel's
+        # programmatic dependent where the communicator does so ($PCIE_AR_PDL), as FlashInfer's and
+        # sgl-kernel's launch by default; after another backend's all-reduce, ordinarily.
+        self._norm_dependent = bool(getattr(getattr(inner, "comm", None), "dependent_launch", False))
         for suffix in dict.fromkeys(split_norm(c.algo)[1] for c in job.cases if c.hidden):
             if suffix in ONE_KERNEL_NORM_SUFFIXES:
                 self._kernels[suffix] = self._load(suffix, next(c.hidden for c in job.cases if c.hidden))
@@ -188,7 +193,8 @@ class NormAdapter:
         bufs = NormBuffers(inp=x, out=normed.view(-1), inner=inner, residual=residual, weight=weight,
                            normed=normed, new_residual=new_residual, tokens=tokens, hidden=hidden)
         if suffix == ONE_KERNEL_NORM_SUFFIX:  # compile now: Triton's first call of a shape is not a kernel time
-            self._kernel(suffix)(normed, residual, weight, self._eps, normed, new_residual, compile_only=True)
+            self._kernel(suffix)(normed, residual, weight, self._eps, normed, new_residual, compile_only=True,
+                                 after_all_reduce=self._norm_dependent)
         return bufs
 
     def call(self, bufs: Buffers, algo: str) -> torch.Tensor:
@@ -215,7 +221,8 @@ class NormAdapter:
             bufs.normed, bufs.out = y, y.view(-1)
             bufs.feeds_back = y.data_ptr() == bufs.inp.data_ptr()
         else:
-            self._kernel(suffix)(y, bufs.residual, bufs.weight, self._eps, bufs.normed, bufs.new_residual)
+            self._kernel(suffix)(y, bufs.residual, bufs.weight, self._eps, bufs.normed, bufs.new_residual,
+                                 after_all_reduce=self._norm_dependent)
         return bufs.out
 
     def mutates_input(self, algo: str) -> bool:

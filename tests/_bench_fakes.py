@@ -142,7 +142,8 @@ class FakeBackend(QuietBackendHooks):
 
 
 def fake_add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     normed: torch.Tensor, new_residual: torch.Tensor, *, compile_only: bool = False) -> None:
+                     normed: torch.Tensor, new_residual: torch.Tensor, *, compile_only: bool = False,
+                     after_all_reduce: bool = False) -> None:
     """The library's add_rmsnorm contract, in torch math (out of place; nothing to compile)."""
     if not compile_only:
         torch_add_rmsnorm(y, residual, weight, eps, normed, new_residual)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from pcie_allreduce.tools.ranks import placement_label
 
 from bench import __main__ as bench_cli
 from bench import backends, command, environment, norm_ops, options, pattern, plan, report, report_fused, runner
+from bench.backends import Buffers
 from bench.norm_ops import torch_rmsnorm
 from bench.results import (
     FAILED, FUSED, OK, SKIPPED, WRONG, Report, Result, add_speedups, forced_fused_algo, fused_kernel_name,
@@ -405,6 +407,36 @@ def test_one_kernel_cross_checks(monkeypatch) -> None:
     adapter = _adapter(monkeypatch, {"+sgl_addnorm": in_place_bad_norm}, ("auto+sgl_addnorm",))
     problem = adapter.cross_check(_norm_bufs(), "auto+sgl_addnorm")
     assert problem.startswith("sgl_kernel.fused_add_rmsnorm vs torch RMSNorm on random data: normed:")
+
+
+@pytest.mark.parametrize("dependent", [True, False, None])
+def test_our_norm_after_our_all_reduce_launches_as_the_unfused_pair_does(monkeypatch, dependent) -> None:
+    """"ours+addnorm" is the library's unfused pair: its norm kernel is compiled and launched as the
+    all-reduce's programmatic dependent where the communicator launches so (dependent_launch), and
+    ordinarily after a backend without our communicator (None)."""
+    seen: list[tuple[bool, bool]] = []
+
+    def recording(y, residual, weight, eps, normed, new_residual, *, compile_only=False, after_all_reduce=False):
+        seen.append((compile_only, after_all_reduce))
+
+    class Inner:
+        def buffers(self, count, dtype, algo):
+            return Buffers(torch.zeros(count, dtype=dtype), torch.zeros(count, dtype=dtype))
+
+        def call(self, bufs, algo):
+            return bufs.out
+
+    inner = Inner()
+    if dependent is not None:
+        inner.comm = types.SimpleNamespace(dependent_launch=dependent)
+    monkeypatch.setattr(norm_ops, "load_kernel", lambda suffix: recording)
+    ctx = type("Ctx", (), {"device": torch.device("cpu"), "rank": 0, "world_size": 1})()
+    case = plan.Case(0, 2 * 64 * 2, 2 * 64, "auto+addnorm", tokens=2, hidden=64)
+    job = plan.RankJob(backend="ours", dtype="bfloat16", cases=(case,), max_bytes=256, progress_dir="/tmp")
+    adapter = norm_ops.NormAdapter(inner, ctx, job)
+    bufs = adapter.buffers(case.count, torch.bfloat16, case.algo, hidden=64)
+    adapter.call(bufs, case.algo)
+    assert seen == [(True, bool(dependent)), (False, bool(dependent))]
 
 
 def test_a_baseline_that_does_not_import_is_skipped(monkeypatch) -> None:
