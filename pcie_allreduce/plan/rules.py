@@ -51,13 +51,22 @@ class Rule:
         """Whether this rule serves the call; ``symmetric``: its input is the symmetric input area
         (a rule naming a SYMMETRIC_INPUT_ALGORITHMS algorithm serves only such calls)."""
         return ((symmetric or self.algo not in SYMMETRIC_INPUT_ALGORITHMS)
-                and (self.world is None or world in self.world)
+                and self.serves_world(world)
                 and (self.dtypes is None or dtype in self.dtypes)
                 and (self.max_bytes is None or nbytes <= self.max_bytes)
                 and fits_capacity(self.algo, nbytes, ll_capacity))
 
+    def serves_world(self, world: int) -> bool:
+        """Whether this rule applies at ``world`` ranks (any size, or one it lists)."""
+        return _in_worlds(self.world, world)
+
     def blocks_for(self, nbytes: int) -> int:
         return max(1, min(self.max_blocks, math.ceil(nbytes / self.bytes_per_block)))
+
+
+def _in_worlds(worlds: tuple[int, ...] | None, world: int) -> bool:
+    """A rule's world sizes (None: any) include ``world``."""
+    return worlds is None or world in worlds
 
 
 def _is_int(value: object) -> bool:
@@ -126,7 +135,7 @@ class FusedRule:
             raise ValueError(f"fused table: {problem}")
 
     def matches(self, tokens: int, world: int) -> bool:
-        return (self.world is None or world in self.world) and (self.max_tokens is None or tokens <= self.max_tokens)
+        return _in_worlds(self.world, world) and (self.max_tokens is None or tokens <= self.max_tokens)
 
 
 #: What a fused rule may name: "kernel" (follow the plain table), a fused kernel, or "unfused".

@@ -74,7 +74,7 @@ class AlgoTable:
         make a comparison of algorithms a comparison of launch shapes)."""
         candidates = [r for r in self.rules if r.algo == algo and r.matches(nbytes, world, dtype, symmetric=True)]
         if not candidates:
-            candidates = [r for r in self.rules if r.algo == algo and (r.world is None or world in r.world)][-1:]
+            candidates = [r for r in self.rules if r.algo == algo and r.serves_world(world)][-1:]
         if not candidates:
             candidates = [r for r in self.rules if r.algo == algo]
         if not candidates:
@@ -89,7 +89,7 @@ class AlgoTable:
         for world in range(MIN_RANKS, MAX_RANKS + 1):
             for dtype in DTYPE_NAMES:
                 if not any(r.max_bytes is None and r.algo not in CAPPED_ALGORITHMS + SYMMETRIC_INPUT_ALGORITHMS
-                           and (r.world is None or world in r.world) and (r.dtypes is None or dtype in r.dtypes)
+                           and r.serves_world(world) and (r.dtypes is None or dtype in r.dtypes)
                            for r in self.rules):
                     return (f"no rule covers every message size at world size {world} for {dtype}: the table "
                             f'needs a last rule with "max_bytes": null and an algorithm other than '
