@@ -205,6 +205,49 @@ def test_fused_and_unfused_with_the_ordinary_launch(world: int, algo: str) -> No
     assert len(results[0]["digests"]) == 5 and all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
+def _first_fused_call_captured(ctx: ranks.RankContext, transport: str, algo: str) -> str:
+    """A stream prepared before a graph capture (prepare_stream, as the plugins do) whose first
+    fused call is inside it; each replay on fresh inputs copied into the captured tensors, both
+    outputs poisoned first and checked after."""
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=30, transport=transport)
+
+    def case(seed: int) -> tuple:
+        xs, residual, weight, _, want_res = _case(ctx, 4, 7168, torch.bfloat16, seed)
+        return xs[ctx.rank].to(ctx.device), residual.to(ctx.device), weight.to(ctx.device), want_res
+
+    x, res, w, _ = case(91)
+    comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)  # compiles the shape, on another stream's workspace
+    side = torch.cuda.Stream(ctx.device)
+    comm.prepare_stream(side.cuda_stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)
+    digests = []
+    for replay in range(3):
+        fresh_x, fresh_res, fresh_w, want_res = case(92 + replay)
+        x.copy_(fresh_x)
+        res.copy_(fresh_res)
+        w.copy_(fresh_w)
+        normed.fill_(float("nan"))
+        new_res.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(normed, new_res, want_res, w, f"{algo}: replay {replay} of a stream's first fused call", comm)
+        digests.append(_digest(normed, new_res))
+    comm.check()
+    comm.close()
+    return "".join(digests)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("algo", ["oneshot", "oneshot_ll"])
+@pytest.mark.parametrize("world", [w for w in WORLDS if w == 2])
+def test_a_prepared_streams_first_fused_call_may_be_captured(world: int, algo: str, transport: str) -> None:
+    results = ranks.run_ranks(_first_fused_call_captured, world, transport, algo, timeout_s=600)
+    assert all(r == results[0] for r in results), "ranks disagree bitwise"
+
+
 def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
     """The last rank never issues one fused call: every other rank's call gives up after timeout_s,
     raises through check(), and leaves NaN in both outputs (normed and new residual)."""
