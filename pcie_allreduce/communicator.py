@@ -142,6 +142,7 @@ class Communicator:
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
         self._workspaces[current_stream_handle(self.device)] = first
+        self._fused.view_of(first)  # now, outside any graph capture (FusedPath.view_of)
         problem = self.table.availability_problem(self.transport, self.island_ranks)
         if problem is not None:  # the same table and transport on every rank: all raise here
             self.close()
@@ -326,8 +327,7 @@ class Communicator:
 
     def _workspace(self, stream: int | None = None) -> Any:
         """The `_C.Workspace` serving ``stream`` (default: the current stream), made if new."""
-        if stream is None:
-            stream = current_stream_handle(self.device)
+        stream = current_stream_handle(self.device) if stream is None else stream
         return self._workspaces.get(stream) or self._workspace_for(stream)
 
     def _workspace_for(self, stream: int) -> Any:
@@ -335,8 +335,8 @@ class Communicator:
         stream this rank has not used before, on the transport agreed at creation."""
         if self._closed:
             raise RuntimeError(self._closed_reason)
-        workspace = workspaces.create(self._collective, self.agreed, len(self._workspaces))
-        self._workspaces[stream] = workspace
+        self._workspaces[stream] = workspace = workspaces.create(self._collective, self.agreed, len(self._workspaces))
+        self._fused.view_of(workspace)  # now, outside any graph capture (FusedPath.view_of)
         return workspace
 
     def __repr__(self) -> str:

@@ -3,18 +3,19 @@
 Mirrors ``Layout::make`` in csrc/protocol_constants.h (tests/test_constants.py checks the two agree,
 through ``_C.layout``, when the extension is built). A :class:`WorkspaceView` is everything a fused
 kernel needs to follow the CUDA kernels' protocol on the same memory: every rank's base address as
-mapped here, the offsets, and the host-mapped error record.
+mapped here (also as an int64 array the kernels read), the offsets, and the host-mapped error record.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
 
 from pcie_allreduce.constants import (ALIGN, CONTROL_WORDS, FLAG_ROWS, LINE_BYTES, LINE_PAYLOAD_BYTES,
                                       LOW_LATENCY_MAX_BYTES, MAX_FLAG_BLOCKS, MAX_RANKS, ROW_STATS_SLOTS,
-                                      FULL_HEADER_BYTES, SHARED_AREAS, SHARED_BUFFERS, SHARED_HEADER_BYTES,
-                                      SMALL_WORLD)
+                                      FULL_HEADER_BYTES, SHARED_AREAS, SHARED_BUFFERS, SHARED_HEADER_BYTES)
 # The word indices of the control and error records, next to the offsets they index from (the
 # interpreter tests' fake workspace reads them here); defined in pcie_allreduce.constants.
 from pcie_allreduce.constants import ABORT_WORD, CLAIM_WORD, EPOCH_COPIES, ERROR_WORDS  # noqa: F401
@@ -76,7 +77,12 @@ class Layout:
 
 @dataclass(frozen=True)
 class WorkspaceView:
-    """Addresses of one stream's workspace on every rank, as mapped in this process."""
+    """Addresses of one stream's workspace on every rank, as mapped in this process.
+
+    ``bases_array``: ``bases`` as an int64 tensor where the fused kernels read it (they take its
+    address, :attr:`bases_ptr`, one argument whatever the world size). Made once per workspace,
+    never per call, so a captured graph's launches hold a fixed address: :meth:`of` copies it to
+    the workspace's GPU; left out, it is made in host memory (Triton's CPU interpreter)."""
 
     rank: int
     world: int
@@ -87,22 +93,40 @@ class WorkspaceView:
     # Address the control and statistics offsets apply to; None: this rank's base (p2p). The
     # host transport keeps those local-only words in device memory, away from its host segment.
     local_base: int | None = None
+    bases_array: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.bases) != self.world or self.world > MAX_RANKS:
+            raise ValueError(f"a workspace view needs one base per rank, at most {MAX_RANKS}: got {len(self.bases)} "
+                             f"for world size {self.world}")
+        if self.bases_array is None:
+            object.__setattr__(self, "bases_array", torch.tensor(self.bases, dtype=torch.int64))
 
     @classmethod
     def of(cls, workspace: Any) -> "WorkspaceView":
-        """View of a ``pcie_allreduce._C.Workspace``."""
-        return cls(workspace.rank, workspace.world, tuple(workspace.bases()), Layout.of_workspace(workspace),
-                   workspace.error_record_ptr, int(workspace.timeout * 1e9), workspace.local_base)
+        """View of a ``pcie_allreduce._C.Workspace``, its bases copied to the workspace's GPU (and
+        synchronized: a kernel on any stream may read them next). Outside any CUDA graph capture,
+        which cannot hold the copy: the communicator makes it when it makes the workspace."""
+        device = torch.device("cuda", workspace.device)
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("pcie_allreduce: a workspace's view for the fused kernels cannot be made inside a "
+                                   "CUDA graph capture (it copies the peers' addresses to the GPU); make one call "
+                                   "on this stream before capturing it, or prepare_stream() it")
+            bases = tuple(workspace.bases())
+            array = torch.tensor(bases, dtype=torch.int64, device=device)
+            torch.cuda.current_stream(device).synchronize()
+        return cls(workspace.rank, workspace.world, bases, Layout.of_workspace(workspace), workspace.error_record_ptr,
+                   int(workspace.timeout * 1e9), workspace.local_base, array)
+
+    @property
+    def bases_ptr(self) -> int:
+        """Address of :attr:`bases_array`, what the fused kernels take."""
+        assert self.bases_array is not None  # made in __post_init__
+        return self.bases_array.data_ptr()
 
     def local_offset(self, offset: int) -> int:
         """``offset`` of a local-only word (control, statistics) as an offset from this rank's base,
         the form the Triton kernels take (negative when the local words lie below it)."""
         base = self.bases[self.rank]
         return (base if self.local_base is None else self.local_base) + offset - base
-
-    def padded_bases(self) -> tuple[int, ...]:
-        """The bases padded to SMALL_WORLD (unused entries 0), as the fused kernels take them:
-        they serve worlds up to SMALL_WORLD (larger ones run the fused op unfused)."""
-        if len(self.bases) > SMALL_WORLD:
-            raise ValueError(f"the fused kernels serve world sizes up to {SMALL_WORLD}, not {len(self.bases)}")
-        return self.bases + (0,) * (SMALL_WORLD - len(self.bases))

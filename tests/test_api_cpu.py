@@ -478,13 +478,11 @@ def test_one_validation_pass_per_call_checks_everything_dispatch_needs() -> None
         validation.fused_call(rows, res, w, 1e-6, None, None, "staged", None, device=cpu, max_bytes=big, world=2)
     with pytest.raises(ValueError, match="residual_out is x"):
         validation.fused_call(rows, res, w, 1e-6, None, rows, "auto", None, device=cpu, max_bytes=big, world=2)
-    # Above SMALL_WORLD ranks the fused op runs unfused; a fused kernel forced there is an error.
-    for world in (9, 16):
-        assert validation.fused_call(rows, res, w, 1e-6, None, None, "auto", None, device=cpu, max_bytes=big,
-                                     world=world)[:2] == (3, 64)
-        assert validation.fused_call(rows, res, w, 1e-6, None, None, "unfused", None, device=cpu, max_bytes=big,
-                                     world=world)[:2] == (3, 64)
-        for algo in ("oneshot", "twoshot", "oneshot_ll", "oneshot_full"):
-            with pytest.raises(ValueError, match=f"fused kernel '{algo}' serves world sizes up to 8, .* {world} ranks"):
-                validation.fused_call(rows, res, w, 1e-6, None, None, algo, None, device=cpu, max_bytes=big,
-                                      world=world)
+    # Every fused kernel can be forced up to MAX_RANKS ranks; beyond, it is an error.
+    for world in (9, 12, 16):
+        for algo in ("auto", "unfused", "oneshot", "twoshot", "oneshot_ll", "oneshot_full"):
+            assert validation.fused_call(rows, res, w, 1e-6, None, None, algo, None, device=cpu, max_bytes=big,
+                                         world=world) == (3, 64, algo, None)
+    for algo in ("oneshot", "twoshot", "oneshot_ll", "oneshot_full"):
+        with pytest.raises(ValueError, match=f"fused kernel '{algo}' serves world sizes up to 16 .* got 17 ranks"):
+            validation.fused_call(rows, res, w, 1e-6, None, None, algo, None, device=cpu, max_bytes=big, world=17)

@@ -121,10 +121,11 @@ def test_fused_algo_follows_the_fused_rules() -> None:
     assert pick(3, 2, hidden=4095) == "unfused", "odd hidden: the named data-as-flag kernel has no shape"
     assert pick(9, 2) == "unfused"
     assert pick(1, 8) == "oneshot_ll"
-    # Above SMALL_WORLD ranks no fused kernel runs, whatever the rules say: the pair serves every call.
-    assert [pick(t, w) for w in range(SMALL_WORLD + 1, MAX_RANKS + 1) for t in (1, 3, 9)] == ["unfused"] * 24
-    assert _fused_algo(1, 4096, BF16, 16, AlgoTable(TABLE.rules, (FusedRule("oneshot"),)),
-                       ll_capacity=LL_CAP) == "unfused"
+    # Above 8 ranks too the rules decide: the fused kernels serve every world up to MAX_RANKS.
+    assert [pick(t, w) for w in range(SMALL_WORLD + 1, MAX_RANKS + 1) for t in (1, 3, 9)] == [
+        "oneshot_ll", "oneshot_ll", "unfused"] * 8
+    for algo in ("oneshot", "twoshot"):
+        assert _fused_algo(16, 4096, BF16, 16, AlgoTable(TABLE.rules, (FusedRule(algo),)), ll_capacity=LL_CAP) == algo
     assert _fused_algo(1, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
                        ll_capacity=LL_CAP) == "oneshot_ll"
     assert _fused_algo(2, 4096, BF16, 2, AlgoTable(TABLE.rules, (FusedRule("kernel", max_tokens=1),)),
@@ -146,6 +147,17 @@ def test_a_kernel_rule_without_a_data_as_flag_shape_passes_the_call_on(world: in
     assert plan.algo == expected
     assert _fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=14) == (
         "oneshot_full" if tokens == 1 else "oneshot")
+
+
+def test_the_built_in_fused_rules_keep_the_pair_above_8_ranks() -> None:
+    """No fused kernel has been measured against the pair above 8 ranks: the built-in rules run
+    the pair there at every token count, though a forced fused kernel runs."""
+    table = default_table()
+    assert [_fused_algo(t, 7168, BF16, w, table, ll_capacity=LL_CAP, block_cap=64)
+            for w in range(SMALL_WORLD + 1, MAX_RANKS + 1) for t in (1, 4, 64, 512)] == ["unfused"] * 32
+    assert [dispatch.fused_plan(t, 7168, BF16, 16, table, ll_capacity=LL_CAP, block_cap=64, algo=algo).algo
+            for t, algo in ((1, "oneshot_ll"), (1, "oneshot_full"), (4, "oneshot"), (64, "twoshot"))] == [
+        "oneshot_ll", "oneshot_full", "oneshot", "twoshot"]
 
 
 def test_fused_rules_round_trip_and_validation() -> None:
@@ -377,7 +389,7 @@ def test_the_records_give_each_kind_of_algorithm() -> None:
     assert algorithms.HOST_ONLY_ALGORITHMS == ("host_oneshot", "host_twoshot")
     assert algorithms.ISLAND_ALGORITHMS == ("island_twoshot", "island_oneshot")
     assert algorithms.FUSED_ALGORITHMS == ("oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
-    assert algorithms.FUSED_MAX_WORLD == SMALL_WORLD
+    assert algorithms.FUSED_MAX_WORLD == MAX_RANKS
     assert algorithms.capacity_of("twoshot_full", 64 * kib) == 64 * kib - FULL_TWOSHOT_MARGIN
     assert algorithms.capacity_of("oneshot_ll", 64 * kib) == 64 * kib and algorithms.capacity_of("twoshot", 1) is None
     for name in algorithms.FORCEABLE_ALGORITHMS:  # every record has its wire accounting

@@ -93,12 +93,17 @@ class FakeRanks:
 
 
 # (world, rank, tokens, hidden, dtype) for one rank's one-shot call, flag-based here and over
-# low-latency lines in test_fused_ll_interpreter.py: odd worlds and hidden sizes, both dtypes.
+# low-latency lines in test_fused_ll_interpreter.py: odd worlds and hidden sizes, both dtypes, and
+# worlds above 8 up to MAX_RANKS (the kernels read the peers' bases from one array, whatever W),
+# one with fewer columns than ranks.
 ONE_SHOT_CASES = [
     (2, 0, 1, 4096, torch.bfloat16),
     (4, 2, 4, 7168, torch.bfloat16),
     (3, 1, 5, 100, torch.float16),
     (8, 7, 3, 96, torch.bfloat16),
+    (12, 9, 2, 192, torch.bfloat16),
+    (16, 15, 3, 64, torch.float16),
+    (16, 4, 2, 10, torch.bfloat16),
 ]
 
 
@@ -151,6 +156,8 @@ def test_oneshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     (2, 1, 4, 4096, torch.bfloat16),
     (4, 0, 9, 7168, torch.bfloat16),
     (3, 2, 7, 130, torch.float16),
+    (12, 11, 29, 64, torch.bfloat16),
+    (16, 6, 13, 10, torch.float16),  # fewer tokens than ranks (empty shards), fewer columns than ranks
 ])
 def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     fake = FakeRanks(world, rank)
@@ -188,7 +195,7 @@ def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
 
 @pytest.mark.parametrize("algo, stage", [("oneshot", kernels.STAGE_FUSED_GATHER),
                                          ("twoshot", kernels.STAGE_FUSED_REDUCE_SCATTER)])
-@pytest.mark.parametrize("world, hidden", [(8, 4), (8, 1), (3, 1)])
+@pytest.mark.parametrize("world, hidden", [(8, 4), (8, 1), (3, 1), (12, 8), (16, 8)])
 def test_the_last_peer_is_waited_for_when_rows_are_narrower_than_the_world(algo: str, stage: int, world: int,
                                                                            hidden: int) -> None:
     """Rows narrower than the world (odd tiny rows take the flag-based kernels): every peer but the
@@ -208,6 +215,15 @@ def test_the_last_peer_is_waited_for_when_rows_are_narrower_than_the_world(algo:
     kind, _, peer, got_stage, _, epoch = (int(v) for v in fake.error[:6])
     assert (kind, peer, got_stage, epoch) == (1, world - 1, stage, fake.epoch), f"error record {fake.error.tolist()}"
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
+
+
+def test_a_views_bases_array_holds_every_ranks_base() -> None:
+    """The fused kernels take one address, of an int64 array of every rank's base, up to MAX_RANKS."""
+    fake = FakeRanks(lay.MAX_RANKS, 3)
+    assert fake.view.bases_array.tolist() == list(fake.view.bases)
+    assert fake.view.bases_ptr == fake.view.bases_array.data_ptr()
+    with pytest.raises(ValueError, match="one base per rank"):
+        lay.WorkspaceView(0, 3, fake.view.bases[:2], fake.layout, fake.error.data_ptr(), 10**9)
 
 
 @pytest.mark.parametrize("algo, gather_stage", [("oneshot", kernels.STAGE_FUSED_GATHER),

@@ -147,6 +147,7 @@ def test_launch_shape_rules() -> None:
 @pytest.mark.parametrize("world, rank, tokens, hidden, chunks, backoff_ns", [
     (2, 0, 2, 96, 3, 0),
     (4, 3, 3, 200, 4, 64),  # the poll back-off knob (a no-op here) must not change the result
+    (16, 9, 2, 96, 3, 0),
 ])
 def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, chunks, backoff_ns) -> None:
     """C > 1 programs per row, which the interpreter otherwise never runs: programs execute one

@@ -43,7 +43,7 @@ from pcie_allreduce.constants import MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.fused.protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call,
                                             end_call, wait_for_previous_kernel,
                                             foreign_notice, line_flag, line_signature, load_volatile, my_notices,
-                                            now_ns, pause_ns, pick_base, post_notices, record_error, round_to,
+                                            now_ns, pause_ns, peer_base, post_notices, record_error, round_to,
                                             sealed_word, spin_verdict, store_volatile)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
@@ -230,14 +230,12 @@ def _wire_word(lo, hi, flag, FULL: tl.constexpr):
     return word
 
 
-@triton.jit(do_not_specialize=["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7", "my_base", "err_addr", "rank", "T", "H",
-                                  "sig", "timeout_ns", "slot_stride", "slots_offset", "headers_offset", "control_offset",
-                                  "stats_offset", "flags_offset"],
+@triton.jit(do_not_specialize=["bases", "my_base", "err_addr", "rank", "T", "H", "sig", "timeout_ns", "slot_stride",
+                                  "slots_offset", "headers_offset", "control_offset", "stats_offset", "flags_offset"],
             do_not_specialize_on_alignment=FUSED_TENSOR_ARGS)
 def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
-                             b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
-                             rank, T, H, eps, sig, timeout_ns, slot_stride, slots_offset, headers_offset,
-                             control_offset, stats_offset, flags_offset,
+                             bases, my_base, err_addr, rank, T, H, eps, sig, timeout_ns, slot_stride, slots_offset,
+                             headers_offset, control_offset, stats_offset, flags_offset,
                              C: tl.constexpr, CW: tl.constexpr, BLOCK_W: tl.constexpr,
                              W: tl.constexpr, WP: tl.constexpr, PUSH: tl.constexpr, PAIRED: tl.constexpr,
                              FULL: tl.constexpr, INTERPRET: tl.constexpr, BACKOFF: tl.constexpr = 0,
@@ -289,14 +287,14 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         header_word = tl.zeros([BLOCK_W], tl.uint64) + flag
         for p in tl.static_range(W):
             if p != rank:
-                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                base = peer_base(bases, p)
                 header = base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8 + j * 0
                 store_volatile(header.to(tl.pointer_type(tl.uint64)), header_word, only_first, INTERPRET)
     if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
         payload = _wire_word(x_lo, x_hi, flag, FULL)
         for p in tl.static_range(W):
             if p != rank:
-                base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                base = peer_base(bases, p)
                 dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
                 store_volatile(dst + word, payload, w_ok & sending, INTERPRET)
     else:  # wide chunks (C = 1): PUSH words at a time bounds the registers the push needs
@@ -310,14 +308,14 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
                                  flag, FULL)
             for p in tl.static_range(W):
                 if p != rank:
-                    base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+                    base = peer_base(bases, p)
                     dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
                     store_volatile(dst + k, payload, m, INTERPRET)
             off += PUSH
 
     # this call's notice in every peer (invariant 7 of csrc/protocol.cuh): after the push, which
     # the peers wait for, so that it never delays it (before it, it cost W = 8 0.4 us)
-    post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, aborted, W, INTERPRET)
+    post_notices(bases, flags_offset, rank, pid, epoch, sig64, aborted, W, INTERPRET)
 
     # 2. gather this program's chunk from every peer as one [peers, words] tile, each element
     #    reduced in rank order

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from pcie_allreduce import outcomes, workspaces
-from pcie_allreduce.constants import FULL_HEADER_BYTES, SMALL_WORLD
+from pcie_allreduce.constants import FULL_HEADER_BYTES
 from pcie_allreduce.errors import CollectiveMismatch
 from pcie_allreduce.plan import fused_shapes
 from pcie_allreduce.layout import Layout, WorkspaceView
@@ -113,9 +113,10 @@ class FusedPath:
         for call, (plan, tensors) in pending.items():
             self._compile_everywhere(comm, call, compile_call(plan, tensors))
         return len(pending)
-
     def view_of(self, workspace: Any) -> WorkspaceView:
-        """The fused kernels' view of ``workspace`` (every rank's base, the layout), made on first asking."""
+        """The fused kernels' view of ``workspace``, made on first asking. The communicator asks
+        when it makes a workspace: the view copies every rank's base to the GPU, which a CUDA graph
+        capture cannot hold, while a stream's first fused call may well come inside one."""
         view = self._views.get(id(workspace))
         if view is None:
             view = self._views[id(workspace)] = WorkspaceView.of(workspace)
@@ -293,15 +294,13 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
         return
     tokens, hidden = x.shape
     layout = view.layout
-    bases = view.padded_bases()
-    assert len(bases) == SMALL_WORLD
     if algo in DATA_AS_FLAG_ONESHOTS:
         kernel = triton_side.oneshot_ll._fused_oneshot_ll_kernel
         programs, chunks, width, block_w, num_warps = shape
         full = algo != DATA_AS_FLAG_ONESHOTS[0]
         slots = ((layout.ll_capacity, layout.full_offset + FULL_HEADER_BYTES, layout.full_offset) if full
                  else (layout.ll_slot_bytes, layout.ll_offset, layout.ll_offset))
-        args = (x, residual, weight, normed, residual_out, *bases, view.bases[view.rank], view.error_ptr,
+        args = (x, residual, weight, normed, residual_out, view.bases_ptr, view.bases[view.rank], view.error_ptr,
                 view.rank, tokens, hidden, float(eps), signature, view.timeout_ns, *slots,
                 view.local_offset(layout.control_offset), view.local_offset(layout.stats_offset), layout.flags_offset)
         constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
@@ -317,7 +316,7 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
         return
     programs, rows, block_h, num_warps = shape
     tensors = (x, residual, weight, normed, residual_out)
-    args = (*(t.data_ptr() for t in tensors), *bases, view.bases[view.rank], view.error_ptr,
+    args = (*(t.data_ptr() for t in tensors), view.bases_ptr, view.bases[view.rank], view.error_ptr,
             view.rank, tokens, rows, float(eps), signature, view.timeout_ns,
             layout.slot_bytes, layout.parity_bytes, layout.flags_offset, view.local_offset(layout.control_offset))
     # The compile key holds the hidden size, dtypes, W and ALIGNED, never the token count: one

@@ -186,24 +186,11 @@ def round_to(v, DT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def pick_base(p: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
-    if p == 0:
-        b = b0
-    elif p == 1:
-        b = b1
-    elif p == 2:
-        b = b2
-    elif p == 3:
-        b = b3
-    elif p == 4:
-        b = b4
-    elif p == 5:
-        b = b5
-    elif p == 6:
-        b = b6
-    else:
-        b = b7
-    return b
+def peer_base(bases, p):
+    """Rank ``p``'s workspace base as mapped here: entry ``p`` of the int64 array of every rank's
+    base at address ``bases`` (:attr:`pcie_allreduce.layout.WorkspaceView.bases_ptr`), so one
+    kernel argument serves any world size up to MAX_RANKS."""
+    return tl.load(bases.to(tl.pointer_type(tl.int64)) + p)
 
 
 # Triton picks its interpreter or its compiler when a function is decorated (from TRITON_INTERPRET
@@ -373,8 +360,7 @@ def notice_addr(base, flags_offset, sender, epoch):
 
 
 @triton.jit(noinline=True)
-def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, aborted, W: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+def post_notices(bases, flags_offset, rank, pid, epoch, sig64, aborted, W: tl.constexpr, INTERPRET: tl.constexpr):
     """This call's notice (the epoch's low 32 bits << 32 | signature, unsealed: every call
     rewrites its parity's notice, so none is left from an earlier wrap) in every peer, from thread
     0 of program 0 (one relaxed store per peer; nothing waits for it). Out of line, like
@@ -385,7 +371,7 @@ def post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch,
     if (pid == 0) & (aborted == 0):
         for p in tl.static_range(W):
             if p != rank:
-                store_flag(notice_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, rank, epoch),
+                store_flag(notice_addr(peer_base(bases, p), flags_offset, rank, epoch),
                            ((epoch & 0xFFFFFFFF) << 32) | sig64, INTERPRET)
 
 

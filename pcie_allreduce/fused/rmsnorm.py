@@ -21,9 +21,11 @@ Two kernels here:
   only (not the normed rows) halves the all-gather and needs one slot region per sender; the
   norm is a deterministic function of the residual row, so all ranks still agree bitwise.
 
-Memory-order primitives and the protocol helpers shared with other Triton kernels live in
-:mod:`pcie_allreduce.fused.protocol`; the low-latency (data-as-flag) one-shot for small
-messages in :mod:`pcie_allreduce.fused.oneshot_ll`; their launches in :mod:`pcie_allreduce.fused.path`.
+Both kernels start with one prologue (:func:`_prologue`) and take every rank's workspace base as
+one pointer to a device array (``bases``), so they serve any world size. Memory-order primitives
+and the protocol helpers shared with other Triton kernels live in
+:mod:`pcie_allreduce.fused.protocol`; the low-latency (data-as-flag) one-shot for small messages
+in :mod:`pcie_allreduce.fused.oneshot_ll`; their launches in :mod:`pcie_allreduce.fused.path`.
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ import triton.language as tl
 from pcie_allreduce import constants
 from pcie_allreduce.fused.add_rmsnorm import finish_row, typed_pointer
 from pcie_allreduce.fused.oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
-from pcie_allreduce.fused.protocol import (allow_dependent_launch, begin_call, block_any, end_call,
-                                            flag_addr, wait_for_previous_kernel,
-                                            foreign_notice, load_acquire_where, my_notices, now_ns,
-                                            pick_base, post_notices, record_error, release_fence, round_to,
-                                            sealed_word, spin_verdict, store_flag)
+from pcie_allreduce.fused.protocol import (allow_dependent_launch, begin_call, block_any, end_call, flag_addr,
+                                            foreign_notice, load_acquire_where, my_notices, now_ns, peer_base,
+                                            post_notices, record_error, release_fence, round_to, sealed_word,
+                                            spin_verdict, store_flag, wait_for_previous_kernel)
 
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
@@ -114,42 +115,26 @@ def _shard(T, W: tl.constexpr, owner):
 
 
 @triton.jit
-def _call_state(x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H: tl.constexpr):
-    """This program's view of the call: (pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off)."""
-    ES: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
-    pid = tl.program_id(0)
-    ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
-    epoch, aborted = begin_call(ctrl, pid)
-    cols = tl.arange(0, BLOCK_H)
-    # workspace regions start on ALIGN-byte boundaries (layout.py): facts the compiler needs to
-    # widen the slot accesses, since these offsets are runtime values
-    parity_off = tl.multiple_of((epoch & 1).to(tl.int64) * parity_bytes, _ALIGN)
-    # 64-bit element counts: sender x slot elements is the largest offset a kernel forms
-    slot_elems = tl.multiple_of(slot_bytes.to(tl.int64) // ES, _ALIGN // ES)
-    return pid, ctrl, epoch, aborted, sig.to(tl.uint64), cols, cols < H, slot_elems, parity_off
-
-
-@triton.jit
-def _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
+def _push_to_peers(x_ptr, bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                    parity_off, flags_offset, SHARDED: tl.constexpr, ROWS, W: tl.constexpr, ALIGNED: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Push this program's rows of x into our slot of every peer (all rows, or with SHARDED only
     the rows that peer owns), then release every peer's flag of kind 0 (one fence for all)."""
     for p in tl.static_range(W):
         if p != rank:
-            base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
+            base = peer_base(bases, p)
             dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, x_ptr.dtype.element_ty, ALIGNED)
             if SHARDED:
                 begin, end = _shard(T, W, p)
             else:
                 begin, end = 0, T
             _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
-    _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
+    _release_flags(bases, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
 
 
 @triton.jit
-def _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, kind: tl.constexpr, rank, pid, epoch, sig64,
-                   W: tl.constexpr, INTERPRET: tl.constexpr):
+def _release_flags(bases, flags_offset, kind: tl.constexpr, rank, pid, epoch, sig64, W: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     """After every thread's pushes: one barrier, one system-scope fence, then our flag of ``kind``
     (this call's sealed word, in the row of its parity) in every peer (invariant 2 of
     csrc/protocol.cuh: data before flag)."""
@@ -158,8 +143,7 @@ def _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, kind: tl.conste
     word = sealed_word(epoch, sig64)
     for p in tl.static_range(W):
         if p != rank:
-            store_flag(flag_addr(pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7), flags_offset, kind, epoch & 1, rank,
-                                 pid), word, INTERPRET)
+            store_flag(flag_addr(peer_base(bases, p), flags_offset, kind, epoch & 1, rank, pid), word, INTERPRET)
 
 
 @triton.jit
@@ -225,37 +209,50 @@ def _flag_states(live, words, expected):
 # Arguments that vary between workspaces and calls: specialising on them would recompile. The
 # tensors come as addresses (x_addr, ...): their alignment is the ALIGNED constexpr's business
 # (two variants of each kernel, the same bits: the row statistic is exact), not the compile key's.
-_RUNTIME_ARGS = ("x_addr", "res_addr", "w_addr", "normed_addr", "res_out_addr", "b0", "b1", "b2", "b3", "b4", "b5",
-                 "b6", "b7", "my_base", "err_addr", "rank", "T", "ROWS", "sig", "timeout_ns", "slot_bytes",
-                 "parity_bytes", "flags_offset", "control_offset")
+# ``bases``: the address of the device array of every rank's workspace base (any W, one pointer).
+_RUNTIME_ARGS = ("x_addr", "res_addr", "w_addr", "normed_addr", "res_out_addr", "bases", "my_base", "err_addr", "rank",
+                 "T", "ROWS", "sig", "timeout_ns", "slot_bytes", "parity_bytes", "flags_offset", "control_offset")
 
 
 @triton.jit
-def _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr, DT: tl.constexpr, WT: tl.constexpr,
-              ALIGNED: tl.constexpr):
-    """The five tensors as typed pointers (16-byte aligned ones with ALIGNED)."""
-    return (typed_pointer(x_addr, DT, ALIGNED), typed_pointer(res_addr, DT, ALIGNED), typed_pointer(w_addr, WT, ALIGNED),
-            typed_pointer(normed_addr, DT, ALIGNED), typed_pointer(res_out_addr, DT, ALIGNED))
+def _prologue(x_addr, res_addr, w_addr, normed_addr, res_out_addr, my_base, control_offset, sig, H, slot_bytes,
+              parity_bytes, DT: tl.constexpr, WT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_H: tl.constexpr,
+              INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """Both kernels' start: wait for the previous kernel (PDL), the five tensors as typed pointers
+    (16-byte aligned ones with ALIGNED), then this program's view of the call: (x, residual,
+    weight, normed, new residual, pid, ctrl, epoch, aborted (one verdict for the program: the
+    branches on it hold barriers), sig64, cols, cols_ok, slot_elems, parity_off)."""
+    wait_for_previous_kernel(PDL)
+    x_ptr = typed_pointer(x_addr, DT, ALIGNED)
+    ES: tl.constexpr = DT.primitive_bitwidth // 8
+    pid = tl.program_id(0)
+    ctrl = (my_base + control_offset).to(tl.pointer_type(tl.uint32))
+    epoch, aborted = begin_call(ctrl, pid)
+    cols = tl.arange(0, BLOCK_H)
+    # workspace regions start on ALIGN-byte boundaries (layout.py): facts the compiler needs to
+    # widen the slot accesses, since these offsets are runtime values
+    parity_off = tl.multiple_of((epoch & 1).to(tl.int64) * parity_bytes, _ALIGN)
+    # 64-bit element counts: sender x slot elements is the largest offset a kernel forms
+    slot_elems = tl.multiple_of(slot_bytes.to(tl.int64) // ES, _ALIGN // ES)
+    return (x_ptr, typed_pointer(res_addr, DT, ALIGNED), typed_pointer(w_addr, WT, ALIGNED),
+            typed_pointer(normed_addr, DT, ALIGNED), typed_pointer(res_out_addr, DT, ALIGNED), pid, ctrl, epoch,
+            block_any(aborted, INTERPRET), sig.to(tl.uint64), cols, cols < H, slot_elems, parity_off)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_ARGS)
-def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
-                          b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
+def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, bases, my_base, err_addr,
                           rank, T, ROWS, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
                           H: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr, ALIGNED: tl.constexpr, W: tl.constexpr,
                           BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous_kernel(PDL)
-    x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr = _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
-                                                               DT, WT, ALIGNED)
-    pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
-        x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
-    aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
+    x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr, pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, \
+        parity_off = _prologue(x_addr, res_addr, w_addr, normed_addr, res_out_addr, my_base, control_offset, sig, H,
+                               slot_bytes, parity_bytes, DT, WT, ALIGNED, BLOCK_H, INTERPRET, PDL)
     done = 0
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
-        _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
-                       parity_off, flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
-        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, 0, W,
+        _push_to_peers(x_ptr, bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
+                       flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
+        post_notices(bases, flags_offset, rank, pid, epoch, sig64, 0, W,
                      INTERPRET)  # after the push; aborted == 0 in this branch
         # 2. wait for every peer's rows
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 4, W,
@@ -271,7 +268,7 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 finish_row(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
-                             INTERPRET)
+                           INTERPRET)
                 i += 1
             done = 1
     if done == 0:
@@ -281,23 +278,19 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
 
 
 @triton.jit(do_not_specialize=_RUNTIME_ARGS)
-def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
-                          b0, b1, b2, b3, b4, b5, b6, b7, my_base, err_addr,
+def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, bases, my_base, err_addr,
                           rank, T, ROWS, eps, sig, timeout_ns, slot_bytes, parity_bytes, flags_offset, control_offset,
                           H: tl.constexpr, DT: tl.constexpr, WT: tl.constexpr, ALIGNED: tl.constexpr, W: tl.constexpr,
                           BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous_kernel(PDL)
-    x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr = _operands(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
-                                                               DT, WT, ALIGNED)
-    pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, parity_off = _call_state(
-        x_ptr, my_base, control_offset, sig, H, slot_bytes, parity_bytes, BLOCK_H)
-    aborted = block_any(aborted, INTERPRET)  # one verdict for the program: the branch holds barriers
+    x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr, pid, ctrl, epoch, aborted, sig64, cols, cols_ok, slot_elems, \
+        parity_off = _prologue(x_addr, res_addr, w_addr, normed_addr, res_out_addr, my_base, control_offset, sig, H,
+                               slot_bytes, parity_bytes, DT, WT, ALIGNED, BLOCK_H, INTERPRET, PDL)
     done = 0
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
-        _push_to_peers(x_ptr, b0, b1, b2, b3, b4, b5, b6, b7, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
-                       parity_off, flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
-        post_notices(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, rank, pid, epoch, sig64, 0, W,
+        _push_to_peers(x_ptr, bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
+                       flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
+        post_notices(bases, flags_offset, rank, pid, epoch, sig64, 0, W,
                      INTERPRET)  # after the push; aborted == 0 in this branch
         ok = _wait_all_peers(my_base, flags_offset, 0, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 5, W,
                              BLOCK_H, INTERPRET)
@@ -313,14 +306,14 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                 row_off = row.to(tl.int64) * H
                 nr = _new_residual_row(x_ptr, res_ptr, slot0, slot_elems, row_off, cols, mask, rank, W, INTERPRET)
                 finish_row(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols, res_out_ptr + row_off + cols, mask, DT,
-                             INTERPRET)
+                           INTERPRET)
                 for p in tl.static_range(W):
                     if p != rank:
-                        base = pick_base(p, b0, b1, b2, b3, b4, b5, b6, b7)
-                        dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, DT, ALIGNED)
+                        dst = typed_pointer(peer_base(bases, p) + parity_off + rank.to(tl.int64) * slot_bytes, DT,
+                                            ALIGNED)
                         tl.store(dst + row_off + cols, nr, mask=mask)
                 i += 1
-            _release_flags(b0, b1, b2, b3, b4, b5, b6, b7, flags_offset, 1, rank, pid, epoch, sig64, W, INTERPRET)
+            _release_flags(bases, flags_offset, 1, rank, pid, epoch, sig64, W, INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
                                  BLOCK_H, INTERPRET)
@@ -336,7 +329,7 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr,
                             row_off = row.to(tl.int64) * H
                             nr = tl.load(src + row_off + cols, mask=mask, other=0.0, cache_modifier=".cg")
                             finish_row(nr, w, cols_ok, H, eps, normed_ptr + row_off + cols,
-                                         res_out_ptr + row_off + cols, mask, DT, INTERPRET)
+                                       res_out_ptr + row_off + cols, mask, DT, INTERPRET)
                             i += 1
                 done = 1
     if done == 0:  # this program's rows of every shard, its own shard's finished rows included

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from pcie_allreduce import _ext
-from pcie_allreduce.constants import FP8_BLOCK, FULL_TWOSHOT_MARGIN, SMALL_WORLD
+from pcie_allreduce.constants import FP8_BLOCK, FULL_TWOSHOT_MARGIN, MAX_RANKS
 
 
 @dataclass(frozen=True)
@@ -249,17 +249,16 @@ ISLAND_ALGORITHMS: tuple[str, ...] = _names(lambda r: r.island)
 FUSED_KERNELS: tuple[str, ...] = _names(lambda r: r.fused)
 UNFUSED = "unfused"
 FUSED_ALGORITHMS: tuple[str, ...] = (*FUSED_KERNELS, UNFUSED)
-# The fused kernels take one base address per rank as separate arguments, SMALL_WORLD of them;
-# larger worlds run every fused call unfused (the one-shots' (W - 1) x message per rank makes the
-# pair the better choice there anyway, and the pair keeps the whole results contract).
-FUSED_MAX_WORLD: int = SMALL_WORLD
+# The fused kernels read every rank's workspace base from one array (WorkspaceView.bases_array)
+# and the flags are laid out for MAX_RANKS senders: they serve every world a communicator has.
+FUSED_MAX_WORLD: int = MAX_RANKS
 
 
 def fused_problem(algo: str, world: int) -> str | None:
     """Why the fused all-reduce + RMSNorm cannot run ``algo`` on ``world`` ranks, or None."""
     if algo in FUSED_KERNELS and world > FUSED_MAX_WORLD:
-        return (f"the fused kernel {algo!r} serves world sizes up to {FUSED_MAX_WORLD}, this communicator has "
-                f"{world} ranks; use algo='auto' or {UNFUSED!r} (the all-reduce, then one add + RMSNorm kernel)")
+        return (f"the fused kernel {algo!r} serves world sizes up to {FUSED_MAX_WORLD} (MAX_RANKS), got {world} "
+                f"ranks; use algo='auto' or {UNFUSED!r} (the all-reduce, then one add + RMSNorm kernel)")
     return None
 
 

@@ -85,9 +85,11 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
     - W >= 5: the pair up to 64 tokens (W = 8, 32 tokens: 29.5 against 32.2 for the best fused
       kernel), then the kernel the plain table's size gives (128 tokens: the token-split
       two-shot, 48.6 against 62.5).
-    - W > 8 (``FUSED_MAX_WORLD``): every call runs unfused, whatever the rules say (the fused
-      kernels serve up to 8 ranks)."""
+    - W = 9-16: the pair. The fused kernels serve these worlds (forced, or named by a table's own
+      rules), but no fused kernel has been measured against the pair above 8 ranks, and each
+      one-shot rank sends (W - 1) x the message there."""
     return (
+        FusedRule("unfused", world=_WIDE_WORLDS),
         FusedRule("kernel", max_tokens=8, world=(2, 3, 4)),
         FusedRule("oneshot", world=(2,)),
         FusedRule("unfused", max_tokens=16, world=(3, 4)),

@@ -21,7 +21,7 @@ import torch
 from pcie_allreduce import constants
 from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS
 from pcie_allreduce.plan import fused_shapes
-from pcie_allreduce.plan.algorithms import (ALGO_IDS, DATA_AS_FLAG_ONESHOTS, FUSED_MAX_WORLD, LOSSY_ALGORITHMS,
+from pcie_allreduce.plan.algorithms import (ALGO_IDS, DATA_AS_FLAG_ONESHOTS, LOSSY_ALGORITHMS,
                                             SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, call_problem, fits_capacity)
 from pcie_allreduce.plan.rules import Choice
 from pcie_allreduce.plan.tables import AlgoTable
@@ -94,10 +94,10 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     size (the token-split two-shot where that picks two-shot and there is a token per rank; the
     same data-as-flag one-shot where it picks one and that kernel has a launch shape within
     ``block_cap``, and where it has none the call passes to the table's next rule; else the
-    flag-based one-shot); a named kernel that cannot take the shape runs unfused, as does every
-    call above ``FUSED_MAX_WORLD`` ranks. A forced kernel that cannot take
-    the shape raises ValueError. ``wire_algo`` (a compressed wire's kernel, checked against the
-    ``transport``, ``island_ranks`` and the slot) runs the pair with that all-reduce.
+    flag-based one-shot); a named kernel that cannot take the shape runs unfused. A forced kernel
+    that cannot take the shape raises ValueError. ``wire_algo`` (a compressed wire's kernel,
+    checked against the ``transport``, ``island_ranks`` and the slot) runs the pair with that
+    all-reduce.
     ``interpret``: under Triton's CPU interpreter (one chunk per row). Never raises for a valid
     "auto" call: every shape has the unfused pair."""
     nbytes = tokens * hidden * dtype.itemsize
@@ -112,7 +112,7 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     # A "kernel" rule whose data-as-flag kernel has no launch shape passes the call to the next rule.
     rule = (table.select_fused(tokens, world, serves=lambda choice: choice != "kernel" or following is not None)
             if algo == "auto" else algo)
-    if world > FUSED_MAX_WORLD or wire_algo is not None:
+    if wire_algo is not None:
         rule = UNFUSED
     elif rule == "kernel":
         rule = following or "oneshot"  # named: the flag-based one-shot takes what the other cannot
