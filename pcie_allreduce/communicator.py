@@ -142,7 +142,6 @@ class Communicator:
         self.handle: int = ops.HANDLES.register(self)  # for torch.ops.pcie_allreduce.* (torch.compile)
         _LIVE.add(self)
         self._workspaces[current_stream_handle(self.device)] = first
-        self._fused.view_of(first)  # now, outside any graph capture (FusedPath.view_of)
         problem = self.table.availability_problem(self.transport, self.island_ranks)
         if problem is not None:  # the same table and transport on every rank: all raise here
             self.close()
@@ -306,8 +305,8 @@ class Communicator:
 
     def prepare_stream(self, stream: int | None = None) -> None:
         """Make the workspace of ``stream`` (default: the current one) now, collectively on every
-        rank: before a CUDA graph is captured on a stream, whose first call cannot make it."""
-        self._workspace(stream)
+        rank: before a CUDA graph is captured on a stream, whose first call cannot make it (nor its fused view)."""
+        self._fused.view_of(self._workspace(stream))
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -327,7 +326,8 @@ class Communicator:
 
     def _workspace(self, stream: int | None = None) -> Any:
         """The `_C.Workspace` serving ``stream`` (default: the current stream), made if new."""
-        stream = current_stream_handle(self.device) if stream is None else stream
+        if stream is None:
+            stream = current_stream_handle(self.device)
         return self._workspaces.get(stream) or self._workspace_for(stream)
 
     def _workspace_for(self, stream: int) -> Any:
@@ -335,8 +335,8 @@ class Communicator:
         stream this rank has not used before, on the transport agreed at creation."""
         if self._closed:
             raise RuntimeError(self._closed_reason)
-        self._workspaces[stream] = workspace = workspaces.create(self._collective, self.agreed, len(self._workspaces))
-        self._fused.view_of(workspace)  # now, outside any graph capture (FusedPath.view_of)
+        workspace = workspaces.create(self._collective, self.agreed, len(self._workspaces))
+        self._workspaces[stream] = workspace
         return workspace
 
     def __repr__(self) -> str:

@@ -106,13 +106,13 @@ class WorkspaceView:
     def of(cls, workspace: Any) -> "WorkspaceView":
         """View of a ``pcie_allreduce._C.Workspace``, its bases copied to the workspace's GPU (and
         synchronized: a kernel on any stream may read them next). Outside any CUDA graph capture,
-        which cannot hold the copy: the communicator makes it when it makes the workspace."""
+        which cannot hold the copy."""
         device = torch.device("cuda", workspace.device)
         with torch.cuda.device(device):
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("pcie_allreduce: a workspace's view for the fused kernels cannot be made inside a "
-                                   "CUDA graph capture (it copies the peers' addresses to the GPU); make one call "
-                                   "on this stream before capturing it, or prepare_stream() it")
+                                   "CUDA graph capture (it copies the peers' addresses to the GPU): make one fused "
+                                   "call on this stream before capturing it, or call prepare_stream() first")
             bases = tuple(workspace.bases())
             array = torch.tensor(bases, dtype=torch.int64, device=device)
             torch.cuda.current_stream(device).synchronize()
