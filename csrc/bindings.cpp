@@ -68,6 +68,8 @@ void register_workspace(py::module_& m) {
       .def_property("dependent_launch", &Workspace::dependent_launch, &Workspace::set_dependent_launch,
                     "launch calls as the previous kernel's programmatic dependent (Hopper and later)")
       .def("bases", &Workspace::bases)
+      .def_property_readonly("peers_table_ptr", &Workspace::peers_table_device_ptr,
+                             "device address of bases() as uint64[MAX_RANKS], written when the peers are opened")
       .def_property_readonly("error_record_ptr", &Workspace::error_record_device_ptr)
       .def_property_readonly("slot_bytes", &Workspace::slot_bytes)
       .def_property_readonly("parity_bytes", &Workspace::parity_bytes)

@@ -172,6 +172,9 @@ struct Workspace::State {
   ErrorRecord* error_host = nullptr;
   ErrorRecord* error_device = nullptr;
   char* peers[kMaxRanks] = {};
+  // `peers` in device memory, for the Triton kernels (one pointer argument at any world size):
+  // written once by open_peers, so no caller ever copies it, not even inside a graph capture.
+  uint64_t* peers_table = nullptr;
   Layout layout{};
   uint64_t timeout_ns = 0;
   int island_ranks = 0;
@@ -253,7 +256,18 @@ void Workspace::allocate() {
                                    cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(state_->error_host, 0, sizeof(ErrorRecord));
   PCIE_AR_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_->error_device), state_->error_host, 0));
+  PCIE_AR_CUDA_CHECK(cudaMalloc(&state_->peers_table, kMaxRanks * sizeof(uint64_t)));
+  run_on_private_stream([&](cudaStream_t s) {
+    return cudaMemsetAsync(state_->peers_table, 0, kMaxRanks * sizeof(uint64_t), s);
+  });
   state_->peers[rank_] = state_->local;
+}
+
+void Workspace::write_peers_table() {
+  const std::vector<uint64_t> table = bases();
+  run_on_private_stream([&](cudaStream_t s) {
+    return cudaMemcpyAsync(state_->peers_table, table.data(), table.size() * sizeof(uint64_t), cudaMemcpyHostToDevice, s);
+  });
 }
 
 void Workspace::allocate_device_memory() {
@@ -331,6 +345,7 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
       }
       state_->peers[r] = state_->peer_segments[r].device_pointer();
     }
+    write_peers_table();
     state_->refresh_launch_template(rank_, world_);
     state_->peers_open = true;
     return;
@@ -350,6 +365,7 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
     }
     state_->peers[r] = static_cast<char*>(ptr);
   }
+  write_peers_table();
   state_->refresh_launch_template(rank_, world_);
   state_->peers_open = true;
 }
@@ -559,6 +575,7 @@ std::vector<uint64_t> Workspace::bases() const {
   return out;
 }
 uint64_t Workspace::error_record_device_ptr() const { return reinterpret_cast<uint64_t>(state_->error_device); }
+uint64_t Workspace::peers_table_device_ptr() const { return reinterpret_cast<uint64_t>(state_->peers_table); }
 uint64_t Workspace::slot_bytes() const { return state_->layout.slot_bytes; }
 uint64_t Workspace::parity_bytes() const { return state_->layout.parity_bytes; }
 uint64_t Workspace::ll_capacity() const { return state_->layout.ll_capacity; }
@@ -662,6 +679,8 @@ void Workspace::close() {
   if (state_->error_host != nullptr) cudaFreeHost(state_->error_host);
   state_->error_host = nullptr;
   state_->error_device = nullptr;
+  if (state_->peers_table != nullptr) cudaFree(state_->peers_table);
+  state_->peers_table = nullptr;
   state_->peers_open = false;
 }
 

@@ -76,6 +76,7 @@ class Workspace {
 
   // For the Triton kernels, which follow the same protocol on the same memory.
   std::vector<uint64_t> bases() const;
+  uint64_t peers_table_device_ptr() const;  // bases() as uint64[kMaxRanks] in device memory, from open_peers
   uint64_t error_record_device_ptr() const;
   uint64_t slot_bytes() const;
   uint64_t parity_bytes() const;
@@ -128,6 +129,7 @@ class Workspace {
  private:
   void allocate();  // the workspace memory (device or shared host) and the error record
   void allocate_device_memory();
+  void write_peers_table();  // bases() into the device table the Triton kernels read
   void unmap_peers();
   bool abandon_if_probes_run();
 

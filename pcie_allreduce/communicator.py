@@ -305,8 +305,8 @@ class Communicator:
 
     def prepare_stream(self, stream: int | None = None) -> None:
         """Make the workspace of ``stream`` (default: the current one) now, collectively on every
-        rank: before a CUDA graph is captured on a stream, whose first call cannot make it (nor its fused view)."""
-        self._fused.view_of(self._workspace(stream))
+        rank: before a CUDA graph is captured on a stream, whose first call cannot make it."""
+        self._workspace(stream)
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -79,10 +79,11 @@ class Layout:
 class WorkspaceView:
     """Addresses of one stream's workspace on every rank, as mapped in this process.
 
-    ``bases_array``: ``bases`` as an int64 tensor where the fused kernels read it (they take its
-    address, :attr:`bases_ptr`, one argument whatever the world size). Made once per workspace,
-    never per call, so a captured graph's launches hold a fixed address: :meth:`of` copies it to
-    the workspace's GPU; left out, it is made in host memory (Triton's CPU interpreter)."""
+    ``bases_ptr``: address of ``bases`` as int64 where the fused kernels read them (one argument
+    whatever the world size). A workspace keeps that table in its own device memory, written when
+    it opened its peers (``_C.Workspace.peers_table_ptr``), so a view costs no copy and may be made
+    anywhere, inside a CUDA graph capture too; left out (0), it is made here in host memory, for
+    Triton's CPU interpreter."""
 
     rank: int
     world: int
@@ -93,37 +94,24 @@ class WorkspaceView:
     # Address the control and statistics offsets apply to; None: this rank's base (p2p). The
     # host transport keeps those local-only words in device memory, away from its host segment.
     local_base: int | None = None
-    bases_array: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    bases_ptr: int = 0
+    _host_bases: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.bases) != self.world or self.world > MAX_RANKS:
             raise ValueError(f"a workspace view needs one base per rank, at most {MAX_RANKS}: got {len(self.bases)} "
                              f"for world size {self.world}")
-        if self.bases_array is None:
-            object.__setattr__(self, "bases_array", torch.tensor(self.bases, dtype=torch.int64))
+        if not self.bases_ptr:
+            table = torch.tensor(self.bases, dtype=torch.int64)
+            object.__setattr__(self, "_host_bases", table)
+            object.__setattr__(self, "bases_ptr", table.data_ptr())
 
     @classmethod
     def of(cls, workspace: Any) -> "WorkspaceView":
-        """View of a ``pcie_allreduce._C.Workspace``, its bases copied to the workspace's GPU (and
-        synchronized: a kernel on any stream may read them next). Outside any CUDA graph capture,
-        which cannot hold the copy."""
-        device = torch.device("cuda", workspace.device)
-        with torch.cuda.device(device):
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("pcie_allreduce: a workspace's view for the fused kernels cannot be made inside a "
-                                   "CUDA graph capture (it copies the peers' addresses to the GPU): make one fused "
-                                   "call on this stream before capturing it, or call prepare_stream() first")
-            bases = tuple(workspace.bases())
-            array = torch.tensor(bases, dtype=torch.int64, device=device)
-            torch.cuda.current_stream(device).synchronize()
-        return cls(workspace.rank, workspace.world, bases, Layout.of_workspace(workspace), workspace.error_record_ptr,
-                   int(workspace.timeout * 1e9), workspace.local_base, array)
-
-    @property
-    def bases_ptr(self) -> int:
-        """Address of :attr:`bases_array`, what the fused kernels take."""
-        assert self.bases_array is not None  # made in __post_init__
-        return self.bases_array.data_ptr()
+        """View of a ``pcie_allreduce._C.Workspace`` whose peers are open."""
+        return cls(workspace.rank, workspace.world, tuple(workspace.bases()), Layout.of_workspace(workspace),
+                   workspace.error_record_ptr, int(workspace.timeout * 1e9), workspace.local_base,
+                   workspace.peers_table_ptr)
 
     def local_offset(self, offset: int) -> int:
         """``offset`` of a local-only word (control, statistics) as an offset from this rank's base,

@@ -217,11 +217,16 @@ def test_the_last_peer_is_waited_for_when_rows_are_narrower_than_the_world(algo:
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
 
 
-def test_a_views_bases_array_holds_every_ranks_base() -> None:
-    """The fused kernels take one address, of an int64 array of every rank's base, up to MAX_RANKS."""
+def test_a_views_bases_table_holds_every_ranks_base() -> None:
+    """The fused kernels take one address, of an int64 array of every rank's base, up to MAX_RANKS:
+    made in host memory where the view is given none (a workspace gives its own device table)."""
+    import ctypes
     fake = FakeRanks(lay.MAX_RANKS, 3)
-    assert fake.view.bases_array.tolist() == list(fake.view.bases)
-    assert fake.view.bases_ptr == fake.view.bases_array.data_ptr()
+    table = (ctypes.c_int64 * lay.MAX_RANKS).from_address(fake.view.bases_ptr)
+    assert list(table) == list(fake.view.bases)
+    given = lay.WorkspaceView(0, lay.MAX_RANKS, fake.view.bases, fake.layout, fake.error.data_ptr(), 10**9,
+                              bases_ptr=12345)
+    assert given.bases_ptr == 12345 and given._host_bases is None
     with pytest.raises(ValueError, match="one base per rank"):
         lay.WorkspaceView(0, 3, fake.view.bases[:2], fake.layout, fake.error.data_ptr(), 10**9)
 

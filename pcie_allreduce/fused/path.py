@@ -114,9 +114,8 @@ class FusedPath:
             self._compile_everywhere(comm, call, compile_call(plan, tensors))
         return len(pending)
     def view_of(self, workspace: Any) -> WorkspaceView:
-        """The fused kernels' view of ``workspace``, made on first asking: a stream's first fused
-        call, or ``prepare_stream`` before a graph capture (the view copies every rank's base to the
-        GPU, which a capture cannot hold: WorkspaceView.of refuses there)."""
+        """The fused kernels' view of ``workspace``, made at its first fused call (no copy: the
+        bases table is the workspace's own, so inside a graph capture too)."""
         view = self._views.get(id(workspace))
         if view is None:
             view = self._views[id(workspace)] = WorkspaceView.of(workspace)

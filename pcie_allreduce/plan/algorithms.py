@@ -249,7 +249,7 @@ ISLAND_ALGORITHMS: tuple[str, ...] = _names(lambda r: r.island)
 FUSED_KERNELS: tuple[str, ...] = _names(lambda r: r.fused)
 UNFUSED = "unfused"
 FUSED_ALGORITHMS: tuple[str, ...] = (*FUSED_KERNELS, UNFUSED)
-# The fused kernels read every rank's workspace base from one array (WorkspaceView.bases_array)
+# The fused kernels read every rank's workspace base from one array (WorkspaceView.bases_ptr)
 # and the flags are laid out for MAX_RANKS senders: they serve every world a communicator has.
 FUSED_MAX_WORLD: int = MAX_RANKS
 
