@@ -1,95 +1,23 @@
-#include "workspace.h"
-
-#include <cuda_runtime.h>
-
+// Workspace: creation (memory of either transport, the peers' mappings), calls, and teardown. The
+// creation-time transfer test is in workspace_probes.cu; the state both share in workspace_state.h.
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
-#include <thread>
 
-#include "checks.cuh"
-#include "host_segment.h"
-#include "launch.cuh"
-#include "protocol.cuh"
+#include "workspace_state.h"
 
 namespace pcie_ar {
 
+using workspace_detail::DeviceGuard;
+using workspace_detail::RelaxedCaptureMode;
+using workspace_detail::run_on_private_stream;
+using workspace_detail::seconds_to_ns;
+
 namespace {
-
-// Allocation, IPC and host-mapped memory are not stream work; when the caller is inside a CUDA
-// graph capture (a workspace created lazily for a capture stream), relaxed mode lets them run.
-class RelaxedCaptureMode {
- public:
-  RelaxedCaptureMode() : mode_(cudaStreamCaptureModeRelaxed) { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-
- private:
-  cudaStreamCaptureMode mode_;
-};
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    PCIE_AR_CUDA_CHECK(cudaGetDevice(&previous_));
-    changed_ = previous_ != device;
-    if (changed_) PCIE_AR_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
-uint64_t seconds_to_ns(double seconds) {
-  PCIE_AR_HOST_ASSERT(seconds > 0 && std::isfinite(seconds) && seconds <= static_cast<double>(kMaxTimeoutSeconds),
-                      "timeout must be a positive number of seconds, at most " + std::to_string(kMaxTimeoutSeconds));
-  return static_cast<uint64_t>(seconds * 1e9);
-}
 
 // The full-payload one-shot's slots (after its headers), which start as poison.
 uint64_t full_slots_offset(const Layout& l) { return l.full_offset + kFullHeaderBytes; }
 uint64_t full_slots_bytes(const Layout& l, int world) { return 2 * static_cast<uint64_t>(world) * l.ll_capacity; }
-
-// A non-blocking stream of our own, destroyed on every path (a throw included). Destroying a
-// stream whose work still runs does not wait for it: the driver releases it when that work ends.
-class PrivateStream {
- public:
-  PrivateStream() { PCIE_AR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~PrivateStream() { cudaStreamDestroy(stream_); }
-  PrivateStream(const PrivateStream&) = delete;
-  PrivateStream& operator=(const PrivateStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-// Enqueue work on a private non-blocking stream and wait for it: the legacy stream would
-// synchronize with a stream the caller may be capturing. `enqueue(stream)` returns its first error.
-template <typename Enqueue>
-void run_on_private_stream(Enqueue enqueue) {
-  PrivateStream stream;
-  const cudaError_t queued = enqueue(stream.get());
-  const cudaError_t done = cudaStreamSynchronize(stream.get());
-  PCIE_AR_CUDA_CHECK(queued);
-  PCIE_AR_CUDA_CHECK(done);
-}
-
-// Poll `event` until it completes or `timeout_ns` pass; cudaErrorNotReady when it did not.
-cudaError_t wait_for_event(cudaEvent_t event, uint64_t timeout_ns) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
-  cudaError_t done = cudaEventQuery(event);
-  while (done == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-    done = cudaEventQuery(event);
-  }
-  return done;
-}
 
 __global__ void fill_words_kernel(uint32_t* words, uint64_t n, uint32_t value) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -98,114 +26,7 @@ __global__ void fill_words_kernel(uint32_t* words, uint64_t n, uint32_t value) {
   }
 }
 
-// The probe pattern rank `sender` writes for `seed`: no word is 0, so a slot never written (zeroed
-// at creation) never passes.
-__host__ __device__ inline uint32_t probe_word(uint32_t seed, int sender, int i) {
-  return (seed ^ (0x9E3779B9u * static_cast<uint32_t>(sender + 1) + 0x7F4A7C15u * static_cast<uint32_t>(i))) | 1u;
-}
-
-constexpr int kProbeWords = static_cast<int>(kProbeBytes / sizeof(uint32_t));
-
-struct ProbeTargets {
-  char* peers[kMaxRanks];
-};
-
-// One thread per (peer, word): the same kind of posted SM store the algorithms make. It waits for
-// no flag, so it needs no timeout of its own: only `delay_ns` (a test hook, 0 otherwise; bounded
-// by the GPU clock) holds it before its stores. What can hold it longer is the platform, a store
-// or the fence stalled in hardware, which no code on the GPU can interrupt; so write_probes
-// bounds its wait on the host, and close() never waits for a kernel that may never end.
-__global__ void write_probes_kernel(ProbeTargets targets, uint64_t offset, uint32_t seed, int rank, int world,
-                                    uint64_t delay_ns) {
-  if (delay_ns != 0) {
-    const uint64_t started = global_timer_ns();
-    while (global_timer_ns() - started < delay_ns) __nanosleep(1000);
-  }
-  const int peer = threadIdx.x / kProbeWords;
-  const int word = threadIdx.x % kProbeWords;
-  if (peer >= world || peer == rank) return;
-  reinterpret_cast<volatile uint32_t*>(targets.peers[peer] + offset)[word] = probe_word(seed, rank, word);
-  __threadfence_system();
-}
-
-// The last call's shape and its signature. Eager callers repeat one shape call after call (a
-// decode step's hidden size), so the FNV hash over the shape runs once per change of shape
-// instead of on every call; call_signature stays the one definition of the value.
-class SignatureMemo {
- public:
-  uint32_t of(Algo algo, int dtype, uint64_t nbytes, int blocks) {
-    if (!valid_ || algo != algo_ || dtype != dtype_ || nbytes != nbytes_ || blocks != blocks_) {
-      signature_ = call_signature(algo, dtype, nbytes, blocks);
-      valid_ = true;
-      algo_ = algo;
-      dtype_ = dtype;
-      nbytes_ = nbytes;
-      blocks_ = blocks;
-    }
-    return signature_;
-  }
-
- private:
-  bool valid_ = false;
-  Algo algo_ = Algo::kOneShot;
-  int dtype_ = 0;
-  uint64_t nbytes_ = 0;
-  int blocks_ = 0;
-  uint32_t signature_ = 0;
-};
-
 }  // namespace
-
-struct Workspace::State {
-  Transport transport = Transport::kP2P;
-  char* local = nullptr;
-  // Host transport: this rank's segment and the peers' (local is own.device_pointer()).
-  HostSegment own;
-  HostSegment peer_segments[kMaxRanks];
-  std::string segment_name;  // own's name in /dev/shm, made by the caller
-  // Host transport: device memory for the local-only words (control, row statistics).
-  char* local_only = nullptr;
-
-  // The base the local-only offsets of the layout apply to (KernelArgs::local).
-  char* local_base() const { return local_only != nullptr ? local_only - layout.control_offset : local; }
-  Control* control() const { return reinterpret_cast<Control*>(local_base() + layout.control_offset); }
-  ErrorRecord* error_host = nullptr;
-  ErrorRecord* error_device = nullptr;
-  char* peers[kMaxRanks] = {};
-  // `peers` in device memory, for the Triton kernels (one pointer argument at any world size):
-  // written once by open_peers, so no caller ever copies it, not even inside a graph capture.
-  uint64_t* peers_table = nullptr;
-  Layout layout{};
-  uint64_t timeout_ns = 0;
-  int island_ranks = 0;
-  bool dependent_launch = false;  // launch as the previous kernel's programmatic dependent
-  bool peers_open = false;
-  bool captured = false;  // a graph capture recorded a call: retire(), never close()
-  bool retired = false;
-  // The transfer test's end, recorded after its kernel, while write_probes gave up waiting for it
-  // (abandon_if_probes_run); null otherwise.
-  cudaEvent_t probes_pending = nullptr;
-  bool abandoned = false;  // close() left the memory allocated for such a kernel
-  uint64_t debug_probe_delay_ns = 0;
-  // Every field of a launch's arguments that is not the call's own (bases, layout, error record,
-  // timeout, rank, world), kept current by open_peers and set_timeout: a call copies it and fills
-  // in its pointers, size and signature instead of rebuilding the rest each time.
-  KernelArgs launch_template{};
-  SignatureMemo signatures;
-
-  void refresh_launch_template(int rank, int world) {
-    KernelArgs& t = launch_template;
-    t = KernelArgs{};
-    for (int r = 0; r < world; ++r) t.bases[r] = peers[r];
-    t.local = local_base();
-    t.layout = layout;
-    t.error = error_device;
-    t.timeout_ns = timeout_ns;
-    t.rank = rank;
-    t.world = world;
-    t.island_ranks = island_ranks;
-  }
-};
 
 Workspace::Workspace(int device, int rank, int world, uint64_t max_bytes, double timeout_s, int transport,
                      const std::string& segment_name)
@@ -370,116 +191,7 @@ void Workspace::open_peers(const std::vector<std::string>& handles) {
   state_->peers_open = true;
 }
 
-// The probes use the parity-1 data slots: before the first call nothing reads them, and a call
-// reads a data slot only after the sender's flag for that call, so leftovers could never pass
-// for data; they are cleared anyway.
-static uint64_t probe_offset(const Layout& layout, int sender) {
-  return layout.parity_bytes + static_cast<uint64_t>(sender) * layout.slot_bytes;
-}
-
-void Workspace::write_probes(uint32_t seed) {
-  PCIE_AR_HOST_ASSERT(state_->peers_open, "write_probes before open_peers");
-  PCIE_AR_HOST_ASSERT(state_->probes_pending == nullptr, "write_probes after a transfer test that did not complete");
-  RelaxedCaptureMode relaxed;
-  DeviceGuard guard(device_);
-  ProbeTargets targets{};
-  for (int r = 0; r < world_; ++r) targets.peers[r] = state_->peers[r];
-  PrivateStream stream;
-  cudaEvent_t done;
-  PCIE_AR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  write_probes_kernel<<<1, kMaxRanks * kProbeWords, 0, stream.get()>>>(
-      targets, probe_offset(state_->layout, rank_), seed, rank_, world_, state_->debug_probe_delay_ns);
-  cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) err = cudaEventRecord(done, stream.get());
-  // Bounded like every other wait: a platform that stalls peer writes makes this rank report it
-  // within the timeout (its peers learn it from the creation step's gather) instead of hanging.
-  if (err == cudaSuccess) err = wait_for_event(done, state_->timeout_ns);
-  if (err == cudaErrorNotReady) {
-    state_->probes_pending = done;  // close() asks it before releasing anything the kernel writes
-    const char* writes = state_->transport == Transport::kHost ? "writes into the shared pinned host memory"
-                                                              : "peer-to-peer writes";
-    throw std::runtime_error("rank " + std::to_string(rank_) + ": the creation-time transfer test's writes into the "
-                             "peers' workspaces did not complete within " + std::to_string(timeout()) + " s: " +
-                             writes + " stall on this platform. That kernel may never end, so closing this "
-                             "workspace leaves its memory and its mappings of the peers' workspaces allocated "
-                             "until the process exits (releasing them would wait for the kernel)");
-  }
-  cudaEventDestroy(done);
-  PCIE_AR_CUDA_CHECK(err);
-}
-
-void Workspace::debug_delay_probes(double seconds) {
-  PCIE_AR_HOST_ASSERT(seconds == 0 || (seconds > 0 && seconds <= static_cast<double>(kMaxTimeoutSeconds)),
-                      "the probe delay must be 0 or positive seconds, at most " + std::to_string(kMaxTimeoutSeconds));
-  state_->debug_probe_delay_ns = seconds == 0 ? 0 : seconds_to_ns(seconds);
-}
-
 bool Workspace::abandoned() const { return state_->abandoned; }
-
-// cudaFree and cudaFreeHost wait for the device's running kernels, and cudaIpcCloseMemHandle and
-// cudaHostUnregister may. After write_probes gave up on its kernel, one stalled in the platform
-// would make them, and so the caller's cleanup after the failed creation, hang forever. So while that
-// kernel runs, this workspace releases nothing it maps or owns: the whole state is leaked on
-// purpose (the driver reclaims it when the process exits) and replaced by a closed one. Only the
-// host segment's /dev/shm name goes, which takes no CUDA call. True when it did so.
-bool Workspace::abandon_if_probes_run() {
-  cudaEvent_t pending = state_->probes_pending;
-  if (pending == nullptr) return false;
-  state_->probes_pending = nullptr;
-  const cudaError_t status = cudaEventQuery(pending);
-  cudaEventDestroy(pending);  // never waits: a pending event is released once it completes
-  if (status != cudaErrorNotReady) {
-    if (status != cudaSuccess) cudaGetLastError();  // the release that follows reports its own errors
-    return false;  // the kernel ended since: release as usual
-  }
-  state_->own.release_name();
-  auto closed = std::make_unique<State>();
-  closed->transport = state_->transport;
-  closed->layout = state_->layout;
-  closed->timeout_ns = state_->timeout_ns;
-  closed->abandoned = true;
-  static_cast<void>(state_.release());  // deliberately leaked, see above
-  state_ = std::move(closed);
-  return true;
-}
-
-std::vector<int> Workspace::probe_failures(uint32_t seed) {
-  PCIE_AR_HOST_ASSERT(state_->peers_open, "probe_failures before open_peers");
-  RelaxedCaptureMode relaxed;
-  DeviceGuard guard(device_);
-  std::vector<uint32_t> got(static_cast<size_t>(world_) * kProbeWords, 0);
-  run_on_private_stream([&](cudaStream_t stream) {
-    cudaError_t err = cudaSuccess;
-    for (int sender = 0; sender < world_ && err == cudaSuccess; ++sender) {
-      if (sender == rank_) continue;
-      uint32_t* into = &got[static_cast<size_t>(sender) * kProbeWords];
-      if (state_->transport == Transport::kHost) {  // host memory: read and clear it from here
-        volatile uint32_t* slot = reinterpret_cast<volatile uint32_t*>(state_->own.host_pointer() +
-                                                                       probe_offset(state_->layout, sender));
-        for (int i = 0; i < kProbeWords; ++i) {
-          into[i] = slot[i];
-          slot[i] = 0;
-        }
-        continue;
-      }
-      char* slot = state_->local + probe_offset(state_->layout, sender);
-      err = cudaMemcpyAsync(into, slot, kProbeBytes, cudaMemcpyDeviceToHost, stream);
-      if (err == cudaSuccess) err = cudaMemsetAsync(slot, 0, kProbeBytes, stream);
-    }
-    return err;
-  });
-  std::vector<int> failed;
-  for (int sender = 0; sender < world_; ++sender) {
-    if (sender == rank_) continue;
-    for (int i = 0; i < kProbeWords; ++i) {
-      if (got[static_cast<size_t>(sender) * kProbeWords + i] != probe_word(seed, sender, i)) {
-        failed.push_back(sender);
-        break;
-      }
-    }
-  }
-  return failed;
-}
 
 uint32_t Workspace::all_reduce(int algo, uint64_t input, uint64_t output, uint64_t nbytes, int dtype, int blocks,
                                uint64_t stream) {
@@ -682,70 +394,6 @@ void Workspace::close() {
   if (state_->peers_table != nullptr) cudaFree(state_->peers_table);
   state_->peers_table = nullptr;
   state_->peers_open = false;
-}
-
-// ---- runtime facts -------------------------------------------------------------------------
-
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so later calls start clean
-    return 0;
-  }
-  return n;
-}
-
-std::string runtime_status() {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return std::string("CUDA runtime reports ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
-  }
-  if (n == 0) return "no CUDA device is visible";
-  return "";
-}
-
-int runtime_version() {
-  int v = 0;
-  cudaRuntimeGetVersion(&v);
-  return v;
-}
-
-int driver_version() {
-  int v = 0;
-  if (cudaDriverGetVersion(&v) != cudaSuccess) return 0;
-  return v;
-}
-
-std::string pci_bus_id(int device) {
-  char buf[64] = {0};
-  PCIE_AR_CUDA_CHECK(cudaDeviceGetPCIBusId(buf, sizeof(buf), device));
-  return std::string(buf);
-}
-
-int device_by_pci_bus_id(const std::string& bus_id) {
-  int device = -1;
-  if (cudaDeviceGetByPCIBusId(&device, bus_id.c_str()) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  return device;
-}
-
-bool can_access_peer(int device, int peer_device) {
-  if (device == peer_device) return true;
-  int ok = 0;
-  PCIE_AR_CUDA_CHECK(cudaDeviceCanAccessPeer(&ok, device, peer_device));
-  return ok != 0;
-}
-
-std::vector<int> compiled_archs() {
-#ifdef __CUDA_ARCH_LIST__
-  return {__CUDA_ARCH_LIST__};
-#else
-  return {};
-#endif
 }
 
 }  // namespace pcie_ar
