@@ -108,10 +108,14 @@ class WorkspaceView:
 
     @classmethod
     def of(cls, workspace: Any) -> "WorkspaceView":
-        """View of a ``pcie_allreduce._C.Workspace`` whose peers are open."""
+        """View of a ``pcie_allreduce._C.Workspace`` whose peers are open. A closed one has no
+        table (address 0), which a view would otherwise take for "make one in host memory"."""
+        table = workspace.peers_table_ptr
+        if not table:
+            raise RuntimeError(f"pcie_allreduce: rank {workspace.rank}'s workspace is closed: the fused kernels "
+                               "have no table of the peers' bases to read")
         return cls(workspace.rank, workspace.world, tuple(workspace.bases()), Layout.of_workspace(workspace),
-                   workspace.error_record_ptr, int(workspace.timeout * 1e9), workspace.local_base,
-                   workspace.peers_table_ptr)
+                   workspace.error_record_ptr, int(workspace.timeout * 1e9), workspace.local_base, table)
 
     def local_offset(self, offset: int) -> int:
         """``offset`` of a local-only word (control, statistics) as an offset from this rank's base,

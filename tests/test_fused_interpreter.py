@@ -8,6 +8,8 @@ the peers' kernels would, and then checks what the rank wrote into the peers' wo
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -227,6 +229,9 @@ def test_a_views_bases_table_holds_every_ranks_base() -> None:
     given = lay.WorkspaceView(0, lay.MAX_RANKS, fake.view.bases, fake.layout, fake.error.data_ptr(), 10**9,
                               bases_ptr=12345)
     assert given.bases_ptr == 12345 and given._host_bases is None
+    closed = types.SimpleNamespace(rank=1, peers_table_ptr=0)
+    with pytest.raises(RuntimeError, match="rank 1's workspace is closed"):
+        lay.WorkspaceView.of(closed)
     with pytest.raises(ValueError, match="one base per rank"):
         lay.WorkspaceView(0, 3, fake.view.bases[:2], fake.layout, fake.error.data_ptr(), 10**9)
 
