@@ -13,15 +13,13 @@ import pytest
 import torch
 
 from tests import _reference as ref
+from tests import _statistic as stat
 from tests._interpreted import interpreted
 
 norm = pytest.importorskip("pcie_allreduce.fused.add_rmsnorm")
 path = pytest.importorskip("pcie_allreduce.fused.path")
 protocol = pytest.importorskip("pcie_allreduce.fused.protocol")
 pytestmark = interpreted
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 EPS = 1e-6
 
@@ -85,18 +83,8 @@ def test_add_rmsnorm_in_place_and_misaligned() -> None:
     assert torch.equal(y2, normed), "the scalar and the vector variant must give the same bits"
 
 
-@triton.jit
-def _sum_kernel(v_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
-    cols = tl.arange(0, BLOCK)
-    ok = cols < N
-    v = tl.load(v_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr, norm.sum_of_squares(v, ok))
-
-
 def _sum(v: torch.Tensor) -> torch.Tensor:
-    out = torch.full((1,), float("nan"), dtype=torch.float32)
-    _sum_kernel[(1,)](v, out, N=v.numel(), BLOCK=triton.next_power_of_2(v.numel()))
-    return out
+    return stat.kernel_sum_of_squares(v).reshape(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -127,3 +115,14 @@ def test_statistic_special_values() -> None:
     assert float(_sum(tiny)) == pytest.approx(want, rel=2.0 ** -20, abs=1e-44)
     assert float(_sum(torch.tensor([1.0, float("inf"), 2.0], dtype=torch.bfloat16))) == float("inf")
     assert torch.isnan(_sum(torch.tensor([1.0, float("nan")], dtype=torch.bfloat16))).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning",
+                            "ignore:overflow encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_statistic_is_its_specification_bit_for_bit(dtype: torch.dtype) -> None:
+    """Every branch of the statistic (tests/_statistic.py: k above 127 and below 0, truncated
+    terms, a sum just below 2^63, inf, NaN) gives the bits its specification, computed in Python
+    integers, gives; and so do rows reversed (the order must not matter)."""
+    wrong = stat.contract_violations(dtype, "cpu")
+    assert not wrong, "\n".join(wrong)

@@ -350,3 +350,15 @@ def test_add_rmsnorm_kernel_compiled(dtype: torch.dtype) -> None:
         ym, rm = ref.misaligned_copy(y), ref.misaligned_copy(residual)
         fused_path.add_rmsnorm(ym, rm, weight, EPS, ym, rm)  # in place, misaligned
         assert _digest(ym, rm) == _digest(normed, new_residual), f"[{tokens}, {hidden}]: misaligned variant differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_statistic_compiled_is_its_specification_bit_for_bit(dtype: torch.dtype) -> None:
+    """The row statistic every fused kernel and the add + RMSNorm kernel share, compiled for this
+    GPU, gives the bits its specification gives (tests/_statistic.py: every branch, sums on an
+    fp32 rounding tie, inf and NaN), forwards and reversed: the compiled code, not only the
+    interpreter, keeps the contract that makes the norm independent of order and layout."""
+    from tests import _statistic as stat
+
+    wrong = stat.contract_violations(dtype, "cuda")
+    assert not wrong, "\n".join(wrong)
