@@ -1,8 +1,9 @@
 """The AROUND hooks the plugin puts on SGLang functions, and the table of their targets.
 
 Each hook is ``hook(original, <SGLang's own parameters>)``; the parameter names after
-``original`` repeat SGLang's (tests/test_sglang_plugin.py checks them with inspect.signature, so
-an SGLang upgrade that changes one fails loudly instead of silently serving nothing).
+``original`` repeat SGLang's (tests/test_sglang_plugin_settings_and_surface.py checks them with
+inspect.signature, so an SGLang upgrade that changes one fails loudly instead of silently serving
+nothing).
 
 - ``dispatch_custom_allreduce``: ``GroupCoordinator.__init__`` asks it which class to build as
   ``ca_comm``; for the ``tp`` group we hand back a factory that decides collectively and builds

@@ -1,9 +1,9 @@
 """The parts of SGLang the plugin relies on, with the signatures it expects.
 
 Checked at registration (a moved hook target turns the plugin off with a clear log line instead
-of silently serving nothing) and by tests/test_sglang_plugin.py (an SGLang upgrade that moves
-any of them fails CI). Where a module cannot be imported on a machine (SGLang's model layers
-need transformers/torchvision), the tests read the signature from SGLang's
+of silently serving nothing) and by tests/test_sglang_plugin_settings_and_surface.py (an SGLang
+upgrade that moves any of them fails CI). Where a module cannot be imported on a machine
+(SGLang's model layers need transformers/torchvision), the tests read the signature from SGLang's
 installed source file instead, without importing it
 (:func:`pcie_allreduce.plugin_surface.source_parameters`).
 """

@@ -16,7 +16,7 @@ from pcie_allreduce.settings import SettingsError
 
 from tests.test_bench_fused import fake_fused_report
 from tests.test_bench_verify import fake_verify_report
-from tests.test_bench_cli import _fake_report
+from tests._bench_cli_support import _fake_report
 
 
 def test_series_of_a_sweep() -> None:

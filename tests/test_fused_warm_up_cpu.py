@@ -17,7 +17,7 @@ import torch
 import pcie_allreduce
 from pcie_allreduce.plan.tables import default_table
 from pcie_allreduce.tools import ranks
-from tests.test_creation_cpu import _fake_cuda
+from tests._creation_fakes import _fake_cuda
 
 SHAPES = [(1, 7168), (4, 7168), (8, 4096), (32, 2050), (128, 8192)]
 

@@ -13,7 +13,7 @@ from pcie_allreduce.plan.tables import default_table
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import sysfs as fabric_sysfs, topology
 from tests import _sysfs
-from tests.test_creation_cpu import _fake_cuda
+from tests._creation_fakes import _fake_cuda
 
 WORLD = 4
 # Where FakeExtension(distinct_gpus=True) puts rank r's GPU: on the host bridge, at 0000:00:0<6+r>.0.

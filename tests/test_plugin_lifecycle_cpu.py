@@ -8,7 +8,7 @@
   one process leaves no workspace allocated, graph-captured ones included; a second close does
   nothing; and a rank whose peer never tears down does not hang (it keeps its memory instead).
 
-The communicator is pcie_allreduce's own, on the fake extension of tests/test_creation_cpu.py
+The communicator is pcie_allreduce's own, on the fake extension of tests/_creation_fakes.py
 (its workspaces record whether they were freed or retired); the engines' classes are never stood in for.
 """
 
@@ -28,7 +28,7 @@ from pcie_allreduce.errors import CollectiveTimeout
 from tests._sglang import ensure_entry_point as ensure_sglang_entry_point, sglang_skip_reason
 from tests._standins import GlooCommunicator
 from tests._vllm import ensure_entry_point as ensure_vllm_entry_point, plugin_env, tp_group, vllm_skip_reason
-from tests.test_creation_cpu import FakeWorkspace, _fake_cuda
+from tests._creation_fakes import FakeWorkspace, _fake_cuda
 
 VLLM_SKIP = vllm_skip_reason()
 SGLANG_SKIP = sglang_skip_reason()
