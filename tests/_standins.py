@@ -79,6 +79,40 @@ class GlooCommunicator:
         dist.barrier(group=self.group)
 
 
+class CappedCommunicator:
+    """A communicator as an engine's adapter sees it, on ``transport``, raising as the real one does
+    for a forced algorithm the message does not fit (or the transport does not run); records the
+    algorithm of every call it served."""
+
+    device, rank, world_size, max_bytes, island_ranks = torch.device("cpu"), 0, 2, 8 << 20, 0
+
+    def __init__(self, *args: Any, transport: str = "p2p", **kwargs: Any) -> None:
+        self.transport = transport
+        self.ll_capacity = Layout.make(self.max_bytes, self.world_size).ll_capacity
+        self.launched: list[str] = []
+
+    def check(self) -> None:
+        pass
+
+    def capacity_of(self, algo: str) -> int | None:
+        return algorithms.capacity_of(algo, self.ll_capacity)
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, algo: str = "auto") -> torch.Tensor:
+        from pcie_allreduce.plan import dispatch, tables
+
+        nbytes = x.numel() * x.element_size()
+        problem = algorithms.call_problem(algo, nbytes, x.element_size(), self.transport, 0, 1 << 30,
+                                          self.ll_capacity)
+        if problem is not None:  # raises as the communicator would
+            raise ValueError(problem)
+        dispatch.plain_choice(nbytes, self.world_size, x.dtype, tables.default_table(),
+                              ll_capacity=self.ll_capacity, algo=algo)  # raises as the communicator would
+        if not algorithms.runs_on(algo, self.transport):
+            raise ValueError(f"algo={algo!r} runs on the host transport only")
+        self.launched.append(algo)
+        return x.clone()
+
+
 def ensure_entry_point(group: str, name: str, value: str, prefix: str) -> str | None:
     """Make an engine's plugin loader find entry point ``name = value`` of ``group`` in this
     process, installed or not. When the package is installed its metadata already declares it and

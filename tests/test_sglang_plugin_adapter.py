@@ -20,7 +20,7 @@ from pcie_allreduce.tools import ranks
 from pcie_allreduce.layout import Layout
 from pcie_allreduce.plugin_eligibility import Decision, RankFacts
 from sglang_plugin.settings import Settings, SettingsError
-from tests._standins import GlooCommunicator
+from tests._standins import CappedCommunicator, GlooCommunicator
 
 
 # ---------------------------------------------------------------------------- eligibility (pure parts)
@@ -175,41 +175,6 @@ def test_adapter_checks_every_workspace_before_each_eager_call() -> None:
     assert adapter.comm.launched == 0
 
 
-class _Capped:
-    """A communicator as the adapter sees it, on ``transport``, raising as the real one does for a
-    forced algorithm the message does not fit."""
-
-    device, rank, world_size, max_bytes, island_ranks = torch.device("cpu"), 0, 2, 8 << 20, 0
-
-    def __init__(self, *args, transport: str = "p2p", **kwargs) -> None:
-        self.transport = transport
-        self.ll_capacity = Layout.make(self.max_bytes, self.world_size).ll_capacity
-        self.launched: list[str] = []
-
-    def check(self) -> None:
-        pass
-
-    def capacity_of(self, algo: str) -> int | None:
-        from pcie_allreduce.plan import algorithms, tables
-
-        return algorithms.capacity_of(algo, self.ll_capacity)
-
-    def all_reduce(self, x, out=None, algo="auto"):
-        from pcie_allreduce.plan import algorithms, tables
-        from pcie_allreduce.plan import dispatch
-
-        problem = algorithms.call_problem(algo, x.numel() * x.element_size(), x.element_size(), self.transport, 0,
-                                          1 << 30, self.ll_capacity)
-        if problem is not None:  # raises as the communicator would
-            raise ValueError(problem)
-        dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, tables.default_table(),
-                              ll_capacity=self.ll_capacity, algo=algo)  # raises as the communicator would
-        if not algorithms.runs_on(algo, self.transport):
-            raise ValueError(f"algo={algo!r} runs on the host transport only")
-        self.launched.append(algo)
-        return x.clone()
-
-
 @pytest.mark.parametrize("algo", ["oneshot_ll", "oneshot_full", "twoshot_full", "host_oneshot", "host_twoshot",
                                   "oneshot", "twoshot", "auto"])
 @pytest.mark.parametrize("transport", ["p2p", "host"])
@@ -219,7 +184,7 @@ def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: s
     from sglang_plugin.adapter import PcieAllReduceAdapter
 
     adapter = PcieAllReduceAdapter(None, "cpu", Settings(enabled=True, algo=algo),
-                                   communicator_factory=lambda *a, **k: _Capped(transport=transport))
+                                   communicator_factory=lambda *a, **k: CappedCommunicator(transport=transport))
     ll_capacity = adapter.comm.ll_capacity
     runs = algo == "auto" or algorithms.runs_on(algo, transport)
     limit = min(algorithms.capacity_of(algo, ll_capacity) or adapter.max_bytes, adapter.max_bytes)

@@ -25,7 +25,7 @@ from pcie_allreduce import plugin_settings
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.settings import SettingsError
 from sglang_plugin import settings as sglang_settings
-from tests._standins import GlooCommunicator
+from tests._standins import CappedCommunicator, GlooCommunicator
 from tests._vllm import REPO, cpu_facts, ensure_entry_point, plugin_env, tp_group, vllm_skip_reason
 from vllm_plugin import settings as settings_mod
 from pcie_allreduce.plugin_eligibility import RankFacts
@@ -380,41 +380,6 @@ def test_eligibility_is_one_decision_for_all_ranks() -> None:
         assert mine.serve is serve and needle in mine.reason, (case, mine)
 
 
-class _Capped:
-    """A communicator as the adapter sees it, raising as the real one does for a forced algorithm
-    the message does not fit."""
-
-    device, rank, world_size, max_bytes, island_ranks = torch.device("cpu"), 0, 2, 8 << 20, 0
-
-    def __init__(self, *args, transport: str = "p2p", **kwargs) -> None:
-        from pcie_allreduce.layout import Layout
-
-        self.transport = transport
-        self.ll_capacity = Layout.make(self.max_bytes, self.world_size).ll_capacity
-
-    def check(self) -> None:
-        pass
-
-    def capacity_of(self, algo: str) -> int | None:
-        from pcie_allreduce.plan import algorithms, tables
-
-        return algorithms.capacity_of(algo, self.ll_capacity)
-
-    def all_reduce(self, x, out=None, algo="auto"):
-        from pcie_allreduce.plan import algorithms, tables
-        from pcie_allreduce.plan import dispatch
-
-        problem = algorithms.call_problem(algo, x.numel() * x.element_size(), x.element_size(), self.transport, 0,
-                                          1 << 30, self.ll_capacity)
-        if problem is not None:  # raises as the communicator would
-            raise ValueError(problem)
-        dispatch.plain_choice(x.numel() * x.element_size(), self.world_size, x.dtype, tables.default_table(),
-                              ll_capacity=self.ll_capacity, algo=algo)
-        if not algorithms.runs_on(algo, self.transport):
-            raise ValueError(f"algo={algo!r} runs on the host transport only")
-        return x.clone()
-
-
 @pytest.mark.parametrize("algo", ["oneshot_ll", "twoshot_full", "host_oneshot", "twoshot", "auto"])
 @pytest.mark.parametrize("transport", ["p2p", "host"])
 def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: str) -> None:
@@ -422,7 +387,7 @@ def test_a_forced_algorithm_declines_what_it_cannot_take(algo: str, transport: s
     from vllm_plugin.adapter import VllmAllReduceAdapter
 
     adapter = VllmAllReduceAdapter(None, "cpu", Settings(enabled=True, algo=algo),
-                                   communicator_factory=lambda *a, **k: _Capped(transport=transport))
+                                   communicator_factory=lambda *a, **k: CappedCommunicator(transport=transport))
     for nbytes in sorted({16, adapter.comm.ll_capacity, adapter.comm.ll_capacity + 16, adapter.max_bytes}):
         x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
         served = adapter.should_custom_ar(x)
