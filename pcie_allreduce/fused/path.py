@@ -113,6 +113,7 @@ class FusedPath:
         for call, (plan, tensors) in pending.items():
             self._compile_everywhere(comm, call, compile_call(plan, tensors))
         return len(pending)
+
     def view_of(self, workspace: Any) -> WorkspaceView:
         """The fused kernels' view of ``workspace``, made at its first fused call (no copy: the
         bases table is the workspace's own, so inside a graph capture too)."""
