@@ -22,7 +22,7 @@ from pcie_allreduce.plan import algorithms
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import topology
 from tests import _reference as ref
-from tests.test_allreduce_gpu import _skip_one_call
+from tests._allreduce_gpu import skip_one_call
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -140,7 +140,7 @@ def test_island_algorithms_in_a_cuda_graph_replayed_with_fresh_inputs(transport:
 @pytest.mark.parametrize("algo", ISLAND_ALGOS)
 @pytest.mark.parametrize("skipper", [0, 3, 4, 7])
 def test_a_rank_that_skips_an_island_call_makes_every_other_rank_raise(skipper: int, algo: str) -> None:
-    results = ranks.run_ranks(_skip_one_call, 8, skipper, algo, 4 * 7168 + 3, timeout_s=300,
+    results = ranks.run_ranks(skip_one_call, 8, skipper, algo, 4 * 7168 + 3, timeout_s=300,
                               env=_islands_env(8, 2))
     stages = set()
     for rank, r in enumerate(results):

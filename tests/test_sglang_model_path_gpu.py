@@ -38,13 +38,13 @@ and, inside the plugin, ``resolve_fusion_group``; ``post_experts_reduction_group
 
 Stand-ins (each says what it reproduces):
 
-- the layer loop and the boundary steps (``_model_forward`` and the ``_..._stand_in`` functions
-  beside it): ``DeepseekV2DecoderLayer`` needs a model config; the ``layer_boundary`` package
+- the layer loop and the boundary steps (``model_forward`` and the ``_..._stand_in`` functions
+  beside it, tests/_sglang_model.py): ``DeepseekV2DecoderLayer`` needs a model config; the ``layer_boundary`` package
   imports ``sglang.srt.layers.layernorm`` (``sgl_kernel`` on CUDA) and the quantization package
   (``compressed_tensors``), and binding its stages reads the published server config. The GPU
   test machine has none of these. The stand-ins make SGLang's calls in SGLang's order, reading
   the parallel state through SGLang's own functions.
-- :class:`RMSNormStandIn` where SGLang's ``RMSNorm`` does not import: ``forward`` is its
+- ``RMSNormStandIn`` (tests/_sglang_model.py) where SGLang's ``RMSNorm`` does not import: ``forward`` is its
   ``forward_native``, ``forward_with_allreduce_fusion`` its ``_forward_with_allreduce_fusion``.
 - the attention and MoE compute: fixed per-rank partial outputs (tests/_reference.py inputs), so
   every boundary has an exact reference.
@@ -82,7 +82,6 @@ import os
 import pickle
 import sys
 import types
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -92,6 +91,7 @@ import pcie_allreduce
 from pcie_allreduce.tools import ranks
 from tests import _reference as ref
 from tests._sglang import plugin_tp_coordinator, serving_env, sglang_skip_reason
+from tests._sglang_model import LAYERS, Outputs, gate_closed, model_forward, plugin_gate, rmsnorm_class
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason() or sglang_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -102,7 +102,6 @@ HIDDEN = 7168  # DeepSeek-V3 / Kimi-K2
 EPS = 1e-6
 DTYPE = torch.bfloat16
 TOKENS = (1, 4, 32)  # decode batches and a target-verify batch
-LAYERS = 3
 NORMS = 2 * LAYERS + 1  # per layer the input and post-attention norms, then the final norm
 FUSED_PER_FORWARD = 2 * LAYERS - 1  # every boundary but the stack entry and the final norm
 PLAIN_PER_FORWARD = 1  # the last layer's MoE sum
@@ -111,8 +110,6 @@ EAGER_SEEDS = (1, 2)
 REPLAYS = 3
 WARMUPS = 2  # SGLang's graph runner runs each batch size twice in the capture context first
 MAX_FUSED_BATCH = 2048  # add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE
-
-Outputs = list[tuple[torch.Tensor, torch.Tensor]]  # (normed, new residual) per boundary, in order
 
 
 # ---------------------------------------------------------------------------- SGLang set-up
@@ -169,79 +166,6 @@ def _count_served(adapter) -> collections.Counter:
     return served
 
 
-# ---------------------------------------------------------------------------- RMSNorm
-
-
-class RMSNormStandIn(torch.nn.Module):
-    """Stand-in for SGLang 0.5.23's ``RMSNorm`` (sglang/srt/layers/layernorm.py) where that module
-    does not import (on CUDA it imports ``sgl_kernel``). ``forward`` is its ``forward_native`` at
-    the defaults a DeepSeek layer uses; ``forward_with_allreduce_fusion`` is its
-    ``_forward_with_allreduce_fusion`` off ROCm."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=weight_dtype))
-        self.variance_epsilon = eps
-        self.hidden_size = hidden_size
-
-    def forward(self, x, residual=None, post_residual_addition=None):
-        return self.forward_native(x, residual, post_residual_addition)
-
-    def forward_native(self, x, residual=None, post_residual_addition=None):
-        # RMSNorm.forward_native: add in fp32, round the residual once, norm in fp32, scale, round.
-        if not x.is_contiguous():
-            x = x.contiguous()
-        orig_dtype = x.dtype
-        x = x.to(torch.float32)
-        if residual is not None:
-            x = x + residual.to(torch.float32)
-            if post_residual_addition is not None:
-                x = x + post_residual_addition.to(torch.float32)
-            residual = x.to(orig_dtype)
-        variance = x.pow(2).mean(dim=-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
-        x = (x * self.weight).to(orig_dtype)
-        return x if residual is None else (x, residual)
-
-    def forward_with_allreduce_fusion(self, x, residual=None, post_residual_addition=None, use_attn_tp_group=True):
-        # layernorm.py _forward_with_allreduce_fusion, its CUDA branch.
-        if residual is not None:
-            from sglang.srt.distributed import attention_tensor_model_parallel_all_reduce
-            from sglang.srt.layers import flashinfer_comm_fusion
-            from sglang.srt.layers.moe.utils import deferred_post_experts_all_reduce
-            from sglang.srt.runtime_context import get_parallel
-
-            parallel = get_parallel()
-            if use_attn_tp_group:
-                world_size = parallel.attn_tp_size
-            else:
-                world_size = parallel.moe_ep_size if parallel.moe_ep_size > 1 else parallel.moe_tp_size
-            if world_size > 1:
-                if post_residual_addition is not None:
-                    residual = residual + post_residual_addition
-                fused = flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm(
-                    input_tensor=x, residual=residual, weight=self.weight, eps=self.variance_epsilon,
-                    max_token_num=max(x.shape[0], 2048), use_attn_tp_group=use_attn_tp_group)
-                if fused[0] is not None:
-                    return fused
-                # Declined: all-reduce over the group the kernel would have, then add and norm.
-                x = attention_tensor_model_parallel_all_reduce(x) if use_attn_tp_group \
-                    else deferred_post_experts_all_reduce(x)
-                if post_residual_addition is None:
-                    residual = residual.clone()
-                return self.forward(x, residual, None)
-        return self.forward(x, residual, post_residual_addition)
-
-
-def _rmsnorm_class() -> tuple[type, str]:
-    """SGLang's ``RMSNorm`` where its module imports, else the stand-in; and which it is."""
-    try:
-        from sglang.srt.layers.layernorm import RMSNorm
-    except Exception as exc:  # noqa: BLE001 - on CUDA without sgl_kernel (the GPU test machine), or a missing package
-        return RMSNormStandIn, f"stand-in ({type(exc).__name__}: {exc})"
-    return RMSNorm, "sglang.srt.layers.layernorm.RMSNorm"
-
-
 def _weights() -> list[torch.Tensor]:
     """The norms' weights (bf16, as a bf16 checkpoint loads them), the same on every rank."""
     return [(1 + 0.1 * ref.rank_input(700 + j, 0, HIDDEN, torch.float32)).to(DTYPE) for j in range(NORMS)]
@@ -249,7 +173,7 @@ def _weights() -> list[torch.Tensor]:
 
 def _norms(device: torch.device, weights: list[torch.Tensor]) -> tuple[list[torch.nn.Module], str]:
     """Per layer ``input_layernorm`` and ``post_attention_layernorm``, then the model's final norm."""
-    cls, kind = _rmsnorm_class()
+    cls, kind = rmsnorm_class()
     norms = []
     for weight in weights:
         norm = cls(HIDDEN, eps=EPS, weight_dtype=DTYPE)
@@ -257,133 +181,6 @@ def _norms(device: torch.device, weights: list[torch.Tensor]) -> tuple[list[torc
         norm.weight.requires_grad_(False)
         norms.append(norm.to(device))
     return norms, kind
-
-
-# ---------------------------------------------------------------------------- the layers
-
-
-@dataclasses.dataclass(frozen=True)
-class UnreducedOutputStandIn:
-    """Stand-in for ``UnreducedOutput`` (layer_boundary/output.py): a partial output and the group
-    that owes its sum; ``complete()`` is its ``group.all_reduce(partial)``."""
-
-    partial: torch.Tensor
-    group: Any
-
-    def complete(self) -> torch.Tensor:
-        return self.group.all_reduce(self.partial)
-
-
-def _plugin_gate(batch_size: int) -> bool:
-    """Stand-in for calling the hooked ``add_norm.flashinfer_ar_fusion_applies``: the plugin's hook
-    around SGLang's own answer where FlashInfer's fusion is not configured."""
-    from sglang_plugin import hooks
-
-    return hooks.flashinfer_ar_fusion_applies(_sglang_gate_without_flashinfer_fusion, batch_size)
-
-
-def _sglang_gate_without_flashinfer_fusion(batch_size: int) -> bool:
-    return False
-
-
-def _gate_closed(batch_size: int) -> bool:
-    """The gate as SGLang leaves it without the plugin's fused path: every boundary runs unfused."""
-    return False
-
-
-def _stack_entry_stand_in(norm, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 0's ``attn_boundary.prepare`` on a fresh stream: prepare.py ``_update_read`` with
-    ``enters_stack`` (``init_residual``), then ``NormQuantReadout.read`` ->
-    ``_update_and_read_residual_plain(norm, hidden, None, None)``: the input is the residual."""
-    return norm(hidden), hidden
-
-
-def _ffn_input_stand_in(norm, partial: torch.Tensor, residual: torch.Tensor, gate: Callable[[int], bool]):
-    """``ffn_boundary.prepare`` with the attention's sum owed (``DeclaredSum`` over attention TP):
-    prepare.py ``_reduce_update_read`` tries ``fused_ffn_input`` (fusions/allreduce.py), else runs
-    ``attn_tp_all_reduce`` (ops.py: the plain attention-TP all-reduce for decode) and
-    ``NORM_READOUT.update_and_read`` -> ``norm(hidden, residual)``."""
-    from sglang.srt.distributed import attention_tensor_model_parallel_all_reduce
-
-    # fused_ffn_input: aiter_ar_fusion_applies is False off ROCm, so the FlashInfer gate decides.
-    if gate(partial.shape[0]):
-        return norm.forward_with_allreduce_fusion(partial, residual, use_attn_tp_group=True)
-    return norm(attention_tensor_model_parallel_all_reduce(partial), residual)
-
-
-def _moe_sum_deferred_stand_in(partial: torch.Tensor) -> bool:
-    """The FFN exit's decision for a MoE layer that is not the last (exit.py ``ExitPolicy._decide``
-    -> ``_defers_sum``: ``exit_facts``' ``may_defer_sum`` and ``single_sum``, and
-    ``_batch_allows_deferred_sum``). The parallel terms are SGLang's functions;
-    ``post_experts_sum_is_one_all_reduce``'s others read the server config and hold at a plain
-    launch (no all-to-all backend, no quantised communication, no TP1 shared experts, no LoRA)."""
-    from sglang.srt.layers.moe.utils import can_merge_post_experts_all_reduce, post_experts_reduction_group
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    may_defer_sum = parallel.tp_size > 1 and not (
-        parallel.moe_ep_size > 1 and parallel.moe_tp_size > 1 and not can_merge_post_experts_all_reduce())
-    single_sum = (not (parallel.moe_ep_size > 1 and parallel.moe_tp_size > 1)
-                  and post_experts_reduction_group() is parallel.tp_group)
-    return may_defer_sum and partial.shape[0] > 0 and single_sum
-
-
-def _ffn_exit_stand_in(partial: torch.Tensor, terminal: bool):
-    """``ffn_exit.finish``: the MoE's sum deferred as an ``UnreducedOutput`` over
-    ``post_experts_reduction_group()``, or completed now (``sum_output`` over the MoE output's
-    group -> ``sum_post_experts_output``), as the last layer does: nothing after it fuses it."""
-    from sglang.srt.layers.moe.utils import post_experts_reduction_group, sum_post_experts_output
-
-    if not terminal and _moe_sum_deferred_stand_in(partial):
-        return UnreducedOutputStandIn(partial, post_experts_reduction_group())
-    return sum_post_experts_output(partial)
-
-
-def _attn_input_stand_in(norm, hidden, residual: torch.Tensor, gate: Callable[[int], bool]):
-    """``attn_boundary.prepare`` after a MoE layer: prepare.py ``_run_entry`` tries
-    ``fused_attn_input`` on an un-reduced output, else completes it (``complete_owed``), then
-    ``NormQuantReadout.update_and_read`` -> ``norm(hidden, residual, None)``."""
-    from sglang.srt.layers.moe.utils import post_experts_reduction_group
-
-    if isinstance(hidden, UnreducedOutputStandIn):
-        # fused_attn_input: no post-residual addition here; the kernel reduces over the MoE group.
-        if hidden.group is post_experts_reduction_group() and gate(hidden.partial.shape[0]):
-            return norm.forward_with_allreduce_fusion(hidden.partial, residual, use_attn_tp_group=False)
-        hidden = hidden.complete()
-    return norm(hidden, residual, None)
-
-
-def _final_norm_stand_in(norm, hidden: torch.Tensor, residual: torch.Tensor):
-    """``residual_batch.final_norm``: the stream's (complete) output and residual ->
-    ``access.final_norm_pair`` -> ``norm(hidden, residual)``."""
-    return norm(hidden, residual)
-
-
-def _model_forward(norms: list, embedding: torch.Tensor, partials: list[torch.Tensor],
-                   gate: Callable[[int], bool]) -> Outputs:
-    """Stand-in for ``DeepseekV2Model.forward``'s layer loop over ``DeepseekV2DecoderLayer.forward``
-    (boundary steps only): ``partials[2 l]`` is layer l's attention output (o_proj, un-reduced),
-    ``partials[2 l + 1]`` its MoE output (un-reduced). Returns every boundary's (normed, residual),
-    copied when made: SGLang's CUDA RMSNorm updates a residual in place at the next boundary."""
-    outs = []
-
-    def keep(pair) -> None:
-        outs.append((pair[0].clone(), pair[1].clone()))
-
-    normed, residual = _stack_entry_stand_in(norms[0], embedding)
-    keep((normed, residual))
-    hidden = None
-    for layer in range(LAYERS):
-        if layer > 0:
-            normed, residual = _attn_input_stand_in(norms[2 * layer], hidden, residual, gate)
-            keep((normed, residual))
-        # (the attention runs on ``normed`` here; its stand-in output is partials[2 * layer])
-        normed, residual = _ffn_input_stand_in(norms[2 * layer + 1], partials[2 * layer], residual, gate)
-        keep((normed, residual))
-        # (the MoE runs on ``normed`` here; its stand-in output is partials[2 * layer + 1])
-        hidden = _ffn_exit_stand_in(partials[2 * layer + 1], terminal=layer == LAYERS - 1)
-    keep(_final_norm_stand_in(norms[-1], hidden, residual))
-    return outs
 
 
 # ---------------------------------------------------------------------------- references
@@ -453,11 +250,11 @@ def _eager(ctx: ranks.RankContext, norms: list, weights: list, served: collectio
             case = _case(seed, tokens, ctx.world_size, weights)
             what = f"eager T={tokens} seed={seed}"
             before = served.copy()
-            fused = _model_forward(norms, *case.rank_inputs(ctx.rank, ctx.device), _plugin_gate)
+            fused = model_forward(norms, *case.rank_inputs(ctx.rank, ctx.device), plugin_gate)
             _expect_served(served, before, FUSED_PER_FORWARD, PLAIN_PER_FORWARD, f"{what} fused")
             _check(fused, case, f"{what} fused")
             before = served.copy()
-            unfused = _model_forward(norms, *case.rank_inputs(ctx.rank, ctx.device), _gate_closed)
+            unfused = model_forward(norms, *case.rank_inputs(ctx.rank, ctx.device), gate_closed)
             _expect_served(served, before, 0, PLAIN_PER_UNFUSED_FORWARD, f"{what} unfused")
             _check(unfused, case, f"{what} unfused")
             for j, ((fn, fr), (un, ur)) in enumerate(zip(fused, unfused)):
@@ -480,7 +277,7 @@ def _graphs(ctx: ranks.RankContext, tp, norms: list, weights: list, served: coll
             embedding, partials = _case(0, tokens, ctx.world_size, weights).rank_inputs(ctx.rank, ctx.device)
 
             def step(embedding=embedding, partials=partials) -> Outputs:
-                return _model_forward(norms, embedding, partials, _plugin_gate)
+                return model_forward(norms, embedding, partials, plugin_gate)
 
             before = served.copy()
             for _ in range(WARMUPS):
@@ -524,7 +321,7 @@ def _rank(ctx: ranks.RankContext) -> dict:
     norms, report["rmsnorm"] = _norms(ctx.device, weights)
 
     with get_parallel().override(**_tp_only_parallel(ctx, tp)), torch.inference_mode():
-        report["gate"] = {t: _plugin_gate(t) for t in (*TOKENS, MAX_FUSED_BATCH, MAX_FUSED_BATCH + 1)}
+        report["gate"] = {t: plugin_gate(t) for t in (*TOKENS, MAX_FUSED_BATCH, MAX_FUSED_BATCH + 1)}
         report["eager"] = _eager(ctx, norms, weights, served)
         report["graph"] = _graphs(ctx, tp, norms, weights, served, report["eager"])
     report["served"] = dict(served)
