@@ -1,8 +1,9 @@
 """What the multi-rank GPU tests of the CUDA all-reduce kernels share: the worlds and transports
 they run on (``PCIE_AR_TEST_WORLDS``, ``PCIE_AR_TEST_TRANSPORTS``), the reason they skip, and the
-algorithms each transport takes. The tests: test_allreduce_gpu.py (results),
-test_allreduce_faults_gpu.py (a late, missing or mismatched peer), test_allreduce_lifecycle_gpu.py
-(creation, peers and close)."""
+algorithms each transport takes, and what a rank saw of a call that gave up. The tests:
+test_allreduce_gpu.py (results), test_allreduce_faults_gpu.py (a late, missing or mismatched
+peer), test_allreduce_lifecycle_gpu.py (creation, peers and close); the island and fused GPU
+tests use its failure helpers too."""
 
 from __future__ import annotations
 
@@ -65,3 +66,13 @@ def skip_one_call(ctx: ranks.RankContext, skipper: int, algo: str = "auto", nume
     all_nan = bool(torch.isnan(out).all())
     comm.close()
     return {"raised": raised, "elapsed": elapsed, "all_nan": all_nan}
+
+
+def timed_out_peer(comm: pcie_allreduce.Communicator) -> int | None:
+    """The peer ``comm.check()`` names in its CollectiveTimeout, or None where it raises nothing:
+    what a rank saw of a call that gave up (the fused and plain give-up tests share it)."""
+    try:
+        comm.check()
+    except CollectiveTimeout as exc:
+        return exc.peer
+    return None

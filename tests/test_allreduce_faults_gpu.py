@@ -17,7 +17,8 @@ import pcie_allreduce
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.errors import CollectiveMismatch, CollectiveTimeout
 from tests import _reference as ref
-from tests._allreduce_gpu import ALGOS, MAX_BYTES, SKIP_REASON, TRANSPORTS, WIDE_WORLDS, WORLDS, algos_of, skip_one_call
+from tests._allreduce_gpu import (ALGOS, MAX_BYTES, SKIP_REASON, TRANSPORTS, WIDE_WORLDS, WORLDS, algos_of, skip_one_call,
+                                  timed_out_peer)
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
@@ -148,11 +149,7 @@ def _replay_with_a_missing_rank(ctx: ranks.RankContext, algo: str, dtype: torch.
     if not late:
         graph.replay()  # the last rank never replays: every call of this replay gives up
     torch.cuda.synchronize()
-    try:
-        comm.check()
-        raised = None
-    except CollectiveTimeout as exc:
-        raised = exc.peer
+    raised = timed_out_peer(comm)
     result = {"late": late, "raised": raised, "all_nan": [bool(torch.isnan(out).all()) for out in outs]}
     del graph
     comm.close()

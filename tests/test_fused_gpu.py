@@ -11,6 +11,7 @@ import torch
 import pcie_allreduce
 from pcie_allreduce.tools import ranks
 from tests import _reference as ref
+from tests._allreduce_gpu import timed_out_peer
 
 SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -258,8 +259,6 @@ def test_a_prepared_streams_first_fused_call_may_be_captured(world: int, algo: s
 def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
     """The last rank never issues one fused call: every other rank's call gives up after timeout_s,
     raises through check(), and leaves NaN in both outputs (normed and new residual)."""
-    from pcie_allreduce.errors import CollectiveTimeout
-
     comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=2.0)
     xs, residual, weight, _, want_res = _case(ctx, *_small_call(ctx.world_size), torch.bfloat16, 77)
     x, res, w = xs[ctx.rank].to(ctx.device), residual.to(ctx.device), weight.to(ctx.device)
@@ -273,11 +272,7 @@ def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
     if not late:
         comm.all_reduce_rmsnorm(x, res, w, EPS, out=normed, residual_out=new_res, algo=algo)
     torch.cuda.synchronize()
-    try:
-        comm.check()
-        raised = None
-    except CollectiveTimeout as exc:
-        raised = exc.peer
+    raised = timed_out_peer(comm)
     result = {"late": late, "raised": raised,
               "all_nan": [bool(torch.isnan(normed).all()), bool(torch.isnan(new_res).all())]}
     comm.close()
@@ -294,13 +289,17 @@ def test_a_fused_call_that_gives_up_leaves_nan_in_both_outputs(algo: str, world:
         assert r["all_nan"] == [True, True], f"rank {rank}: the fused call that gave up left data: {r}"
 
 
+# The late-rank test's kernel timeout; its late rank arrives three times this late.
+LATE_TIMEOUT_S = 2.0
+
+
 def _first_calls_of_a_late_rank(ctx: ranks.RankContext) -> dict:
-    """The last rank reaches the first fused call of each shape 15 s after the others (eagerly,
+    """The last rank reaches the first fused call of each shape 6 s after the others (eagerly,
     then inside a graph capture), three times the kernels' timeout: the others wait for it while
     compiling, never inside a kernel, so every call completes with the right result."""
     import time
 
-    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=5.0)
+    comm = pcie_allreduce.Communicator(ctx.group, ctx.device, max_bytes=MAX_BYTES, timeout_s=LATE_TIMEOUT_S)
     late = ctx.rank == ctx.world_size - 1
     outcomes = []
     for capture, tokens, algo in ((False, 4, "auto"), (False, 3, "oneshot"), (True, 5, "auto"), (True, 6, "twoshot")):
@@ -308,7 +307,7 @@ def _first_calls_of_a_late_rank(ctx: ranks.RankContext) -> dict:
         x, res, w = xs[ctx.rank].to(ctx.device), residual.to(ctx.device), weight.to(ctx.device)
         torch.distributed.barrier(group=ctx.group)
         if late:
-            time.sleep(15.0)
+            time.sleep(3 * LATE_TIMEOUT_S)
         if capture:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
