@@ -18,12 +18,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pcie_allreduce.validation import MAX_RMSNORM_HIDDEN
+
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 norm = pytest.importorskip("pcie_allreduce.fused.add_rmsnorm")
 
+# The grid of the specification, stated here rather than read from the kernel: a change to the
+# kernel's grid must fail this test, not follow it.
 GRID_TOP = 48
-MAX_HIDDEN = 16384  # pcie_allreduce.validation.MAX_RMSNORM_HIDDEN
 
 
 def _pow2(n: int) -> torch.Tensor:
@@ -42,7 +45,7 @@ def specified_sum_of_squares(row: torch.Tensor) -> torch.Tensor:
     k1 = k >> 1
     terms = ((q * _pow2(k1)) * _pow2(k - k1)).to(torch.int64)
     total = sum(int(t) for t in terms.tolist())  # Python integers: exact, no order
-    assert total < 2 ** 63, "the grid keeps every row of up to MAX_HIDDEN terms below 2^63"
+    assert total < 2 ** 63, "the grid keeps every row of up to MAX_RMSNORM_HIDDEN terms below 2^63"
     return (torch.tensor(total, dtype=torch.int64).to(torch.float32) * _pow2(-k1)) * _pow2(k1 - k)
 
 
@@ -74,7 +77,7 @@ def special_rows(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         ("one huge, the rest truncated", _row([finfo.max / 4 if dtype == torch.float16 else 1e18], 2050, dtype, gen)),
         ("odd length, mixed signs", (torch.randn(77, generator=gen, dtype=torch.float64) * 3).to(dtype)),
         ("the largest hidden at the grid's top",
-         torch.full((MAX_HIDDEN,), float(torch.tensor(1.99, dtype=dtype)), dtype=dtype)),
+         torch.full((MAX_RMSNORM_HIDDEN,), float(torch.tensor(1.99, dtype=dtype)), dtype=dtype)),
         # 16^2 lands at 2^48 on the grid, 2^-8 squared at 2^24: half an fp32 ulp of the sum. Whether
         # the int64 total converts up or down then turns on a term of 1 (2^-20 squared) and on a
         # fraction (0.875 * 2^-20 squared, 0.77) being truncated, not rounded.
