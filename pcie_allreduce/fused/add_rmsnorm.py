@@ -51,20 +51,27 @@ def sum_of_squares(v, mask):
 
     Each square is scaled by a power of two chosen from the row's largest (exact, a per-row
     scalar) and truncated to an int64, a function of that element alone; the int64 sum is then
-    exact, whatever the order. A few instructions per element: the multiplies and one
-    conversion, no 64-bit shifts."""
+    exact, whatever the order. Per element: the square, an unsigned max of its bits, one multiply
+    and one conversion. One multiply suffices because the scale 2^k is a normal fp32 for every
+    k <= 127 (k >= -79 for a finite row): where the scaled square is >= 1 the product is exact,
+    where it is < 1 it truncates to 0 whatever the rounding. Only a row whose largest square is
+    below 2^-79 (k > 127) takes a second multiply, in a branch the whole row takes."""
     q = tl.where(mask, v * v, 0.0)
-    bits = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    top = tl.max(bits)  # the largest square's bits; >= 0x7F800000: inf or NaN in the row
-    exponent = tl.maximum(top >> 23, 1)  # biased; a subnormal counts as exponent 1
-    # term = q * 2^(GRID_TOP + 127 - exponent): the largest square in [2^48, 2^49). The scale can
-    # exceed fp32's range (up to 2^174), so it is applied as two factors, each within it.
-    k = _GRID_TOP + 127 - exponent
-    k1 = k >> 1
-    total = tl.sum((q * _pow2(k1) * _pow2(k - k1)).to(tl.int64))
-    result = total.to(tl.float32) * _pow2(-k1) * _pow2(k1 - k)
+    # A square is >= +0 (a NaN may carry a sign bit): its bits order as unsigned integers with the
+    # sign left in, and every inf or NaN, signed or not, lands at or above 0x7F800000.
+    top = tl.max(q.to(tl.uint32, bitcast=True))
     if top >= 0x7F800000:  # inf or NaN in the row (or a square that overflowed): fp32's own answer
         result = tl.sum(q)
+    else:
+        exponent = tl.maximum(top.to(tl.int32) >> 23, 1)  # biased; a subnormal counts as exponent 1
+        # term = q * 2^(GRID_TOP + 127 - exponent): the largest square in [2^48, 2^49).
+        k = _GRID_TOP + 127 - exponent
+        scaled = q * _pow2(tl.minimum(k, 127))
+        if k > 127:  # 2^k is past fp32's range: the rest of the scale, again >= 1, so again exact
+            scaled = scaled * _pow2(k - 127)
+        total = tl.sum(scaled.to(tl.int64))
+        k1 = k >> 1  # the scale back, in two factors within fp32's range
+        result = total.to(tl.float32) * _pow2(-k1) * _pow2(k1 - k)
     return result
 
 
