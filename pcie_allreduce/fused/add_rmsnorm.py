@@ -10,7 +10,8 @@ instead (``algo="unfused"``). One program per row, the whole row in registers.
 With ``$PCIE_AR_PDL=1`` on Hopper and later the pair overlaps: this kernel is launched as the
 all-reduce's programmatic dependent (the all-reduce allows it at its end, csrc/protocol.cuh's
 ``allow_dependent_launch``), loads the residual and the weight, and waits for the all-reduce
-(``griddepcontrol.wait``) only before it reads the sum.
+(``griddepcontrol.wait``) only before it reads the sum; past that wait it allows its own
+dependent (the next collective) to launch.
 
 The row statistic (:func:`sum_of_squares`) is exact fixed-point arithmetic, not an fp32 tree: the
 square of a bf16 or fp16 value is exact in fp32 (8 or 11 mantissa bits, squared, fit in 24), and
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pcie_allreduce.fused.protocol import round_to
+from pcie_allreduce.fused.protocol import allow_dependent_launch, round_to
 
 # The row's largest square lands at 2^48 <= term < 2^49 on the fixed-point grid, so
 # MAX_RMSNORM_HIDDEN (2^14) terms sum below 2^63.
@@ -121,6 +122,9 @@ def _add_rmsnorm_kernel(y_addr, res_addr, w_addr, normed_addr, res_out_addr, eps
         # Launched as the dependent of the all-reduce (module docstring): the residual and the
         # weight were written before that kernel started, y by it, so only y waits for it.
         tl.extra.cuda.gdc_wait()
+        # Past our only wait: a dependent launched after us (the next collective) may start its
+        # launch now; it waits for our completion before it reads anything.
+        allow_dependent_launch(PDL)
     nr = round_to(tl.load(y + off, mask=ok, other=0.0).to(tl.float32) + r, DT, INTERPRET)
     finish_row(nr, wv, ok, H, eps, normed + off, res_out + off, ok, DT, INTERPRET)
 
