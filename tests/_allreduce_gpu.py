@@ -2,8 +2,9 @@
 they run on (``PCIE_AR_TEST_WORLDS``, ``PCIE_AR_TEST_TRANSPORTS``), the reason they skip, and the
 algorithms each transport takes, and what a rank saw of a call that gave up. The tests:
 test_allreduce_gpu.py (results), test_allreduce_faults_gpu.py (a late, missing or mismatched
-peer), test_allreduce_lifecycle_gpu.py (creation, peers and close); the island and fused GPU
-tests use its failure helpers too."""
+peer), test_allreduce_lifecycle_gpu.py (creation, peers and close). The fused, island, FP8 wire and
+hierarchy GPU tests take their skip reason (and transports) from here, and the island and fused
+ones its failure helpers."""
 
 from __future__ import annotations
 

@@ -20,11 +20,10 @@ from pcie_allreduce import fp8_wire
 from pcie_allreduce.tools import ranks
 from tests import _fp8_model as model
 from tests import _reference as ref
+from tests._allreduce_gpu import SKIP_REASON, TRANSPORTS
 
-SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split(",")]
-TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 4 << 20
 SIZES = (1, 127, 128, 129, 4099, 4 * 7168, 32 * 7168 + 3, (1 << 20) // 2 + 77)
 

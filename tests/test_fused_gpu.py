@@ -11,13 +11,11 @@ import torch
 import pcie_allreduce
 from pcie_allreduce.tools import ranks
 from tests import _reference as ref
-from tests._allreduce_gpu import timed_out_peer
+from tests._allreduce_gpu import SKIP_REASON, TRANSPORTS, timed_out_peer
 
-SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,4,8").split(",")]
-TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 TOKENS = (1, 4, 8, 32, 128)
 HIDDENS = (4096, 7168, 8192, 2050)  # 2050: rows not a multiple of 16 bytes (the unaligned variants)
 MAX_BYTES = 128 * 8192 * 2

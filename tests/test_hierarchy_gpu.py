@@ -15,8 +15,8 @@ from pcie_allreduce.tools import ranks
 from pcie_allreduce.hierarchy import HierarchicalCommunicator
 from pcie_allreduce.fabric.nodes import equal_nodes
 from tests import _reference as ref
+from tests._allreduce_gpu import SKIP_REASON
 
-SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 MAX_BYTES = 2 << 20
 CASES = [(1, torch.bfloat16), (7, torch.float16), (4099, torch.bfloat16), (4 * 7168, torch.bfloat16),

@@ -22,12 +22,10 @@ from pcie_allreduce.plan import algorithms
 from pcie_allreduce.tools import ranks
 from pcie_allreduce.fabric import topology
 from tests import _reference as ref
-from tests._allreduce_gpu import skip_one_call
+from tests._allreduce_gpu import SKIP_REASON, TRANSPORTS, skip_one_call
 
-SKIP_REASON = ranks.skip_reason_no_gpu() or pcie_allreduce.unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
-TRANSPORTS = os.environ.get("PCIE_AR_TEST_TRANSPORTS", "p2p,host").split(",")
 MAX_BYTES = 16 << 20
 ISLAND_ALGOS = algorithms.ISLAND_ALGORITHMS
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
