@@ -9,8 +9,6 @@ Skipped with a reason on a machine without a GPU or without the built extension.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,10 +18,9 @@ from pcie_allreduce import fp8_wire
 from pcie_allreduce.tools import ranks
 from tests import _fp8_model as model
 from tests import _reference as ref
-from tests._allreduce_gpu import SKIP_REASON, TRANSPORTS
+from tests._allreduce_gpu import SKIP_REASON, TRANSPORTS, WORLDS
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
-WORLDS = [int(w) for w in os.environ.get("PCIE_AR_TEST_WORLDS", "2,3,4,8").split(",")]
 MAX_BYTES = 4 << 20
 SIZES = (1, 127, 128, 129, 4099, 4 * 7168, 32 * 7168 + 3, (1 << 20) // 2 + 77)
 
