@@ -113,9 +113,11 @@ __device__ __forceinline__ bool gather_lines(const KernelArgs& a, const uint4* l
 // kWorld: the world size as a constant (== a.world; the launch picks the instance), so every loop
 // over peers is unrolled to exactly W - 1 copies instead of kMaxRanks predicated ones: each thread
 // runs its call once, so the instructions it issues are its latency. kAnyWorld (reduce.cuh): the
-// instance for worlds above kSmallWorld.
+// instance for worlds above kSmallWorld. The bound of one block per SM leaves ptxas room to keep
+// every peer's line address in its own register, so the W - 1 poll loads issue back to back
+// (without it the W = 4 instance reuses one register for two peers and its fourth load trails).
 template <typename T, bool kAligned, int kWorld>
-__global__ void __launch_bounds__(kThreadsPerBlock) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) oneshot_ll_kernel(const __grid_constant__ KernelArgs a) {
   p2p_call<T, AbortVerdict::kAtEnd>(a, [&](Epoch epoch, bool aborted) {
     const void* input = a.input;
     const uint32_t flag = line_flag(low_epoch(epoch), a.signature);
