@@ -149,6 +149,21 @@ def test_a_kernel_rule_without_a_data_as_flag_shape_passes_the_call_on(world: in
         "oneshot_full" if tokens == 1 else "oneshot")
 
 
+@pytest.mark.parametrize("hidden", [2048, 7168, 8192])
+def test_the_built_in_fused_rules_at_three_and_four_ranks(hidden: int) -> None:
+    """At W = 3-4 the built-in rules take the fused kernel only up to 4 tokens (measured: beyond
+    it every fused kernel lost to the pair, whichever the plain table's size gave), and the pair
+    beyond, at any hidden size; W = 2 keeps its fused kernels at every token count."""
+    table = default_table()
+    for world in (3, 4):
+        picks = {t: _fused_algo(t, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
+                 for t in (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 1000)}
+        assert all(picks[t] != algorithms.UNFUSED for t in (1, 2, 3, 4)), (world, picks)
+        assert all(picks[t] == algorithms.UNFUSED for t in (5, 8, 16, 32, 64, 128, 1000)), (world, picks)
+    assert all(_fused_algo(t, hidden, BF16, 2, table, ll_capacity=LL_CAP, block_cap=64) != algorithms.UNFUSED
+               for t in (1, 8, 16, 128, 1000))
+
+
 def test_the_built_in_fused_rules_keep_the_pair_above_8_ranks() -> None:
     """No fused kernel has been measured against the pair above 8 ranks: the built-in rules run
     the pair there at every token count, though a forced fused kernel runs."""
