@@ -31,10 +31,12 @@ MAX_DETAIL_CHARS = 20_000
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """Why a backend run stopped: a one-line reason for the table, the full text for the JSON."""
+    """Why a backend run stopped: a one-line reason for the table, the full text for the JSON, and
+    for a hang the watchdog's phase ("setup", "tuning", "case", ...)."""
 
     reason: str
     detail: str = ""
+    phase: str = ""
 
 
 @dataclasses.dataclass
@@ -109,7 +111,8 @@ def describe_failure(exc: BaseException, hang: tuple[list[int], dict[str, Any], 
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         reason = (f"hung: {who} made no progress for {phase.get('seconds', '?')} s in {what} "
                   "(killed by the bench watchdog)")
-        return Failure(reason, f"{detail}\n\nwatchdog stacks of rank {ranks[0]}:\n{stacks}"[-MAX_DETAIL_CHARS:])
+        return Failure(reason, f"{detail}\n\nwatchdog stacks of rank {ranks[0]}:\n{stacks}"[-MAX_DETAIL_CHARS:],
+                       str(phase.get("phase", "")))
     failures = getattr(exc, "failures", None) or {}
     headline = (str(exc).splitlines() or [type(exc).__name__])[0]
     if failures:
@@ -187,7 +190,7 @@ def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: S
     except Exception as exc:  # noqa: BLE001 - RankFailed above all; anything else is reported the same way
         failure = describe_failure(exc, watchdog.read_hang(directory, world))
         if not hasattr(exc, "failures"):
-            failure = Failure(failure.reason, traceback.format_exc()[-MAX_DETAIL_CHARS:])
+            failure = Failure(failure.reason, traceback.format_exc()[-MAX_DETAIL_CHARS:], failure.phase)
         return failure
     finally:
         follower.stop()
@@ -195,7 +198,11 @@ def _launch(cfg: BenchConfig, backend: str, world: int, gpu_count: int, cases: S
 
 def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo: Echo,
                 bar: Progress | None = None) -> BackendOutcome:
-    """All cases of one backend at one world size, restarting after a failed case up to cfg.retries times."""
+    """All cases of one backend at one world size, restarting after a failed case up to cfg.retries times.
+
+    A library's own tuning that hangs (the watchdog's "tuning" phase) spends a restart on the
+    library untuned, with the launch configurations it ships: the best its users would run on a
+    machine where its tuner hangs, and the run keeps a baseline instead of none."""
     cases = cases_for(cfg, backend)
     counted = _Counted(bar or NoProgress())
     rows: dict[int, Result] = {}
@@ -203,10 +210,11 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
     facts: dict[str, Any] | None = None
     pending = list(cases)
     last: Failure | None = None
+    run_cfg = cfg
     for attempt in range(cfg.retries + 1):
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="pcie_ar_bench_") as directory:
-            failure = _launch(cfg, backend, world, gpu_count, pending, directory, echo, counted)
+            failure = _launch(run_cfg, backend, world, gpu_count, pending, directory, echo, counted)
             events = progress.read_events(directory)
         setup = next((ev for ev in events if ev.get("event") == "setup"), None)
         if setup is not None and facts is None and setup.get("baseline_tuning"):
@@ -224,6 +232,9 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
         if failure is not None:
             last = failure
             notes.append(Note(world, backend, "failed", failure.reason, failure.detail))
+            if setup is None and failure.phase == "tuning" and run_cfg.tune_baselines:
+                run_cfg = dataclasses.replace(run_cfg, tune_baselines=False)
+                continue
             if setup is None:
                 break  # set-up itself failed: a restart would fail the same way
         if not pending:

@@ -232,6 +232,44 @@ def test_run_backend_setup_failure_is_not_retried(monkeypatch) -> None:
     assert out.notes[0].reason.endswith("no P2P") and out.facts is None
 
 
+def test_a_baseline_whose_tuning_hangs_runs_untuned_on_the_restart(monkeypatch) -> None:
+    """A library's own tuner that hangs (the watchdog's "tuning" phase) costs one restart, which
+    runs the library with its shipped launch configurations: its rows are there, untuned, and
+    the notes say both what hung and how it then ran."""
+    hang = runner.describe_failure(
+        ranks.RankFailed("rank 0 was killed", {}),
+        ([0, 1], {"phase": "tuning", "seconds": 270.0}, "Thread 0x1 ..."))
+    assert hang.phase == "tuning" and "in tuning" in hang.reason
+    untuned = "untuned: seed launch configurations"
+    tuned_flags: list[bool] = []
+    launch, calls = _fake_launch_factory([
+        ([], hang),
+        ([{"event": "setup", "baseline_tuning": untuned}, _done(0), _done(1)], None),
+    ])
+
+    def recording_launch(cfg, *args):
+        tuned_flags.append(cfg.tune_baselines)
+        return launch(cfg, *args)
+
+    monkeypatch.setattr(runner, "_launch", recording_launch)
+    out = runner.run_backend(_cfg(retries=1), "flashinfer", 2, 1, lambda _: None)
+    assert tuned_flags == [True, False] and calls == [[0, 1], [0, 1]]
+    assert [r.status for r in out.results] == [OK, OK]
+    assert [(n.kind, n.reason) for n in out.notes] == [("failed", hang.reason), ("tuning", untuned)]
+
+    # Without a restart left the cases stay not run and say why; a hang in the set-up proper is not retried.
+    launch, calls = _fake_launch_factory([([], hang)])
+    monkeypatch.setattr(runner, "_launch", launch)
+    out = runner.run_backend(_cfg(retries=0), "flashinfer", 2, 1, lambda _: None)
+    assert len(calls) == 1 and {r.status for r in out.results} == {NOT_RUN}
+    assert all(r.error == f"not run: {hang.reason}" for r in out.results)
+    case_hang = runner.Failure("hung: rank 1 made no progress for 5 s in setup (killed ...)", phase="setup")
+    launch, calls = _fake_launch_factory([([], case_hang), ([], None)])
+    monkeypatch.setattr(runner, "_launch", launch)
+    runner.run_backend(_cfg(retries=3), "flashinfer", 2, 1, lambda _: None)
+    assert len(calls) == 1, "a set-up that hangs is not retried"
+
+
 def test_run_sweep_skips_unavailable_backends(monkeypatch) -> None:
     launch, _ = _fake_launch_factory([([{"event": "setup", "mps": True}, *map(_done, range(4))], None)])
     monkeypatch.setattr(runner, "_launch", launch)
