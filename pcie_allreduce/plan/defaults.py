@@ -85,7 +85,8 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
       39.46 against 35.97).
     - W >= 5: the pair up to 64 tokens (W = 8, 32 tokens: 29.5 against 32.2 for the best fused
       kernel), then the kernel the plain table's size gives (128 tokens: the token-split
-      two-shot, 48.6 against 62.5).
+      two-shot, 48.6 against 62.5, when the pair's add + RMSNorm took 25 us of that; the kernel
+      is faster since, and at W = 4 the same two-shot now loses to the pair: to be measured).
     - W = 9-16: the pair. The fused kernels serve these worlds (forced, or named by a table's own
       rules), but no fused kernel has been measured against the pair above 8 ranks, and each
       one-shot rank sends (W - 1) x the message there."""
