@@ -232,10 +232,10 @@ def run_backend(cfg: BenchConfig, backend: str, world: int, gpu_count: int, echo
         if failure is not None:
             last = failure
             notes.append(Note(world, backend, "failed", failure.reason, failure.detail))
-            if setup is None and failure.phase == "tuning" and run_cfg.tune_baselines:
-                run_cfg = dataclasses.replace(run_cfg, tune_baselines=False)
-                continue
             if setup is None:
+                if failure.phase == "tuning" and run_cfg.tune_baselines:
+                    run_cfg = dataclasses.replace(run_cfg, tune_baselines=False)  # its own tuner hung
+                    continue
                 break  # set-up itself failed: a restart would fail the same way
         if not pending:
             break
