@@ -69,35 +69,32 @@ ISLAND_RULES: tuple[Rule, ...] = (
 def default_fused_rules() -> tuple[FusedRule, ...]:
     """Where a fused kernel beats the plain all-reduce followed by the one add + RMSNorm kernel,
     and which: measured under MPS, every fused kernel against that pair in one run (bench/RESULTS.md,
-    "Fused all-reduce + residual add + RMSNorm"): W = 2 and 4 on one H100 at hidden 4096, 7168 and
-    8192, W = 8 on one H200 at 7168; W = 3 follows W = 4 and W = 5-7 follow W = 8, unmeasured.
+    "Fused all-reduce + residual add + RMSNorm"): W = 2, 4 and 8 on one H100 at hidden 4096 and
+    7168 (W = 2 and 4 also 8192); W = 3 follows W = 4 and W = 5-7 follow W = 8, unmeasured.
     ``pcie-allreduce tune`` does not measure these yet: a table in $PCIE_AR_ALGO_TABLE may carry its
     own ``"fused"`` rules.
 
     - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
-      8 tokens at W = 2 and 4 above it (W = 4, 4 x 7168: 6.40 us against 7.00 for the pair;
-      8 x 7168: 10.98 against 7.94). Where it has no launch shape (few programs: ranks sharing a
-      GPU) the next rule takes the call: at W = 2 the flag-based one-shot (4 tokens: 5.6 against
-      6.2), above it the pair.
+      8 tokens at W = 2, 4 at W = 3-4 and 1 above (W = 4, 4 x 7168: 6.40 us against 7.00 for the
+      pair; W = 8, 1 x 7168: 8.49 against 10.15). Where it has no launch shape (few programs:
+      ranks sharing a GPU) the next rule takes the call: at W = 2 the flag-based one-shot
+      (4 tokens: 5.6 against 6.2), above it the pair.
     - W = 2: the flag-based one-shot beyond (128 x 7168: 12.50 against 16.95).
     - W = 3-4: the pair beyond 4 tokens: every fused kernel the plain table's size gives lost to
-      it (64 x 7168: the flag-based one-shot, 24.72 against 22.10; 128: the token-split two-shot,
-      39.46 against 35.97).
-    - W >= 5: the pair up to 64 tokens (W = 8, 32 tokens: 29.5 against 32.2 for the best fused
-      kernel), then the kernel the plain table's size gives (128 tokens: the token-split
-      two-shot, 48.6 against 62.5, when the pair's add + RMSNorm took 25 us of that; the kernel
-      is faster since, and at W = 4 the same two-shot now loses to the pair: to be measured).
+      it (8 x 7168: the data-as-flag one-shot, 10.98 against 7.94; 64: the flag-based one-shot,
+      24.72 against 22.10; 128: the token-split two-shot, 39.46 against 35.97).
+    - W = 5-8: the pair beyond 1 token (W = 8, 4 x 4096: the data-as-flag one-shot, 11.07 against
+      9.94; 128 tokens: the token-split two-shot, 55.94 against 53.32 at hidden 4096 and 70.69
+      against 71.10 at 7168, a draw at best). 2-3 tokens are unmeasured and take the pair.
     - W = 9-16: the pair. The fused kernels serve these worlds (forced, or named by a table's own
       rules), but no fused kernel has been measured against the pair above 8 ranks, and each
       one-shot rank sends (W - 1) x the message there."""
     return (
-        FusedRule("unfused", world=_WIDE_WORLDS),
         FusedRule("kernel", max_tokens=8, world=(2,)),
         FusedRule("oneshot", world=(2,)),
-        FusedRule("kernel", max_tokens=4),
-        FusedRule("unfused", world=(3, 4)),
-        FusedRule("unfused", max_tokens=64),
-        FusedRule("kernel"),
+        FusedRule("kernel", max_tokens=4, world=(3, 4)),
+        FusedRule("kernel", max_tokens=1, world=_LARGE_WORLDS),
+        FusedRule(UNFUSED),
     )
 
 

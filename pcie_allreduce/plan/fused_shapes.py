@@ -37,7 +37,8 @@ MIN_SPREAD_PROGRAMS = 16       # fewer 1024-column programs leave the push to to
 # flag one-shot needs every program of a row running at once (they exchange the row's statistics),
 # so on such a share it takes at most half of it (12 ranks on an H100, cap 10: 10 programs of 512
 # threads, one per SM, hung and 7 ran; 16 ranks on an H200, cap 8: 7 such programs hung, 4 of 1024
-# ran).
+# ran). At 8 ranks on an H100 (cap 16) 16 programs ran the harness but stalled twice in long
+# graph loops (bench/PERF_NOTES.md, "The data-as-flag fused kernel under MPS at eight ranks").
 CROWDED_SHARE = 10
 
 
