@@ -71,8 +71,8 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
     and which: measured under MPS, every fused kernel against that pair in one run (bench/RESULTS.md,
     "Fused all-reduce + residual add + RMSNorm"): W = 2, 4 and 8 on one H100 at hidden 4096 and
     7168 (W = 2 and 4 also 8192); W = 3 follows W = 4 and W = 5-7 follow W = 8, unmeasured.
-    ``pcie-allreduce tune`` does not measure these yet: a table in $PCIE_AR_ALGO_TABLE may carry its
-    own ``"fused"`` rules.
+    ``pcie-allreduce tune --fused-tokens ... --hidden H`` measures them on the box it runs on and
+    writes its own ``"fused"`` rules ahead of these; a table in $PCIE_AR_ALGO_TABLE may carry its own.
 
     - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
       8 tokens at W = 2, 4 at W = 3-4 and 1 above (W = 4, 4 x 7168: 6.40 us against 7.00 for the

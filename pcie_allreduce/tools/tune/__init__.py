@@ -22,6 +22,15 @@ last rule of a W has no size bound, and a rule the next one already reproduces i
 default table follows, for the other world sizes. Sizes between two measured ones get the larger
 one's rule: measure the sizes you serve.
 
+Fused (``--fused-tokens`` with ``--hidden``; :func:`~.measure.measure_fused_rank`, then
+:func:`~.derive.pick_fused` and :func:`~.derive.with_fused_rules`): per W, a second run of the
+ranks with the plain table just derived times ``all_reduce_rmsnorm`` at each token count, the
+unfused pair and every fused kernel that takes the shape, each first checked on poisoned outputs
+(the new residual bitwise ``residual + all_reduce(x)``, the normed rows an fp32 RMSNorm of it to
+within a bf16 unit). A kernel is picked where it beats the pair by more than ``tolerance``, else
+the pair; per W, one fused rule per run of equal picks in token order, the last unbounded, ahead
+of the built-in fused rules.
+
 The report (:mod:`.report`) prints the measurements and the picks against the default table, and
 writes the table into the tune cache (:mod:`.cache` writes, :mod:`pcie_allreduce.plan.cache`
 names and reads), keyed by GPU model, W and topology fingerprint, where every Communicator created

@@ -12,8 +12,9 @@ from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS, MAX_RANKS, MIN_RANKS
 from pcie_allreduce.plan import cache
 from pcie_allreduce.tools.cli import EXIT_FAILURES, non_negative_int, one_line, positive_float, positive_int, typed_arg
 from pcie_allreduce.tools.tune import report
-from pcie_allreduce.tools.tune.derive import ALGORITHMS, DEFAULT_TOLERANCE, WRONG, Measurement
-from pcie_allreduce.tools.tune.measure import TuneJob, measure_rank
+from pcie_allreduce.tools.tune.derive import (ALGORITHMS, DEFAULT_TOLERANCE, WRONG, FusedMeasurement, Measurement,
+                                              derive_table, pick_shapes)
+from pcie_allreduce.tools.tune.measure import FusedJob, TuneJob, measure_fused_rank, measure_rank
 
 MIN_WORLD, MAX_WORLD = MIN_RANKS, MAX_RANKS
 EMULATED_WORLDS: tuple[int, ...] = (2, 4, 8)  # on one GPU, under MPS
@@ -57,8 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"block counts to try (default {' '.join(map(str, DEFAULT_BLOCKS))}; counts above the "
                            "block cap of ranks sharing a GPU are skipped)")
     what.add_argument("--tolerance", type=tolerance_arg, default=DEFAULT_TOLERANCE, metavar="F",
-                      help=f"a shape within this fraction of the fastest wins if it uses fewer blocks "
-                           f"(default {DEFAULT_TOLERANCE:g})")
+                      help=f"a shape within this fraction of the fastest wins if it uses fewer blocks; a fused "
+                           f"kernel must beat the unfused pair by more than it (default {DEFAULT_TOLERANCE:g})")
+    what.add_argument("--fused-tokens", type=positive_int, nargs="+", metavar="T",
+                      help="also measure all_reduce_rmsnorm at these token counts (with --hidden): every fused "
+                           "kernel against the plain all-reduce + one add + RMSNorm kernel, and write fused "
+                           "rules into the table (default: none; the built-in fused rules apply)")
+    what.add_argument("--hidden", type=positive_int, metavar="H",
+                      help="the model's hidden size, for --fused-tokens")
     how = parser.add_argument_group("how to time")
     how.add_argument("--iters", type=positive_int, default=30, metavar="N",
                      help="timed replays per shape, at most (fewer if --time-budget runs out; default 30)")
@@ -87,6 +94,16 @@ def sweep_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tu
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TuneJob:
     """The validated job; bad combinations call ``parser.error`` (exit 2)."""
+    if bool(args.fused_tokens) != bool(args.hidden):
+        parser.error("--fused-tokens and --hidden go together: the token counts to measure all_reduce_rmsnorm at, "
+                     "and the model's hidden size")
+    if args.fused_tokens and args.dtype not in ("bfloat16", "float16"):
+        parser.error(f"--fused-tokens: all_reduce_rmsnorm takes bfloat16 or float16, not --dtype {args.dtype}")
+    if args.hidden:
+        from pcie_allreduce.validation import MAX_RMSNORM_HIDDEN  # torch: only when asked
+
+        if args.hidden > MAX_RMSNORM_HIDDEN:
+            parser.error(f"--hidden {args.hidden}: all_reduce_rmsnorm takes rows of at most {MAX_RMSNORM_HIDDEN}")
     return TuneJob(sizes=sweep_sizes(args, parser), algos=tuple(dict.fromkeys(args.algos or ALGORITHMS)),
                    blocks=tuple(sorted(set(args.blocks or DEFAULT_BLOCKS))), dtype=args.dtype, iters=args.iters,
                    warmup=args.warmup, calls_per_graph=args.calls_per_graph, time_budget_s=args.time_budget,
@@ -103,6 +120,30 @@ def measure_world(world: int, job: TuneJob, timeout_s: float) -> tuple[list[Meas
         warnings.simplefilter("ignore", ranks.MpsUnavailableWarning)  # the placement line says so
         result = ranks.run_ranks(measure_rank, world, job, timeout_s=timeout_s, gpu=True, mps="auto")[0]
     return [Measurement(world=world, **row) for row in result["rows"]], result["facts"]
+
+
+def fused_job(args: argparse.Namespace, job: TuneJob, rows: list[Measurement],
+              facts: dict[str, Any]) -> FusedJob:
+    """The fused measurement of one world, with the plain table its measured ``rows`` derive."""
+    from pcie_allreduce.plan.tables import default_table
+
+    default = default_table(facts.get("transport", "p2p"), islands=facts.get("islands", 1))
+    table = derive_table(pick_shapes(rows, args.tolerance), fallback=default) if rows else default
+    return FusedJob(tokens=tuple(sorted(set(args.fused_tokens))), hidden=args.hidden, table=table, dtype=job.dtype,
+                    iters=job.iters, warmup=job.warmup, calls_per_graph=job.calls_per_graph,
+                    time_budget_s=job.time_budget_s, transport=job.transport)
+
+
+def measure_fused_world(world: int, job: FusedJob, timeout_s: float) -> list[FusedMeasurement]:
+    """The fused calls of ``job`` at ``world`` ranks (raises RankFailed when a rank fails or hangs)."""
+    import warnings
+
+    from pcie_allreduce.tools import ranks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ranks.MpsUnavailableWarning)
+        result = ranks.run_ranks(measure_fused_rank, world, job, timeout_s=timeout_s, gpu=True, mps="auto")[0]
+    return [FusedMeasurement(world=world, **row) for row in result["rows"]]
 
 
 def _gpu_count() -> int:
@@ -127,6 +168,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     gpu_count = _gpu_count()
     worlds = tuple(dict.fromkeys(args.world)) if args.world else default_worlds(gpu_count)
     rows: list[Measurement] = []
+    fused_rows: list[FusedMeasurement] = []
+    fused_errors: dict[int, str] = {}
     facts: dict[int, dict[str, Any]] = {}
     placements: dict[int, str] = {}
     errors: dict[int, str] = {}
@@ -140,9 +183,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             continue
         rows += measured_rows
         placements[world] = ranks.placement_label(world, gpu_count, facts[world].get("mps"))
-    text, paths = report.report(rows, facts, placements, errors, job, args)
+        if args.fused_tokens:
+            print(f"[W={world}] measuring all_reduce_rmsnorm at {len(args.fused_tokens)} token counts ...",
+                  file=sys.stderr, flush=True)
+            try:
+                fused_rows += measure_fused_world(world, fused_job(args, job, measured_rows, facts[world]), args.timeout)
+            except Exception as exc:  # noqa: BLE001 - as above; this W's table keeps the built-in fused rules
+                fused_errors[world] = one_line(exc)
+    fused = report.Fused(fused_rows, fused_errors, args.hidden)
+    text, paths = report.report(rows, facts, placements, errors, job, args, fused)
     sys.stdout.write(text)
     sys.stdout.flush()
-    for path in paths + (report.write_out(args.out, text, rows, facts, errors, job) if args.out else []):
+    out = report.write_out(args.out, text, rows, facts, errors, job, fused) if args.out else []
+    for path in paths + out:
         print(f"wrote {path}", file=sys.stderr)
-    return EXIT_FAILURES if errors or any(r.status == WRONG for r in rows) else 0
+    failed = errors or fused_errors or any(r.status == WRONG for r in [*rows, *fused_rows])
+    return EXIT_FAILURES if failed else 0

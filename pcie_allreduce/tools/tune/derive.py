@@ -1,5 +1,7 @@
 """From measurements to an algorithm table (pure): the winner of every (W, size), then the rules
-that launch exactly the winners (the method: :mod:`pcie_allreduce.tools.tune`)."""
+that launch exactly the winners; and with fused measurements, the choice of every (W, tokens)
+between the fused kernels and the unfused pair, then the fused rules that make it (the method:
+:mod:`pcie_allreduce.tools.tune`)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from pcie_allreduce.plan.algorithms import ALGORITHMS as ALL_ALGORITHMS
-from pcie_allreduce.plan.algorithms import SYMMETRIC_INPUT_ALGORITHMS
-from pcie_allreduce.plan.rules import Rule
+from pcie_allreduce.plan.algorithms import SYMMETRIC_INPUT_ALGORITHMS, UNFUSED
+from pcie_allreduce.plan.rules import FusedRule, Rule
 from pcie_allreduce.plan.tables import AlgoTable, default_table
 
 # What tune times: the algorithms that take any tensor (the in-place ones keep their built-in rules).
@@ -105,3 +107,82 @@ def check_table(table: AlgoTable, picks: Sequence[Pick], dtype: str) -> list[str
             problems.append(f"W={p.world} {p.size_bytes} B: table picks {choice.algo}/b{choice.blocks}, "
                             f"measured best {p.algo}/b{p.blocks}")
     return problems
+
+
+# ---- the fused rules --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedMeasurement:
+    """One fused call at one (W, tokens) of ``hidden`` columns: ``algo`` a fused kernel, or
+    UNFUSED (the plain all-reduce, then the one add + RMSNorm kernel); p50 / p99 per call in us."""
+
+    world: int
+    tokens: int
+    hidden: int
+    algo: str
+    status: str = OK
+    p50_us: float | None = None
+    p99_us: float | None = None
+    replays: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK and self.p50_us is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPick:
+    """What one (world, tokens) runs: the fastest fused kernel where it beats the pair by more than
+    the tolerance, else UNFUSED; the pair's p50 and the fastest kernel's (None: none ran)."""
+
+    world: int
+    tokens: int
+    algo: str
+    pair_us: float
+    fastest_algo: str | None
+    fastest_us: float | None
+
+
+def pick_fused(rows: Iterable[FusedMeasurement], tolerance: float = DEFAULT_TOLERANCE) -> list[FusedPick]:
+    """The choice of every measured (world, tokens) whose pair was measured, by world then tokens.
+    A fused kernel must be faster than the pair by more than ``tolerance`` (a fraction of the
+    pair's time) to be taken: within it the difference is noise, and the pair is the call's
+    fallback everywhere, so a tie never makes the call slower than its parts."""
+    groups: dict[tuple[int, int], dict[str, float]] = {}
+    for r in rows:
+        if r.ok:
+            groups.setdefault((r.world, r.tokens), {})[r.algo] = float(r.p50_us)  # type: ignore[arg-type]
+    picks = []
+    for (world, tokens), times in sorted(groups.items()):
+        pair = times.get(UNFUSED)
+        if pair is None:
+            continue  # nothing to beat: the default rules keep this point
+        kernels = sorted((p50, algo) for algo, p50 in times.items() if algo != UNFUSED)
+        fastest_us, fastest = kernels[0] if kernels else (None, None)
+        wins = fastest_us is not None and fastest_us < pair * (1 - tolerance)
+        picks.append(FusedPick(world, tokens, fastest if wins else UNFUSED, pair, fastest, fastest_us))
+    return picks
+
+
+def fused_rules_for_world(world: int, picks: Sequence[FusedPick]) -> list[FusedRule]:
+    """The fused rules reproducing ``picks`` of one world at their token counts: one rule per run
+    of equal choices, bounded by the run's largest token count; the last is unbounded (more tokens
+    than measured take the largest measured point's choice). A named kernel that cannot take a
+    call's shape runs the pair."""
+    ordered = sorted((p for p in picks if p.world == world), key=lambda p: p.tokens)
+    rules: list[FusedRule] = []
+    for p in ordered:
+        if rules and rules[-1].algo == p.algo:
+            rules.pop()
+        rules.append(FusedRule(p.algo, max_tokens=p.tokens, world=(world,)))
+    if rules:
+        rules[-1] = dataclasses.replace(rules[-1], max_tokens=None)
+    return rules
+
+
+def with_fused_rules(table: AlgoTable, picks: Sequence[FusedPick]) -> AlgoTable:
+    """``table`` with the fused rules measured in ``picks`` ahead of its own, for their worlds."""
+    tuned = [rule for w in sorted({p.world for p in picks}) for rule in fused_rules_for_world(w, picks)]
+    return AlgoTable(table.rules, tuple(tuned) + table.fused)

@@ -1,4 +1,5 @@
-"""What ``pcie-allreduce tune`` runs inside each of its W ranks: every launch shape checked, then timed.
+"""What ``pcie-allreduce tune`` runs inside each of its W ranks: every launch shape checked, then timed
+(and with ``--fused-tokens``, every fused call, :func:`measure_fused_rank`).
 
 One Communicator per rank; per size, every (algorithm, block count) of the job's grid and the
 default table's own shape (:func:`shapes_of`) is the workspace's raw launch at that forced block
@@ -162,3 +163,133 @@ def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out
         return {**row, "status": WRONG, "error": f"after timing: {problems[0]}"}
     timing = summarize([t for t, _ in gathered], job.calls_per_graph)
     return {**row, "status": OK, "p50_us": timing.p50_us, "p99_us": timing.p99_us, "replays": timing.replays}
+
+
+# ---- the fused call ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedJob:
+    """What every rank measures for the fused rules: at each token count of ``hidden`` columns, the
+    unfused pair and every fused kernel that takes the shape, with the plain table the run derived
+    (the pair's all-reduce, and the table the "kernel" rules follow)."""
+
+    tokens: tuple[int, ...]
+    hidden: int
+    table: AlgoTable
+    dtype: str = "bfloat16"
+    iters: int = 30
+    warmup: int = 5
+    calls_per_graph: int = 16
+    time_budget_s: float = 0.2
+    kernel_timeout_s: float = 10.0
+    transport: str = "auto"
+    eps: float = 1e-6
+
+
+def measure_fused_rank(ctx: Any, job: FusedJob) -> dict[str, Any]:
+    """``run_ranks`` runs this in every rank: per token count the pair, then each fused kernel that
+    takes the shape, each checked on fresh outputs (:class:`_FusedCall`), then timed; rank 0's rows."""
+    import torch
+
+    from pcie_allreduce.communicator import Communicator
+
+    dtype = getattr(torch, job.dtype)
+    max_bytes = max(job.tokens) * job.hidden * sizes.DTYPE_SIZES[job.dtype]
+    comm = Communicator(ctx.group, ctx.device, max_bytes=max(max_bytes, 4096), timeout_s=job.kernel_timeout_s,
+                        algo_table=job.table, transport=job.transport)
+    try:
+        stream = torch.cuda.Stream(ctx.device)
+        comm.prepare_stream(stream.cuda_stream)
+        rows = []
+        for tokens in job.tokens:
+            call = _FusedCall(ctx, comm, stream, tokens, job, dtype)
+            for algo in (algorithms.UNFUSED, *algorithms.FUSED_KERNELS):
+                reason = None if algo == algorithms.UNFUSED else _fused_skip_reason(comm, algo, tokens, job.hidden,
+                                                                                    dtype)
+                if reason is not None:
+                    rows.append({"tokens": tokens, "hidden": job.hidden, "algo": algo, "status": SKIPPED,
+                                 "error": reason})
+                    continue
+                rows.append({"tokens": tokens, "hidden": job.hidden, "algo": algo, **call.measure(algo)})
+    finally:
+        comm.close()
+    return {"rows": rows} if ctx.rank == 0 else {}
+
+
+def _fused_skip_reason(comm: Any, algo: str, tokens: int, hidden: int, dtype: Any) -> str | None:
+    """Why a forced fused kernel cannot take ``[tokens, hidden]`` here (the same on every rank: the
+    plan is a function of agreed values)."""
+    from pcie_allreduce.plan import dispatch  # torch: only inside the ranks
+
+    try:
+        dispatch.fused_plan(tokens, hidden, dtype, comm.world_size, comm.table, ll_capacity=comm.ll_capacity,
+                            block_cap=comm.block_cap, algo=algo, transport=comm.transport,
+                            island_ranks=comm.island_ranks)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+class _FusedCall:
+    """One token count's inputs (random per rank; the residual and weight the same on every rank),
+    the expected outputs, and the check-then-time of one forced algorithm. The new residual must
+    equal ``residual + all_reduce(x)`` bitwise (what every algorithm promises); the normed rows an
+    fp32 RMSNorm of it to within a bf16 unit (their last bit may depend on the kernel)."""
+
+    def __init__(self, ctx: Any, comm: Any, stream: Any, tokens: int, job: FusedJob, dtype: Any) -> None:
+        import torch
+
+        self.ctx, self.comm, self.stream, self.job = ctx, comm, stream, job
+        gen = torch.Generator(device=ctx.device).manual_seed(1000 * tokens + ctx.rank)
+        shared = torch.Generator(device=ctx.device).manual_seed(tokens)
+        shape = (tokens, job.hidden)
+        self.x = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
+        self.residual = torch.randn(shape, generator=shared, device=ctx.device).to(dtype)
+        self.weight = (1 + 0.1 * torch.randn(job.hidden, generator=shared, device=ctx.device)).to(dtype)
+        self.normed, self.new_residual = torch.empty_like(self.x), torch.empty_like(self.x)
+        self.want_residual = self.residual + comm.all_reduce(self.x)  # collective: every rank, in this order
+        rows = self.want_residual.float()
+        self.want_normed = rows * torch.rsqrt(rows.pow(2).mean(dim=-1, keepdim=True) + job.eps) * self.weight.float()
+
+    def _launch(self, algo: str) -> None:
+        self.comm.all_reduce_rmsnorm(self.x, self.residual, self.weight, self.job.eps, out=self.normed,
+                                     residual_out=self.new_residual, algo=algo)
+
+    def _wrong(self) -> str:
+        import torch
+
+        self.stream.synchronize()
+        self.comm.check()  # a recorded timeout explains a wrong result better than the values do
+        if not torch.equal(self.new_residual, self.want_residual):
+            return f"rank {self.ctx.rank}: the new residual is not residual + all_reduce(x)"
+        if not torch.allclose(self.normed.float(), self.want_normed, rtol=2 ** -7, atol=2 ** -7):
+            return f"rank {self.ctx.rank}: the normed rows are not the RMSNorm of the new residual"
+        return ""
+
+    def measure(self, algo: str) -> dict[str, Any]:
+        """Check ``algo`` once on poisoned outputs, then time it as :func:`_measure_shape` times a shape."""
+        import torch
+
+        self.normed.fill_(float("nan"))
+        self.new_residual.fill_(float("nan"))
+        self.stream.wait_stream(torch.cuda.current_stream(self.ctx.device))  # inputs and poison first
+        with torch.cuda.stream(self.stream):
+            self._launch(algo)
+        problems = [p for p in _agree(self.ctx, self._wrong()) if p]
+        if problems:
+            return {"status": WRONG, "error": problems[0]}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            for _ in range(self.job.calls_per_graph):
+                self._launch(algo)
+        sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=self.ctx.device)
+        times = timed_replays(graph.replay, lambda: self.comm.all_reduce(sync, out=sync), self.ctx.group,
+                              iters=self.job.iters, time_budget_s=self.job.time_budget_s, warmup=self.job.warmup,
+                              stream=self.stream)
+        gathered = _agree(self.ctx, (times, self._wrong()))
+        problems = [p for _, p in gathered if p]
+        if problems:
+            return {"status": WRONG, "error": f"after timing: {problems[0]}"}
+        timing = summarize([t for t, _ in gathered], self.job.calls_per_graph)
+        return {"status": OK, "p50_us": timing.p50_us, "p99_us": timing.p99_us, "replays": timing.replays}
