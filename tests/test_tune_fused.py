@@ -108,8 +108,8 @@ class _FusedComm:
 
 def _fused_call(ctx, comm: _FusedComm, algo: str = "oneshot", tokens: int = 3, hidden: int = 50):
     stream = types.SimpleNamespace(cuda_stream=77, synchronize=lambda: None, wait_stream=lambda other: None)
-    job = measure.FusedJob(tokens=(tokens,), hidden=hidden, table=tables.default_table(), iters=12, warmup=1,
-                           calls_per_graph=4)
+    plain = measure.TuneJob(sizes=(1024,), algos=("oneshot",), blocks=(1,), iters=12, warmup=1, calls_per_graph=4)
+    job = measure.FusedJob(tokens=(tokens,), hidden=hidden, table=tables.default_table(), plain=plain)
     call = measure._FusedCall(ctx, comm, stream, tokens, job, torch.bfloat16)
     return call.measure(algo), call
 

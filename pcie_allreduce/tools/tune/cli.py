@@ -129,9 +129,7 @@ def fused_job(args: argparse.Namespace, job: TuneJob, rows: list[Measurement],
 
     default = default_table(facts.get("transport", "p2p"), islands=facts.get("islands", 1))
     table = derive_table(pick_shapes(rows, args.tolerance), fallback=default) if rows else default
-    return FusedJob(tokens=tuple(sorted(set(args.fused_tokens))), hidden=args.hidden, table=table, dtype=job.dtype,
-                    iters=job.iters, warmup=job.warmup, calls_per_graph=job.calls_per_graph,
-                    time_budget_s=job.time_budget_s, transport=job.transport)
+    return FusedJob(tokens=tuple(sorted(set(args.fused_tokens))), hidden=args.hidden, table=table, plain=job)
 
 
 def measure_fused_world(world: int, job: FusedJob, timeout_s: float) -> list[FusedMeasurement]:

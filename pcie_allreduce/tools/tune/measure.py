@@ -172,18 +172,13 @@ def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out
 class FusedJob:
     """What every rank measures for the fused rules: at each token count of ``hidden`` columns, the
     unfused pair and every fused kernel that takes the shape, with the plain table the run derived
-    (the pair's all-reduce, and the table the "kernel" rules follow)."""
+    (the pair's all-reduce, and the table the "kernel" rules follow); dtype, timing and transport
+    are the run's (``plain``)."""
 
     tokens: tuple[int, ...]
     hidden: int
     table: AlgoTable
-    dtype: str = "bfloat16"
-    iters: int = 30
-    warmup: int = 5
-    calls_per_graph: int = 16
-    time_budget_s: float = 0.2
-    kernel_timeout_s: float = 10.0
-    transport: str = "auto"
+    plain: TuneJob
     eps: float = 1e-6
 
 
@@ -194,10 +189,11 @@ def measure_fused_rank(ctx: Any, job: FusedJob) -> dict[str, Any]:
 
     from pcie_allreduce.communicator import Communicator
 
-    dtype = getattr(torch, job.dtype)
-    max_bytes = max(job.tokens) * job.hidden * sizes.DTYPE_SIZES[job.dtype]
-    comm = Communicator(ctx.group, ctx.device, max_bytes=max(max_bytes, 4096), timeout_s=job.kernel_timeout_s,
-                        algo_table=job.table, transport=job.transport)
+    run = job.plain
+    dtype = getattr(torch, run.dtype)
+    max_bytes = max(job.tokens) * job.hidden * sizes.DTYPE_SIZES[run.dtype]
+    comm = Communicator(ctx.group, ctx.device, max_bytes=max(max_bytes, 4096), timeout_s=run.kernel_timeout_s,
+                        algo_table=job.table, transport=run.transport)
     try:
         stream = torch.cuda.Stream(ctx.device)
         comm.prepare_stream(stream.cuda_stream)
@@ -281,15 +277,15 @@ class _FusedCall:
             return {"status": WRONG, "error": problems[0]}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self.stream):
-            for _ in range(self.job.calls_per_graph):
+            for _ in range(self.job.plain.calls_per_graph):
                 self._launch(algo)
         sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=self.ctx.device)
         times = timed_replays(graph.replay, lambda: self.comm.all_reduce(sync, out=sync), self.ctx.group,
-                              iters=self.job.iters, time_budget_s=self.job.time_budget_s, warmup=self.job.warmup,
-                              stream=self.stream)
+                              iters=self.job.plain.iters, time_budget_s=self.job.plain.time_budget_s,
+                              warmup=self.job.plain.warmup, stream=self.stream)
         gathered = _agree(self.ctx, (times, self._wrong()))
         problems = [p for _, p in gathered if p]
         if problems:
             return {"status": WRONG, "error": f"after timing: {problems[0]}"}
-        timing = summarize([t for t, _ in gathered], self.job.calls_per_graph)
+        timing = summarize([t for t, _ in gathered], self.job.plain.calls_per_graph)
         return {"status": OK, "p50_us": timing.p50_us, "p99_us": timing.p99_us, "replays": timing.replays}
