@@ -124,11 +124,9 @@ def measure_world(world: int, job: TuneJob, timeout_s: float) -> tuple[list[Meas
 
 def fused_job(args: argparse.Namespace, job: TuneJob, rows: list[Measurement],
               facts: dict[str, Any]) -> FusedJob:
-    """The fused measurement of one world, with the plain table its measured ``rows`` derive."""
-    from pcie_allreduce.plan.tables import default_table
-
-    default = default_table(facts.get("transport", "p2p"), islands=facts.get("islands", 1))
-    table = derive_table(pick_shapes(rows, args.tolerance), fallback=default) if rows else default
+    """The fused measurement of one world, with the plain table its measured ``rows`` derive (the
+    one the report writes for it)."""
+    table = derive_table(pick_shapes(rows, args.tolerance), fallback=report.default_of(facts))
     return FusedJob(tokens=tuple(sorted(set(args.fused_tokens))), hidden=args.hidden, table=table, plain=job)
 
 

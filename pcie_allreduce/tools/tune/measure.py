@@ -118,8 +118,6 @@ def _agree(ctx: Any, mine: Any) -> list[Any]:
 
 def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out: Any, expected: Any, algo: str,
                    blocks: int) -> dict[str, Any]:
-    import torch
-
     from pcie_allreduce.plan.dispatch import DTYPE_IDS
 
     size = inp.numel() * inp.element_size()
@@ -143,13 +141,25 @@ def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out
         return f"rank {ctx.rank}: {bad} of {out.numel()} elements wrong" if bad else ""
 
     out.fill_(float("nan"))
-    # The inputs, the expected sum and the poison were written on the default stream; the raw launch
-    # runs on the tune's stream, which must not start before them (a race that reads as a wrong sum).
+    return {**row, **_check_then_time(ctx, job, comm, stream, launch, wrong)}
+
+
+def _check_then_time(ctx: Any, job: TuneJob, comm: Any, stream: Any, launch: Callable[[], None],
+                     wrong: Callable[[], str]) -> dict[str, Any]:
+    """One launch on ``stream`` checked on every rank (``wrong``: this rank's problem, "" if none),
+    then ``job.calls_per_graph`` launches captured in a CUDA graph, timed as replays and checked
+    again: the status and, if ok, the per-call timing. The caller has written the inputs and
+    poisoned the outputs on the default stream."""
+    import torch
+
+    # The inputs, the expected result and the poison were written on the default stream; the launch
+    # runs on the tune's stream, which must not start before them (a race that reads as a wrong result).
     stream.wait_stream(torch.cuda.current_stream(ctx.device))
-    launch()
+    with torch.cuda.stream(stream):
+        launch()
     problems = [p for p in _agree(ctx, wrong()) if p]
     if problems:
-        return {**row, "status": WRONG, "error": problems[0]}
+        return {"status": WRONG, "error": problems[0]}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(job.calls_per_graph):
@@ -160,9 +170,9 @@ def _measure_shape(ctx: Any, job: TuneJob, comm: Any, stream: Any, inp: Any, out
     gathered = _agree(ctx, (times, wrong()))
     problems = [p for _, p in gathered if p]
     if problems:
-        return {**row, "status": WRONG, "error": f"after timing: {problems[0]}"}
+        return {"status": WRONG, "error": f"after timing: {problems[0]}"}
     timing = summarize([t for t, _ in gathered], job.calls_per_graph)
-    return {**row, "status": OK, "p50_us": timing.p50_us, "p99_us": timing.p99_us, "replays": timing.replays}
+    return {"status": OK, "p50_us": timing.p50_us, "p99_us": timing.p99_us, "replays": timing.replays}
 
 
 # ---- the fused call ---------------------------------------------------------------------------
@@ -264,28 +274,8 @@ class _FusedCall:
         return ""
 
     def measure(self, algo: str) -> dict[str, Any]:
-        """Check ``algo`` once on poisoned outputs, then time it as :func:`_measure_shape` times a shape."""
-        import torch
-
+        """Check ``algo`` once on poisoned outputs, then time it (:func:`_check_then_time`)."""
         self.normed.fill_(float("nan"))
         self.new_residual.fill_(float("nan"))
-        self.stream.wait_stream(torch.cuda.current_stream(self.ctx.device))  # inputs and poison first
-        with torch.cuda.stream(self.stream):
-            self._launch(algo)
-        problems = [p for p in _agree(self.ctx, self._wrong()) if p]
-        if problems:
-            return {"status": WRONG, "error": problems[0]}
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            for _ in range(self.job.plain.calls_per_graph):
-                self._launch(algo)
-        sync = torch.zeros(SYNC_COUNT, dtype=torch.float32, device=self.ctx.device)
-        times = timed_replays(graph.replay, lambda: self.comm.all_reduce(sync, out=sync), self.ctx.group,
-                              iters=self.job.plain.iters, time_budget_s=self.job.plain.time_budget_s,
-                              warmup=self.job.plain.warmup, stream=self.stream)
-        gathered = _agree(self.ctx, (times, self._wrong()))
-        problems = [p for _, p in gathered if p]
-        if problems:
-            return {"status": WRONG, "error": f"after timing: {problems[0]}"}
-        timing = summarize([t for t, _ in gathered], self.job.plain.calls_per_graph)
-        return {"status": OK, "p50_us": timing.p50_us, "p99_us": timing.p99_us, "replays": timing.replays}
+        return _check_then_time(self.ctx, self.job.plain, self.comm, self.stream, lambda: self._launch(algo),
+                                self._wrong)

@@ -32,6 +32,12 @@ class Fused:
     hidden: int | None = None
 
 
+def default_of(facts: dict[str, Any]) -> AlgoTable:
+    """The built-in table a world's measured communicator had (its transport and islands): what
+    its tuned rules go ahead of."""
+    return default_table(facts.get("transport", "p2p"), islands=facts.get("islands", 1))
+
+
 def _render(header: Sequence[tuple[str, int]], rows: Iterable[Sequence[str]]) -> list[str]:
     """Right-aligned columns; the header line starts with '#'."""
     def line(cells: Sequence[str]) -> str:
@@ -110,7 +116,7 @@ def write_tables(rows: Sequence[Measurement], facts: dict[int, dict[str, Any]], 
             sections.append(f"# W={world}: nothing measured, no table")
             continue
         transport = facts[world].get("transport", "p2p")
-        default = default_table(transport, islands=facts[world].get("islands", 1))
+        default = default_of(facts[world])
         my_fused = [p for p in fused_picks if p.world == world]
         table = with_fused_rules(derive_table(mine, fallback=default), my_fused)
         text = [f"# W={world}: tuned vs default table ({placements.get(world, '')})",
