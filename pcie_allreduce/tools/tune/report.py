@@ -47,6 +47,11 @@ def _render(header: Sequence[tuple[str, int]], rows: Iterable[Sequence[str]]) ->
     return ["#" + head[1:]] + [line(cells) for cells in rows]
 
 
+def _cell(r: Measurement | FusedMeasurement) -> str:
+    """A measurement's matrix cell: its p50 us, 'skip' where it cannot run here, else its status."""
+    return f"{r.p50_us:.2f}" if r.ok else ("skip" if r.status == SKIPPED else r.status)
+
+
 def format_matrix(rows: Sequence[Measurement], world: int, blocks: Sequence[int]) -> str:
     """p50 us per (size, algo) row and block-count column (``blocks``, and any other count measured:
     the default table's own shape); '-' not measured, 'skip' not runnable here."""
@@ -54,8 +59,7 @@ def format_matrix(rows: Sequence[Measurement], world: int, blocks: Sequence[int]
     cells: dict[tuple[int, str], dict[int, str]] = {}
     for r in rows:
         if r.world == world:
-            text = f"{r.p50_us:.2f}" if r.ok else ("skip" if r.status == SKIPPED else r.status)
-            cells.setdefault((r.size_bytes, r.algo), {})[r.blocks] = text
+            cells.setdefault((r.size_bytes, r.algo), {})[r.blocks] = _cell(r)
     order = sorted(cells, key=lambda k: (k[0], ALGORITHMS.index(k[1]) if k[1] in ALGORITHMS else len(ALGORITHMS)))
     header = [("size(B)", 10), ("algo", 10), *[(f"b={b}", 8) for b in blocks]]
     return "\n".join(_render(header, ([str(k[0]), k[1], *[cells[k].get(b, "-") for b in blocks]] for k in order)))
@@ -86,8 +90,7 @@ def format_fused(rows: Sequence[FusedMeasurement], picks: Sequence[FusedPick], w
     cells: dict[int, dict[str, str]] = {}
     for r in rows:
         if r.world == world:
-            text = f"{r.p50_us:.2f}" if r.ok else ("skip" if r.status == SKIPPED else r.status)
-            cells.setdefault(r.tokens, {})[r.algo] = text
+            cells.setdefault(r.tokens, {})[r.algo] = _cell(r)
     chosen = {p.tokens: p for p in picks if p.world == world}
     lines = []
     for tokens in sorted(cells):
