@@ -76,13 +76,23 @@ template <typename T, typename Unit, int kCap>
 __device__ __forceinline__ bool reduce_own_shard(const KernelArgs& a, uint32_t parity, Epoch epoch, const Unit* in,
                                                  Unit* out, bool tail) {
   const Range r = full_shard_units<T, Unit>(a, a.rank, tail);
+  if (r.begin + threadIdx.x >= r.end) return true;  // no units: skip the set-up (the tail's case)
   const Unit poison = poison_unit<Unit>();
-  // Computed from the parameters when used, not held in arrays (see gather_unit on registers).
+  // full_inbox's divisions by W and 64-bit products once per call, not per unit and peer (the
+  // compiler redid them there: it reloads the parameters after every store). The shard is ours
+  // on both sides, so rank p's reduce-scatter inbox in our slots is rank 0's plus p inboxes, and
+  // our all-gather inbox lies at one offset from every workspace's base (symmetric layout).
+  char* const from0 = reinterpret_cast<char*>(full_inbox<Unit>(a, a.rank, parity, FullInbox::kReduceScatter, 0, a.rank));
+  const ptrdiff_t to_offset =
+      reinterpret_cast<char*>(full_inbox<Unit>(a, a.rank, parity, FullInbox::kAllGather, a.rank, a.rank)) - a.bases[a.rank];
+  // A peer's address is a base plus an offset, its inbox size read from the parameters when
+  // used: held in a register, it lets the compiler hoist kCap addresses out of the loop, 2 kCap
+  // registers (kCap = 16: 128 and spills; see gather_unit on registers).
   const auto from = [&](int p) {  // rank p's part of our shard, in our reduce-scatter inbox for p
-    return full_inbox<Unit>(a, a.rank, parity, FullInbox::kReduceScatter, p, a.rank);
+    return reinterpret_cast<Unit*>(from0 + static_cast<uint64_t>(p) * (a.layout.ll_capacity / 2));
   };
   const auto to = [&](int p) {  // our all-gather inbox in peer p
-    return full_inbox<Unit>(a, p, parity, FullInbox::kAllGather, a.rank, a.rank);
+    return reinterpret_cast<Unit*>(a.bases[p] + to_offset);
   };
   uint64_t started = 0;
   uint32_t spins = 0;
