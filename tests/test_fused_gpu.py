@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch
@@ -194,14 +195,25 @@ def test_fused_inside_cuda_graph(world: int, transport: str) -> None:
     assert len(results[0]["digests"]) == 5 and all(r == results[0] for r in results), "ranks disagree bitwise"
 
 
+def _each_algo(ctx: ranks.RankContext, rank_fn: Callable[..., Any], algos: Sequence[str], *args: Any) -> dict:
+    """``rank_fn(ctx, *args, algo)`` for each of ``algos`` in turn, in one set of ranks (each call
+    makes and closes its own communicator): the per-algorithm checks of a test without a spawn
+    of W processes for each."""
+    return {algo: rank_fn(ctx, *args, algo) for algo in algos}
+
+
 # The graph test above launches every kernel as its predecessor's programmatic dependent (the
 # default on Hopper and later: the fused kernels, and the unfused pair's norm kernel dependent on
-# the all-reduce); this one the ordinary way ($PCIE_AR_PDL=0), the same checks.
-@pytest.mark.parametrize("algo", ["auto", "unfused"])
+# the all-reduce); this one the ordinary way ($PCIE_AR_PDL=0), the same checks, for the fused
+# call and the unfused pair.
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 8)] or WORLDS[:1])
-def test_fused_and_unfused_with_the_ordinary_launch(world: int, algo: str) -> None:
-    results = ranks.run_ranks(_fused_graph, world, "p2p", 5, algo, timeout_s=900, env={"PCIE_AR_PDL": "0"})
-    assert len(results[0]["digests"]) == 5 and all(r == results[0] for r in results), "ranks disagree bitwise"
+def test_fused_and_unfused_with_the_ordinary_launch(world: int) -> None:
+    algos = ("auto", "unfused")
+    results = ranks.run_ranks(_each_algo, world, _fused_graph, algos, "p2p", 5, timeout_s=900,
+                              env={"PCIE_AR_PDL": "0"})
+    for algo in algos:
+        assert len(results[0][algo]["digests"]) == 5, f"{algo}: not every replay was checked"
+        assert all(r[algo] == results[0][algo] for r in results), f"{algo}: ranks disagree bitwise"
 
 
 def _small_call(world: int) -> tuple[int, int]:
@@ -247,11 +259,13 @@ def _first_fused_call_captured(ctx: ranks.RankContext, transport: str, algo: str
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("algo", ["oneshot", "oneshot_ll"])
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 16)])
-def test_a_prepared_streams_first_fused_call_may_be_captured(world: int, algo: str, transport: str) -> None:
-    results = ranks.run_ranks(_first_fused_call_captured, world, transport, algo, timeout_s=600)
-    assert all(r == results[0] for r in results), "ranks disagree bitwise"
+def test_a_prepared_streams_first_fused_call_may_be_captured(world: int, transport: str) -> None:
+    algos = ("oneshot", "oneshot_ll")
+    results = ranks.run_ranks(_each_algo, world, _first_fused_call_captured, algos, transport, timeout_s=600)
+    for algo in algos:
+        assert len(results[0][algo]) == 3 * 40, f"{algo}: not every replay was checked"
+        assert all(r[algo] == results[0][algo] for r in results), f"{algo}: ranks disagree bitwise"
 
 
 def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
@@ -278,13 +292,16 @@ def _fused_call_gives_up(ctx: ranks.RankContext, algo: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4, 16)])
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused"])
-def test_a_fused_call_that_gives_up_leaves_nan_in_both_outputs(algo: str, world: int) -> None:
-    for rank, r in enumerate(ranks.run_ranks(_fused_call_gives_up, world, algo, timeout_s=300)):
-        if r["late"]:
-            continue
-        assert r["raised"] == world - 1, f"rank {rank}: check() did not name the late rank: {r}"
-        assert r["all_nan"] == [True, True], f"rank {rank}: the fused call that gave up left data: {r}"
+def test_a_fused_call_that_gives_up_leaves_nan_in_both_outputs(world: int) -> None:
+    algos = ("oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
+    results = ranks.run_ranks(_each_algo, world, _fused_call_gives_up, algos, timeout_s=300 + 60 * len(algos))
+    for rank, per_algo in enumerate(results):
+        for algo in algos:
+            r = per_algo[algo]
+            if r["late"]:
+                continue
+            assert r["raised"] == world - 1, f"{algo}, rank {rank}: check() did not name the late rank: {r}"
+            assert r["all_nan"] == [True, True], f"{algo}, rank {rank}: the fused call that gave up left data: {r}"
 
 
 # The late-rank test's kernel timeout; its late rank arrives three times this late.
