@@ -223,6 +223,9 @@ def _small_call(world: int) -> tuple[int, int]:
     return (4, 7168) if world <= 8 else (1, 4096)
 
 
+CAPTURED_REPLAYS = 3  # replays of a stream's captured first fused call, each digest checked
+
+
 def _first_fused_call_captured(ctx: ranks.RankContext, transport: str, algo: str) -> str:
     """A stream prepared before a graph capture (prepare_stream, as the plugins do) whose first
     fused call is inside it; each replay on fresh inputs copied into the captured tensors, both
@@ -242,7 +245,7 @@ def _first_fused_call_captured(ctx: ranks.RankContext, transport: str, algo: str
     with torch.cuda.graph(graph, stream=side):
         normed, new_res = comm.all_reduce_rmsnorm(x, res, w, EPS, algo=algo)
     digests = []
-    for replay in range(3):
+    for replay in range(CAPTURED_REPLAYS):
         fresh_x, fresh_res, fresh_w, want_res = case(92 + replay)
         x.copy_(fresh_x)
         res.copy_(fresh_res)
@@ -264,7 +267,7 @@ def test_a_prepared_streams_first_fused_call_may_be_captured(world: int, transpo
     algos = ("oneshot", "oneshot_ll")
     results = ranks.run_ranks(_each_algo, world, _first_fused_call_captured, algos, transport, timeout_s=600)
     for algo in algos:
-        assert len(results[0][algo]) == 3 * 40, f"{algo}: not every replay was checked"
+        assert len(results[0][algo]) == CAPTURED_REPLAYS * len(_digest()), f"{algo}: not every replay was checked"
         assert all(r[algo] == results[0][algo] for r in results), f"{algo}: ranks disagree bitwise"
 
 
