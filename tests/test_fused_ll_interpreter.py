@@ -258,17 +258,24 @@ def test_oneshot_full_one_rank(world, rank, tokens, hidden, dtype, misaligned) -
     assert fake.advanced(), "every epoch copy advances"
 
 
-def test_oneshot_full_waits_for_the_header_of_this_call() -> None:
-    """A peer's words with no header of this call (its header still of the call before): not
-    taken, however complete the data looks; the wait ends in a timeout naming that peer."""
-    fake = _poisoned(FakeRanks(2, 0))
-    xs, residual, weight = _inputs(2, 1, 64, torch.bfloat16, seed=5)
+@pytest.mark.parametrize("world, late, missing", [(2, 1, "header"), (5, 3, "header"), (5, 2, "words")])
+def test_oneshot_full_waits_for_the_header_of_this_call(world: int, late: int, missing: str) -> None:
+    """Every peer but ``late`` has its words and its header of this call in place. ``late`` has
+    its words but a header of the call before (not taken, however complete the data looks), or
+    this call's header over poisoned words: the wait ends in a timeout naming ``late`` (not the
+    highest rank, nor the last one polled), with NaN in both outputs."""
+    fake = _poisoned(FakeRanks(world, 0))
+    xs, residual, weight = _inputs(world, 1, 64, torch.bfloat16, seed=5 + world + late)
     programs, sig = _full_call(fake, 1, 64, torch.bfloat16)
-    _full_slot(fake, 0, 1)[:32] = _full_words(xs[1])
-    _full_headers(fake, 0)[fake.epoch & 1, 1, :programs] = _header(fake.epoch - 2, sig)
+    for peer in range(1, world):
+        if not (peer == late and missing == "words"):
+            _full_slot(fake, 0, peer)[:32] = _full_words(xs[peer])
+        stale = peer == late and missing == "header"
+        _full_headers(fake, 0)[fake.epoch & 1, peer, :programs] = _header(fake.epoch - 2 if stale else fake.epoch, sig)
     normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
     path.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
-    assert (int(fake.error[0]), int(fake.error[2]), int(fake.error[3])) == (1, 1, ll.STAGE_FULL_GATHER.value)
+    record = (int(fake.error[0]), int(fake.error[2]), int(fake.error[3]))
+    assert record == (1, late, ll.STAGE_FULL_GATHER.value), f"error record {fake.error.tolist()}"
     assert bool(torch.isnan(normed).all()) and bool(torch.isnan(res_out).all())
 
 
