@@ -259,7 +259,8 @@ def test_oneshot_full_one_rank(world, rank, tokens, hidden, dtype, misaligned) -
 
 
 @pytest.mark.parametrize("world, late, missing", [(2, 1, "header"), (5, 3, "header"), (5, 2, "words")])
-def test_oneshot_full_waits_for_the_header_of_this_call(world: int, late: int, missing: str) -> None:
+def test_oneshot_full_waits_for_every_peers_words_and_header_of_this_call(world: int, late: int,
+                                                                          missing: str) -> None:
     """Every peer but ``late`` has its words and its header of this call in place. ``late`` has
     its words but a header of the call before (not taken, however complete the data looks), or
     this call's header over poisoned words: the wait ends in a timeout naming ``late`` (not the
@@ -272,7 +273,7 @@ def test_oneshot_full_waits_for_the_header_of_this_call(world: int, late: int, m
             _full_slot(fake, 0, peer)[:32] = _full_words(xs[peer])
         stale = peer == late and missing == "header"
         _full_headers(fake, 0)[fake.epoch & 1, peer, :programs] = _header(fake.epoch - 2 if stale else fake.epoch, sig)
-    normed, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    normed, res_out = torch.zeros_like(residual), torch.zeros_like(residual)
     path.launch(fake.view, "oneshot_full", xs[0], residual, weight, 1e-6, normed, res_out, interpret=True)
     record = (int(fake.error[0]), int(fake.error[2]), int(fake.error[3]))
     assert record == (1, late, ll.STAGE_FULL_GATHER.value), f"error record {fake.error.tolist()}"

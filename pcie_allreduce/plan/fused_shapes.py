@@ -57,9 +57,8 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
     1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
     W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
     the cap allows, 512 to 2048 columns each (W=8, cap 16: 1792-column programs, 13.1 us against
-    16.6 for 56 small ones; bench/PERF_NOTES.md, "Launch shapes and
-    residency"), then as few as the program's power-of-two width
-    covers. Always one word (two elements) per thread: at 4 x 7168, 16 warps instead of 8 at W=4
+    16.6 for 56 small ones; bench/PERF_NOTES.md, "Launch shapes and residency"), then as few as
+    the program's power-of-two width covers. Always one word (two elements) per thread: at 4 x 7168, 16 warps instead of 8 at W=4
     and 32 instead of 16 at W=8 were faster (bench/PERF_NOTES.md). Under the interpreter
     (programs run one after another) C is 1."""
     if hidden % 2 or tokens < 1:
