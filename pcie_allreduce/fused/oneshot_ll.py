@@ -73,19 +73,17 @@ def verdict_state(verdict):
 
 
 @triton.jit
-def _word_states(live, words, headers, flag, FULL: tl.constexpr):
+def _word_states(live, words, flag, FULL: tl.constexpr):
     """Per word of the [peers, words] tile: ARRIVED (or not ours to wait for), NOT_YET, or
     FOREIGN (a mismatch, never reduced).
 
     Lines (L1, L3): a word has arrived when its flag is ours; a non-zero flag that is not ours is
     foreign (lines are cleared after use, so none is left from an earlier call). Full payload (F1,
     F2 of csrc/oneshot_full.cuh): a word has arrived when neither of its 16-bit lanes is the
-    poison pattern AND its sender's header of this program is ``flag``, this call's sealed word;
-    any other header is not yet ours, never foreign (it may be a slot left from an earlier wrap):
-    only the peers' call notices name a mismatch then."""
+    poison pattern, and its sender's header of this program is ``flag`` (:func:`_header_states`)."""
     if FULL:
         poisoned = ((words & 0xFFFF) == 0x8000) | ((words >> 16) == 0x8000)
-        states = tl.where(poisoned | (headers != flag), NOT_YET, ARRIVED)
+        states = tl.where(poisoned, NOT_YET, ARRIVED)
     else:
         seen = words >> 32
         states = tl.where((seen != 0) & (seen != flag), FOREIGN, tl.where(seen == 0, NOT_YET, ARRIVED))
@@ -93,32 +91,58 @@ def _word_states(live, words, headers, flag, FULL: tl.constexpr):
 
 
 @triton.jit
-def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_addr, epoch, sig, timeout_ns, rank,
-                pid, notices, W: tl.constexpr, FULL: tl.constexpr, BACKOFF: tl.constexpr, INTERPRET: tl.constexpr):
-    """(words, ok): bounded wait until every live word of the tile has arrived (_word_states); 0
-    on mismatch/timeout/abort (``aborted``: this thread found the workspace aborted at the start),
-    the same in every thread. ``headers_ptr``: with FULL, each element's sender's header word
-    (the same address along a peer's row), else unused. ``flag``: the line flag of this call, or
-    with FULL its sealed header word.
+def _header_states(headers_ptr, header_live, flag, INTERPRET: tl.constexpr):
+    """Full payload: per peer (one element each, ``headers_ptr`` [BLOCK_W] with peer q's header of
+    this program at element q), ARRIVED where its header is ``flag``, this call's sealed word, or
+    where it is not ours to wait for, else NOT_YET. Any other header is not yet ours, never foreign
+    (it may be a slot left from an earlier wrap): only the peers' call notices name a mismatch.
+    One element per peer instead of one per word: the W loads of a spin are independent, where a
+    [peers, words] tile of headers (the same address along a row) made them one chain."""
+    headers = load_volatile(headers_ptr, header_live, INTERPRET)
+    return tl.where(header_live & (headers != flag), NOT_YET, ARRIVED)
 
-    One block-wide reduction per spin (the worst state): each reduction is a block barrier, and
-    the first version's two per spin (waiting?, foreign?) made 16-warp programs notice the last
-    arrival later."""
-    STAGE: tl.constexpr = STAGE_FULL_GATHER if FULL else STAGE_LOW_LATENCY_GATHER
+
+@triton.jit
+def _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL: tl.constexpr, INTERPRET: tl.constexpr):
+    """One look at the tile: (words, their states, the headers' states, the worst state per word
+    column), the peers axis reduced within each thread first and, with FULL, joined with the
+    headers' states element by element (without FULL the headers' states are the words')."""
     words = load_volatile(words_ptr, live, INTERPRET)
-    headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
-    states = _word_states(live, words, headers, flag, FULL)
-    state = tl.max(tl.maximum(states, tl.where(aborted != 0, ABORTED, ARRIVED)))
+    states = _word_states(live, words, flag, FULL)
+    if FULL:
+        header_states = _header_states(headers_ptr, header_live, flag, INTERPRET)
+        worst = tl.maximum(tl.max(states, axis=0), header_states)
+    else:
+        header_states = states
+        worst = states
+    return words, states, header_states, worst
+
+
+@triton.jit
+def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted, ctrl, err_addr, epoch, sig,
+                timeout_ns, rank, pid, notices, W: tl.constexpr, FULL: tl.constexpr, BACKOFF: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """(words, ok): bounded wait until every live word of the tile has arrived (_word_states) and,
+    with FULL, every peer's header of this call (_header_states; ``headers_ptr`` and
+    ``header_live`` are [BLOCK_W], peer q at element q); 0 on mismatch/timeout/abort (``aborted``:
+    this thread found the workspace aborted at the start), the same in every thread. ``flag``: the
+    line flag of this call, or with FULL its sealed header word.
+
+    One block-wide reduction per spin (the worst state of :func:`_poll_once`). Each block-wide
+    reduction is a block barrier, and the first version's two per spin (waiting?,
+    foreign?) made 16-warp programs notice the last arrival later."""
+    STAGE: tl.constexpr = STAGE_FULL_GATHER if FULL else STAGE_LOW_LATENCY_GATHER
+    words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL, INTERPRET)
+    state = tl.max(tl.maximum(worst, tl.where(aborted != 0, ABORTED, ARRIVED)))
     spins = 0
     start = now_ns(INTERPRET)
     while state == NOT_YET:
         spins += 1
         verdict = spin_verdict(ctrl, start, spins, timeout_ns, notices, epoch, sig, rank, W, INTERPRET)
         pause_ns(BACKOFF, INTERPRET)
-        words = load_volatile(words_ptr, live, INTERPRET)
-        headers = load_volatile(headers_ptr, live, INTERPRET) if FULL else words
-        states = _word_states(live, words, headers, flag, FULL)
-        state = tl.max(tl.maximum(states, verdict_state(verdict)))
+        words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL,
+                                                         INTERPRET)
+        state = tl.max(tl.maximum(worst, verdict_state(verdict)))
     if state == FOREIGN:
         if FULL:  # headers never read as foreign: the peer's notice of another call (spin_verdict)
             culprit, their_sig = foreign_notice(notices, epoch, sig, rank, W, INTERPRET)
@@ -132,6 +156,8 @@ def _poll_words(words_ptr, headers_ptr, live, peers, flag, aborted, ctrl, err_ad
         record_error(ctrl, err_addr, 2, rank, culprit, STAGE, pid, epoch, sig, their_sig, INTERPRET)
     elif state == TIMED_OUT:
         late = tl.max(tl.where(states == NOT_YET, peers, -1))
+        if FULL:
+            late = tl.maximum(late, tl.max(tl.where(header_states == NOT_YET, tl.arange(0, words_ptr.shape[1]), -1)))
         record_error(ctrl, err_addr, 1, rank, late, STAGE, pid, epoch, sig, 0, INTERPRET)
     return words, (state == ARRIVED).to(tl.int32)
 
@@ -251,6 +277,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     last = first + tl.minimum(CW, H - c * CW) // 2
     # this program's words: word i holds elements 2i (low half) and 2i + 1 (high half)
     j = tl.arange(0, BLOCK_W)
+    tl.static_assert(BLOCK_W >= W, "a full-payload program polls peer q's header with its element q")
     w_ok = j < (last - first)
     word = first + j
     cols_lo = c * CW + 2 * j  # the low half's column (weight is per column)
@@ -281,22 +308,23 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     #    so in place, out=x, is safe: nobody overwrites x before its owner has pushed it);
     #    full payload: first this program's header of this call (F2), beside the data
     if FULL:
-        # One store per peer, from the thread holding word 0: a scalar store would be issued by
-        # every thread (a transaction per warp and peer on the link, 32x the header's bytes).
-        only_first = (j == 0) & sending
-        header_word = tl.zeros([BLOCK_W], tl.uint64) + flag
-        for p in tl.static_range(W):
-            if p != rank:
-                base = peer_base(bases, p)
-                header = base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8 + j * 0
-                store_volatile(header.to(tl.pointer_type(tl.uint64)), header_word, only_first, INTERPRET)
+        # One store per peer, peer q's from the thread holding word q, all at once: a scalar
+        # store would be issued by every thread (a transaction per warp and peer on the link, 32x
+        # the header's bytes), and one thread storing every peer's waits for each peer's base.
+        to_peer = (j < W) & (j != rank) & sending
+        header_base = tl.load(bases.to(tl.pointer_type(tl.int64)) + j, mask=j < W, other=0)
+        header = header_base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8
+        store_volatile(header.to(tl.pointer_type(tl.uint64)), tl.zeros([BLOCK_W], tl.uint64) + flag, to_peer, INTERPRET)
     if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
-        payload = _wire_word(x_lo, x_hi, flag, FULL)
-        for p in tl.static_range(W):
-            if p != rank:
-                base = peer_base(bases, p)
-                dst = (base + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
-                store_volatile(dst + word, payload, w_ok & sending, INTERPRET)
+        # as one [peers, words] tile: the peers' bases loaded together, then W - 1 stores per
+        # thread with no branch between them (per-peer branches made each base load wait for the
+        # one before)
+        push_peers = tl.arange(0, WP)[:, None]
+        push_bases = tl.load(bases.to(tl.pointer_type(tl.int64)) + push_peers, mask=push_peers < W, other=0)
+        dst = (push_bases + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
+        payload = _wire_word(x_lo, x_hi, flag, FULL)[None, :] + tl.zeros([WP, BLOCK_W], WORD)
+        to_peers = (push_peers < W) & (push_peers != rank) & (w_ok & sending)[None, :]
+        store_volatile(dst + word[None, :], payload, to_peers, INTERPRET)
     else:  # wide chunks (C = 1): PUSH words at a time bounds the registers the push needs
         off = first
         while off < last:  # a while loop: Triton 3.6's interpreter cannot run range() over tensors
@@ -323,10 +351,12 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     live = (peers < W) & (peers != rank) & w_ok[None, :]
     addr = my_base + slots_offset + parity_off + peers.to(tl.int64) * slot_stride + word[None, :] * WORD_BYTES
     lines = addr.to(tl.pointer_type(WORD))
-    headers = (my_base + headers_offset + ((parity * _MAX_RANKS + peers) * _MAX_FLAG_BLOCKS + pid) * 8
-               + word[None, :] * 0).to(tl.pointer_type(tl.uint64))
-    words, ok = _poll_words(lines, headers, live, peers, flag, aborted, ctrl, err_addr, epoch, sig64, timeout_ns,
-                            rank, pid, notices, W, FULL, BACKOFF, INTERPRET)
+    header_peer = j  # full payload: peer q's header of this program polled by element q (BLOCK_W >= W)
+    header_live = (header_peer < W) & (header_peer != rank)
+    headers = (my_base + headers_offset + ((parity * _MAX_RANKS + header_peer) * _MAX_FLAG_BLOCKS + pid) * 8
+               ).to(tl.pointer_type(tl.uint64))
+    words, ok = _poll_words(lines, headers, live, header_live, peers, flag, aborted, ctrl, err_addr, epoch, sig64,
+                            timeout_ns, rank, pid, notices, W, FULL, BACKOFF, INTERPRET)
     if ok == 1:
         lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
         hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
