@@ -75,17 +75,17 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
     writes its own ``"fused"`` rules ahead of these; a table in $PCIE_AR_ALGO_TABLE may carry its own.
 
     - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
-      8 tokens at W = 2, 4 at W = 3-4 and 1 above (W = 4, 4 x 7168: 6.40 us against 7.00 for the
-      pair; W = 8, 1 x 7168: 8.49 against 10.15). Where it has no launch shape (few programs:
-      ranks sharing a GPU) the next rule takes the call: at W = 2 the flag-based one-shot
-      (4 tokens: 5.6 against 6.2), above it the pair.
+      8 tokens at W = 2, 4 at W = 3-4 and 2 above (W = 4, 4 x 7168: 6.40 us against 7.00 for the
+      pair; W = 8, 1 x 7168: 6.32 against 10.28, 2 x 7168: 7.40 against 10.33). Where it has no
+      launch shape (few programs: ranks sharing a GPU) the next rule takes the call: at W = 2 the
+      flag-based one-shot (4 tokens: 5.6 against 6.2), above it the pair.
     - W = 2: the flag-based one-shot beyond (128 x 7168: 12.50 against 16.95).
     - W = 3-4: the pair beyond 4 tokens: every fused kernel the plain table's size gives lost to
       it (8 x 7168: the data-as-flag one-shot, 10.98 against 7.94; 64: the flag-based one-shot,
       24.72 against 22.10; 128: the token-split two-shot, 39.46 against 35.97).
-    - W = 5-8: the pair beyond 1 token (W = 8, 4 x 4096: the data-as-flag one-shot, 11.07 against
+    - W = 5-8: the pair beyond 2 tokens (W = 8, 4 x 4096: the data-as-flag one-shot, 11.07 against
       9.94; 128 tokens: the token-split two-shot, 55.94 against 53.32 at hidden 4096 and 70.69
-      against 71.10 at 7168, a draw at best). 2-3 tokens are unmeasured and take the pair.
+      against 71.10 at 7168, a draw at best). 3 tokens are unmeasured and take the pair.
     - W = 9-16: the pair. The fused kernels serve these worlds (forced, or named by a table's own
       rules), but no fused kernel has been measured against the pair above 8 ranks, and each
       one-shot rank sends (W - 1) x the message there."""
@@ -93,7 +93,7 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
         FusedRule("kernel", max_tokens=8, world=(2,)),
         FusedRule("oneshot", world=(2,)),
         FusedRule("kernel", max_tokens=4, world=(3, 4)),
-        FusedRule("kernel", max_tokens=1, world=_LARGE_WORLDS),
+        FusedRule("kernel", max_tokens=2, world=_LARGE_WORLDS),
         FusedRule(UNFUSED),
     )
 
