@@ -166,15 +166,17 @@ def test_the_built_in_fused_rules_at_three_and_four_ranks(hidden: int) -> None:
 
 @pytest.mark.parametrize("hidden", [4096, 7168, 8192])
 def test_the_built_in_fused_rules_at_five_to_eight_ranks(hidden: int) -> None:
-    """At W = 5-8 the built-in rules take the data-as-flag fused kernel up to 2 tokens (measured at
-    W = 8: it beat the pair at 1 and 2 tokens, lost to it at 4; the token-split two-shot drew or
-    lost at 128) and the pair from 3 tokens on, 128 included."""
+    """At W = 5-8 the built-in rules take the data-as-flag fused kernel up to 2 tokens, the pair at
+    3-4, the flag-based one-shot at 5-8 and the pair beyond, 128 included (measured at W = 8: the
+    data-as-flag kernel beat the pair at 1 and 2 tokens and lost at 4, the flag-based one-shot drew
+    at 4, won at 8 and drew at 32, the token-split two-shot drew or lost at 128)."""
     table = default_table()
     for world in (5, 6, 7, 8):
         picks = {t: _fused_algo(t, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
-                 for t in (1, 2, 3, 4, 8, 64, 128, 256, 1000)}
+                 for t in (1, 2, 3, 4, 5, 8, 9, 16, 64, 128, 256, 1000)}
         assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 2)), (world, picks)
-        assert all(picks[t] == algorithms.UNFUSED for t in picks if t > 2), (world, picks)
+        assert all(picks[t] == "oneshot" for t in (5, 8)), (world, picks)
+        assert all(picks[t] == algorithms.UNFUSED for t in (3, 4, 9, 16, 64, 128, 256, 1000)), (world, picks)
 
 
 def test_the_built_in_fused_rules_keep_the_pair_above_8_ranks() -> None:

@@ -37,11 +37,12 @@ from pcie_allreduce import constants
 from pcie_allreduce.fused.add_rmsnorm import finish_row, typed_pointer
 from pcie_allreduce.fused.oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.fused.protocol import (allow_dependent_launch, begin_call, block_any, end_call, flag_addr,
-                                            foreign_notice, load_acquire_where, my_notices, now_ns, peer_base,
+                                            foreign_notice, load_acquire_where, my_notices, now_ns,
                                             post_notices, record_error, release_fence, round_to, sealed_word,
                                             spin_verdict, store_flag, wait_for_previous_kernel)
 
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
+_MAX_RANKS: tl.constexpr = tl.constexpr(constants.MAX_RANKS)
 STAGE_FUSED_GATHER = constants.STAGE_FUSED_GATHER
 STAGE_FUSED_REDUCE_SCATTER = constants.STAGE_FUSED_REDUCE_SCATTER
 STAGE_FUSED_ALL_GATHER = constants.STAGE_FUSED_ALL_GATHER
@@ -53,10 +54,10 @@ def _reduce_row(x_row_ptrs, slot_ptr_of_rank0, slot_elems, row_off, cols, mask, 
     """fp32 sum over ranks in rank order, rounded once to DT (the CUDA kernels' formula)."""
     acc = tl.zeros(cols.shape, tl.float32)
     for r in tl.static_range(W):
-        if r == rank:
-            v = tl.load(x_row_ptrs, mask=mask, other=0.0)
-        else:
-            v = tl.load(slot_ptr_of_rank0 + r * slot_elems + row_off + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        # the address picked, not the load: with a branch per rank each load waited for the sum
+        # before it (W dependent trips); selected addresses leave the W loads free to issue at once
+        src = tl.where(r == rank, x_row_ptrs, slot_ptr_of_rank0 + r * slot_elems + row_off + cols)
+        v = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
         if r == 0:
             acc = v.to(tl.float32)
         else:
@@ -75,6 +76,21 @@ def _row_mask(cols_ok, row, end, INTERPRET: tl.constexpr):
     if INTERPRET:
         mask = mask != 0
     return mask
+
+
+@triton.jit
+def _peer_bases(bases, W: tl.constexpr):
+    """Every rank's workspace base as one [MAX_RANKS] vector, loaded at once (element p: rank p;
+    0 past W): a kernel picks peer p's with :func:`_base_of` instead of a load of its own, which
+    behind a branch on the runtime rank waited for the one before it."""
+    peers = tl.arange(0, _MAX_RANKS)
+    return tl.load(bases.to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
+
+
+@triton.jit
+def _base_of(peer_bases, p):
+    """Rank ``p``'s base out of :func:`_peer_bases`' vector (a select and a reduction within a warp)."""
+    return tl.sum(tl.where(tl.arange(0, _MAX_RANKS) == p, peer_bases, 0), axis=0)
 
 
 @triton.jit
@@ -115,25 +131,37 @@ def _shard(T, W: tl.constexpr, owner):
 
 
 @triton.jit
-def _push_to_peers(x_ptr, bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
+def _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                    parity_off, flags_offset, SHARDED: tl.constexpr, ROWS, W: tl.constexpr, ALIGNED: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Push this program's rows of x into our slot of every peer (all rows, or with SHARDED only
-    the rows that peer owns), then release every peer's flag of kind 0 (one fence for all)."""
-    for p in tl.static_range(W):
-        if p != rank:
-            base = peer_base(bases, p)
-            dst = typed_pointer(base + parity_off + rank.to(tl.int64) * slot_bytes, x_ptr.dtype.element_ty, ALIGNED)
-            if SHARDED:
+    the rows that peer owns), then release every peer's flag of kind 0 (one fence for all).
+    Unsharded, each row is loaded once and stored to every peer: loaded per peer, the compiler
+    reloaded it after each peer's stores (they might alias x), one trip per peer and row."""
+    if SHARDED:
+        for p in tl.static_range(W):
+            if p != rank:
+                dst = typed_pointer(_base_of(peer_bases, p) + parity_off + rank.to(tl.int64) * slot_bytes,
+                                    x_ptr.dtype.element_ty, ALIGNED)
                 begin, end = _shard(T, W, p)
-            else:
-                begin, end = 0, T
-            _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
-    _release_flags(bases, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
+                _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
+    else:
+        own_slot = parity_off + rank.to(tl.int64) * slot_bytes
+        i = 0
+        while i < ROWS:  # a while loop: Triton 3.4's interpreter cannot run range() over a tensor
+            row = pid * ROWS + i
+            mask = _row_mask(cols_ok, row, T, INTERPRET)
+            off = row.to(tl.int64) * H + cols
+            v = tl.load(x_ptr + off, mask=mask)
+            for p in tl.static_range(W):
+                dst = typed_pointer(_base_of(peer_bases, p) + own_slot, x_ptr.dtype.element_ty, ALIGNED)
+                tl.store(dst + off, v, mask=mask & (rank != p))
+            i += 1
+    _release_flags(peer_bases, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
 
 
 @triton.jit
-def _release_flags(bases, flags_offset, kind: tl.constexpr, rank, pid, epoch, sig64, W: tl.constexpr,
+def _release_flags(peer_bases, flags_offset, kind: tl.constexpr, rank, pid, epoch, sig64, W: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """After every thread's pushes: one barrier, one system-scope fence, then our flag of ``kind``
     (this call's sealed word, in the row of its parity) in every peer (invariant 2 of
@@ -143,7 +171,7 @@ def _release_flags(bases, flags_offset, kind: tl.constexpr, rank, pid, epoch, si
     word = sealed_word(epoch, sig64)
     for p in tl.static_range(W):
         if p != rank:
-            store_flag(flag_addr(peer_base(bases, p), flags_offset, kind, epoch & 1, rank, pid), word, INTERPRET)
+            store_flag(flag_addr(_base_of(peer_bases, p), flags_offset, kind, epoch & 1, rank, pid), word, INTERPRET)
 
 
 @triton.jit
@@ -250,7 +278,8 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, b
     done = 0
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
-        _push_to_peers(x_ptr, bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
+        peer_bases = _peer_bases(bases, W)
+        _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
                        flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
         post_notices(bases, flags_offset, rank, pid, epoch, sig64, 0, W,
                      INTERPRET)  # after the push; aborted == 0 in this branch
@@ -288,7 +317,8 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, b
     done = 0
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
-        _push_to_peers(x_ptr, bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
+        peer_bases = _peer_bases(bases, W)
+        _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
                        flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
         post_notices(bases, flags_offset, rank, pid, epoch, sig64, 0, W,
                      INTERPRET)  # after the push; aborted == 0 in this branch
@@ -309,11 +339,11 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, b
                            INTERPRET)
                 for p in tl.static_range(W):
                     if p != rank:
-                        dst = typed_pointer(peer_base(bases, p) + parity_off + rank.to(tl.int64) * slot_bytes, DT,
-                                            ALIGNED)
+                        dst = typed_pointer(_base_of(peer_bases, p) + parity_off + rank.to(tl.int64) * slot_bytes,
+                                            DT, ALIGNED)
                         tl.store(dst + row_off + cols, nr, mask=mask)
                 i += 1
-            _release_flags(bases, flags_offset, 1, rank, pid, epoch, sig64, W, INTERPRET)
+            _release_flags(peer_bases, flags_offset, 1, rank, pid, epoch, sig64, W, INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
                                  BLOCK_H, INTERPRET)

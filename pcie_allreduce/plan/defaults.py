@@ -83,9 +83,12 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
     - W = 3-4: the pair beyond 4 tokens: every fused kernel the plain table's size gives lost to
       it (8 x 7168: the data-as-flag one-shot, 10.98 against 7.94; 64: the flag-based one-shot,
       24.72 against 22.10; 128: the token-split two-shot, 39.46 against 35.97).
-    - W = 5-8: the pair beyond 2 tokens (W = 8, 4 x 4096: the data-as-flag one-shot, 11.07 against
-      9.94; 128 tokens: the token-split two-shot, 55.94 against 53.32 at hidden 4096 and 70.69
-      against 71.10 at 7168, a draw at best). 3 tokens are unmeasured and take the pair.
+    - W = 5-8: the pair at 3-4 tokens (W = 8, 4 x 7168: the flag-based one-shot 11.34 against
+      11.09 in a graph loop; 4 x 4096: the data-as-flag one-shot, 11.07 against 9.94; 3 tokens
+      unmeasured), the flag-based one-shot at 5-8 (8 x 7168: 11.52 against 14.15, graph loop; 5-7
+      unmeasured), the pair beyond (32 x 7168: the flag-based one-shot 32.93 against 33.65, a
+      draw; 128 tokens: the token-split two-shot, 55.94 against 53.32 at hidden 4096 and 70.69
+      against 71.10 at 7168, a draw at best).
     - W = 9-16: the pair. The fused kernels serve these worlds (forced, or named by a table's own
       rules), but no fused kernel has been measured against the pair above 8 ranks, and each
       one-shot rank sends (W - 1) x the message there."""
@@ -94,6 +97,8 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
         FusedRule("oneshot", world=(2,)),
         FusedRule("kernel", max_tokens=4, world=(3, 4)),
         FusedRule("kernel", max_tokens=2, world=_LARGE_WORLDS),
+        FusedRule(UNFUSED, max_tokens=4, world=_LARGE_WORLDS),
+        FusedRule("oneshot", max_tokens=8, world=_LARGE_WORLDS),
         FusedRule(UNFUSED),
     )
 
