@@ -155,7 +155,10 @@ def _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig
             v = tl.load(x_ptr + off, mask=mask)
             for p in tl.static_range(W):
                 dst = typed_pointer(_base_of(peer_bases, p) + own_slot, x_ptr.dtype.element_ty, ALIGNED)
-                tl.store(dst + off, v, mask=mask & (rank != p))
+                to_peer = mask & (rank != p)
+                if INTERPRET:  # the interpreter's int32 broadcast of a scalar comparison (see _row_mask)
+                    to_peer = to_peer != 0
+                tl.store(dst + off, v, mask=to_peer)
             i += 1
     _release_flags(peer_bases, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
 
