@@ -43,8 +43,8 @@ from pcie_allreduce.constants import MAX_RANKS, ROW_STATS_SLOTS
 from pcie_allreduce.fused.protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call,
                                             end_call, wait_for_previous_kernel,
                                             foreign_notice, line_flag, line_signature, load_volatile, my_notices,
-                                            now_ns, pause_ns, peer_base, post_notices, record_error, round_to,
-                                            sealed_word, spin_verdict, store_volatile)
+                                            now_ns, pause_ns, peer_base, peer_bases, post_notices, record_error,
+                                            round_to, sealed_word, spin_verdict, store_volatile)
 
 STAGE_LOW_LATENCY_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_LOW_LATENCY_GATHER)
 STAGE_FULL_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_FULL_GATHER)
@@ -312,7 +312,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         # store would be issued by every thread (a transaction per warp and peer on the link, 32x
         # the header's bytes), and one thread storing every peer's waits for each peer's base.
         to_peer = (j < W) & (j != rank) & sending
-        header_base = tl.load(bases.to(tl.pointer_type(tl.int64)) + j, mask=j < W, other=0)
+        header_base = peer_bases(bases, j, W)
         header = header_base + headers_offset + ((parity * _MAX_RANKS + rank) * _MAX_FLAG_BLOCKS + pid) * 8
         store_volatile(header.to(tl.pointer_type(tl.uint64)), tl.zeros([BLOCK_W], tl.uint64) + flag, to_peer, INTERPRET)
     if PUSH >= BLOCK_W:  # the whole chunk in one step: push the words already loaded
@@ -320,7 +320,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         # thread with no branch between them (per-peer branches made each base load wait for the
         # one before)
         push_peers = tl.arange(0, WP)[:, None]
-        push_bases = tl.load(bases.to(tl.pointer_type(tl.int64)) + push_peers, mask=push_peers < W, other=0)
+        push_bases = peer_bases(bases, push_peers, W)
         dst = (push_bases + slots_offset + parity_off + rank.to(tl.int64) * slot_stride).to(tl.pointer_type(WORD))
         payload = _wire_word(x_lo, x_hi, flag, FULL)[None, :] + tl.zeros([WP, BLOCK_W], WORD)
         to_peers = (push_peers < W) & (push_peers != rank) & (w_ok & sending)[None, :]

@@ -193,6 +193,14 @@ def peer_base(bases, p):
     return tl.load(bases.to(tl.pointer_type(tl.int64)) + p)
 
 
+@triton.jit
+def peer_bases(bases, peers, W: tl.constexpr):
+    """:func:`peer_base` of every rank in the tensor ``peers`` (0 where a rank is W or above), as
+    one load: a kernel that reaches several peers loads their bases together rather than each
+    behind a branch on the runtime rank, where each load waited for the one before it."""
+    return tl.load(bases.to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
+
+
 # Triton picks its interpreter or its compiler when a function is decorated (from TRITON_INTERPRET
 # when the module is imported), so whether these kernels run interpreted is fixed here, whatever
 # the environment says when they are launched.

@@ -37,7 +37,7 @@ from pcie_allreduce import constants
 from pcie_allreduce.fused.add_rmsnorm import finish_row, typed_pointer
 from pcie_allreduce.fused.oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.fused.protocol import (allow_dependent_launch, begin_call, block_any, end_call, flag_addr,
-                                            foreign_notice, load_acquire_where, my_notices, now_ns,
+                                            foreign_notice, load_acquire_where, my_notices, now_ns, peer_bases,
                                             post_notices, record_error, release_fence, round_to, sealed_word,
                                             spin_verdict, store_flag, wait_for_previous_kernel)
 
@@ -79,18 +79,16 @@ def _row_mask(cols_ok, row, end, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _peer_bases(bases, W: tl.constexpr):
-    """Every rank's workspace base as one [MAX_RANKS] vector, loaded at once (element p: rank p;
-    0 past W): a kernel picks peer p's with :func:`_base_of` instead of a load of its own, which
-    behind a branch on the runtime rank waited for the one before it."""
-    peers = tl.arange(0, _MAX_RANKS)
-    return tl.load(bases.to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
+def _all_bases(bases, W: tl.constexpr):
+    """Every rank's workspace base as one [MAX_RANKS] vector (element p: rank p; 0 past W), loaded
+    at once: a kernel picks peer p's with :func:`_base_of` instead of a load of its own."""
+    return peer_bases(bases, tl.arange(0, _MAX_RANKS), W)
 
 
 @triton.jit
-def _base_of(peer_bases, p):
-    """Rank ``p``'s base out of :func:`_peer_bases`' vector (a select and a reduction within a warp)."""
-    return tl.sum(tl.where(tl.arange(0, _MAX_RANKS) == p, peer_bases, 0), axis=0)
+def _base_of(all_bases, p):
+    """Rank ``p``'s base out of :func:`_all_bases`' vector (a select and a reduction within a warp)."""
+    return tl.sum(tl.where(tl.arange(0, _MAX_RANKS) == p, all_bases, 0), axis=0)
 
 
 @triton.jit
@@ -131,7 +129,7 @@ def _shard(T, W: tl.constexpr, owner):
 
 
 @triton.jit
-def _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
+def _push_to_peers(x_ptr, all_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes,
                    parity_off, flags_offset, SHARDED: tl.constexpr, ROWS, W: tl.constexpr, ALIGNED: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Push this program's rows of x into our slot of every peer (all rows, or with SHARDED only
@@ -141,7 +139,7 @@ def _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig
     if SHARDED:
         for p in tl.static_range(W):
             if p != rank:
-                dst = typed_pointer(_base_of(peer_bases, p) + parity_off + rank.to(tl.int64) * slot_bytes,
+                dst = typed_pointer(_base_of(all_bases, p) + parity_off + rank.to(tl.int64) * slot_bytes,
                                     x_ptr.dtype.element_ty, ALIGNED)
                 begin, end = _shard(T, W, p)
                 _push_rows(x_ptr, dst, begin, end, pid, H, cols, cols_ok, ROWS, INTERPRET)
@@ -154,17 +152,17 @@ def _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig
             off = row.to(tl.int64) * H + cols
             v = tl.load(x_ptr + off, mask=mask)
             for p in tl.static_range(W):
-                dst = typed_pointer(_base_of(peer_bases, p) + own_slot, x_ptr.dtype.element_ty, ALIGNED)
+                dst = typed_pointer(_base_of(all_bases, p) + own_slot, x_ptr.dtype.element_ty, ALIGNED)
                 to_peer = mask & (rank != p)
                 if INTERPRET:  # the interpreter's int32 broadcast of a scalar comparison (see _row_mask)
                     to_peer = to_peer != 0
                 tl.store(dst + off, v, mask=to_peer)
             i += 1
-    _release_flags(peer_bases, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
+    _release_flags(all_bases, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
 
 
 @triton.jit
-def _release_flags(peer_bases, flags_offset, kind: tl.constexpr, rank, pid, epoch, sig64, W: tl.constexpr,
+def _release_flags(all_bases, flags_offset, kind: tl.constexpr, rank, pid, epoch, sig64, W: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """After every thread's pushes: one barrier, one system-scope fence, then our flag of ``kind``
     (this call's sealed word, in the row of its parity) in every peer (invariant 2 of
@@ -174,7 +172,7 @@ def _release_flags(peer_bases, flags_offset, kind: tl.constexpr, rank, pid, epoc
     word = sealed_word(epoch, sig64)
     for p in tl.static_range(W):
         if p != rank:
-            store_flag(flag_addr(_base_of(peer_bases, p), flags_offset, kind, epoch & 1, rank, pid), word, INTERPRET)
+            store_flag(flag_addr(_base_of(all_bases, p), flags_offset, kind, epoch & 1, rank, pid), word, INTERPRET)
 
 
 @triton.jit
@@ -281,8 +279,8 @@ def _fused_oneshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, b
     done = 0
     if aborted == 0:
         # 1. push our rows into our slot of every peer, then flag that peer
-        peer_bases = _peer_bases(bases, W)
-        _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
+        all_bases = _all_bases(bases, W)
+        _push_to_peers(x_ptr, all_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
                        flags_offset, False, ROWS, W, ALIGNED, INTERPRET)
         post_notices(bases, flags_offset, rank, pid, epoch, sig64, 0, W,
                      INTERPRET)  # after the push; aborted == 0 in this branch
@@ -320,8 +318,8 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, b
     done = 0
     if aborted == 0:
         # 1. reduce-scatter: the rows each owner owns go to that owner
-        peer_bases = _peer_bases(bases, W)
-        _push_to_peers(x_ptr, peer_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
+        all_bases = _all_bases(bases, W)
+        _push_to_peers(x_ptr, all_bases, rank, T, H, pid, cols, cols_ok, epoch, sig64, slot_bytes, parity_off,
                        flags_offset, True, ROWS, W, ALIGNED, INTERPRET)
         post_notices(bases, flags_offset, rank, pid, epoch, sig64, 0, W,
                      INTERPRET)  # after the push; aborted == 0 in this branch
@@ -342,11 +340,11 @@ def _fused_twoshot_kernel(x_addr, res_addr, w_addr, normed_addr, res_out_addr, b
                            INTERPRET)
                 for p in tl.static_range(W):
                     if p != rank:
-                        dst = typed_pointer(_base_of(peer_bases, p) + parity_off + rank.to(tl.int64) * slot_bytes,
+                        dst = typed_pointer(_base_of(all_bases, p) + parity_off + rank.to(tl.int64) * slot_bytes,
                                             DT, ALIGNED)
                         tl.store(dst + row_off + cols, nr, mask=mask)
                 i += 1
-            _release_flags(peer_bases, flags_offset, 1, rank, pid, epoch, sig64, W, INTERPRET)
+            _release_flags(all_bases, flags_offset, 1, rank, pid, epoch, sig64, W, INTERPRET)
             # 3. all-gather: every peer's new residual rows; the norm is computed here
             ok = _wait_all_peers(my_base, flags_offset, 1, ctrl, err_addr, epoch, sig64, timeout_ns, rank, pid, 6, W,
                                  BLOCK_H, INTERPRET)
