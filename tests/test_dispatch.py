@@ -150,33 +150,38 @@ def test_a_kernel_rule_without_a_data_as_flag_shape_passes_the_call_on(world: in
 
 
 @pytest.mark.parametrize("hidden", [2048, 7168, 8192])
-def test_the_built_in_fused_rules_at_three_and_four_ranks(hidden: int) -> None:
-    """At W = 3-4 the built-in rules take the fused kernel only up to 4 tokens (measured: beyond
-    it every fused kernel lost to the pair, whichever the plain table's size gave), and the pair
-    beyond, at any hidden size; W = 2 keeps its fused kernels at every token count."""
+def test_the_built_in_fused_rules_at_two_to_four_ranks(hidden: int) -> None:
+    """W = 2: the data-as-flag kernel up to 16 tokens, the flag-based one-shot beyond. W = 3-4:
+    the data-as-flag kernel up to 4 tokens, the pair at 5-8, the flag-based one-shot at 9-16 and
+    the pair beyond (measured at W = 2 and 4, hidden 4096 / 7168 / 8192: each rule's kernel beat
+    the pair at all three sizes; at 5-8 and from 32 tokens some fused kernel lost somewhere)."""
     table = default_table()
     for world in (3, 4):
         picks = {t: _fused_algo(t, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
-                 for t in (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 1000)}
-        assert all(picks[t] != algorithms.UNFUSED for t in (1, 2, 3, 4)), (world, picks)
-        assert all(picks[t] == algorithms.UNFUSED for t in (5, 8, 16, 32, 64, 128, 1000)), (world, picks)
-    assert all(_fused_algo(t, hidden, BF16, 2, table, ll_capacity=LL_CAP, block_cap=64) != algorithms.UNFUSED
-               for t in (1, 8, 16, 128, 1000))
+                 for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 1000)}
+        assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 2, 3, 4)), (world, picks)
+        assert all(picks[t] == "oneshot" for t in (9, 16)), (world, picks)
+        assert all(picks[t] == algorithms.UNFUSED for t in (5, 8, 17, 32, 64, 128, 1000)), (world, picks)
+    picks = {t: _fused_algo(t, hidden, BF16, 2, table, ll_capacity=LL_CAP, block_cap=64)
+             for t in (1, 8, 9, 16, 17, 128, 1000)}
+    assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 8, 9, 16)), picks
+    assert all(picks[t] == "oneshot" for t in (17, 128, 1000)), picks
 
 
 @pytest.mark.parametrize("hidden", [4096, 7168, 8192])
 def test_the_built_in_fused_rules_at_five_to_eight_ranks(hidden: int) -> None:
-    """At W = 5-8 the built-in rules take the data-as-flag fused kernel up to 2 tokens, the pair at
-    3-4, the flag-based one-shot at 5-8 and the pair beyond, 128 included (measured at W = 8: the
-    data-as-flag kernel beat the pair at 1 and 2 tokens and lost at 4, the flag-based one-shot drew
-    at 4, won at 8 and drew at 32, the token-split two-shot drew or lost at 128)."""
+    """At W = 5-8 the built-in rules take the data-as-flag fused kernel up to 4 tokens (the pair
+    at 3-4 where it has no launch shape), the flag-based one-shot at 5-16 and the pair beyond,
+    128 included (measured at W = 8: the data-as-flag kernel beat the pair at 1, 2 and 4 tokens
+    where it ran, the flag-based one-shot won at 8 and 16 at each hidden size and drew or won at
+    32, the token-split two-shot drew, lost or won at 64-128 by hidden size)."""
     table = default_table()
     for world in (5, 6, 7, 8):
         picks = {t: _fused_algo(t, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
-                 for t in (1, 2, 3, 4, 5, 8, 9, 16, 64, 128, 256, 1000)}
-        assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 2)), (world, picks)
-        assert all(picks[t] == "oneshot" for t in (5, 8)), (world, picks)
-        assert all(picks[t] == algorithms.UNFUSED for t in (3, 4, 9, 16, 64, 128, 256, 1000)), (world, picks)
+                 for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 256, 1000)}
+        assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 2, 3, 4)), (world, picks)
+        assert all(picks[t] == "oneshot" for t in (5, 8, 9, 16)), (world, picks)
+        assert all(picks[t] == algorithms.UNFUSED for t in (17, 32, 64, 128, 256, 1000)), (world, picks)
 
 
 def test_the_built_in_fused_rules_keep_the_pair_above_8_ranks() -> None:

@@ -6,7 +6,8 @@ one-shots the bytes a PCIe link carries. P2P across islands: an estimate from be
 beyond. Fused: where a fused kernel beat the plain all-reduce + one add + RMSNorm kernel.
 `pcie-allreduce tune` replaces the plain rows with measurements on the box it runs on. Why each row
 sits where it does, with the figures and the link model behind it: bench/PERF_NOTES.md, "Why the
-built-in tables choose what they do" and "The built-in fused rules and the island table's picks".
+built-in tables choose what they do" and "Fused all-reduce + RMSNorm against the plain all-reduce +
+one add + RMSNorm kernel".
 """
 
 from __future__ import annotations
@@ -68,37 +69,39 @@ ISLAND_RULES: tuple[Rule, ...] = (
 
 def default_fused_rules() -> tuple[FusedRule, ...]:
     """Where a fused kernel beats the plain all-reduce followed by the one add + RMSNorm kernel,
-    and which: measured under MPS, every fused kernel against that pair in one run (bench/RESULTS.md,
-    "Fused all-reduce + residual add + RMSNorm"): W = 2, 4 and 8 on one H100 at hidden 4096 and
-    7168 (W = 2 and 4 also 8192); W = 3 follows W = 4 and W = 5-7 follow W = 8, unmeasured.
-    ``pcie-allreduce tune --fused-tokens ... --hidden H`` measures them on the box it runs on and
-    writes its own ``"fused"`` rules ahead of these; a table in $PCIE_AR_ALGO_TABLE may carry its own.
+    and which: measured under MPS, every fused kernel forced beside the best such pair of any
+    backend in one run per world and hidden size (bench/RESULTS.md, "Fused all-reduce + residual
+    add + RMSNorm": W = 2, 4 and 8 on one H100 at hidden 4096, 7168 and 8192, 1-128 tokens). A
+    rule is kept where its kernel won at all three hidden sizes; W = 3 follows W = 4 and W = 5-7
+    follow W = 8, unmeasured. ``pcie-allreduce tune --fused-tokens ... --hidden H`` measures them
+    on the box it runs on and writes its own ``"fused"`` rules ahead of these; a table in
+    $PCIE_AR_ALGO_TABLE may carry its own.
 
     - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
-      8 tokens at W = 2, 4 at W = 3-4 and 2 above (W = 4, 4 x 7168: 6.40 us against 7.00 for the
-      pair; W = 8, 1 x 7168: 6.32 against 10.28, 2 x 7168: 7.40 against 10.33). Where it has no
-      launch shape (few programs: ranks sharing a GPU) the next rule takes the call: at W = 2 the
-      flag-based one-shot (4 tokens: 5.6 against 6.2), above it the pair.
-    - W = 2: the flag-based one-shot beyond (128 x 7168: 12.50 against 16.95).
-    - W = 3-4: the pair beyond 4 tokens: every fused kernel the plain table's size gives lost to
-      it (8 x 7168: the data-as-flag one-shot, 10.98 against 7.94; 64: the flag-based one-shot,
-      24.72 against 22.10; 128: the token-split two-shot, 39.46 against 35.97).
-    - W = 5-8: the pair at 3-4 tokens (W = 8, 4 x 7168: the flag-based one-shot 11.34 against
-      11.09 in a graph loop; 4 x 4096: the data-as-flag one-shot, 11.07 against 9.94; 3 tokens
-      unmeasured), the flag-based one-shot at 5-8 (8 x 7168: 11.52 against 14.15, graph loop; 5-7
-      unmeasured), the pair beyond (32 x 7168: the flag-based one-shot 32.93 against 33.65, a
-      draw; 128 tokens: the token-split two-shot, 55.94 against 53.32 at hidden 4096 and 70.69
-      against 71.10 at 7168, a draw at best).
+      16 tokens at W = 2 and 4 above (W = 2, 16 x 7168: 5.57 us against 5.76 for the pair; W = 4,
+      4 x 7168: 5.88 against 7.01; W = 8, 4 x 4096: 8.72 against 9.96). Where it has no launch
+      shape (few programs: ranks sharing a GPU) the next rule takes the call.
+    - W = 2: the flag-based one-shot beyond (128 x 7168: 12.64 against 17.32).
+    - W = 3-4: the pair at 5-8 tokens (each fused kernel lost at some hidden size: 8 x 7168, the
+      flag-based one-shot 8.65 against 7.83), the flag-based one-shot at 9-16 (16 x 7168: 8.95
+      against 10.49; 0.82-0.91x the pair at the three sizes), the pair beyond (32 x 7168: 14.96
+      against 14.48; the two-shot lost at 64 tokens at hidden 4096 and at 128 at 7168).
+    - W = 5-8: the pair at 3-4 tokens where the data-as-flag kernel has no shape (the flag-based
+      one-shot drew: 4 x 7168, 12.60 against 12.51), the flag-based one-shot at 5-16 (16 x 7168:
+      20.31 against 22.00; 0.80-0.94x the pair at 8 and 16 tokens), the pair beyond (32 tokens:
+      the one-shot 0.92-1.01x; 64-128: the two-shot 0.85-1.05x).
     - W = 9-16: the pair. The fused kernels serve these worlds (forced, or named by a table's own
       rules), but no fused kernel has been measured against the pair above 8 ranks, and each
       one-shot rank sends (W - 1) x the message there."""
     return (
-        FusedRule("kernel", max_tokens=8, world=(2,)),
+        FusedRule("kernel", max_tokens=16, world=(2,)),
         FusedRule("oneshot", world=(2,)),
         FusedRule("kernel", max_tokens=4, world=(3, 4)),
-        FusedRule("kernel", max_tokens=2, world=_LARGE_WORLDS),
+        FusedRule(UNFUSED, max_tokens=8, world=(3, 4)),
+        FusedRule("oneshot", max_tokens=16, world=(3, 4)),
+        FusedRule("kernel", max_tokens=4, world=_LARGE_WORLDS),
         FusedRule(UNFUSED, max_tokens=4, world=_LARGE_WORLDS),
-        FusedRule("oneshot", max_tokens=8, world=_LARGE_WORLDS),
+        FusedRule("oneshot", max_tokens=16, world=_LARGE_WORLDS),
         FusedRule(UNFUSED),
     )
 
