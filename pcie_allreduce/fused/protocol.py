@@ -52,6 +52,17 @@ _SPIN_LIMIT: tl.constexpr = tl.constexpr(INTERPRETER_SPIN_LIMIT)
 
 
 @triton.jit
+def interpreter_mask(mask, INTERPRET: tl.constexpr):
+    """``mask`` as a load or store takes it: unchanged on the GPU; under Triton's interpreter
+    compared with 0. The interpreter can hand a combined mask (a tensor & a scalar's comparison, or
+    & a loaded value's) over as int32 data, and from Triton 3.9 on its loads and stores refuse a
+    mask that is not boolean."""
+    if INTERPRET:
+        mask = mask != 0
+    return mask
+
+
+@triton.jit
 def load_acquire(ptr, INTERPRET: tl.constexpr):
     if INTERPRET:
         value = tl.load(ptr, volatile=True)
@@ -66,7 +77,7 @@ def load_acquire_where(ptr, mask, INTERPRET: tl.constexpr):
     """ld.acquire.sys of each u64 word of ``ptr`` where ``mask`` (0 elsewhere, nothing loaded):
     the batched form of :func:`load_acquire`, for a poll of several peers' flags at once."""
     if INTERPRET:
-        value = tl.load(ptr, mask=mask != 0, other=0, volatile=True)  # `!= 0`: see load_volatile
+        value = tl.load(ptr, mask=interpreter_mask(mask, INTERPRET), other=0, volatile=True)
     else:
         value = tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.acquire.sys.global.u64 $0, [$1]; }",
@@ -121,9 +132,7 @@ def load_volatile(ptr, mask, INTERPRET: tl.constexpr):
     (rematerialise) a value after the word was cleared or re-poisoned; tl.load(volatile=True)
     does not promise either."""
     if INTERPRET:
-        # `!= 0`: Triton 3.9's interpreter can hand a combined mask (a tensor & a loaded scalar's
-        # compare) over as int32 data, which tl.load and tl.store refuse
-        value = tl.load(ptr, mask=mask != 0, other=0, volatile=True)
+        value = tl.load(ptr, mask=interpreter_mask(mask, INTERPRET), other=0, volatile=True)
     elif ptr.dtype.element_ty == tl.uint64:
         value = tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u64 $0, 0; @p ld.volatile.global.u64 $0, [$1]; }",
@@ -141,7 +150,7 @@ def store_volatile(ptr, value, mask, INTERPRET: tl.constexpr):
     """Masked st.volatile.global of the pointer's word (u64 or u32): one store per element, never
     torn, merged or delayed behind a spin (the CUDA kernels' store_line)."""
     if INTERPRET:
-        tl.store(ptr, value, mask=mask != 0)  # `!= 0`: see load_volatile
+        tl.store(ptr, value, mask=interpreter_mask(mask, INTERPRET))
     elif ptr.dtype.element_ty == tl.uint64:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.u64 [$1], $2; mov.u32 $0, 0; }",

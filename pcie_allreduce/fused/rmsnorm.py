@@ -37,9 +37,9 @@ from pcie_allreduce import constants
 from pcie_allreduce.fused.add_rmsnorm import finish_row, typed_pointer
 from pcie_allreduce.fused.oneshot_ll import ARRIVED, FOREIGN, NOT_YET, TIMED_OUT, verdict_state
 from pcie_allreduce.fused.protocol import (allow_dependent_launch, begin_call, block_any, end_call, flag_addr,
-                                            foreign_notice, load_acquire_where, my_notices, now_ns, peer_bases,
-                                            post_notices, record_error, release_fence, round_to, sealed_word,
-                                            spin_verdict, store_flag, wait_for_previous_kernel)
+                                            foreign_notice, interpreter_mask, load_acquire_where, my_notices, now_ns,
+                                            peer_bases, post_notices, record_error, release_fence, round_to,
+                                            sealed_word, spin_verdict, store_flag, wait_for_previous_kernel)
 
 _ALIGN: tl.constexpr = tl.constexpr(constants.ALIGN)
 _MAX_RANKS: tl.constexpr = tl.constexpr(constants.MAX_RANKS)
@@ -67,15 +67,8 @@ def _reduce_row(x_row_ptrs, slot_ptr_of_rank0, slot_elems, row_off, cols, mask, 
 
 @triton.jit
 def _row_mask(cols_ok, row, end, INTERPRET: tl.constexpr):
-    """The columns of ``row`` to touch: ``cols_ok`` where ``row < end``, else none.
-
-    Triton's interpreter broadcasts the scalar ``row < end`` into an int32 array rather than a
-    boolean one, and from Triton 3.9 on its loads and stores reject a mask that is not boolean;
-    the comparison with 0 turns it back into one there. The GPU branch is the plain ``&``."""
-    mask = cols_ok & (row < end)
-    if INTERPRET:
-        mask = mask != 0
-    return mask
+    """The columns of ``row`` to touch: ``cols_ok`` where ``row < end``, else none."""
+    return interpreter_mask(cols_ok & (row < end), INTERPRET)
 
 
 @triton.jit
@@ -153,10 +146,7 @@ def _push_to_peers(x_ptr, all_bases, rank, T, H, pid, cols, cols_ok, epoch, sig6
             v = tl.load(x_ptr + off, mask=mask)
             for p in tl.static_range(W):
                 dst = typed_pointer(_base_of(all_bases, p) + own_slot, x_ptr.dtype.element_ty, ALIGNED)
-                to_peer = mask & (rank != p)
-                if INTERPRET:  # the interpreter's int32 broadcast of a scalar comparison (see _row_mask)
-                    to_peer = to_peer != 0
-                tl.store(dst + off, v, mask=to_peer)
+                tl.store(dst + off, v, mask=interpreter_mask(mask & (rank != p), INTERPRET))
             i += 1
     _release_flags(all_bases, flags_offset, 0, rank, pid, epoch, sig64, W, INTERPRET)
 
