@@ -20,6 +20,11 @@ baseline a fused kernel must beat; a kernel that cannot take the shape is left o
 case on fresh inputs, in one run:
 
     python -m bench.graph_loop --fused --world 2 8 --tokens 1 4 32 --fused-algos auto unfused oneshot_full oneshot
+
+``--chunks C ...`` adds, for each data-as-flag kernel among ``--fused-algos``, rows with C column
+chunks per row forced (``oneshot_full/cC``, C as the shape rounds it) in place of the shape's own
+choice, where that many programs fit the block cap: how the split of a row over programs trades
+the row statistics' exchange against one program's bandwidth.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Callable, Sequence
+
+from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS
 
 CALLS_PER_GRAPH = 20
 REPLAYS = 20
@@ -91,7 +98,8 @@ def _rank(ctx, sizes: list[int], algos: list[str], transport: str) -> list[tuple
     return rows
 
 
-def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport: str) -> list[tuple[str, int, float]]:
+def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport: str,
+                chunks: list[int]) -> list[tuple[str, int, float]]:
     import torch
 
     from pcie_allreduce import Communicator
@@ -119,10 +127,48 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
                     comm.all_reduce_rmsnorm(x, residual, weight, eps, out=normed, residual_out=new_residual, algo=algo)
 
                 rows.append((label, t, _time_call(comm, call, ctx.group)))
+            for algo in (a for a in algos if a in DATA_AS_FLAG_ONESHOTS):
+                rows.extend(_forced_chunk_rows(comm, ctx.group, algo, chunks, x, residual, weight, eps, normed,
+                                               new_residual))
+    return rows
+
+
+def _forced_chunk_rows(comm, group, algo: str, chunks: list[int], x, residual, weight, eps: float, normed,
+                       new_residual) -> list[tuple[str, int, float]]:
+    """The data-as-flag kernel ``algo`` timed with each forced chunk count that fits the block cap.
+
+    A harness-only path: it launches the kernel directly on the workspace of the current stream
+    (the communicator's own, read through its private accessor), compiled on every rank behind a
+    barrier first, where ``all_reduce_rmsnorm`` would plan the shape itself."""
+    import torch.distributed as dist
+
+    from pcie_allreduce.fused import path
+    from pcie_allreduce.layout import WorkspaceView
+    from pcie_allreduce.plan import fused_shapes
+
+    tokens, hidden = x.shape
+    if x.nbytes > (comm.capacity_of(algo) or x.nbytes):
+        return []
+    view = WorkspaceView.of(comm._workspace())  # noqa: SLF001 - the harness forces what the plan would choose
+    rows = []
+    for c in chunks:
+        shape = fused_shapes.with_chunks_if_resident(tokens, hidden, c, comm.block_cap)
+        if shape is None:
+            continue
+        kwargs = dict(max_programs=comm.block_cap, chunks=shape[1])
+        path.launch(view, algo, x, residual, weight, eps, normed, new_residual, compile_only=True, **kwargs)
+        dist.barrier(group=group)
+
+        def call(kwargs=kwargs):
+            path.launch(view, algo, x, residual, weight, eps, normed, new_residual, dependent=comm.dependent_launch,
+                        **kwargs)
+
+        rows.append((f"{algo}/c{shape[1]}", tokens, _time_call(comm, call, group)))
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pcie_allreduce.argtypes import typed_arg
     from pcie_allreduce.sizes import parse_size
 
     parser = argparse.ArgumentParser(prog="python -m bench.graph_loop", description=__doc__.split("\n\n")[1])
@@ -135,6 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32], metavar="T")
     parser.add_argument("--hidden", type=int, default=7168, metavar="H")
     parser.add_argument("--fused-algos", nargs="+", default=["auto", "unfused"], metavar="ALGO")
+    parser.add_argument("--chunks", type=typed_arg(int, lambda v: v >= 1, "a positive integer"), nargs="+", default=[],
+                        metavar="C",
+                        help="with --fused: also each data-as-flag kernel with C column chunks per row forced")
     args = parser.parse_args(argv)
 
     from pcie_allreduce.tools import ranks
@@ -148,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world in args.world:
         if args.fused:
             per_rank = ranks.run_ranks(_fused_rank, world, args.tokens, args.hidden, args.fused_algos, args.transport,
-                                       timeout_s=600)
+                                       args.chunks, timeout_s=600)
         else:
             per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, args.transport, timeout_s=600)
         for i, (label, nbytes, _) in enumerate(per_rank[0]):

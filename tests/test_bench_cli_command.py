@@ -187,3 +187,7 @@ def test_graph_loop_parses_sizes_and_exits_3_without_a_gpu(capsys: pytest.Captur
     assert "python -m bench.graph_loop:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         graph_loop.main(["--sizes", "fourteen"])
+    assert graph_loop.main(["--fused", "--world", "2", "--fused-algos", "oneshot_full", "--chunks", "1", "7"]) == 3
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            graph_loop.main(["--fused", "--chunks", bad])

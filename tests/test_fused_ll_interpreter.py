@@ -102,6 +102,16 @@ def test_oneshot_ll_peer_with_another_call_records_mismatch() -> None:
     assert int(fake.error[7]) & 0xFFFFFFFF == theirs, "the report names the peer's call signature"
 
 
+def test_a_forced_chunk_count_is_launched_only_where_its_programs_are_resident() -> None:
+    """The harness's chunk sweep: the shape with C chunks, or None past the cap (or its crowded half)."""
+    assert shapes.with_chunks_if_resident(16, 7168, 1, 16) == shapes.shape_with_chunks(16, 7168, 1)
+    assert shapes.with_chunks_if_resident(16, 7168, 1, 16)[:2] == (16, 1)
+    assert shapes.with_chunks_if_resident(4, 7168, 4, 16) == (16, 4, 1792, 1024, 32)
+    assert shapes.with_chunks_if_resident(17, 7168, 1, 16) is None, "17 programs past a cap of 16"
+    assert shapes.with_chunks_if_resident(8, 7168, 1, 8) is None, "a crowded share keeps half: 4"
+    assert shapes.with_chunks_if_resident(4, 7167, 1, 64) is None and shapes.with_chunks_if_resident(4, 7168, 0, 64) is None
+
+
 def test_launch_shape_rules() -> None:
     assert shapes.data_as_flag(4, 7167, 4, 32) is None, "odd hidden sizes take the flag-based one-shot"
     programs, chunks, width, block_w, num_warps = shapes.data_as_flag(4, 7168, 4, 64)

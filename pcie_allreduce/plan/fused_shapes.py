@@ -89,6 +89,16 @@ def _fits(tokens: int, chunks: int, cap: int) -> bool:
     return tokens * chunks <= cap and tokens * chunks * chunks <= ROW_STATS_SLOTS
 
 
+def with_chunks_if_resident(tokens: int, hidden: int, chunks: int, max_programs: int) -> DataAsFlagShape | None:
+    """:func:`shape_with_chunks`, or None where its programs would not all run at once under the
+    block cap ``max_programs`` (:func:`resident_programs`) or overflow the row statistics' slots:
+    a forced chunk count that is safe to launch (the harness's chunk sweep)."""
+    if hidden % 2 or tokens < 1 or chunks < 1:
+        return None
+    shape = shape_with_chunks(tokens, hidden, chunks)
+    return shape if _fits(tokens, shape[1], resident_programs(max_programs)) else None
+
+
 def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> DataAsFlagShape:
     """The data-as-flag shape with (about) ``chunks`` column chunks of one even width per row (a
     word never straddles two): BLOCK_W is the chunk's words rounded up to a power of two, one per
