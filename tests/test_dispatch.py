@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -168,20 +170,42 @@ def test_the_built_in_fused_rules_at_two_to_four_ranks(hidden: int) -> None:
     assert all(picks[t] == "oneshot" for t in (17, 128, 1000)), picks
 
 
-@pytest.mark.parametrize("hidden", [4096, 7168, 8192])
+@pytest.mark.parametrize("hidden", [4096, 7168, 8192, 12288])
 def test_the_built_in_fused_rules_at_five_to_eight_ranks(hidden: int) -> None:
     """At W = 5-8 the built-in rules take the data-as-flag fused kernel up to 4 tokens (the pair
     at 3-4 where it has no launch shape), the flag-based one-shot at 5-16 and the pair beyond,
-    128 included (measured at W = 8: the data-as-flag kernel beat the pair at 1, 2 and 4 tokens
-    where it ran, the flag-based one-shot won at 8 and 16 at each hidden size and drew or won at
-    32, the token-split two-shot drew, lost or won at 64-128 by hidden size)."""
+    128 included; rows of 8192 or more take the one-shot up to 32 tokens and the token-split
+    two-shot at 33-128 (measured at W = 8: the data-as-flag kernel beat the pair at 1, 2 and 4
+    tokens where it ran, the flag-based one-shot won at 8 and 16 at each hidden size and at 32 at
+    8192, the two-shot won at 64-128 at 8192 and drew or lost at 4096 and 7168)."""
     table = default_table()
+    wide = hidden >= 8192
     for world in (5, 6, 7, 8):
         picks = {t: _fused_algo(t, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
-                 for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 256, 1000)}
+                 for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 128, 129, 256, 1000)}
         assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 2, 3, 4)), (world, picks)
         assert all(picks[t] == "oneshot" for t in (5, 8, 9, 16)), (world, picks)
-        assert all(picks[t] == algorithms.UNFUSED for t in (17, 32, 64, 128, 256, 1000)), (world, picks)
+        assert all(picks[t] == ("oneshot" if wide else algorithms.UNFUSED) for t in (17, 32)), (world, picks)
+        assert all(picks[t] == ("twoshot" if wide else algorithms.UNFUSED) for t in (33, 64, 128)), (world, picks)
+        assert all(picks[t] == algorithms.UNFUSED for t in (129, 256, 1000)), (world, picks)
+
+
+def test_a_fused_rule_bounded_by_the_row_width() -> None:
+    """``min_hidden`` takes rows at least that wide; without a width such a rule is passed over;
+    it round-trips through JSON (left out where unset) and is checked on load."""
+    rule = FusedRule("twoshot", max_tokens=64, world=(8,), min_hidden=8192)
+    assert rule.matches(64, 8, 8192) and rule.matches(64, 8, 16384)
+    assert not rule.matches(64, 8, 8190) and not rule.matches(64, 8) and not rule.matches(65, 8, 8192)
+    table = AlgoTable(TABLE.rules, (rule, FusedRule("unfused")))
+    assert AlgoTable.from_json(table.to_json()) == table
+    assert "min_hidden" not in AlgoTable(TABLE.rules, (FusedRule("unfused"),)).to_json()
+    assert table.select_fused(64, 8, hidden=8192) == "twoshot" and table.select_fused(64, 8) == "unfused"
+    for bad in (0, -1, 8192.0, True, "8192"):
+        with pytest.raises(ValueError, match="min_hidden"):
+            FusedRule("twoshot", min_hidden=bad)
+        with pytest.raises(ValueError, match="min_hidden"):
+            AlgoTable.from_json('{"rules": [{"algo": "twoshot"}], "fused": [{"algo": "unfused", "min_hidden": %s}]}'
+                                % json.dumps(bad))
 
 
 def test_the_built_in_fused_rules_keep_the_pair_above_8_ranks() -> None:

@@ -89,7 +89,10 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
     - W = 5-8: the pair at 3-4 tokens where the data-as-flag kernel has no shape (the flag-based
       one-shot drew: 4 x 7168, 12.60 against 12.51), the flag-based one-shot at 5-16 (16 x 7168:
       20.31 against 22.00; 0.80-0.94x the pair at 8 and 16 tokens), the pair beyond (32 tokens:
-      the one-shot 0.92-1.01x; 64-128: the two-shot 0.85-1.05x).
+      the one-shot 0.92-1.01x; 64-128: the token-split two-shot 0.85-1.05x), except for rows of
+      8192 elements or more: the one-shot up to 32 tokens and the two-shot at 33-128, which won in
+      two runs (8192 wide: the one-shot 0.92x the pair at 32 tokens in both, the two-shot
+      0.84-0.85x at 64 and 0.86-0.87x at 128), where at 4096 and 7168 they drew or lost.
     - W = 9-16: the pair. The fused kernels serve these worlds (forced, or named by a table's own
       rules), but no fused kernel has been measured against the pair above 8 ranks, and each
       one-shot rank sends (W - 1) x the message there."""
@@ -102,6 +105,8 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
         FusedRule("kernel", max_tokens=4, world=_LARGE_WORLDS),
         FusedRule(UNFUSED, max_tokens=4, world=_LARGE_WORLDS),
         FusedRule("oneshot", max_tokens=16, world=_LARGE_WORLDS),
+        FusedRule("oneshot", max_tokens=32, world=_LARGE_WORLDS, min_hidden=8192),
+        FusedRule("twoshot", max_tokens=128, world=_LARGE_WORLDS, min_hidden=8192),
         FusedRule(UNFUSED),
     )
 

@@ -110,8 +110,8 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
     ll_shape = _data_as_flag_shape(tokens, hidden, dtype, world, ll_capacity, block_cap, interpret)
     following = _kernel_that_follows(plain.algo, tokens, world, ll_shape)
     # A "kernel" rule whose data-as-flag kernel has no launch shape passes the call to the next rule.
-    rule = (table.select_fused(tokens, world, serves=lambda choice: choice != "kernel" or following is not None)
-            if algo == "auto" else algo)
+    rule = (table.select_fused(tokens, world, lambda choice: choice != "kernel" or following is not None,
+                               hidden=hidden) if algo == "auto" else algo)
     if wire_algo is not None:
         rule = UNFUSED
     elif rule == "kernel":

@@ -15,6 +15,11 @@ unbounded) is >= the message size wins. ``dtype`` may restrict a rule to some dt
 ``oneshot_ll`` rule is passed over for messages above the communicator's low-latency capacity
 (derived from its agreed ``max_bytes``, so still the same choice on every rank).
 
+An optional ``"fused"`` list holds the fused call's rules (:class:`FusedRule`), tried in order:
+``{"world": [5, 6, 7, 8], "max_tokens": 128, "min_hidden": 8192, "algo": "twoshot"}`` takes calls
+of at most ``max_tokens`` rows (null: any) of at least ``min_hidden`` elements (absent: any
+width); ``algo`` is ``"kernel"``, a fused kernel or ``"unfused"``.
+
 Loading checks every field's type strictly (integers are JSON integers, ``world`` is ``"*"``,
 null, an integer or a list of integers from MIN_RANKS to MAX_RANKS, ``dtypes`` null or a list of
 ``"float32"``, ``"float16"``, ``"bfloat16"``) and that every world size and dtype has a rule with
@@ -47,11 +52,13 @@ class AlgoTable:
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     fused: tuple[FusedRule, ...] = field(default_factory=defaults.default_fused_rules)
 
-    def select_fused(self, tokens: int, world: int, serves: Callable[[str], bool] | None = None) -> str:
-        """The fused table's choice for ``tokens`` rows on ``world`` ranks (a name of FUSED_CHOICES):
-        the first matching rule whose choice ``serves`` the call (every choice, without it)."""
+    def select_fused(self, tokens: int, world: int, serves: Callable[[str], bool] | None = None, *,
+                     hidden: int | None = None) -> str:
+        """The fused table's choice for ``tokens`` rows of ``hidden`` elements on ``world`` ranks (a
+        name of FUSED_CHOICES): the first matching rule whose choice ``serves`` the call (every
+        choice, without it); without ``hidden`` the rules bounded by a row width are passed over."""
         for rule in self.fused:
-            if rule.matches(tokens, world) and (serves is None or serves(rule.algo)):
+            if rule.matches(tokens, world, hidden) and (serves is None or serves(rule.algo)):
                 return rule.algo
         return UNFUSED
 
@@ -114,8 +121,8 @@ class AlgoTable:
             row["world"] = "*" if rule.world is None else list(rule.world)
             row["dtypes"] = None if rule.dtypes is None else list(rule.dtypes)
             rows.append(row)
-        fused = [{"algo": r.algo, "max_tokens": r.max_tokens, "world": "*" if r.world is None else list(r.world)}
-                 for r in self.fused]
+        fused = [{"algo": r.algo, "max_tokens": r.max_tokens, "world": "*" if r.world is None else list(r.world),
+                  **({} if r.min_hidden is None else {"min_hidden": r.min_hidden})} for r in self.fused]
         return json.dumps({"rules": rows, "fused": fused}, sort_keys=True)
 
     @classmethod
