@@ -208,6 +208,26 @@ def test_a_fused_rule_bounded_by_the_row_width() -> None:
                                 % json.dumps(bad))
 
 
+def test_a_fused_rule_for_one_row_width() -> None:
+    """``max_hidden`` takes rows at most that wide; with ``min_hidden`` the same, one width alone
+    (what a tuned table writes); without a width such a rule is passed over; JSON round trip and
+    the checks on load, an empty range among them."""
+    rule = FusedRule("oneshot", max_tokens=16, world=(4,), min_hidden=7168, max_hidden=7168)
+    assert rule.matches(16, 4, 7168) and not rule.matches(16, 4, 7176) and not rule.matches(16, 4, 7160)
+    assert not rule.matches(16, 4) and FusedRule("oneshot", max_hidden=4096).matches(1, 2, 2048)
+    table = AlgoTable(TABLE.rules, (rule, FusedRule("unfused")))
+    assert AlgoTable.from_json(table.to_json()) == table and '"max_hidden": 7168' in table.to_json()
+    assert table.select_fused(4, 4, hidden=7168) == "oneshot" and table.select_fused(4, 4, hidden=8192) == "unfused"
+    for bad in (0, -1, 7168.0, True, "7168"):
+        with pytest.raises(ValueError, match="max_hidden"):
+            FusedRule("twoshot", max_hidden=bad)
+        with pytest.raises(ValueError, match="max_hidden"):
+            AlgoTable.from_json('{"rules": [{"algo": "twoshot"}], "fused": [{"algo": "unfused", "max_hidden": %s}]}'
+                                % json.dumps(bad))
+    with pytest.raises(ValueError, match="min_hidden 8192 is above max_hidden 4096"):
+        FusedRule("twoshot", min_hidden=8192, max_hidden=4096)
+
+
 def test_the_built_in_fused_rules_keep_the_pair_above_8_ranks() -> None:
     """No fused kernel has been measured against the pair above 8 ranks: the built-in rules run
     the pair there at every token count, though a forced fused kernel runs."""

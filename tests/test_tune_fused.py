@@ -43,7 +43,7 @@ def test_a_fused_kernel_is_taken_only_where_it_beats_the_pair_by_more_than_the_t
         (1, "oneshot_full", "oneshot_full"), (8, UNFUSED, "oneshot_full"), (64, UNFUSED, "oneshot")]
     assert derive.pick_fused(rows, tolerance=0.0)[1].algo == "oneshot_full"
     only_pair = derive.pick_fused([_f(2, 4, UNFUSED, 3.0), _f(2, 4, "oneshot_ll", None, status=derive.SKIPPED)])
-    assert only_pair == [FusedPick(2, 4, UNFUSED, 3.0, None, None)]
+    assert only_pair == [FusedPick(2, 4, UNFUSED, 3.0, None, None, 7168)]
 
 
 def test_the_fused_rules_make_the_picks_and_leave_other_worlds_to_the_built_in_rules() -> None:
@@ -58,6 +58,25 @@ def test_the_fused_rules_make_the_picks_and_leave_other_worlds_to_the_built_in_r
     default = tables.default_table()
     for world in (2, 4, 16):
         assert [table.select_fused(t, world) for t in (1, 4, 64)] == [default.select_fused(t, world) for t in (1, 4, 64)]
+    assert tables.AlgoTable.from_json(table.to_json()) == table
+
+
+def test_fused_rules_from_a_measured_width_hold_for_that_width_alone() -> None:
+    """Tuned at 7168 columns: calls of 7168 take the picks; rows of another width, and a choice
+    asked without a width, keep the built-in rules (the width-bounded 8192 rules of W = 5-8 too)."""
+    rows = [_f(8, t, algo, p50) for t, algo, p50 in
+            ((4, UNFUSED, 10.0), (4, "oneshot_full", 7.0), (64, UNFUSED, 40.0), (64, "oneshot", 45.0))]
+    picks = derive.pick_fused(rows)
+    assert [(p.tokens, p.algo, p.hidden) for p in picks] == [(4, "oneshot_full", 7168), (64, UNFUSED, 7168)]
+    rules = derive.fused_rules_for_world(8, picks)
+    assert [(r.algo, r.max_tokens, r.min_hidden, r.max_hidden) for r in rules] == [
+        ("oneshot_full", 4, 7168, 7168), (UNFUSED, None, 7168, 7168)]
+    table, default = derive.with_fused_rules(tables.default_table(), picks), tables.default_table()
+    assert [table.select_fused(t, 8, hidden=7168) for t in (1, 4, 5, 64, 128)] == [
+        "oneshot_full", "oneshot_full", UNFUSED, UNFUSED, UNFUSED]
+    for hidden in (4096, 8192, None):
+        assert [table.select_fused(t, 8, hidden=hidden) for t in (1, 4, 32, 128)] == [
+            default.select_fused(t, 8, hidden=hidden) for t in (1, 4, 32, 128)], hidden
     assert tables.AlgoTable.from_json(table.to_json()) == table
 
 
@@ -170,8 +189,9 @@ def test_tune_writes_fused_rules_into_the_table(fake_machine, monkeypatch, capsy
     assert "all_reduce_rmsnorm, hidden 7168" in out and "skip" in out.split("all_reduce_rmsnorm")[1]
     (written,) = os.listdir(cache)
     table = tables.load_table(str(cache / written))
-    assert [table.select_fused(t, 8) for t in (1, 2, 4, 32, 512)] == ["oneshot_full"] + [UNFUSED] * 4
+    assert [table.select_fused(t, 8, hidden=7168) for t in (1, 2, 4, 32, 512)] == ["oneshot_full"] + [UNFUSED] * 4
     assert table.select_fused(1, 4) == tables.default_table().select_fused(1, 4)
+    assert table.select_fused(32, 8, hidden=8192) == tables.default_table().select_fused(32, 8, hidden=8192) == "oneshot"
     meta = json.loads((cache / written).read_text())["meta"]
     assert meta["fused_picks"]["hidden"] == 7168 and meta["fused_picks"]["picks"][0][:2] == [1, "oneshot_full"]
     document = json.loads((tmp_path / "out" / "tune.json").read_text())

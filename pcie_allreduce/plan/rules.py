@@ -115,8 +115,9 @@ def _rule_problem(algo: object, max_bytes: object, world: object, dtypes: object
 @dataclass(frozen=True)
 class FusedRule:
     """One row of the fused table: for ``[tokens, hidden]`` calls on ``world`` ranks with at most
-    ``max_tokens`` tokens (None: any) and, with ``min_hidden``, rows at least that many elements wide
-    (where a kernel's gain follows the row's width, not only the token count), what
+    ``max_tokens`` tokens (None: any) and, with ``min_hidden`` / ``max_hidden``, rows at least / at
+    most that many elements wide (where a kernel's gain follows the row's width, not only the token
+    count; a tuned table's rules hold for the width they were measured at), what
     ``all_reduce_rmsnorm(algo="auto")`` runs: ``"kernel"``
     (the fused Triton kernel that follows the plain table's choice for the message, see
     ``pcie_allreduce.plan.dispatch.fused_plan``), a named fused kernel, or ``"unfused"`` (the plain all-reduce, then
@@ -126,6 +127,7 @@ class FusedRule:
     max_tokens: int | None = None
     world: tuple[int, ...] | None = None  # None: any world size
     min_hidden: int | None = None  # None: any row width
+    max_hidden: int | None = None  # None: any row width
 
     def __post_init__(self) -> None:
         if self.algo not in FUSED_CHOICES:
@@ -133,17 +135,25 @@ class FusedRule:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             raise ValueError(f"fused table: max_tokens must be a positive int or null, got {self.max_tokens!r}")
-        if self.min_hidden is not None and not (_is_int(self.min_hidden) and self.min_hidden >= 1):
-            raise ValueError(f"fused table: min_hidden must be a positive int or null, got {self.min_hidden!r}")
+        for name, value in (("min_hidden", self.min_hidden), ("max_hidden", self.max_hidden)):
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise ValueError(f"fused table: {name} must be a positive int or null, got {value!r}")
+        if self.min_hidden is not None and self.max_hidden is not None and self.min_hidden > self.max_hidden:
+            raise ValueError(f"fused table: min_hidden {self.min_hidden} is above max_hidden {self.max_hidden}: "
+                             "the rule would take no call")
         problem = _world_problem(self.world)
         if problem is not None:
             raise ValueError(f"fused table: {problem}")
 
     def matches(self, tokens: int, world: int, hidden: int | None = None) -> bool:
-        """Whether the rule takes ``[tokens, hidden]`` calls on ``world`` ranks; a rule with
-        ``min_hidden`` never takes a call whose width is not given (``hidden`` None)."""
-        return (_in_worlds(self.world, world) and (self.max_tokens is None or tokens <= self.max_tokens)
-                and (self.min_hidden is None or (hidden is not None and hidden >= self.min_hidden)))
+        """Whether the rule takes ``[tokens, hidden]`` calls on ``world`` ranks; a rule bounded by
+        a row width never takes a call whose width is not given (``hidden`` None)."""
+        if not (_in_worlds(self.world, world) and (self.max_tokens is None or tokens <= self.max_tokens)):
+            return False
+        if self.min_hidden is None and self.max_hidden is None:
+            return True
+        return (hidden is not None and (self.min_hidden is None or hidden >= self.min_hidden)
+                and (self.max_hidden is None or hidden <= self.max_hidden))
 
 
 #: What a fused rule may name: "kernel" (follow the plain table), a fused kernel, or "unfused".
@@ -189,9 +199,10 @@ def fused_rule_from_dict(row: Any, source: str, index: int) -> FusedRule:
     where = f"{source}: fused rule {index}"
     if not isinstance(row, dict):
         raise ValueError(f"{where} must be an object, got {type(row).__name__}")
-    unknown = set(row) - {"algo", "max_tokens", "world", "min_hidden"}
+    unknown = set(row) - {"algo", "max_tokens", "world", "min_hidden", "max_hidden"}
     if unknown:
-        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: algo, max_tokens, world, min_hidden")
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: algo, max_tokens, world, min_hidden, "
+                         "max_hidden")
     # Only the JSON shapes are converted here (a list becomes a tuple); FusedRule checks every value.
     world = row.get("world", "*")
     if world == "*" or world is None:
@@ -202,6 +213,6 @@ def fused_rule_from_dict(row: Any, source: str, index: int) -> FusedRule:
         raise ValueError(f'{where}: world must be "*", null or a non-empty list of integers, got {world!r}')
     try:
         return FusedRule(algo=row.get("algo", ""), max_tokens=row.get("max_tokens"), world=world_t,
-                         min_hidden=row.get("min_hidden"))
+                         min_hidden=row.get("min_hidden"), max_hidden=row.get("max_hidden"))
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None

@@ -17,8 +17,9 @@ unbounded) is >= the message size wins. ``dtype`` may restrict a rule to some dt
 
 An optional ``"fused"`` list holds the fused call's rules (:class:`FusedRule`), tried in order:
 ``{"world": [5, 6, 7, 8], "max_tokens": 128, "min_hidden": 8192, "algo": "twoshot"}`` takes calls
-of at most ``max_tokens`` rows (null: any) of at least ``min_hidden`` elements (absent: any
-width); ``algo`` is ``"kernel"``, a fused kernel or ``"unfused"``.
+of at most ``max_tokens`` rows (null: any) of at least ``min_hidden`` and at most ``max_hidden``
+elements (absent: any width; ``pcie-allreduce tune`` bounds its rules to the width it measured);
+``algo`` is ``"kernel"``, a fused kernel or ``"unfused"``.
 
 Loading checks every field's type strictly (integers are JSON integers, ``world`` is ``"*"``,
 null, an integer or a list of integers from MIN_RANKS to MAX_RANKS, ``dtypes`` null or a list of
@@ -122,7 +123,8 @@ class AlgoTable:
             row["dtypes"] = None if rule.dtypes is None else list(rule.dtypes)
             rows.append(row)
         fused = [{"algo": r.algo, "max_tokens": r.max_tokens, "world": "*" if r.world is None else list(r.world),
-                  **({} if r.min_hidden is None else {"min_hidden": r.min_hidden})} for r in self.fused]
+                  **{k: v for k, v in (("min_hidden", r.min_hidden), ("max_hidden", r.max_hidden)) if v is not None}}
+                 for r in self.fused]
         return json.dumps({"rules": rows, "fused": fused}, sort_keys=True)
 
     @classmethod

@@ -143,6 +143,7 @@ class FusedPick:
     pair_us: float
     fastest_algo: str | None
     fastest_us: float | None
+    hidden: int | None = None  # the row width measured (None: the picks hold for any width)
 
 
 def pick_fused(rows: Iterable[FusedMeasurement], tolerance: float = DEFAULT_TOLERANCE) -> list[FusedPick]:
@@ -150,19 +151,19 @@ def pick_fused(rows: Iterable[FusedMeasurement], tolerance: float = DEFAULT_TOLE
     A fused kernel must be faster than the pair by more than ``tolerance`` (a fraction of the
     pair's time) to be taken: within it the difference is noise, and the pair is the call's
     fallback everywhere, so a tie never makes the call slower than its parts."""
-    groups: dict[tuple[int, int], dict[str, float]] = {}
+    groups: dict[tuple[int, int, int], dict[str, float]] = {}
     for r in rows:
         if r.ok:
-            groups.setdefault((r.world, r.tokens), {})[r.algo] = float(r.p50_us)  # type: ignore[arg-type]
+            groups.setdefault((r.world, r.hidden, r.tokens), {})[r.algo] = float(r.p50_us)  # type: ignore[arg-type]
     picks = []
-    for (world, tokens), times in sorted(groups.items()):
+    for (world, hidden, tokens), times in sorted(groups.items()):
         pair = times.get(UNFUSED)
         if pair is None:
             continue  # nothing to beat: the default rules keep this point
         kernels = sorted((p50, algo) for algo, p50 in times.items() if algo != UNFUSED)
         fastest_us, fastest = kernels[0] if kernels else (None, None)
         wins = fastest_us is not None and fastest_us < pair * (1 - tolerance)
-        picks.append(FusedPick(world, tokens, fastest if wins else UNFUSED, pair, fastest, fastest_us))
+        picks.append(FusedPick(world, tokens, fastest if wins else UNFUSED, pair, fastest, fastest_us, hidden))
     return picks
 
 
@@ -170,15 +171,19 @@ def fused_rules_for_world(world: int, picks: Sequence[FusedPick]) -> list[FusedR
     """The fused rules reproducing ``picks`` of one world at their token counts: one rule per run
     of equal choices, bounded by the run's largest token count; the last is unbounded (more tokens
     than measured take the largest measured point's choice). A named kernel that cannot take a
-    call's shape runs the pair."""
-    ordered = sorted((p for p in picks if p.world == world), key=lambda p: p.tokens)
+    call's shape runs the pair. Picks of a measured width make rules for that width alone
+    (``min_hidden`` = ``max_hidden``): a row of another width keeps the rules below them, since a
+    kernel's gain follows the width too."""
     rules: list[FusedRule] = []
-    for p in ordered:
-        if rules and rules[-1].algo == p.algo:
-            rules.pop()
-        rules.append(FusedRule(p.algo, max_tokens=p.tokens, world=(world,)))
-    if rules:
-        rules[-1] = dataclasses.replace(rules[-1], max_tokens=None)
+    mine = [p for p in picks if p.world == world]
+    for hidden in sorted({p.hidden for p in mine}, key=lambda h: (h is None, h or 0)):
+        run: list[FusedRule] = []
+        for p in sorted((p for p in mine if p.hidden == hidden), key=lambda p: p.tokens):
+            if run and run[-1].algo == p.algo:
+                run.pop()
+            run.append(FusedRule(p.algo, max_tokens=p.tokens, world=(world,), min_hidden=hidden, max_hidden=hidden))
+        run[-1] = dataclasses.replace(run[-1], max_tokens=None)
+        rules.extend(run)
     return rules
 
 
