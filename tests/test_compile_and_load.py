@@ -19,6 +19,7 @@ from pcie_allreduce import layout as lay
 path = pytest.importorskip("pcie_allreduce.fused.path")
 fused = pytest.importorskip("pcie_allreduce.fused.rmsnorm")
 ll = pytest.importorskip("pcie_allreduce.fused.oneshot_ll")
+quads_module = pytest.importorskip("pcie_allreduce.fused.oneshot_quads")
 norm = pytest.importorskip("pcie_allreduce.fused.add_rmsnorm")
 protocol = pytest.importorskip("pcie_allreduce.fused.protocol")
 
@@ -95,15 +96,22 @@ def test_a_flag_based_fused_kernels_first_call_readies_both_alignment_variants(
     assert [c.initialised for c in kernel.compiled] == [1, 1]
 
 
-@pytest.mark.parametrize("algo", ["oneshot_ll", "oneshot_full"])
-def test_a_data_as_flag_fused_kernels_first_call_readies_both_pairing_variants(
-        monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
-    kernel = Kernel()
-    monkeypatch.setattr(ll, "_fused_oneshot_ll_kernel", kernel)
-    view, keep = _view(4)
-    x, residual, weight, normed, residual_out = _tensors(4, 7168)
+@pytest.mark.parametrize("algo, hidden, world, variant", [
+    ("oneshot_ll", 7168, 2, "PAIRED"), ("oneshot_full", 7166, 2, "PAIRED"), ("oneshot_full", 7168, 2, "VECTOR"),
+    ("oneshot_full", 7168, 4, "PAIRED")])
+def test_a_data_as_flag_fused_kernels_first_call_readies_both_alignment_variants(
+        monkeypatch: pytest.MonkeyPatch, algo: str, hidden: int, world: int, variant: str) -> None:
+    """The word kernel's pairings, or where the full payload takes 16-byte quads (two ranks, rows
+    of a multiple of 8 elements: fused_shapes.takes_quads) the quads kernel's vector and element
+    variants, and no other."""
+    words, quads = Kernel(), Kernel()
+    monkeypatch.setattr(ll, "_fused_oneshot_ll_kernel", words)
+    monkeypatch.setattr(quads_module, "_fused_oneshot_full_quads_kernel", quads)
+    view, keep = _view(world)
+    x, residual, weight, normed, residual_out = _tensors(4, hidden)
     path.launch(view, algo, x, residual, weight, 1e-6, normed, residual_out, interpret=False, compile_only=True)
-    assert sorted(kw["PAIRED"] for _, kw in kernel.warmups) == [False, True]
+    kernel, other = (quads, words) if variant == "VECTOR" else (words, quads)
+    assert sorted(kw[variant] for _, kw in kernel.warmups) == [False, True] and other.warmups == []
     assert [c.initialised for c in kernel.compiled] == [1, 1]
 
 

@@ -114,10 +114,16 @@ def _fused_matrix(ctx: ranks.RankContext, transport: str) -> dict:
                 assert torch.equal(plain.cpu(), want_res)
                 for algo in per_algo:
                     if tokens == 4:
-                        # tensors 2 bytes past a 4-byte boundary: the kernels' unaligned variants, same bits
-                        xm, resm, outm, res_outm = (ref.misaligned_copy(t) for t in (x, res, *_poisoned(x, res)))
-                        comm.all_reduce_rmsnorm(xm, resm, w, EPS, out=outm, residual_out=res_outm, algo=algo)
-                        assert _digest(outm, res_outm) == per_algo[algo], f"{algo}: misaligned tensors differ"
+                        # tensors 2 bytes past a 4-byte boundary: the kernels' unaligned variants, same bits;
+                        # then on even ranks only, beside aligned ranks' vector variants (same wire, same sums)
+                        for misaligned_ranks in ("every", "even"):
+                            tensors = (x, res, *_poisoned(x, res))
+                            if misaligned_ranks == "every" or ctx.rank % 2 == 0:
+                                tensors = tuple(ref.misaligned_copy(t) for t in tensors)
+                            xm, resm, outm, res_outm = tensors
+                            comm.all_reduce_rmsnorm(xm, resm, w, EPS, out=outm, residual_out=res_outm, algo=algo)
+                            assert _digest(outm, res_outm) == per_algo[algo], \
+                                f"{algo}: misaligned tensors on {misaligned_ranks} rank(s) differ"
                 # in place: normed into x, new residual into residual
                 x2, res2 = x.clone(), res.clone()
                 comm.all_reduce_rmsnorm(x2, res2, w, EPS, out=x2, residual_out=res2)

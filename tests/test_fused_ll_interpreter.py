@@ -50,15 +50,16 @@ def _call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) -> tupl
 
 
 def _run_one_rank(fake: FakeRanks, algo: str, xs: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
-                  misaligned: bool) -> None:
-    """Launch this rank's call (``misaligned``: every tensor 2 bytes past a 4-byte boundary) and
-    check its outputs against the reference: the new residual bitwise, the norm within tolerance."""
+                  misaligned: bool, quads: bool | None = None) -> None:
+    """Launch this rank's call (``misaligned``: every tensor 2 bytes past a 4-byte boundary;
+    ``quads``: the full payload's kernel forced) and check its outputs against the reference: the
+    new residual bitwise, the norm within tolerance."""
     normed = torch.full_like(residual, float("nan"))
     res_out = torch.full_like(residual, float("nan"))
     x, res = xs[fake.rank], residual
     if misaligned:
         x, res, normed, res_out = (ref.misaligned_copy(t) for t in (x, res, normed, res_out))
-    path.launch(fake.view, algo, x, res, weight, 1e-6, normed, res_out, interpret=True)
+    path.launch(fake.view, algo, x, res, weight, 1e-6, normed, res_out, interpret=True, quads=quads)
 
     assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
     want_res = _expected(xs, residual)
@@ -154,24 +155,56 @@ def test_launch_shape_rules() -> None:
                     assert (shape[1] - 1) * shape[3] < words, f"a program fewer would do: {shape}"
 
 
+def test_the_full_payload_kernel_moves_quads_where_every_chunk_is_whole_quads() -> None:
+    """16-byte quads (oneshot_quads) can move a call whose row and every chunk are multiples of 8
+    elements, one quad per thread (else None), and do where measured faster: two ranks, programs
+    of 4 warps or more. A function of the shape and world alone: every rank runs the same kernel,
+    so every rank sums a row's squares in the same order."""
+    assert [shapes.takes_quads(shapes.data_as_flag(t, 7168, 2, 66), 7168, 2) for t in (1, 2, 4, 8, 16)] == [
+        False, False, True, True, True], "2-warp programs of 512 columns at 1 and 2 tokens keep the word kernel"
+    assert not any(shapes.takes_quads(shapes.data_as_flag(t, 7168, w, 16), 7168, w) for t in (1, 2) for w in (3, 4, 8))
+    assert not shapes.takes_quads(shapes.data_as_flag(4, 7166, 2, 66), 7166, 2), "rows of 7166: not whole quads"
+    assert shapes.quad_warps(shapes.data_as_flag(4, 7168, 8, 16), 7168) == 8  # 1792 columns, 1024 words
+    assert shapes.quad_warps(shapes.data_as_flag(4, 7168, 4, 33), 7168) == 4  # 1024 columns
+    assert shapes.quad_warps(shapes.data_as_flag(1, 7168, 8, 16), 7168) == 2  # 512 columns
+    assert shapes.quad_warps(shapes.shape_with_chunks(2, 96, 3), 96) == 1  # 32 columns: one warp still
+    assert shapes.shape_with_chunks(3, 200, 4)[2] == 56, "chunks of whole quads where the row is"
+    assert shapes.quad_warps(shapes.shape_with_chunks(3, 202, 4), 202) is None, "rows of 202 elements: 52-column chunks"
+    assert shapes.quad_warps(shapes.data_as_flag(2, 100, 3, 64), 100) is None, "rows of 100 elements"
+    assert shapes.quad_warps(shapes.shape_with_chunks(1, 8192, 1), 8192) == 32  # forced: a whole row per program
+    for tokens in (1, 2, 4, 8, 16):
+        for hidden in (1024, 2048, 4096, 5120, 7168, 8192):
+            for cap in (8, 16, 33, 66, 132):
+                shape = shapes.data_as_flag(tokens, hidden, 8, cap)
+                if shape is not None:
+                    warps = shapes.quad_warps(shape, hidden)
+                    assert warps is not None and 32 * warps * 4 == shape[3], (tokens, hidden, cap, shape)
+
+
+@pytest.mark.parametrize("algo, quads", [("oneshot_ll", None), ("oneshot_full", False), ("oneshot_full", True)])
 @pytest.mark.parametrize("world, rank, tokens, hidden, chunks, backoff_ns", [
-    (2, 0, 2, 96, 3, 0),
+    (2, 0, 2, 96, 3, 0),  # chunks of 32 columns: whole quads
     (4, 3, 3, 200, 4, 64),  # the poll back-off knob (a no-op here) must not change the result
     (16, 9, 2, 96, 3, 0),
+    (3, 1, 2, 202, 4, 0),  # 52-column chunks: no quads
 ])
-def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, chunks, backoff_ns) -> None:
+def test_programs_of_a_row_share_their_statistics(algo, quads, world, rank, tokens, hidden, chunks,
+                                                  backoff_ns) -> None:
     """C > 1 programs per row, which the interpreter otherwise never runs: programs execute one
     after another here, so the statistics of the chunks to the right of each program (sent by
-    programs that run later) are posted by the test first, as those programs would."""
+    programs that run later) are posted by the test first, as those programs would. The full
+    payload with each of its kernels (``quads``); quads forced on chunks that are not whole quads
+    are refused before anything is launched."""
     fake = FakeRanks(world, rank)
+    if algo == "oneshot_full":
+        _poisoned(fake)
     dtype = torch.bfloat16
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=7 * world + tokens)
     programs, c_count, width, *_ = shapes.shape_with_chunks(tokens, hidden, chunks)
-    sig = shapes.data_as_flag_signature(dtype, tokens, hidden, programs, c_count)
-    flag = line_flag_of(fake.epoch, sig)
+    sig = shapes.data_as_flag_signature(dtype, tokens, hidden, programs, c_count, full=algo == "oneshot_full")
     for peer in range(world):
         if peer != rank:
-            _lines(fake, rank, peer)[:tokens * hidden // 2] = _encode(xs[peer], flag)
+            _play_peer_words(fake, algo, peer, xs[peer], programs, sig)
     want_res = _expected(xs, residual)
     tag = (fake.epoch & 0x7FFFFFFF) | 0x80000000
     stats = _stats(fake)
@@ -185,12 +218,23 @@ def test_programs_of_a_row_share_their_statistics(world, rank, tokens, hidden, c
                 later.add((row * c_count + a) * c_count + b)
     normed = torch.full_like(residual, float("nan"))
     res_out = torch.full_like(residual, float("nan"))
-    path.launch(fake.view, "oneshot_ll", xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True,
-                max_programs=64, chunks=chunks, backoff_ns=backoff_ns)
+    if quads and hidden % 8:
+        with pytest.raises(ValueError, match=f"chunks of {width} columns is not whole 16-byte quads"):
+            path.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True,
+                        max_programs=64, chunks=chunks, quads=quads)
+        assert bool(normed.isnan().all()) and not fake.advanced(), "nothing launched"
+        return
+    path.launch(fake.view, algo, xs[rank], residual, weight, 1e-6, normed, res_out, interpret=True,
+                max_programs=64, chunks=chunks, backoff_ns=backoff_ns, quads=quads)
 
     assert int(fake.error[0]) == 0, f"error record {fake.error.tolist()}"
     assert torch.equal(res_out, want_res)
-    ref.check_rmsnorm(normed, res_out, weight, 1e-6, "oneshot_ll normed")
+    ref.check_rmsnorm(normed, res_out, weight, 1e-6, f"{algo} normed")
+    if algo == "oneshot_full":
+        for peer in range(world):
+            if peer != rank:
+                assert torch.equal(_full_slot(fake, peer, rank)[:tokens * hidden // 2], _full_words(xs[rank]))
+                assert bool((_full_slot(fake, rank, peer) == POISON).all()), "consumed words re-poisoned (F1)"
     # Every slot a program read was cleared; the ones listed in `later` were written again by
     # their sender after their reader had consumed the test's copy (so they hold that sender's word).
     left = {i for i in range(lay.ROW_STATS_SLOTS) if int(stats[i]) != 0}
@@ -243,11 +287,14 @@ def _full_call(fake: FakeRanks, tokens: int, hidden: int, dtype: torch.dtype) ->
     return programs, shapes.data_as_flag_signature(dtype, tokens, hidden, programs, chunks, full=True)
 
 
-@pytest.mark.parametrize("world, rank, tokens, hidden, dtype, misaligned",
-                         [case + (False,) for case in ONE_SHOT_CASES] + [ONE_SHOT_CASES[2] + (True,)])
-def test_oneshot_full_one_rank(world, rank, tokens, hidden, dtype, misaligned) -> None:
+@pytest.mark.parametrize("world, rank, tokens, hidden, dtype, misaligned, quads",
+                         [case + (False, None) for case in ONE_SHOT_CASES] + [ONE_SHOT_CASES[2] + (True, None)]
+                         + [case + (False, True) for case in ONE_SHOT_CASES if case[3] % 8 == 0 and case[0] > 2]
+                         + [ONE_SHOT_CASES[3] + (True, True)])
+def test_oneshot_full_one_rank(world, rank, tokens, hidden, dtype, misaligned, quads) -> None:
     """The peers' words and headers are there before the launch; zeros of both signs among the
-    inputs (-0.0 travels as +0.0 and the sum must still match)."""
+    inputs (-0.0 travels as +0.0 and the sum must still match). ``quads``: the 16-byte quads
+    kernel forced where the shape's choice is the word kernel (the same wire either way)."""
     fake = _poisoned(FakeRanks(world, rank))
     xs, residual, weight = _inputs(world, tokens, hidden, dtype, seed=world * 10 + tokens + 1)
     for r in range(world):  # a few exact zeros of either sign in every rank's message
@@ -259,7 +306,7 @@ def test_oneshot_full_one_rank(world, rank, tokens, hidden, dtype, misaligned) -
         if peer != rank:
             _full_slot(fake, rank, peer)[:words] = _full_words(xs[peer])
             _full_headers(fake, rank)[fake.epoch & 1, peer, :programs] = _header(fake.epoch, sig)
-    _run_one_rank(fake, "oneshot_full", xs, residual, weight, misaligned)
+    _run_one_rank(fake, "oneshot_full", xs, residual, weight, misaligned, quads)
     for peer in range(world):
         if peer != rank:
             assert torch.equal(_full_slot(fake, peer, rank)[:words], _full_words(xs[rank])), "pushed words"

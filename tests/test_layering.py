@@ -228,8 +228,8 @@ SERVING = sorted(m for m in MODULES if m.startswith(("pcie_allreduce", "sglang_p
 # the fabric, the plugins' shared core and both engines' plugins as their entry points load them.
 SERVED = ("pcie_allreduce", "pcie_allreduce.communicator", "pcie_allreduce.hierarchy", "pcie_allreduce.plan.cache",
           "pcie_allreduce.plan.dispatch", "pcie_allreduce.plan.fused_shapes", "pcie_allreduce.fused.path",
-          "pcie_allreduce.fused.rmsnorm", "pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.add_rmsnorm",
-          "pcie_allreduce.fabric.topology",
+          "pcie_allreduce.fused.rmsnorm", "pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.oneshot_quads",
+          "pcie_allreduce.fused.add_rmsnorm", "pcie_allreduce.fabric.topology",
           "pcie_allreduce.fabric.nodes", "pcie_allreduce.plugin_adapter", "pcie_allreduce.plugin_settings",
           "sglang_plugin.plugin", "sglang_plugin.adapter", "vllm_plugin.plugin", "vllm_plugin.adapter")
 
@@ -273,8 +273,8 @@ def test_a_tool_is_seen_when_loaded() -> None:
 # Pure modules: choices and launch shapes, importable (and tested) where Triton is not.
 TRITON_FREE = ("pcie_allreduce.plan", "pcie_allreduce.plan.fused_shapes")
 # The kernel modules: what launches kernels (Triton's and the extension's).
-KERNEL_MODULES = ("pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.rmsnorm", "pcie_allreduce.fused.add_rmsnorm",
-                  "pcie_allreduce.fused.protocol", "pcie_allreduce.fused.path", "pcie_allreduce.transport",
+KERNEL_MODULES = ("pcie_allreduce.fused.oneshot_ll", "pcie_allreduce.fused.oneshot_quads", "pcie_allreduce.fused.rmsnorm",
+                  "pcie_allreduce.fused.add_rmsnorm", "pcie_allreduce.fused.protocol", "pcie_allreduce.fused.path", "pcie_allreduce.transport",
                   "pcie_allreduce.communicator")
 
 

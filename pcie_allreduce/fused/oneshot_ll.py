@@ -80,7 +80,7 @@ def _word_states(live, words, flag, FULL: tl.constexpr):
     Lines (L1, L3): a word has arrived when its flag is ours; a non-zero flag that is not ours is
     foreign (lines are cleared after use, so none is left from an earlier call). Full payload (F1,
     F2 of csrc/oneshot_full.cuh): a word has arrived when neither of its 16-bit lanes is the
-    poison pattern, and its sender's header of this program is ``flag`` (:func:`_header_states`)."""
+    poison pattern, and its sender's header of this program is ``flag`` (:func:`header_states`)."""
     if FULL:
         poisoned = ((words & 0xFFFF) == 0x8000) | ((words >> 16) == 0x8000)
         states = tl.where(poisoned, NOT_YET, ARRIVED)
@@ -91,7 +91,7 @@ def _word_states(live, words, flag, FULL: tl.constexpr):
 
 
 @triton.jit
-def _header_states(headers_ptr, header_live, flag, INTERPRET: tl.constexpr):
+def header_arrivals(headers_ptr, header_live, flag, INTERPRET: tl.constexpr):
     """Full payload: per peer (one element each, ``headers_ptr`` [BLOCK_W] with peer q's header of
     this program at element q), ARRIVED where its header is ``flag``, this call's sealed word, or
     where it is not ours to wait for, else NOT_YET. Any other header is not yet ours, never foreign
@@ -110,7 +110,7 @@ def _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL: tl.constex
     words = load_volatile(words_ptr, live, INTERPRET)
     states = _word_states(live, words, flag, FULL)
     if FULL:
-        header_states = _header_states(headers_ptr, header_live, flag, INTERPRET)
+        header_states = header_arrivals(headers_ptr, header_live, flag, INTERPRET)
         worst = tl.maximum(tl.max(states, axis=0), header_states)
     else:
         header_states = states
@@ -123,7 +123,7 @@ def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted,
                 timeout_ns, rank, pid, notices, W: tl.constexpr, FULL: tl.constexpr, BACKOFF: tl.constexpr,
                 INTERPRET: tl.constexpr):
     """(words, ok): bounded wait until every live word of the tile has arrived (_word_states) and,
-    with FULL, every peer's header of this call (_header_states; ``headers_ptr`` and
+    with FULL, every peer's header of this call (header_states; ``headers_ptr`` and
     ``header_live`` are [BLOCK_W], peer q at element q); 0 on mismatch/timeout/abort (``aborted``:
     this thread found the workspace aborted at the start), the same in every thread. ``flag``: the
     line flag of this call, or with FULL its sealed header word.
@@ -131,7 +131,6 @@ def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted,
     One block-wide reduction per spin (the worst state of :func:`_poll_once`). Each block-wide
     reduction is a block barrier, and the first version's two per spin (waiting?,
     foreign?) made 16-warp programs notice the last arrival later."""
-    STAGE: tl.constexpr = STAGE_FULL_GATHER if FULL else STAGE_LOW_LATENCY_GATHER
     words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL, INTERPRET)
     state = tl.max(tl.maximum(worst, tl.where(aborted != 0, ABORTED, ARRIVED)))
     spins = 0
@@ -143,6 +142,20 @@ def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted,
         words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL,
                                                          INTERPRET)
         state = tl.max(tl.maximum(worst, verdict_state(verdict)))
+    record_gather_failure(state, states, header_states, peers, words, ctrl, err_addr, epoch, sig, rank, pid, notices,
+                          W, FULL, INTERPRET)
+    return words, (state == ARRIVED).to(tl.int32)
+
+
+@triton.jit
+def record_gather_failure(state, states, header_states, peers, words, ctrl, err_addr, epoch, sig, rank, pid, notices,
+                          W: tl.constexpr, FULL: tl.constexpr, INTERPRET: tl.constexpr):
+    """After a gather's wait ended in ``state`` (uniform in the program): record a mismatch or a
+    timeout, naming the peer. ``states``: the [peers, words] tile's last states; with FULL
+    ``header_states`` the headers' ([BLOCK], peer q at element q), and ``words`` unused (a line's
+    flag names its sender's call; a header never reads as foreign, so with FULL the peer's notice
+    does)."""
+    STAGE: tl.constexpr = STAGE_FULL_GATHER if FULL else STAGE_LOW_LATENCY_GATHER
     if state == FOREIGN:
         if FULL:  # headers never read as foreign: the peer's notice of another call (spin_verdict)
             culprit, their_sig = foreign_notice(notices, epoch, sig, rank, W, INTERPRET)
@@ -157,9 +170,9 @@ def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted,
     elif state == TIMED_OUT:
         late = tl.max(tl.where(states == NOT_YET, peers, -1))
         if FULL:
-            late = tl.maximum(late, tl.max(tl.where(header_states == NOT_YET, tl.arange(0, words_ptr.shape[1]), -1)))
+            late = tl.maximum(late, tl.max(tl.where(header_states == NOT_YET, tl.arange(0, header_states.shape[0]),
+                                                    -1)))
         record_error(ctrl, err_addr, 1, rank, late, STAGE, pid, epoch, sig, 0, INTERPRET)
-    return words, (state == ARRIVED).to(tl.int32)
 
 
 @triton.jit
@@ -196,7 +209,7 @@ def _stats_tag(epoch):
 
 
 @triton.jit
-def _post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Send this chunk's sum of squares to the C programs of its row (slot (row, to q, from c))."""
     word = (_stats_tag(epoch) << 32) | partial.to(tl.uint32, bitcast=True).to(tl.uint64)
     q = tl.arange(0, BLOCK)
@@ -204,7 +217,7 @@ def _post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid, notices,
+def row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid, notices,
                         W: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr,
                         INTERPRET: tl.constexpr):
     """(sum over the row's C chunks of their sums of squares, ok) once every program of the row
@@ -380,14 +393,14 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
         v_hi = nr_hi.to(tl.float32)
         partial = tl.sum(tl.where(w_ok, v_lo * v_lo + v_hi * v_hi, 0.0), axis=0)
         stats = (my_base + stats_offset).to(tl.pointer_type(tl.uint64))
-        _post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
+        post_row_partial(stats, partial, row, c, epoch, C, BLOCK_W, INTERPRET)
         _store_pairs(res_out_ptr, word, nr_lo, nr_hi, w_ok, PAIRED)
         tl.debug_barrier()  # every thread has read its words before any is cleared
         if FULL:
             store_volatile(lines, tl.full(words.shape, _POISON, tl.uint32), live, INTERPRET)  # F1: re-poisoned
         else:
             store_volatile(lines, tl.zeros_like(words), live, INTERPRET)  # L2: cleared
-        sumsq, ok = _row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid, notices,
+        sumsq, ok = row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig64, timeout_ns, rank, pid, notices,
                                         W, C, BLOCK_W, BACKOFF, INTERPRET)
         # 4. normalise
         if ok == 1:

@@ -8,7 +8,8 @@ shape's kernels before any rank launches them), and the launch on the current st
 unfused pair launches the plain all-reduce straight from the plan, never through the public
 ``all_reduce`` (the call was validated once). The Triton kernels live in their modules
 (:mod:`~pcie_allreduce.fused.rmsnorm`, :mod:`~pcie_allreduce.fused.oneshot_ll`,
-:mod:`~pcie_allreduce.fused.add_rmsnorm`), imported on the first launch: choosing needs no Triton.
+:mod:`~pcie_allreduce.fused.oneshot_quads`, :mod:`~pcie_allreduce.fused.add_rmsnorm`), imported on the
+first launch: choosing needs no Triton.
 """
 
 from __future__ import annotations
@@ -197,10 +198,11 @@ class _TritonSide:
     """The Triton modules: the kernels and the protocol (which says whether they run interpreted)."""
 
     def __init__(self) -> None:
-        from pcie_allreduce.fused import add_rmsnorm, oneshot_ll, protocol, rmsnorm
+        from pcie_allreduce.fused import add_rmsnorm, oneshot_ll, oneshot_quads, protocol, rmsnorm
 
         self.add_rmsnorm: ModuleType = add_rmsnorm
         self.oneshot_ll: ModuleType = oneshot_ll
+        self.oneshot_quads: ModuleType = oneshot_quads
         self.protocol: ModuleType = protocol
         self.rmsnorm: ModuleType = rmsnorm
 
@@ -279,7 +281,8 @@ def _norm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: fl
 
 def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: int, x: torch.Tensor,
            residual: torch.Tensor, weight: torch.Tensor, eps: float, normed: torch.Tensor, residual_out: torch.Tensor,
-           *, interpret: bool, compile_only: bool = False, dependent: bool = False, backoff_ns: int = 0) -> None:
+           *, interpret: bool, compile_only: bool = False, dependent: bool = False, backoff_ns: int = 0,
+           quads: bool | None = None) -> None:
     """The fused kernel ``algo`` with its launch shape and signature (what the plan computed:
     fused_shapes.data_as_flag or fused_shapes.flag_based) on the current stream.
 
@@ -287,7 +290,10 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
     dtypes can launch (both word pairings, or both alignments), launch nothing (nothing to compile
     under the interpreter). ``dependent``: launch as the previous kernel's programmatic dependent
     ($PCIE_AR_PDL). ``backoff_ns`` > 0 (data-as-flag only) sleeps that long between polls (an
-    experiment for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without)."""
+    experiment for ranks sharing a GPU, bench/PERF_NOTES.md; 0 compiles the same code as without).
+    ``quads`` (full payload only): True / False runs the 16-byte quads kernel / the word kernel
+    whatever :func:`fused_shapes.takes_quads` says (tests and the harness: every rank of a call
+    must pass the same); None follows it."""
     triton_side = _triton()
     dtypes = triton_side.add_rmsnorm.TRITON_DTYPES
     if compile_only and interpret:
@@ -303,16 +309,30 @@ def _fused(view: WorkspaceView, algo: str, shape: tuple[int, ...], signature: in
         args = (x, residual, weight, normed, residual_out, view.bases_ptr, view.bases[view.rank], view.error_ptr,
                 view.rank, tokens, hidden, float(eps), signature, view.timeout_ns, *slots,
                 view.local_offset(layout.control_offset), view.local_offset(layout.stats_offset), layout.flags_offset)
-        constexprs = dict(C=chunks, CW=width, BLOCK_W=block_w, W=view.world,
-                          WP=fused_shapes.next_power_of_2(view.world), PUSH=min(fused_shapes.PUSH_WORDS, block_w),
-                          FULL=full, INTERPRET=interpret, num_warps=num_warps,
-                          **({"BACKOFF": backoff_ns} if backoff_ns else {}), **_pdl(dependent, interpret))
-        if compile_only:  # PAIRED follows the tensors' alignment, which may differ between calls and ranks
-            for paired in (True, False):
-                compile_and_load(kernel, *args, grid=(programs,), PAIRED=paired, **constexprs)
+        common = dict(C=chunks, CW=width, W=view.world, WP=fused_shapes.next_power_of_2(view.world),
+                      INTERPRET=interpret, **({"BACKOFF": backoff_ns} if backoff_ns else {}), **_pdl(dependent, interpret))
+        quad_warps = fused_shapes.quad_warps(shape, hidden) if full else None
+        if quads is None:
+            quads = full and fused_shapes.takes_quads(shape, hidden, view.world)
+        elif quads and quad_warps is None:
+            raise ValueError(f"fused {algo}: [{tokens}, {hidden}] in chunks of {width} columns is not whole 16-byte "
+                             "quads of 8 elements (the full payload's, rows and chunks a multiple of 8 elements)"
+                             if full else f"fused {algo}: 16-byte quads are the full payload's (oneshot_full)")
+        if quads:  # 16-byte quads; VECTOR follows the tensors' alignment (any rank's, any call's)
+            kernel = triton_side.oneshot_quads._fused_oneshot_full_quads_kernel
+            constexprs = dict(BLOCK_Q=block_w // 4, num_warps=quad_warps, **common)
+            variant = "VECTOR"
+            chosen = all(t.data_ptr() % VECTOR_BYTES == 0 for t in (x, residual, normed, residual_out))
+        else:  # 4-byte words; PAIRED follows the tensors' alignment
+            constexprs = dict(BLOCK_W=block_w, PUSH=min(fused_shapes.PUSH_WORDS, block_w), FULL=full,
+                              num_warps=num_warps, **common)
+            variant = "PAIRED"
+            chosen = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
+        if compile_only:
+            for value in (True, False):
+                compile_and_load(kernel, *args, grid=(programs,), **{variant: value}, **constexprs)
         else:
-            paired = all(t.data_ptr() % 4 == 0 for t in (x, residual, normed, residual_out))
-            kernel[(programs,)](*args, PAIRED=paired, **constexprs)
+            kernel[(programs,)](*args, **{variant: chosen}, **constexprs)
         return
     programs, rows, block_h, num_warps = shape
     tensors = (x, residual, weight, normed, residual_out)
@@ -356,14 +376,16 @@ def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
 def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
            eps: float, normed: torch.Tensor, residual_out: torch.Tensor, *, interpret: bool | None = None,
            max_programs: int = fused_shapes.FLAG_MAX_PROGRAMS, chunks: int | None = None, compile_only: bool = False,
-           dependent: bool = False, backoff_ns: int = 0) -> None:
+           dependent: bool = False, backoff_ns: int = 0, quads: bool | None = None) -> None:
     """Enqueue one fused call of kernel ``algo`` on the current stream (arguments validated),
     computing its launch shape (``max_programs``: the block cap) and signature first.
 
     ``chunks`` forces that many column chunks per row on a data-as-flag kernel instead of its
     shape's choice (tests: under the interpreter the choice is 1, which never exercises the row
-    statistics exchange between programs). Raises ValueError where the kernel cannot take the
-    call (a data-as-flag one with an odd hidden size, too many programs or too large a message)."""
+    statistics exchange between programs); ``quads`` forces the full payload's quads kernel (True)
+    or word kernel (False) as :func:`_fused` says. Raises ValueError where the kernel cannot take
+    the call (a data-as-flag one with an odd hidden size, too many programs or too large a message,
+    forced quads on rows that are not whole quads)."""
     interpret = _triton().protocol.interpreting() if interpret is None else interpret
     tokens, hidden = x.shape
     launch = (fused_shapes.of_kernel(algo, x.dtype, tokens, hidden, view.world, max_programs, interpret, chunks)
@@ -372,4 +394,4 @@ def launch(view: WorkspaceView, algo: str, x: torch.Tensor, residual: torch.Tens
         raise ValueError(fused_shapes.no_shape(algo, tokens, hidden, x.dtype, view.world, view.layout.ll_capacity,
                                                max_programs))
     _fused(view, algo, *launch, x, residual, weight, eps, normed, residual_out, interpret=interpret,
-           compile_only=compile_only, dependent=dependent, backoff_ns=backoff_ns)
+           compile_only=compile_only, dependent=dependent, backoff_ns=backoff_ns, quads=quads)

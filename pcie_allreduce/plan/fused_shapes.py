@@ -25,6 +25,9 @@ MAX_CHUNK = 2048    # columns per program: the [peers, chunk] tile of words must
 MIN_CHUNK = 512     # below this, more programs only add statistics traffic
 PUSH_WORDS = 1024   # words per push step
 MAX_WARPS = 32      # 1024 threads: one word per thread up to MAX_CHUNK columns
+QUAD_ELEMENTS = 8   # a 16-byte quad of 2-byte elements: what one thread of the quads kernel moves
+QUAD_WORLDS = (2,)  # where the quads kernel was measured faster than the word kernel (takes_quads)
+QUAD_MIN_WARPS = 4  # and with programs of at least this many warps
 # Programs of this many columns when there are at least MIN_SPREAD_PROGRAMS of them within the
 # block cap (one program per SM). Several programs per SM (register-capped, at 2x or 4x the cap)
 # were tried and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold
@@ -101,13 +104,42 @@ def with_chunks_if_resident(tokens: int, hidden: int, chunks: int, max_programs:
 
 def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> DataAsFlagShape:
     """The data-as-flag shape with (about) ``chunks`` column chunks of one even width per row (a
-    word never straddles two): BLOCK_W is the chunk's words rounded up to a power of two, one per
-    thread (at least 4 warps, at most MAX_WARPS; wider chunks, which only forced shapes have, give
-    each thread several)."""
-    width = 2 * math.ceil(math.ceil(hidden / max(chunks, 1)) / 2)
+    word never straddles two), a multiple of 8 where the row is (whole 16-byte quads: the full
+    payload's quads kernel, :func:`quad_warps`): BLOCK_W is the chunk's words rounded up to a power
+    of two, one per thread (at least 4 warps, at most MAX_WARPS; wider chunks, which only forced
+    shapes have, give each thread several)."""
+    unit = QUAD_ELEMENTS if hidden % QUAD_ELEMENTS == 0 else 2
+    width = unit * math.ceil(math.ceil(hidden / max(chunks, 1)) / unit)
     chunks = math.ceil(hidden / width)
     block_w = max(next_power_of_2(width // 2), 128)
     return tokens * chunks, chunks, width, block_w, min(block_w // 32, MAX_WARPS)
+
+
+def quad_warps(shape: DataAsFlagShape, hidden: int) -> int | None:
+    """num_warps of the full-payload data-as-flag kernel that moves 16-byte quads
+    (fused/oneshot_quads.py: one quad per thread, at least one warp) for ``shape``, or None where a
+    chunk is not whole quads (``hidden`` or the chunk width not a multiple of 8 elements): whether
+    that kernel can take the call at all (:func:`takes_quads` says whether it does)."""
+    _, _, width, block_w, _ = shape
+    if hidden % QUAD_ELEMENTS or width % QUAD_ELEMENTS:
+        return None
+    return max(1, min(block_w // 128, MAX_WARPS))
+
+
+def takes_quads(shape: DataAsFlagShape, hidden: int, world: int) -> bool:
+    """Whether a full-payload call of ``shape`` runs the quads kernel rather than the word kernel:
+    where it can (:func:`quad_warps`) and where it was measured faster, two ranks with programs of
+    at least QUAD_MIN_WARPS warps (chunks of 1024 columns or more). A function of the call's shape
+    and world alone, so every rank runs the same kernel (a row's sum of squares is summed in the
+    kernel's own order).
+
+    Measured (one H100 under MPS, graph loop, the two kernels alternated, hidden 7168,
+    bench/PERF_NOTES.md): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and 8
+    tokens (4-warp programs) and 0.81x at 16 (8-warp programs); at W = 8 it took 1.07-1.12x at 1 and
+    2 tokens (2- and 4-warp programs), so wider worlds and narrower programs keep the word kernel
+    until a measurement says otherwise."""
+    warps = quad_warps(shape, hidden)
+    return warps is not None and world in QUAD_WORLDS and warps >= QUAD_MIN_WARPS
 
 
 #: The flag-based kernels' (fused/rmsnorm.py) cap: few programs, since W ranks' programs must be
