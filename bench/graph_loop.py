@@ -24,7 +24,10 @@ case on fresh inputs, in one run:
 ``--chunks C ...`` adds, for each data-as-flag kernel among ``--fused-algos``, rows with C column
 chunks per row forced (``oneshot_full/cC``, C as the shape rounds it) in place of the shape's own
 choice, where that many programs fit the block cap: how the split of a row over programs trades
-the row statistics' exchange against one program's bandwidth.
+the row statistics' exchange against one program's bandwidth. ``--quads`` adds, for
+``oneshot_full``, rows with each of its two kernels forced (``oneshot_full/quads``: 16-byte quads,
+``oneshot_full/words``: 4-byte words) where the shape allows, whatever the call would choose
+(``fused_shapes.takes_quads``): the two kernels side by side in one run.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def _rank(ctx, sizes: list[int], algos: list[str], transport: str) -> list[tuple
 
 
 def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport: str,
-                chunks: list[int]) -> list[tuple[str, int, float]]:
+                chunks: list[int], quads: bool = False) -> list[tuple[str, int, float]]:
     import torch
 
     from pcie_allreduce import Communicator
@@ -128,14 +131,34 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
 
                 rows.append((label, t, _time_call(comm, call, ctx.group)))
             for algo in (a for a in algos if a in DATA_AS_FLAG_ONESHOTS):
-                rows.extend(_forced_chunk_rows(comm, ctx.group, algo, chunks, x, residual, weight, eps, normed,
-                                               new_residual))
+                rows.extend(_forced_rows(comm, ctx.group, algo, _forced_variants(comm, algo, x, chunks, quads), x,
+                                         residual, weight, eps, normed, new_residual))
     return rows
 
 
-def _forced_chunk_rows(comm, group, algo: str, chunks: list[int], x, residual, weight, eps: float, normed,
-                       new_residual) -> list[tuple[str, int, float]]:
-    """The data-as-flag kernel ``algo`` timed with each forced chunk count that fits the block cap.
+def _forced_variants(comm, algo: str, x, chunks: list[int], quads: bool) -> list[tuple[str, dict]]:
+    """(label, launch arguments) of each forced form of the data-as-flag kernel ``algo`` the run
+    asks for and the call's shape allows: each chunk count whose programs fit the block cap, then
+    with ``quads`` (``oneshot_full``) each of its two kernels."""
+    from pcie_allreduce.plan import fused_shapes
+
+    tokens, hidden = x.shape
+    variants = []
+    for c in chunks:
+        shape = fused_shapes.with_chunks_if_resident(tokens, hidden, c, comm.block_cap)
+        if shape is not None:
+            variants.append((f"{algo}/c{shape[1]}", dict(max_programs=comm.block_cap, chunks=shape[1])))
+    shape = fused_shapes.data_as_flag(tokens, hidden, comm.world_size, comm.block_cap)
+    if quads and algo == DATA_AS_FLAG_ONESHOTS[1] and shape is not None:
+        if fused_shapes.quad_warps(shape, hidden) is not None:
+            variants.append((f"{algo}/quads", dict(max_programs=comm.block_cap, quads=True)))
+        variants.append((f"{algo}/words", dict(max_programs=comm.block_cap, quads=False)))
+    return variants
+
+
+def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, residual, weight, eps: float, normed,
+                 new_residual) -> list[tuple[str, int, float]]:
+    """The data-as-flag kernel ``algo`` timed in each forced form of ``variants`` (:func:`_forced_variants`).
 
     A harness-only path: it launches the kernel directly on the workspace of the current stream
     (the communicator's own, read through its private accessor), compiled on every rank behind a
@@ -144,18 +167,12 @@ def _forced_chunk_rows(comm, group, algo: str, chunks: list[int], x, residual, w
 
     from pcie_allreduce.fused import path
     from pcie_allreduce.layout import WorkspaceView
-    from pcie_allreduce.plan import fused_shapes
 
-    tokens, hidden = x.shape
-    if x.nbytes > (comm.capacity_of(algo) or x.nbytes):
+    if not variants or x.nbytes > (comm.capacity_of(algo) or x.nbytes):
         return []
     view = WorkspaceView.of(comm._workspace())  # noqa: SLF001 - the harness forces what the plan would choose
     rows = []
-    for c in chunks:
-        shape = fused_shapes.with_chunks_if_resident(tokens, hidden, c, comm.block_cap)
-        if shape is None:
-            continue
-        kwargs = dict(max_programs=comm.block_cap, chunks=shape[1])
+    for label, kwargs in variants:
         path.launch(view, algo, x, residual, weight, eps, normed, new_residual, compile_only=True, **kwargs)
         dist.barrier(group=group)
 
@@ -163,7 +180,7 @@ def _forced_chunk_rows(comm, group, algo: str, chunks: list[int], x, residual, w
             path.launch(view, algo, x, residual, weight, eps, normed, new_residual, dependent=comm.dependent_launch,
                         **kwargs)
 
-        rows.append((f"{algo}/c{shape[1]}", tokens, _time_call(comm, call, group)))
+        rows.append((label, x.shape[0], _time_call(comm, call, group)))
     return rows
 
 
@@ -184,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunks", type=typed_arg(int, lambda v: v >= 1, "a positive integer"), nargs="+", default=[],
                         metavar="C",
                         help="with --fused: also each data-as-flag kernel with C column chunks per row forced")
+    parser.add_argument("--quads", action="store_true",
+                        help="with --fused: also oneshot_full with its 16-byte quads kernel and its word kernel forced")
     args = parser.parse_args(argv)
 
     from pcie_allreduce.tools import ranks
@@ -197,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world in args.world:
         if args.fused:
             per_rank = ranks.run_ranks(_fused_rank, world, args.tokens, args.hidden, args.fused_algos, args.transport,
-                                       args.chunks, timeout_s=600)
+                                       args.chunks, args.quads, timeout_s=600)
         else:
             per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, args.transport, timeout_s=600)
         for i, (label, nbytes, _) in enumerate(per_rank[0]):

@@ -188,6 +188,28 @@ def test_graph_loop_parses_sizes_and_exits_3_without_a_gpu(capsys: pytest.Captur
     with pytest.raises(SystemExit):
         graph_loop.main(["--sizes", "fourteen"])
     assert graph_loop.main(["--fused", "--world", "2", "--fused-algos", "oneshot_full", "--chunks", "1", "7"]) == 3
+    assert graph_loop.main(["--fused", "--world", "2", "--fused-algos", "oneshot_full", "--quads"]) == 3
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             graph_loop.main(["--fused", "--chunks", bad])
+
+
+def test_graph_loop_forces_the_chunk_counts_and_kernels_a_shape_allows() -> None:
+    """The forced rows of the graph loop: each chunk count whose programs fit the block cap, and
+    with ``--quads`` both kernels of the full payload (the quads only where rows are whole quads)."""
+    import types
+
+    import torch
+
+    from bench import graph_loop
+
+    comm = types.SimpleNamespace(world_size=2, block_cap=66)
+    x = torch.empty(4, 7168, dtype=torch.bfloat16)
+    labels = [label for label, _ in graph_loop._forced_variants(comm, "oneshot_full", x, [1, 7, 100], True)]
+    assert labels == ["oneshot_full/c1", "oneshot_full/c7", "oneshot_full/quads", "oneshot_full/words"]
+    assert [label for label, _ in graph_loop._forced_variants(comm, "oneshot_ll", x, [], True)] == []
+    odd = torch.empty(4, 7166, dtype=torch.bfloat16)
+    assert [label for label, _ in graph_loop._forced_variants(comm, "oneshot_full", odd, [], True)] == [
+        "oneshot_full/words"]
+    variants = dict(graph_loop._forced_variants(comm, "oneshot_full", x, [], True))
+    assert variants["oneshot_full/quads"] == {"max_programs": 66, "quads": True}
