@@ -176,6 +176,25 @@ def record_gather_failure(state, states, header_states, peers, words, ctrl, err_
 
 
 @triton.jit
+def rank_order_sums(lo, hi, own_lo, own_hi, peers, rank, W: tl.constexpr):
+    """fp32 sums in rank order 0..W-1 of each word's (low, high) element, unrounded: the peers'
+    values (``lo``, ``hi``: [peers, words] fp32 tiles, peer q in row q) and ours (``own_lo``,
+    ``own_hi``) at our rank (the CUDA kernels' order; a -0.0 of ours, where the wire carries +0.0,
+    sums alike, since a sum of W >= 2 zeros is +0.0 either way)."""
+    for r in tl.static_range(W):
+        # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
+        v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
+        v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
+        if r == 0:
+            acc_lo = v_lo
+            acc_hi = v_hi
+        else:
+            acc_lo += v_lo
+            acc_hi += v_hi
+    return acc_lo, acc_hi
+
+
+@triton.jit
 def _load_pairs(ptr, word, mask, PAIRED: tl.constexpr):
     """(low, high) element of each word (elements 2 * word and 2 * word + 1): one 4-byte load per
     word when PAIRED (a 2-byte dtype at a 4-byte aligned base), else two 2-byte loads."""
@@ -373,18 +392,7 @@ def _fused_oneshot_ll_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, res_out_ptr,
     if ok == 1:
         lo = (words & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
         hi = ((words >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
-        own_lo = x_lo.to(tl.float32)  # (full payload: a -0.0 of ours sums as the +0.0 peers get;
-        own_hi = x_hi.to(tl.float32)  #  a sum of W >= 2 zeros is +0.0 either way, so no conversion)
-        for r in tl.static_range(W):
-            # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
-            v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
-            v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
-            if r == 0:
-                acc_lo = v_lo
-                acc_hi = v_hi
-            else:
-                acc_lo += v_lo
-                acc_hi += v_hi
+        acc_lo, acc_hi = rank_order_sums(lo, hi, x_lo.to(tl.float32), x_hi.to(tl.float32), peers, rank, W)
         nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET)
         nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET)
         # 3. the row's sum of squares, shared by its C programs: posted first, so the residual

@@ -24,7 +24,8 @@ import triton.language as tl
 
 from pcie_allreduce import constants
 from pcie_allreduce.fused.oneshot_ll import (ABORTED, ARRIVED, NOT_YET, header_arrivals, post_row_partial,
-                                             record_gather_failure, row_sum_of_squares, verdict_state)
+                                             rank_order_sums, record_gather_failure, row_sum_of_squares,
+                                             verdict_state)
 from pcie_allreduce.fused.protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call, end_call,
                                             my_notices, now_ns, pause_ns, peer_bases, post_notices, round_to,
                                             sealed_word, spin_verdict, store_volatile, wait_for_previous_kernel)
@@ -160,17 +161,8 @@ def _new_residual(tile, own, res, peers, rank, W: tl.constexpr, DT: tl.constexpr
     the peers' words (``tile``, [peers, quads]) and ours (``own``) summed in fp32 in rank order,
     rounded once, then the residual (``res``) added and rounded once: the plain path's bits."""
     lo, hi = _lanes(tile, DT)
-    own_lo, own_hi = _lanes(own, DT)  # (a -0.0 of ours sums as the +0.0 peers get: a sum of W >= 2 zeros is +0.0)
-    for r in tl.static_range(W):
-        # -0.0 is the exact neutral element: the sum picks out peer r's value bit for bit
-        v_lo = tl.where(r == rank, own_lo, tl.sum(tl.where(peers == r, lo, -0.0), axis=0))
-        v_hi = tl.where(r == rank, own_hi, tl.sum(tl.where(peers == r, hi, -0.0), axis=0))
-        if r == 0:
-            acc_lo = v_lo
-            acc_hi = v_hi
-        else:
-            acc_lo += v_lo
-            acc_hi += v_hi
+    own_lo, own_hi = _lanes(own, DT)
+    acc_lo, acc_hi = rank_order_sums(lo, hi, own_lo, own_hi, peers, rank, W)
     res_lo, res_hi = _lanes(res, DT)
     nr_lo = round_to(round_to(acc_lo, DT, INTERPRET).to(tl.float32) + res_lo, DT, INTERPRET).to(tl.float32)
     nr_hi = round_to(round_to(acc_hi, DT, INTERPRET).to(tl.float32) + res_hi, DT, INTERPRET).to(tl.float32)
