@@ -80,7 +80,7 @@ def _word_states(live, words, flag, FULL: tl.constexpr):
     Lines (L1, L3): a word has arrived when its flag is ours; a non-zero flag that is not ours is
     foreign (lines are cleared after use, so none is left from an earlier call). Full payload (F1,
     F2 of csrc/oneshot_full.cuh): a word has arrived when neither of its 16-bit lanes is the
-    poison pattern, and its sender's header of this program is ``flag`` (:func:`header_states`)."""
+    poison pattern, and its sender's header of this program is ``flag`` (:func:`header_arrivals`)."""
     if FULL:
         poisoned = ((words & 0xFFFF) == 0x8000) | ((words >> 16) == 0x8000)
         states = tl.where(poisoned, NOT_YET, ARRIVED)
@@ -123,7 +123,7 @@ def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted,
                 timeout_ns, rank, pid, notices, W: tl.constexpr, FULL: tl.constexpr, BACKOFF: tl.constexpr,
                 INTERPRET: tl.constexpr):
     """(words, ok): bounded wait until every live word of the tile has arrived (_word_states) and,
-    with FULL, every peer's header of this call (header_states; ``headers_ptr`` and
+    with FULL, every peer's header of this call (header_arrivals; ``headers_ptr`` and
     ``header_live`` are [BLOCK_W], peer q at element q); 0 on mismatch/timeout/abort (``aborted``:
     this thread found the workspace aborted at the start), the same in every thread. ``flag``: the
     line flag of this call, or with FULL its sealed header word.
@@ -237,8 +237,8 @@ def post_row_partial(stats, partial, row, c, epoch, C: tl.constexpr, BLOCK: tl.c
 
 @triton.jit
 def row_sum_of_squares(stats, row, c, epoch, ctrl, err_addr, sig, timeout_ns, rank, pid, notices,
-                        W: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                       W: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, BACKOFF: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     """(sum over the row's C chunks of their sums of squares, ok) once every program of the row
     has posted its partial; the same value in every program of the row.
 

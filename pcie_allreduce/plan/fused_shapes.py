@@ -129,12 +129,12 @@ def quad_warps(shape: DataAsFlagShape, hidden: int) -> int | None:
 def takes_quads(shape: DataAsFlagShape, hidden: int, world: int) -> bool:
     """Whether a full-payload call of ``shape`` runs the quads kernel rather than the word kernel:
     where it can (:func:`quad_warps`) and where it was measured faster, two ranks with programs of
-    at least QUAD_MIN_WARPS warps (chunks of 1024 columns or more). A function of the call's shape
+    at least QUAD_MIN_WARPS warps (chunks wider than 512 columns). A function of the call's shape
     and world alone, so every rank runs the same kernel (a row's sum of squares is summed in the
     kernel's own order).
 
-    Measured (one H100 under MPS, graph loop, the two kernels alternated, hidden 7168,
-    bench/PERF_NOTES.md): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and 8
+    Measured (one H100 under MPS, graph loop, the two kernels alternated, hidden 7168: bench/RESULTS.md,
+    "The full-payload kernel in 16-byte quads, A/B"): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and 8
     tokens (4-warp programs) and 0.81x at 16 (8-warp programs); at W = 8 it took 1.07-1.12x at 1 and
     2 tokens (2- and 4-warp programs), so wider worlds and narrower programs keep the word kernel
     until a measurement says otherwise."""
