@@ -115,6 +115,7 @@ def shape_with_chunks(tokens: int, hidden: int, chunks: int) -> DataAsFlagShape:
     return tokens * chunks, chunks, width, block_w, min(block_w // 32, MAX_WARPS)
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every data-as-flag launch
 def quad_warps(shape: DataAsFlagShape, hidden: int) -> int | None:
     """num_warps of the full-payload data-as-flag kernel that moves 16-byte quads
     (fused/oneshot_quads.py: one quad per thread, at least one warp) for ``shape``, or None where a
@@ -126,6 +127,7 @@ def quad_warps(shape: DataAsFlagShape, hidden: int) -> int | None:
     return max(1, min(block_w // 128, MAX_WARPS))
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked on every full-payload launch
 def takes_quads(shape: DataAsFlagShape, hidden: int, world: int) -> bool:
     """Whether a full-payload call of ``shape`` runs the quads kernel rather than the word kernel:
     where it can (:func:`quad_warps`) and where it was measured faster, two ranks with programs of
