@@ -51,6 +51,7 @@ STAGE_FULL_GATHER: tl.constexpr = tl.constexpr(constants.STAGE_FULL_GATHER)
 _MAX_RANKS: tl.constexpr = tl.constexpr(MAX_RANKS)
 _MAX_FLAG_BLOCKS: tl.constexpr = tl.constexpr(constants.MAX_FLAG_BLOCKS)
 _POISON: tl.constexpr = tl.constexpr(constants.POISON_WORD)
+POISON_LANE: tl.constexpr = tl.constexpr(constants.POISON_WORD & 0xFFFF)  # -0.0's bits: a lane never sent (F1)
 STAGE_ROW_STATS: tl.constexpr = tl.constexpr(constants.STAGE_FUSED_ROW_STATS)
 
 
@@ -82,12 +83,18 @@ def _word_states(live, words, flag, FULL: tl.constexpr):
     F2 of csrc/oneshot_full.cuh): a word has arrived when neither of its 16-bit lanes is the
     poison pattern, and its sender's header of this program is ``flag`` (:func:`header_arrivals`)."""
     if FULL:
-        poisoned = ((words & 0xFFFF) == 0x8000) | ((words >> 16) == 0x8000)
-        states = tl.where(poisoned, NOT_YET, ARRIVED)
+        states = tl.where(poisoned_lanes(words), NOT_YET, ARRIVED)
     else:
         seen = words >> 32
         states = tl.where((seen != 0) & (seen != flag), FOREIGN, tl.where(seen == 0, NOT_YET, ARRIVED))
     return tl.where(live, states, ARRIVED)
+
+
+@triton.jit
+def poisoned_lanes(words):
+    """Whether either 16-bit lane of each u32 full-payload word is still the poison pattern (F1 of
+    csrc/oneshot_full.cuh: the word has not arrived, lane by lane, however a store was split)."""
+    return ((words & 0xFFFF) == POISON_LANE) | ((words >> 16) == POISON_LANE)
 
 
 @triton.jit
@@ -280,8 +287,8 @@ def _wire_word(lo, hi, flag, FULL: tl.constexpr):
     lo16 = lo.to(tl.uint16, bitcast=True)
     hi16 = hi.to(tl.uint16, bitcast=True)
     if FULL:
-        lo16 = tl.where(lo16 == 0x8000, 0, lo16)
-        hi16 = tl.where(hi16 == 0x8000, 0, hi16)
+        lo16 = tl.where(lo16 == POISON_LANE, 0, lo16)
+        hi16 = tl.where(hi16 == POISON_LANE, 0, hi16)
         word = lo16.to(tl.uint32) | (hi16.to(tl.uint32) << 16)
     else:
         word = lo16.to(tl.uint64) | (hi16.to(tl.uint64) << 16) | (flag << 32)

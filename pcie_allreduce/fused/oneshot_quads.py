@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from pcie_allreduce import constants
-from pcie_allreduce.fused.oneshot_ll import (ABORTED, ARRIVED, NOT_YET, header_arrivals, post_row_partial,
-                                             rank_order_sums, record_gather_failure, row_sum_of_squares,
-                                             verdict_state)
+from pcie_allreduce.fused.oneshot_ll import (ABORTED, ARRIVED, NOT_YET, POISON_LANE, header_arrivals,
+                                             poisoned_lanes, post_row_partial, rank_order_sums,
+                                             record_gather_failure, row_sum_of_squares, verdict_state)
 from pcie_allreduce.fused.protocol import (FUSED_TENSOR_ARGS, allow_dependent_launch, begin_call, end_call,
                                             my_notices, now_ns, pause_ns, peer_bases, post_notices, round_to,
                                             sealed_word, spin_verdict, store_volatile, wait_for_previous_kernel)
@@ -147,12 +147,7 @@ def _wire(word):
     (H1 of csrc/host_wire.cuh)."""
     lo = word & 0xFFFF
     hi = word >> 16
-    return tl.where(lo == 0x8000, 0, lo) | (tl.where(hi == 0x8000, 0, hi) << 16)
-
-
-@triton.jit
-def _poisoned(word):
-    return ((word & 0xFFFF) == 0x8000) | ((word >> 16) == 0x8000)
+    return tl.where(lo == POISON_LANE, 0, lo) | (tl.where(hi == POISON_LANE, 0, hi) << 16)
 
 
 @triton.jit
@@ -184,7 +179,7 @@ def _poll_once(lines, headers_ptr, live, header_live, flag, INTERPRET: tl.conste
     """One look at the [peers, quads] tile: its four words, the states per quad (NOT_YET while a
     lane of any of its words is poison), the headers' states and the worst state per quad column."""
     t0, t1, t2, t3 = _load_volatile_quad(lines, live, INTERPRET)
-    poisoned = _poisoned(t0) | _poisoned(t1) | _poisoned(t2) | _poisoned(t3)
+    poisoned = poisoned_lanes(t0) | poisoned_lanes(t1) | poisoned_lanes(t2) | poisoned_lanes(t3)
     states = tl.where(live & poisoned, NOT_YET, ARRIVED)
     header_states = header_arrivals(headers_ptr, header_live, flag, INTERPRET)
     return t0, t1, t2, t3, states, header_states, tl.maximum(tl.max(states, axis=0), header_states)
