@@ -27,7 +27,8 @@ choice, where that many programs fit the block cap: how the split of a row over 
 the row statistics' exchange against one program's bandwidth. ``--quads`` adds, for
 ``oneshot_full``, rows with each of its two kernels forced (``oneshot_full/quads``: 16-byte quads,
 ``oneshot_full/words``: 4-byte words) where the shape allows, whatever the call would choose
-(``fused_shapes.takes_quads``): the two kernels side by side in one run.
+(``fused_shapes.takes_quads``): the two kernels side by side in one run; with ``--chunks`` too,
+each kernel at each forced chunk count (``oneshot_full/cC/quads``, ``oneshot_full/cC/words``).
 """
 
 from __future__ import annotations
@@ -139,21 +140,34 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
 def _forced_variants(comm, algo: str, x, chunks: list[int], quads: bool) -> list[tuple[str, dict]]:
     """(label, launch arguments) of each forced form of the data-as-flag kernel ``algo`` the run
     asks for and the call's shape allows: each chunk count whose programs fit the block cap, then
-    with ``quads`` (``oneshot_full``) each of its two kernels."""
+    with ``quads`` (``oneshot_full``) each of its two kernels, at the shape's own chunk count and
+    at each forced one (the quads only where a chunk is whole quads)."""
     from pcie_allreduce.plan import fused_shapes
 
     tokens, hidden = x.shape
+    both = quads and algo == DATA_AS_FLAG_ONESHOTS[1]
     variants = []
     for c in chunks:
         shape = fused_shapes.with_chunks_if_resident(tokens, hidden, c, comm.block_cap)
         if shape is not None:
-            variants.append((f"{algo}/c{shape[1]}", dict(max_programs=comm.block_cap, chunks=shape[1])))
+            forced = dict(max_programs=comm.block_cap, chunks=shape[1])
+            variants.extend(_kernels(f"{algo}/c{shape[1]}", forced, shape, hidden, both))
     shape = fused_shapes.data_as_flag(tokens, hidden, comm.world_size, comm.block_cap)
-    if quads and algo == DATA_AS_FLAG_ONESHOTS[1] and shape is not None:
-        if fused_shapes.quad_warps(shape, hidden) is not None:
-            variants.append((f"{algo}/quads", dict(max_programs=comm.block_cap, quads=True)))
-        variants.append((f"{algo}/words", dict(max_programs=comm.block_cap, quads=False)))
+    if both and shape is not None:
+        variants.extend(_kernels(algo, dict(max_programs=comm.block_cap), shape, hidden, True))
     return variants
+
+
+def _kernels(label: str, kwargs: dict, shape, hidden: int, both: bool) -> list[tuple[str, dict]]:
+    """``(label, kwargs)`` (the kernel the shape's call would choose), or with ``both`` each
+    full-payload kernel forced instead (``label/quads`` where ``shape``'s chunks are whole quads,
+    then ``label/words``)."""
+    from pcie_allreduce.plan import fused_shapes
+
+    if not both:
+        return [(label, kwargs)]
+    variants = [(f"{label}/quads", dict(kwargs, quads=True))] if fused_shapes.quad_warps(shape, hidden) else []
+    return variants + [(f"{label}/words", dict(kwargs, quads=False))]
 
 
 def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, residual, weight, eps: float, normed,

@@ -205,11 +205,18 @@ def test_graph_loop_forces_the_chunk_counts_and_kernels_a_shape_allows() -> None
 
     comm = types.SimpleNamespace(world_size=2, block_cap=66)
     x = torch.empty(4, 7168, dtype=torch.bfloat16)
+    labels = [label for label, _ in graph_loop._forced_variants(comm, "oneshot_full", x, [1, 7, 100], False)]
+    assert labels == ["oneshot_full/c1", "oneshot_full/c7"]
     labels = [label for label, _ in graph_loop._forced_variants(comm, "oneshot_full", x, [1, 7, 100], True)]
-    assert labels == ["oneshot_full/c1", "oneshot_full/c7", "oneshot_full/quads", "oneshot_full/words"]
+    assert labels == ["oneshot_full/c1/quads", "oneshot_full/c1/words", "oneshot_full/c7/quads",
+                      "oneshot_full/c7/words", "oneshot_full/quads", "oneshot_full/words"]
     assert [label for label, _ in graph_loop._forced_variants(comm, "oneshot_ll", x, [], True)] == []
     odd = torch.empty(4, 7166, dtype=torch.bfloat16)
     assert [label for label, _ in graph_loop._forced_variants(comm, "oneshot_full", odd, [], True)] == [
         "oneshot_full/words"]
     variants = dict(graph_loop._forced_variants(comm, "oneshot_full", x, [], True))
     assert variants["oneshot_full/quads"] == {"max_programs": 66, "quads": True}
+    both = dict(graph_loop._forced_variants(comm, "oneshot_full", x, [2], True))
+    assert list(both) == ["oneshot_full/c2/quads", "oneshot_full/c2/words", "oneshot_full/quads",
+                          "oneshot_full/words"]
+    assert both["oneshot_full/c2/quads"] == {"max_programs": 66, "chunks": 2, "quads": True}
