@@ -98,12 +98,12 @@ def test_a_flag_based_fused_kernels_first_call_readies_both_alignment_variants(
 
 @pytest.mark.parametrize("algo, hidden, world, variant", [
     ("oneshot_ll", 7168, 2, "PAIRED"), ("oneshot_full", 7166, 2, "PAIRED"), ("oneshot_full", 7168, 2, "VECTOR"),
-    ("oneshot_full", 7168, 4, "PAIRED")])
+    ("oneshot_full", 7168, 4, "VECTOR"), ("oneshot_full", 7168, 8, "PAIRED")])
 def test_a_data_as_flag_fused_kernels_first_call_readies_both_alignment_variants(
         monkeypatch: pytest.MonkeyPatch, algo: str, hidden: int, world: int, variant: str) -> None:
-    """The word kernel's pairings, or where the full payload takes 16-byte quads (two ranks, rows
-    of a multiple of 8 elements: fused_shapes.takes_quads) the quads kernel's vector and element
-    variants, and no other."""
+    """The word kernel's pairings, or where the full payload takes 16-byte quads (rows of a
+    multiple of 8 elements in wide enough programs for the world: fused_shapes.takes_quads) the
+    quads kernel's vector and element variants, and no other."""
     words, quads = Kernel(), Kernel()
     monkeypatch.setattr(ll, "_fused_oneshot_ll_kernel", words)
     monkeypatch.setattr(quads_module, "_fused_oneshot_full_quads_kernel", quads)

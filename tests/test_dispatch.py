@@ -134,36 +134,39 @@ def test_fused_algo_follows_the_fused_rules() -> None:
                        ll_capacity=LL_CAP) == "unfused", "past the last rule: unfused"
 
 
-@pytest.mark.parametrize("world, tokens, expected", [
-    (2, 4, "oneshot"),    # W = 2: the next rule, the flag-based one-shot
-    (4, 4, "unfused"),    # W = 3-4: the next rule, the pair
-    (8, 4, "unfused"),    # W >= 5: the pair
-    (8, 1, "oneshot_full"),  # one token has a shape within 14 programs: the rule's own kernel
+@pytest.mark.parametrize("world, tokens, cap, expected", [
+    (2, 8, 14, "oneshot"),    # W = 2: the next rule, the flag-based one-shot
+    (4, 8, 14, "unfused"),    # W = 3-4: the next rule, the pair
+    (8, 4, 7, "unfused"),     # W >= 5: the pair (a crowded share: 3 programs)
+    (8, 1, 14, "oneshot_full"),  # one token has a shape within 14 programs: the rule's own kernel
+    (8, 4, 14, "oneshot_full"),  # four: two 4096-column quads programs per row (the wide shape)
 ])
-def test_a_kernel_rule_without_a_data_as_flag_shape_passes_the_call_on(world: int, tokens: int, expected: str) -> None:
-    """Ranks sharing a GPU get few programs (14 at W = 8 on an H100): 4 x 7168 has no data-as-flag
-    launch shape there, so the default fused rule "kernel" cannot take its kernel and the next rule
-    decides (measured: the flag-based one-shot beats the pair at W = 2 and loses above it). A
-    named "kernel" keeps the flag-based one-shot."""
-    plan = dispatch.fused_plan(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=14)
+def test_a_kernel_rule_without_a_data_as_flag_shape_passes_the_call_on(world: int, tokens: int, cap: int,
+                                                                       expected: str) -> None:
+    """Ranks sharing a GPU get few programs (14 at W = 8 on an H100): 8 x 7168 has no data-as-flag
+    launch shape there, not even the full payload's wide quads one (two programs per row), so the
+    default fused rule "kernel" cannot take its kernel and the next rule decides (measured: the
+    flag-based one-shot beats the pair at W = 2 and loses above it). A named "kernel" keeps the
+    flag-based one-shot."""
+    plan = dispatch.fused_plan(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=cap)
     assert plan.algo == expected
-    assert _fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=14) == (
-        "oneshot_full" if tokens == 1 else "oneshot")
+    assert _fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=cap) == (
+        "oneshot_full" if expected == "oneshot_full" else "oneshot")
 
 
 @pytest.mark.parametrize("hidden", [2048, 7168, 8192])
 def test_the_built_in_fused_rules_at_two_to_four_ranks(hidden: int) -> None:
     """W = 2: the data-as-flag kernel up to 16 tokens, the flag-based one-shot beyond. W = 3-4:
-    the data-as-flag kernel up to 4 tokens, the pair at 5-8, the flag-based one-shot at 9-16 and
-    the pair beyond (measured at W = 2 and 4, hidden 4096 / 7168 / 8192: each rule's kernel beat
-    the pair at all three sizes; at 5-8 and from 32 tokens some fused kernel lost somewhere)."""
+    the data-as-flag kernel up to 8 tokens, the flag-based one-shot at 9-16 and the pair beyond
+    (measured at W = 2 and 4, hidden 4096 / 7168 / 8192: each rule's kernel beat the pair at all
+    three sizes; from 32 tokens some fused kernel lost somewhere)."""
     table = default_table()
     for world in (3, 4):
         picks = {t: _fused_algo(t, hidden, BF16, world, table, ll_capacity=LL_CAP, block_cap=64)
                  for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 1000)}
-        assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 2, 3, 4)), (world, picks)
+        assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 2, 3, 4, 5, 8)), (world, picks)
         assert all(picks[t] == "oneshot" for t in (9, 16)), (world, picks)
-        assert all(picks[t] == algorithms.UNFUSED for t in (5, 8, 17, 32, 64, 128, 1000)), (world, picks)
+        assert all(picks[t] == algorithms.UNFUSED for t in (17, 32, 64, 128, 1000)), (world, picks)
     picks = {t: _fused_algo(t, hidden, BF16, 2, table, ll_capacity=LL_CAP, block_cap=64)
              for t in (1, 8, 9, 16, 17, 128, 1000)}
     assert all(picks[t] in algorithms.DATA_AS_FLAG_ONESHOTS for t in (1, 8, 9, 16)), picks

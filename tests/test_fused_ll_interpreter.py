@@ -142,6 +142,17 @@ def test_launch_shape_rules() -> None:
     programs, chunks, *_ = shapes.data_as_flag(16, 7168, 8, 64)
     assert programs == 64 and chunks == 4
     assert shapes.data_as_flag(8, 7168, 8, 16) is None, "more programs than the block cap allows"
+    # the full payload's kernel tries two 4096-column quads programs per row where the word shape
+    # has too many programs (16-warp programs: the quads kernel takes them at any W)
+    assert shapes.data_as_flag(4, 7168, 8, 15) is None
+    assert shapes.data_as_flag(4, 7168, 8, 15, full=True) == (8, 2, 3584, 2048, 32)
+    assert shapes.data_as_flag(4, 8192, 8, 15, full=True) == (8, 2, 4096, 2048, 32)
+    assert shapes.data_as_flag(8, 7168, 8, 16, full=True) == (16, 2, 3584, 2048, 32)
+    assert shapes.data_as_flag(8, 7168, 8, 15, full=True) is None, "16 programs past a cap of 15"
+    assert shapes.data_as_flag(4, 7166, 8, 15, full=True) is None, "rows of 7166: not whole quads"
+    assert shapes.data_as_flag(4, 7168, 8, 16, full=True) == shapes.data_as_flag(4, 7168, 8, 16), "the word shape first"
+    assert shapes.data_as_flag(4, 7168, 8, 15, interpret=True, full=True)[1] == 1
+    assert shapes.takes_quads(shapes.data_as_flag(4, 7168, 8, 15, full=True), 7168, 8)
     assert shapes.data_as_flag(3, 96, 8, 16, interpret=True)[1] == 1, "the interpreter runs one program per row"
     # every shape the rule can give stays within a 1024-thread program and a 2048-column chunk
     for tokens in (1, 2, 4, 8, 32):
@@ -157,12 +168,16 @@ def test_launch_shape_rules() -> None:
 
 def test_the_full_payload_kernel_moves_quads_where_every_chunk_is_whole_quads() -> None:
     """16-byte quads (oneshot_quads) can move a call whose row and every chunk are multiples of 8
-    elements, one quad per thread (else None), and do where measured faster: two ranks, programs
-    of 4 warps or more. A function of the shape and world alone: every rank runs the same kernel,
-    so every rank sums a row's squares in the same order."""
-    assert [shapes.takes_quads(shapes.data_as_flag(t, 7168, 2, 66), 7168, 2) for t in (1, 2, 4, 8, 16)] == [
-        False, False, True, True, True], "2-warp programs of 512 columns at 1 and 2 tokens keep the word kernel"
-    assert not any(shapes.takes_quads(shapes.data_as_flag(t, 7168, w, 16), 7168, w) for t in (1, 2) for w in (3, 4, 8))
+    elements, one quad per thread (else None), and do where measured faster: programs of 4 warps
+    or more up to four ranks, of 16 or more from five. A function of the shape and world alone:
+    every rank runs the same kernel, so every rank sums a row's squares in the same order."""
+    for world in (2, 3, 4):
+        assert [shapes.takes_quads(shapes.data_as_flag(t, 7168, world, 66), 7168, world) for t in (1, 2, 4, 8, 16)] == [
+            False, False, True, True, True], "2-warp programs of 512 columns at 1 and 2 tokens keep the word kernel"
+    assert shapes.takes_quads(shapes.data_as_flag(2, 7168, 4, 16), 7168, 4), "4-warp programs at W = 4"
+    assert not any(shapes.takes_quads(shapes.data_as_flag(t, 7168, w, 16), 7168, w) for t in (1, 2, 4) for w in (5, 8))
+    assert not shapes.takes_quads(shapes.data_as_flag(16, 7168, 8, 64), 7168, 8), "8-warp programs at W = 8"
+    assert shapes.takes_quads(shapes.shape_with_chunks(4, 7168, 2), 7168, 8), "16-warp programs at W = 8"
     assert not shapes.takes_quads(shapes.data_as_flag(4, 7166, 2, 66), 7166, 2), "rows of 7166: not whole quads"
     assert shapes.quad_warps(shapes.data_as_flag(4, 7168, 8, 16), 7168) == 8  # 1792 columns, 1024 words
     assert shapes.quad_warps(shapes.data_as_flag(4, 7168, 4, 33), 7168) == 4  # 1024 columns

@@ -78,13 +78,15 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
     $PCIE_AR_ALGO_TABLE may carry its own.
 
     - Few tokens: the data-as-flag one-shot in the plain table's wire format ("kernel"), up to
-      16 tokens at W = 2 and 4 above (W = 2, 16 x 7168: 5.57 us against 5.76 for the pair; W = 4,
-      4 x 7168: 5.88 against 7.01; W = 8, 4 x 4096: 8.72 against 9.96). Where it has no launch
-      shape (few programs: ranks sharing a GPU) the next rule takes the call.
+      16 tokens at W = 2, 8 at W = 3-4 and 4 above (W = 2, 16 x 7168: 5.57 us against 5.76 for
+      the pair; W = 4, 8 x 4096 / 7168 / 8192 in 16-byte quads: 4.77 / 5.71 / 6.00 against 5.84 /
+      7.24 / 8.88, graph loop; W = 8, 4 x 4096: 8.72 against 9.96, and 4 x 7168 in two 16-warp
+      quads programs per row: 9.89 against 11.24, graph loop). Where it has no launch shape (few
+      programs: ranks sharing a GPU) the next rule takes the call.
     - W = 2: the flag-based one-shot beyond (128 x 7168: 12.64 against 17.32).
-    - W = 3-4: the pair at 5-8 tokens (each fused kernel lost at some hidden size: 8 x 7168, the
-      flag-based one-shot 8.65 against 7.83), the flag-based one-shot at 9-16 (16 x 7168: 8.95
-      against 10.49; 0.82-0.91x the pair at the three sizes), the pair beyond (32 x 7168: 14.96
+    - W = 3-4: the pair at 5-8 tokens where the data-as-flag kernel has no shape (the flag-based
+      one-shot lost at 8 x 7168: 8.65 against 7.83), the flag-based one-shot at 9-16 (16 x 7168:
+      8.95 against 10.49; 0.82-0.91x the pair at the three sizes), the pair beyond (32 x 7168: 14.96
       against 14.48; the two-shot lost at 64 tokens at hidden 4096 and at 128 at 7168).
     - W = 5-8: the pair at 3-4 tokens where the data-as-flag kernel has no shape (the flag-based
       one-shot drew: 4 x 7168, 12.60 against 12.51), the flag-based one-shot at 5-16 (16 x 7168:
@@ -99,7 +101,7 @@ def default_fused_rules() -> tuple[FusedRule, ...]:
     return (
         FusedRule("kernel", max_tokens=16, world=(2,)),
         FusedRule("oneshot", world=(2,)),
-        FusedRule("kernel", max_tokens=4, world=(3, 4)),
+        FusedRule("kernel", max_tokens=8, world=(3, 4)),
         FusedRule(UNFUSED, max_tokens=8, world=(3, 4)),
         FusedRule("oneshot", max_tokens=16, world=(3, 4)),
         FusedRule("kernel", max_tokens=4, world=_LARGE_WORLDS),

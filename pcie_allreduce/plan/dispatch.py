@@ -14,7 +14,7 @@ or Triton.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -107,8 +107,10 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         wire_algo, nbytes, dtype.itemsize, transport, island_ranks, slot_bytes, ll_capacity)
     if problem is not None:
         raise ValueError(problem)
-    ll_shape = _data_as_flag_shape(tokens, hidden, dtype, world, ll_capacity, block_cap, interpret)
-    following = _kernel_that_follows(plain.algo, tokens, world, ll_shape)
+    def shape_of(kernel: str) -> fused_shapes.DataAsFlagShape | None:
+        return _data_as_flag_shape(kernel, tokens, hidden, dtype, world, ll_capacity, block_cap, interpret)
+
+    following = _kernel_that_follows(plain.algo, tokens, world, shape_of)
     # A "kernel" rule whose data-as-flag kernel has no launch shape passes the call to the next rule.
     rule = (table.select_fused(tokens, world, lambda choice: choice != "kernel" or following is not None,
                                hidden=hidden) if algo == "auto" else algo)
@@ -116,12 +118,12 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         rule = UNFUSED
     elif rule == "kernel":
         rule = following or "oneshot"  # named: the flag-based one-shot takes what the other cannot
-    elif rule in DATA_AS_FLAG_ONESHOTS and ll_shape is None and algo == "auto":
+    elif rule in DATA_AS_FLAG_ONESHOTS and shape_of(rule) is None and algo == "auto":
         rule = UNFUSED
     call = (rule, (tokens, hidden), dtype, dtype if weight_dtype is None else weight_dtype)
     if rule == UNFUSED:
         return FusedPlan(rule, fused_shapes.add_rmsnorm(hidden), 0, ALGO_IDS[plain.algo], plain.blocks, call)
-    launch = None if rule in DATA_AS_FLAG_ONESHOTS and ll_shape is None else fused_shapes.of_kernel(
+    launch = None if rule in DATA_AS_FLAG_ONESHOTS and shape_of(rule) is None else fused_shapes.of_kernel(
         rule, dtype, tokens, hidden, world, block_cap, interpret)
     if launch is None:
         raise ValueError(fused_shapes.no_shape(rule, tokens, hidden, dtype, world, ll_capacity, block_cap))
@@ -134,28 +136,29 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
     an even hidden size, a message within the workspace's low-latency capacity and few enough
     programs; the flag-based ones take every call)."""
     return algo not in DATA_AS_FLAG_ONESHOTS or _data_as_flag_shape(
-        tokens, hidden, dtype, world, ll_capacity, block_cap, interpret) is not None
+        algo, tokens, hidden, dtype, world, ll_capacity, block_cap, interpret) is not None
 
 
 def _kernel_that_follows(plain_algo: str, tokens: int, world: int,
-                         ll_shape: fused_shapes.DataAsFlagShape | None) -> str | None:
+                         shape_of: Callable[[str], fused_shapes.DataAsFlagShape | None]) -> str | None:
     """The fused kernel a "kernel" rule takes: the token-split two-shot where the plain choice is the
     two-shot and every rank has a token, the plain choice's own data-as-flag one-shot where that has
-    a launch shape (None where it has none), else the flag-based one-shot."""
+    a launch shape (``shape_of``; None where it has none), else the flag-based one-shot."""
     if plain_algo == "twoshot" and tokens >= world:
         return "twoshot"
     if plain_algo in DATA_AS_FLAG_ONESHOTS:
-        return plain_algo if ll_shape is not None else None
+        return plain_algo if shape_of(plain_algo) is not None else None
     return "oneshot"
 
 
-def _data_as_flag_shape(tokens: int, hidden: int, dtype: torch.dtype, world: int, ll_capacity: int | None,
-                        block_cap: int, interpret: bool) -> fused_shapes.DataAsFlagShape | None:
-    """The data-as-flag fused kernels' launch shape for the call (both kernels share one capacity
-    and one shape), or None where the message exceeds the capacity or no shape fits."""
-    if not fits_capacity(DATA_AS_FLAG_ONESHOTS[0], tokens * hidden * dtype.itemsize, ll_capacity):
+def _data_as_flag_shape(kernel: str, tokens: int, hidden: int, dtype: torch.dtype, world: int,
+                        ll_capacity: int | None, block_cap: int, interpret: bool) -> fused_shapes.DataAsFlagShape | None:
+    """The launch shape of the data-as-flag fused ``kernel`` for the call (both kernels share one
+    capacity; the full payload's may also take a wider quads shape), or None where the message
+    exceeds the capacity or no shape fits."""
+    if not fits_capacity(kernel, tokens * hidden * dtype.itemsize, ll_capacity):
         return None
-    return fused_shapes.data_as_flag(tokens, hidden, world, block_cap, interpret)
+    return fused_shapes.data_as_flag(tokens, hidden, world, block_cap, interpret, kernel == DATA_AS_FLAG_ONESHOTS[1])
 
 
 #: MPS's client variable that caps a process to a share of its GPU's SMs (the rank spawner sets it).

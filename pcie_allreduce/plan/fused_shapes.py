@@ -26,8 +26,14 @@ MIN_CHUNK = 512     # below this, more programs only add statistics traffic
 PUSH_WORDS = 1024   # words per push step
 MAX_WARPS = 32      # 1024 threads: one word per thread up to MAX_CHUNK columns
 QUAD_ELEMENTS = 8   # a 16-byte quad of 2-byte elements: what one thread of the quads kernel moves
-QUAD_WORLDS = (2,)  # where the quads kernel was measured faster than the word kernel (takes_quads)
-QUAD_MIN_WARPS = 4  # and with programs of at least this many warps
+# Programs of at least this many warps take the quads kernel (takes_quads): 4 up to four ranks,
+# 16 beyond (at W = 8 it lost in 2- and 4-warp programs and won in 16-warp ones).
+QUAD_MIN_WARPS = 4
+QUAD_MIN_WARPS_WIDE_WORLD = 16
+QUAD_WIDE_WORLD = 5  # from this many ranks the wider minimum holds
+# Columns of a chunk of the full payload's quads shape (data_as_flag's second try): 512 threads of
+# one quad each, so a row of up to 8192 elements is two chunks where the word kernel needs four.
+QUAD_WIDE_COLUMNS = 4096
 # Programs of this many columns when there are at least MIN_SPREAD_PROGRAMS of them within the
 # block cap (one program per SM). Several programs per SM (register-capped, at 2x or 4x the cap)
 # were tried and dropped: 8-warp ones at 2x timed out under MPS (other ranks' kernels may hold
@@ -52,10 +58,14 @@ def next_power_of_2(n: int) -> int:
 
 @functools.lru_cache(maxsize=1024)  # pure, and asked on every new call shape
 def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
-                 interpret: bool = False) -> DataAsFlagShape | None:
+                 interpret: bool = False, full: bool = False) -> DataAsFlagShape | None:
     """The data-as-flag one-shot's launch shape, or None when it cannot take the call (odd hidden
     size, or more programs than may run at once: ``max_programs``, the communicator's block cap,
-    halved on a crowded GPU share, :func:`resident_programs`).
+    halved on a crowded GPU share, :func:`resident_programs`). ``full``: for the full-payload
+    kernel, which where the word shape has too many programs tries chunks of QUAD_WIDE_COLUMNS
+    in 16-byte quads (:func:`takes_quads` must take them): W = 8 on an H100 under MPS, 4 x 7168,
+    two 16-warp quads programs per row took 9.88 us against 12.71 for the word kernel in the same
+    shape and 10.94 for our pair (bench/PERF_NOTES.md, "Wider quads programs").
 
     1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
     W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
@@ -78,7 +88,13 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
         # the fewest chunks that width serves: the same work per thread in fewer programs, where
         # a 16-warp program fills an SM (why few programs matter on a shared GPU: CROWDED_SHARE).
         shape = shape_with_chunks(tokens, hidden, math.ceil(hidden / (2 * shape[3])))
-    return shape if _fits(tokens, shape[1], cap) else None
+    if _fits(tokens, shape[1], cap):
+        return shape
+    if full and not interpret:
+        wide = shape_with_chunks(tokens, hidden, math.ceil(hidden / QUAD_WIDE_COLUMNS))
+        if takes_quads(wide, hidden, world) and _fits(tokens, wide[1], cap):
+            return wide
+    return None
 
 
 def resident_programs(max_programs: int) -> int:
@@ -130,18 +146,19 @@ def quad_warps(shape: DataAsFlagShape, hidden: int) -> int | None:
 @functools.lru_cache(maxsize=1024)  # pure, and asked on every full-payload launch
 def takes_quads(shape: DataAsFlagShape, hidden: int, world: int) -> bool:
     """Whether a full-payload call of ``shape`` runs the quads kernel rather than the word kernel:
-    where it can (:func:`quad_warps`) and where it was measured faster, two ranks with programs of
-    at least QUAD_MIN_WARPS warps (chunks wider than 512 columns). A function of the call's shape
-    and world alone, so every rank runs the same kernel (a row's sum of squares is summed in the
-    kernel's own order).
+    where it can (:func:`quad_warps`) and where it was measured faster, programs of at least
+    QUAD_MIN_WARPS warps (chunks wider than 512 columns) up to four ranks and of at least
+    QUAD_MIN_WARPS_WIDE_WORLD from five. A function of the call's shape and world alone, so every
+    rank runs the same kernel (a row's sum of squares is summed in the kernel's own order).
 
-    Measured (one H100 under MPS, graph loop, the two kernels alternated, hidden 7168: bench/RESULTS.md,
-    "The full-payload kernel in 16-byte quads, A/B"): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and 8
-    tokens (4-warp programs) and 0.81x at 16 (8-warp programs); at W = 8 it took 1.07-1.12x at 1 and
-    2 tokens (2- and 4-warp programs), so wider worlds and narrower programs keep the word kernel
-    until a measurement says otherwise."""
+    Measured (one H100 under MPS, graph loop, hidden 7168: bench/RESULTS.md, "The full-payload
+    kernel in 16-byte quads"): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and
+    8 tokens (4-warp programs) and 0.81x at 16 (8-warp programs), 1.03x at 1 and 2 tokens (2-warp
+    programs); at W = 4, 8 tokens, 0.71x (8-warp programs); at W = 8 1.07-1.12x at 1 and 2 tokens
+    (2- and 4-warp programs) and 0.78x at 4 tokens in 16-warp programs (two per row)."""
     warps = quad_warps(shape, hidden)
-    return warps is not None and world in QUAD_WORLDS and warps >= QUAD_MIN_WARPS
+    least = QUAD_MIN_WARPS if world < QUAD_WIDE_WORLD else QUAD_MIN_WARPS_WIDE_WORLD
+    return warps is not None and warps >= least
 
 
 #: The flag-based kernels' (fused/rmsnorm.py) cap: few programs, since W ranks' programs must be
@@ -179,7 +196,8 @@ def of_kernel(algo: str, dtype: object, tokens: int, hidden: int, world: int, ma
     (:func:`data_as_flag`; ``chunks`` forces that many column chunks per row instead). What the
     plan caches and what a launch of a named kernel computes are this one answer."""
     if algo in DATA_AS_FLAG_ONESHOTS:
-        shape = (data_as_flag(tokens, hidden, world, max_programs, interpret) if chunks is None
+        shape = (data_as_flag(tokens, hidden, world, max_programs, interpret, algo == DATA_AS_FLAG_ONESHOTS[1])
+                 if chunks is None
                  else shape_with_chunks(tokens, hidden, chunks))
         if shape is None:
             return None
