@@ -65,7 +65,8 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
     kernel, which where the word shape has too many programs tries chunks of QUAD_WIDE_COLUMNS
     in 16-byte quads (:func:`takes_quads` must take them): W = 8 on an H100 under MPS, 4 x 7168,
     two 16-warp quads programs per row took 9.88 us against 12.71 for the word kernel in the same
-    shape and 10.94 for our pair (bench/PERF_NOTES.md, "Wider quads programs").
+    shape and 10.94 for our pair (bench/RESULTS.md, "The full-payload kernel's shapes, each
+    kernel forced").
 
     1024-column programs if there are at least 16 of them within the cap (fastest at 4 x 7168,
     W=4: 7.66 us against 7.95 for 512 columns and 9.03 for 1792), else as many column chunks as
@@ -151,11 +152,13 @@ def takes_quads(shape: DataAsFlagShape, hidden: int, world: int) -> bool:
     QUAD_MIN_WARPS_WIDE_WORLD from five. A function of the call's shape and world alone, so every
     rank runs the same kernel (a row's sum of squares is summed in the kernel's own order).
 
-    Measured (one H100 under MPS, graph loop, hidden 7168: bench/RESULTS.md, "The full-payload
-    kernel in 16-byte quads"): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and
+    Measured (one H100 under MPS, graph loop, hidden 7168 unless said: bench/RESULTS.md, "The
+    full-payload kernel in 16-byte quads, A/B" and "... shapes, each kernel forced"): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and
     8 tokens (4-warp programs) and 0.81x at 16 (8-warp programs), 1.03x at 1 and 2 tokens (2-warp
-    programs); at W = 4, 8 tokens, 0.71x (8-warp programs); at W = 8 1.07-1.12x at 1 and 2 tokens
-    (2- and 4-warp programs) and 0.78x at 4 tokens in 16-warp programs (two per row)."""
+    programs); at W = 4 0.89-0.91x at 4 and 8 tokens in 4-warp programs (1.05x at 4 x 4096, a
+    draw at 2 x 8192) and 0.70-0.71x in 8-warp ones (8 x 7168, 8 x 8192); at W = 8 1.01-1.16x in
+    2-, 4- and 8-warp programs (1-4 tokens) and 0.78-0.80x the word kernel in the same 16-warp
+    shape (4 x 7168, 4 x 8192: two programs per row)."""
     warps = quad_warps(shape, hidden)
     least = QUAD_MIN_WARPS if world < QUAD_WIDE_WORLD else QUAD_MIN_WARPS_WIDE_WORLD
     return warps is not None and warps >= least
