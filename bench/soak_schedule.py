@@ -174,7 +174,6 @@ class Schedule:
         self._seed = seed
         self._rng = random.Random(seed)
         self._next_graph = self._graph_gap()
-        self._fused_ll_ok: dict[tuple[int, int], bool] = {}
         self.fused_shapes: tuple[tuple[int, int, str, str], ...] = (DECODE_SHAPE, *(
             self._fused_shape() for _ in range(FUSED_SHAPES - 1)))
 
@@ -295,18 +294,15 @@ class Schedule:
         """The fused kernels that can take ``[tokens, hidden]`` of ``dtype``, and the unfused pair
         (the plain all-reduce, then the add + RMSNorm kernel)."""
         algos = ["oneshot", "twoshot", UNFUSED]
-        if self._ll_fused_fits(tokens, hidden) and tokens * hidden * DTYPE_SIZES[dtype] <= self.params.ll_capacity:
-            algos += DATA_AS_FLAG_ONESHOTS
+        if tokens * hidden * DTYPE_SIZES[dtype] <= self.params.ll_capacity:
+            algos += [k for k in DATA_AS_FLAG_ONESHOTS if self._has_shape(k, tokens, hidden)]
         return algos
 
-    def _ll_fused_fits(self, tokens: int, hidden: int) -> bool:
-        """Whether the fused data-as-flag kernels have a launch shape for the call (their shapes' rule)."""
-        key = (tokens, hidden)
-        hit = self._fused_ll_ok.get(key)
-        if hit is None:
-            hit = shapes.data_as_flag(tokens, hidden, self.params.world, self.params.block_cap) is not None
-            self._fused_ll_ok[key] = hit
-        return hit
+    def _has_shape(self, kernel: str, tokens: int, hidden: int) -> bool:
+        """Whether the data-as-flag fused ``kernel`` has a launch shape for the call (the shapes'
+        rule: the full payload's may take a wide quads shape where the word shape does not fit)."""
+        return shapes.data_as_flag(tokens, hidden, self.params.world, self.params.block_cap,
+                                   full=kernel == DATA_AS_FLAG_ONESHOTS[1]) is not None
 
     def _episode(self) -> GraphEpisode:
         rng, p = self._rng, self.params

@@ -117,7 +117,8 @@ def _check_legal(call: Call, params: ScheduleParams) -> None:
     assert call.algo in ("auto", "oneshot", "twoshot", "oneshot_ll", "oneshot_full", "unfused")
     if call.algo in ("oneshot_ll", "oneshot_full"):
         assert call.tokens * call.hidden * size <= params.ll_capacity
-        assert shapes.data_as_flag(call.tokens, call.hidden, params.world, params.block_cap) is not None
+        assert shapes.data_as_flag(call.tokens, call.hidden, params.world, params.block_cap,
+                                   full=call.algo == "oneshot_full") is not None
 
 
 def test_schedule_draws_legal_and_varied_calls() -> None:
