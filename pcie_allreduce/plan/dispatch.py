@@ -107,7 +107,8 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         wire_algo, nbytes, dtype.itemsize, transport, island_ranks, slot_bytes, ll_capacity)
     if problem is not None:
         raise ValueError(problem)
-    def shape_of(kernel: str) -> fused_shapes.DataAsFlagShape | None:
+
+    def shape_of(kernel: str) -> fused_shapes.DataAsFlagShape | None:  # each data-as-flag kernel's own shape
         return _data_as_flag_shape(kernel, tokens, hidden, dtype, world, ll_capacity, block_cap, interpret)
 
     following = _kernel_that_follows(plain.algo, tokens, world, shape_of)
@@ -151,8 +152,8 @@ def _kernel_that_follows(plain_algo: str, tokens: int, world: int,
     return "oneshot"
 
 
-def _data_as_flag_shape(kernel: str, tokens: int, hidden: int, dtype: torch.dtype, world: int,
-                        ll_capacity: int | None, block_cap: int, interpret: bool) -> fused_shapes.DataAsFlagShape | None:
+def _data_as_flag_shape(kernel: str, tokens: int, hidden: int, dtype: torch.dtype, world: int, ll_capacity: int | None,
+                        block_cap: int, interpret: bool) -> fused_shapes.DataAsFlagShape | None:
     """The launch shape of the data-as-flag fused ``kernel`` for the call (both kernels share one
     capacity; the full payload's may also take a wider quads shape), or None where the message
     exceeds the capacity or no shape fits."""

@@ -153,12 +153,13 @@ def takes_quads(shape: DataAsFlagShape, hidden: int, world: int) -> bool:
     rank runs the same kernel (a row's sum of squares is summed in the kernel's own order).
 
     Measured (one H100 under MPS, graph loop, hidden 7168 unless said: bench/RESULTS.md, "The
-    full-payload kernel in 16-byte quads, A/B" and "... shapes, each kernel forced"): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and
-    8 tokens (4-warp programs) and 0.81x at 16 (8-warp programs), 1.03x at 1 and 2 tokens (2-warp
-    programs); at W = 4 0.89-0.91x at 4 and 8 tokens in 4-warp programs (1.05x at 4 x 4096, a
-    draw at 2 x 8192) and 0.70-0.71x in 8-warp ones (8 x 7168, 8 x 8192); at W = 8 1.01-1.16x in
-    2-, 4- and 8-warp programs (1-4 tokens) and 0.78-0.80x the word kernel in the same 16-warp
-    shape (4 x 7168, 4 x 8192: two programs per row)."""
+    full-payload kernel in 16-byte quads, A/B" and "The full-payload kernel's shapes, each kernel
+    forced"): at W = 2 the quads kernel took 0.95x the word kernel's time at 4 and 8 tokens (4-warp
+    programs) and 0.81x at 16 (8-warp programs), 1.03x at 1 and 2 tokens (2-warp programs); at
+    W = 4 0.89-0.91x at 4 and 8 tokens in 4-warp programs (1.05x at 4 x 4096, a draw at 2 x 8192)
+    and 0.70-0.71x in 8-warp ones (8 x 7168, 8 x 8192); at W = 8 1.01-1.16x in 2-, 4- and 8-warp
+    programs (1-4 tokens) and 0.78-0.80x the word kernel in the same 16-warp shape (4 x 7168,
+    4 x 8192: two programs per row)."""
     warps = quad_warps(shape, hidden)
     least = QUAD_MIN_WARPS if world < QUAD_WIDE_WORLD else QUAD_MIN_WARPS_WIDE_WORLD
     return warps is not None and warps >= least
