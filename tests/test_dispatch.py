@@ -9,7 +9,7 @@ import torch
 
 from pcie_allreduce.fabric import topology
 from pcie_allreduce.constants import FULL_TWOSHOT_MARGIN, MAX_LAUNCH_BLOCKS, MAX_RANKS, SMALL_WORLD
-from pcie_allreduce.plan import algorithms, dispatch, rules, tables
+from pcie_allreduce.plan import algorithms, dispatch, fused_shapes, rules, tables
 from pcie_allreduce.plan.algorithms import ALGO_IDS
 from pcie_allreduce.plan.defaults import default_fused_rules
 from pcie_allreduce.plan.rules import Choice, FusedRule, Rule
@@ -152,6 +152,22 @@ def test_a_kernel_rule_without_a_data_as_flag_shape_passes_the_call_on(world: in
     assert plan.algo == expected
     assert _fused_kernel(tokens, 7168, BF16, world, default_table(), ll_capacity=LL_CAP, block_cap=cap) == (
         "oneshot_full" if expected == "oneshot_full" else "oneshot")
+
+
+def test_each_data_as_flag_kernel_has_its_own_shape() -> None:
+    """The full payload's kernel may take the wide quads shape (rows in 4096-column chunks) where
+    the word shape has too many programs; the lines kernel never does. A forced kernel plans the
+    shape its launch computes, and one without a shape is refused by name."""
+    fits = {k: dispatch.fused_kernel_fits(k, 32, 7168, BF16, 2, ll_capacity=LL_CAP, block_cap=64)
+            for k in algorithms.DATA_AS_FLAG_ONESHOTS}
+    assert fits == {"oneshot_ll": False, "oneshot_full": True}
+    plan = dispatch.fused_plan(32, 7168, BF16, 2, default_table(), ll_capacity=LL_CAP, block_cap=64,
+                               algo="oneshot_full")
+    assert plan.algo == "oneshot_full" and plan.shape == fused_shapes.data_as_flag(32, 7168, 2, 64, full=True)
+    assert plan.shape[:2] == (64, 2)
+    with pytest.raises(ValueError, match="fused oneshot_ll cannot take"):
+        dispatch.fused_plan(32, 7168, BF16, 2, default_table(), ll_capacity=LL_CAP, block_cap=64, algo="oneshot_ll")
+    assert not dispatch.fused_kernel_fits("oneshot_full", 32, 7168, BF16, 2, ll_capacity=LL_CAP, block_cap=63)
 
 
 @pytest.mark.parametrize("hidden", [2048, 7168, 8192])
