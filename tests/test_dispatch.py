@@ -219,12 +219,7 @@ def test_a_fused_rule_bounded_by_the_row_width() -> None:
     assert AlgoTable.from_json(table.to_json()) == table
     assert "min_hidden" not in AlgoTable(TABLE.rules, (FusedRule("unfused"),)).to_json()
     assert table.select_fused(64, 8, hidden=8192) == "twoshot" and table.select_fused(64, 8) == "unfused"
-    for bad in (0, -1, 8192.0, True, "8192"):
-        with pytest.raises(ValueError, match="min_hidden"):
-            FusedRule("twoshot", min_hidden=bad)
-        with pytest.raises(ValueError, match="min_hidden"):
-            AlgoTable.from_json('{"rules": [{"algo": "twoshot"}], "fused": [{"algo": "unfused", "min_hidden": %s}]}'
-                                % json.dumps(bad))
+    _width_bound_refused("min_hidden", (0, -1, 8192.0, True, "8192"))
 
 
 def test_a_fused_rule_for_one_row_width() -> None:
@@ -237,14 +232,20 @@ def test_a_fused_rule_for_one_row_width() -> None:
     table = AlgoTable(TABLE.rules, (rule, FusedRule("unfused")))
     assert AlgoTable.from_json(table.to_json()) == table and '"max_hidden": 7168' in table.to_json()
     assert table.select_fused(4, 4, hidden=7168) == "oneshot" and table.select_fused(4, 4, hidden=8192) == "unfused"
-    for bad in (0, -1, 7168.0, True, "7168"):
-        with pytest.raises(ValueError, match="max_hidden"):
-            FusedRule("twoshot", max_hidden=bad)
-        with pytest.raises(ValueError, match="max_hidden"):
-            AlgoTable.from_json('{"rules": [{"algo": "twoshot"}], "fused": [{"algo": "unfused", "max_hidden": %s}]}'
-                                % json.dumps(bad))
+    _width_bound_refused("max_hidden", (0, -1, 7168.0, True, "7168"))
     with pytest.raises(ValueError, match="min_hidden 8192 is above max_hidden 4096"):
         FusedRule("twoshot", min_hidden=8192, max_hidden=4096)
+
+
+def _width_bound_refused(field: str, bad_values: tuple) -> None:
+    """A fused rule's row-width bound ``field`` refuses each of ``bad_values``, given directly and
+    loaded from a table's JSON, naming the field."""
+    for bad in bad_values:
+        with pytest.raises(ValueError, match=field):
+            FusedRule("twoshot", **{field: bad})
+        with pytest.raises(ValueError, match=field):
+            AlgoTable.from_json('{"rules": [{"algo": "twoshot"}], "fused": [{"algo": "unfused", "%s": %s}]}'
+                                % (field, json.dumps(bad)))
 
 
 def test_the_built_in_fused_rules_keep_the_pair_above_8_ranks() -> None:
