@@ -100,6 +100,11 @@ def _p50(r: Result | None) -> str:
     return "-" if r is None else f"{r.p50_us:.2f}"
 
 
+def _ran(r: Result | None) -> str:
+    """The kernel a fused call ran ("oneshot_full", "unfused(oneshot)": what ``auto`` resolved to)."""
+    return "-" if r is None else (r.resolved_algo or r.algo)
+
+
 def format_fused_summary(report: Report) -> str:
     """The headline: fused vs our plain all-reduce, vs the best all-reduce + one-kernel norm."""
     entries = summary_rows(report)
@@ -109,7 +114,9 @@ def format_fused_summary(report: Report) -> str:
     columns = [
         Column("W", 3, lambda e: str(e["world"])),
         Column("tokens", 7, lambda e: str(e["tokens"])),
+        Column("hidden", 7, lambda e: str(e["hidden"])),
         Column("fused", 9, lambda e: _p50(e["fused"])),
+        Column("(ran)", 13, lambda e: _ran(e["fused"])),
         *[Column(a, max(9, len(a)), lambda e, a=a: _p50(e["forced"][a])) for a in forced],
         Column("AR", 9, lambda e: _p50(e["ours_allreduce"])),
         Column("AR+addnorm", 11, lambda e: _p50(e["ours_one_kernel"])),
@@ -123,7 +130,7 @@ def format_fused_summary(report: Report) -> str:
                lambda e: _verdict(e["fused_vs_best_one_kernel"], GOAL_VS_ONE_KERNEL)),
     ]
     lines = ["# fused all-reduce + residual add + RMSNorm vs the same work unfused: best p50 per call (us)",
-             "# AR = our plain all-reduce (auto) alone; AR+addnorm = our all-reduce, then our one add_rmsnorm kernel; "
+             "# (ran) = the kernel the fused call (auto) ran; AR = our plain all-reduce (auto) alone; AR+addnorm = our all-reduce, then our one add_rmsnorm kernel; "
              "best 1-kernel = the fastest all-reduce + ONE add + RMSNorm kernel of any backend and kernel (which: "
              "backend/algo); AR+norm = our all-reduce, then eager torch add + RMSNorm (several kernels)",
              f"# goals: fused/AR <= {GOAL_VS_ALLREDUCE:.2f} for T <= {GOAL_SMALL_TOKENS}, <= "

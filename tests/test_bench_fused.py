@@ -316,16 +316,17 @@ def test_fused_report_table_and_summary() -> None:
     summary = [line for line in text.splitlines() if line.split()[:2] in (["4", "4"], ["4", "128"])]
     header = next(line for line in text.splitlines() if line.startswith("# W ") and "best 1-kernel" in line)
     assert header.lstrip("#").split() == [
-        "W", "tokens", "fused", "fused:oneshot", "fused:oneshot_ll", "AR", "AR+addnorm", "best", "1-kernel",
-        "(which)", "AR+norm", "fused/AR(<=1.10|1.15)", "fused/(AR+addnorm)", "fused/best1k(<=0.85)"]
+        "W", "tokens", "hidden", "fused", "(ran)", "fused:oneshot", "fused:oneshot_ll", "AR", "AR+addnorm", "best",
+        "1-kernel", "(which)", "AR+norm", "fused/AR(<=1.10|1.15)", "fused/(AR+addnorm)", "fused/best1k(<=0.85)"]
     four = summary[0].split()
-    # W, tokens, fused, forced..., AR, AR+addnorm, best 1-kernel, which, AR+norm, verdicts
-    assert four[:10] == ["4", "4", "11.00", "11.50", "-", "10.00", "13.00", "12.50",
+    # W, tokens, hidden, fused, what it ran, forced..., AR, AR+addnorm, best 1-kernel, which, AR+norm, verdicts
+    assert four[:12] == ["4", "4", "7168", "11.00", "oneshot", "11.50", "-", "10.00", "13.00", "12.50",
                          "torch_symm/one_shot+fi_addnorm", "18.00"]
-    assert four[10:] == ["1.10", "ok", "0.85", "0.88", "MISS"]
+    assert four[12:] == ["1.10", "ok", "0.85", "0.88", "MISS"]
     big = summary[1].split()
-    assert big[2:10] == ["40.00", "60.00", "-", "30.00", "42.00", "42.00", "ours/auto(twoshot)+addnorm", "45.00"]
-    assert big[10:] == ["1.33", "MISS", "0.95", "0.95", "MISS"]
+    assert big[2:12] == ["7168", "40.00", "twoshot", "60.00", "-", "30.00", "42.00", "42.00",
+                         "ours/auto(twoshot)+addnorm", "45.00"]
+    assert big[12:] == ["1.33", "MISS", "0.95", "0.95", "MISS"]
     assert "fused/AR <= 1.10 for T <= 32, <= 1.15 above; fused/best1k <= 0.85" in text
 
 
