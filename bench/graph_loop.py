@@ -15,9 +15,10 @@ host transport's own), so the data crosses each GPU's PCIe link to host memory.
 
 ``--fused`` times the all-reduce + residual add + RMSNorm on ``[T, --hidden]`` bf16 instead, for
 each ``--tokens`` T: the plain all-reduce alone (``allreduce``), then each of ``--fused-algos``
-(``unfused`` is the plain all-reduce followed by the library's one add + RMSNorm kernel, the
-baseline a fused kernel must beat; a kernel that cannot take the shape is left out), every
-case on fresh inputs, in one run:
+(``unfused`` is the plain all-reduce followed by the library's one add + RMSNorm kernel, and
+with it ``unfused+fi_addnorm`` / ``unfused+sgl_addnorm`` the same all-reduce followed by
+FlashInfer's / sgl-kernel's ``fused_add_rmsnorm`` where it imports: the pairs a fused kernel must
+beat; a kernel that cannot take the shape is left out), every case on fresh inputs, in one run:
 
     python -m bench.graph_loop --fused --world 2 8 --tokens 1 4 32 --fused-algos auto unfused oneshot_full oneshot
 
@@ -34,6 +35,7 @@ each kernel at each forced chunk count (``oneshot_full/cC/quads``, ``oneshot_ful
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -48,11 +50,16 @@ def _time_algo(comm, x, out, algo: str, group) -> float:
     return _time_call(comm, lambda: comm.all_reduce(x, out, algo=algo), group)
 
 
-def _time_call(comm, call, group) -> float:
-    """Per-call time of ``call`` (:func:`time_in_graph`), the ranks lined up before each repetition."""
+def _time_call(comm, call, group, reset: Callable[[], object] = lambda: None) -> float:
+    """Per-call time of ``call`` (:func:`time_in_graph`), ``reset`` run and the ranks lined up before
+    each repetition."""
     import torch.distributed as dist
 
-    best = time_in_graph(call, lambda: dist.barrier(group=group))
+    def before_each() -> None:
+        reset()
+        dist.barrier(group=group)
+
+    best = time_in_graph(call, before_each)
     comm.check()
     return best
 
@@ -131,9 +138,30 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
                     comm.all_reduce_rmsnorm(x, residual, weight, eps, out=normed, residual_out=new_residual, algo=algo)
 
                 rows.append((label, t, _time_call(comm, call, ctx.group)))
+            if "unfused" in algos:
+                rows.extend(_other_pairs(comm, ctx.group, x, out, residual, weight, eps))
             for algo in (a for a in algos if a in DATA_AS_FLAG_ONESHOTS):
                 rows.extend(_forced_rows(comm, ctx.group, algo, _forced_variants(comm, algo, x, chunks, quads), x,
                                          residual, weight, eps, normed, new_residual))
+    return rows
+
+
+def _other_pairs(comm, group, x, out, residual, weight, eps: float) -> list[tuple[str, int, float]]:
+    """Rows ``unfused+<kernel>``: our all-reduce, then each other library's in-place add + RMSNorm
+    kernel that imports in this rank (:func:`bench.norm_loop.in_place_kernels`: FlashInfer's,
+    sgl-kernel's), so the rows beside the fused call hold the harness's best one-kernel pair. Each
+    repetition starts from the residual's own values (the kernel adds into it)."""
+    from bench.norm_loop import in_place_kernels
+
+    found, _ = in_place_kernels()
+    running = residual.clone()
+    rows = []
+    for name, kernel in found.items():
+        def call(kernel=kernel):
+            comm.all_reduce(x, out)
+            kernel(out, running, weight, eps)
+
+        rows.append((f"unfused+{name}", x.shape[0], _time_call(comm, call, group, lambda: running.copy_(residual))))
     return rows
 
 
@@ -227,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
     print(f"{'W':>2} {'algo':<22} {'tokens' if args.fused else 'size':>10} {'us':>8}   (bf16; {CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
           f"replays, best of {REPETITIONS}, slowest rank; transport {args.transport})")
+    if args.fused:
+        from bench.backends import quiet_env
+
+        os.environ.update(quiet_env())  # the ranks inherit it: before they import FlashInfer
     for world in args.world:
         if args.fused:
             per_rank = ranks.run_ranks(_fused_rank, world, args.tokens, args.hidden, args.fused_algos, args.transport,

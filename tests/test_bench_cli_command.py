@@ -220,3 +220,49 @@ def test_graph_loop_forces_the_chunk_counts_and_kernels_a_shape_allows() -> None
     assert list(both) == ["oneshot_full/c2/quads", "oneshot_full/c2/words", "oneshot_full/quads",
                           "oneshot_full/words"]
     assert both["oneshot_full/c2/quads"] == {"max_programs": 66, "chunks": 2, "quads": True}
+
+
+def test_graph_loop_times_our_all_reduce_before_each_other_norm_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unfused+<kernel>`` rows: our all-reduce, then the other library's in-place add + RMSNorm on
+    its output and a running residual that each repetition restores first (the kernel adds into it);
+    none where no such kernel imports."""
+    import types
+
+    import torch
+
+    from bench import graph_loop, norm_loop
+
+    calls: list[str] = []
+
+    def fake_kernel(y, residual, weight, eps):
+        calls.append("norm")
+        residual += y  # what an in-place add + RMSNorm does to the residual
+        y.copy_(residual)
+
+    def all_reduce(x, out):
+        calls.append("all_reduce")
+        out.copy_(2 * x)
+
+    def time_in_graph(call, before_each):  # two repetitions of two calls, without a GPU
+        for _ in range(2):
+            before_each()
+            call()
+            call()
+        return 1.5
+
+    gen = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen)
+    kept = residual.clone()
+    comm = types.SimpleNamespace(all_reduce=all_reduce, check=lambda: calls.append("check"))
+    monkeypatch.setattr(norm_loop, "in_place_kernels", lambda: ({"fi_addnorm": fake_kernel}, {}))
+    monkeypatch.setattr(graph_loop, "time_in_graph", time_in_graph)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: calls.append("barrier"))
+    out = torch.full_like(x, float("nan"))
+    rows = graph_loop._other_pairs(comm, None, x, out, residual, torch.ones(40), 1e-6)
+    assert rows == [("unfused+fi_addnorm", 3, 1.5)]
+    assert calls == ["barrier", "all_reduce", "norm", "all_reduce", "norm"] * 2 + ["check"]
+    assert torch.equal(residual, kept)  # the caller's residual is never written
+    # the last repetition started from the residual's own values: two additions of 2x onto it
+    assert torch.equal(out, (kept + 2 * x) + 2 * x)
+    monkeypatch.setattr(norm_loop, "in_place_kernels", lambda: ({}, {"fi_addnorm": "ImportError: no"}))
+    assert graph_loop._other_pairs(comm, None, x, out, residual, torch.ones(40), 1e-6) == []
