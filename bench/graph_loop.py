@@ -148,10 +148,10 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
 
 def _other_pairs(comm, group, x, out, residual, weight, eps: float) -> list[tuple[str, int, float]]:
     """Rows ``unfused+<kernel>``: our all-reduce, then each other library's in-place add + RMSNorm
-    kernel that imports in this rank (:func:`bench.norm_loop.in_place_kernels`: FlashInfer's,
+    kernel that imports in this rank (:func:`bench.norm_ops.in_place_kernels`: FlashInfer's,
     sgl-kernel's), so the rows beside the fused call hold the harness's best one-kernel pair. Each
     repetition starts from the residual's own values (the kernel adds into it)."""
-    from bench.norm_loop import in_place_kernels
+    from bench.norm_ops import in_place_kernels
 
     found, _ = in_place_kernels()
     running = residual.clone()

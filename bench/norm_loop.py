@@ -59,24 +59,6 @@ def close_enough(got, want) -> bool:
     return bool(torch.isfinite(got).all()) and bool(((got.double() - want).abs() <= tol * scale).all())
 
 
-def in_place_kernels() -> tuple[dict[str, Callable], dict[str, str]]:
-    """The other libraries' in-place ``fused_add_rmsnorm(input, residual, weight, eps)`` kernels
-    that import here, and why each other one does not: the one-kernel baselines of ``--fused``
-    (:data:`bench.norm_ops.ONE_KERNELS`), named as its rows are without the leading "+"."""
-    from bench import norm_ops
-
-    found, missing = {}, {}
-    for suffix in norm_ops.ONE_KERNELS:
-        if suffix not in norm_ops.IN_PLACE_KERNELS:
-            continue
-        name = suffix.lstrip("+")
-        try:
-            found[name] = norm_ops.load_kernel(suffix)
-        except Exception as exc:  # noqa: BLE001 - any import failure only leaves the row out
-            missing[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
-    return found, missing
-
-
 def case(tokens: int, hidden: int, dtype, warps: Sequence[int], others: dict[str, Callable],
          dependent: bool = False) -> dict[str, object]:
     """Each kernel's time (us) on [tokens, hidden], or "wrong" where its check failed. ``dependent``:
@@ -151,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     os.environ.update(quiet_env())  # before FlashInfer is imported
+    from bench.norm_ops import in_place_kernels
+
     others, missing = in_place_kernels()
     for name, why in missing.items():
         print(f"# {name}: left out ({why})")

@@ -60,6 +60,22 @@ def load_kernel(suffix: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
+def in_place_kernels() -> tuple[dict[str, Callable], dict[str, str]]:
+    """The other libraries' in-place ``fused_add_rmsnorm(input, residual, weight, eps)`` kernels
+    that import here, and why each other one does not: the one-kernel baselines of ``--fused``
+    (:data:`ONE_KERNELS`), named as its rows are without the leading "+"."""
+    found, missing = {}, {}
+    for suffix in ONE_KERNELS:
+        if suffix not in IN_PLACE_KERNELS:
+            continue
+        name = suffix.lstrip("+")
+        try:
+            found[name] = load_kernel(suffix)
+        except Exception as exc:  # noqa: BLE001 - any import failure only leaves the row out
+            missing[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+    return found, missing
+
+
 @dataclasses.dataclass
 class NormBuffers(Buffers):
     """A norm variant's tensors; ``inp`` (flat x, the all-reduce's input) and ``out`` (flat normed).

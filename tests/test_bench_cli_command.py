@@ -230,7 +230,7 @@ def test_graph_loop_times_our_all_reduce_before_each_other_norm_kernel(monkeypat
 
     import torch
 
-    from bench import graph_loop, norm_loop
+    from bench import graph_loop, norm_ops
 
     calls: list[str] = []
 
@@ -254,7 +254,7 @@ def test_graph_loop_times_our_all_reduce_before_each_other_norm_kernel(monkeypat
     x, residual = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen)
     kept = residual.clone()
     comm = types.SimpleNamespace(all_reduce=all_reduce, check=lambda: calls.append("check"))
-    monkeypatch.setattr(norm_loop, "in_place_kernels", lambda: ({"fi_addnorm": fake_kernel}, {}))
+    monkeypatch.setattr(norm_ops, "in_place_kernels", lambda: ({"fi_addnorm": fake_kernel}, {}))
     monkeypatch.setattr(graph_loop, "time_in_graph", time_in_graph)
     monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: calls.append("barrier"))
     out = torch.full_like(x, float("nan"))
@@ -264,5 +264,5 @@ def test_graph_loop_times_our_all_reduce_before_each_other_norm_kernel(monkeypat
     assert torch.equal(residual, kept)  # the caller's residual is never written
     # the last repetition started from the residual's own values: two additions of 2x onto it
     assert torch.equal(out, (kept + 2 * x) + 2 * x)
-    monkeypatch.setattr(norm_loop, "in_place_kernels", lambda: ({}, {"fi_addnorm": "ImportError: no"}))
+    monkeypatch.setattr(norm_ops, "in_place_kernels", lambda: ({}, {"fi_addnorm": "ImportError: no"}))
     assert graph_loop._other_pairs(comm, None, x, out, residual, torch.ones(40), 1e-6) == []

@@ -43,7 +43,7 @@ def test_other_libraries_kernels_are_left_out_with_their_reason(monkeypatch: pyt
     monkeypatch.setattr(norm_ops, "ONE_KERNELS", MappingProxyType(
         {**norm_ops.ONE_KERNELS, "+nowhere": ("no_such_module_for_norm_loop", "f")}))
     monkeypatch.setattr(norm_ops, "IN_PLACE_KERNELS", norm_ops.IN_PLACE_KERNELS | {"+nowhere"})
-    found, missing = norm_loop.in_place_kernels()
+    found, missing = norm_ops.in_place_kernels()
     assert "nowhere" not in found and "no_such_module_for_norm_loop" in missing["nowhere"]
     assert set(found) | set(missing) == {s.lstrip("+") for s in norm_ops.IN_PLACE_KERNELS}
     assert "addnorm" not in set(found) | set(missing), "ours is the 'ours' row, not another library's"
