@@ -246,6 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quads", action="store_true",
                         help="with --fused: also oneshot_full with its 16-byte quads kernel and its word kernel forced")
     args = parser.parse_args(argv)
+    if (args.chunks or args.quads) and not set(args.fused_algos) & set(DATA_AS_FLAG_ONESHOTS):
+        parser.error(f"--chunks and --quads force a data-as-flag kernel's shape: name "
+                     f"{' or '.join(DATA_AS_FLAG_ONESHOTS)} in --fused-algos")
+    if args.quads and DATA_AS_FLAG_ONESHOTS[1] not in args.fused_algos:
+        parser.error(f"--quads forces {DATA_AS_FLAG_ONESHOTS[1]}'s two kernels: name it in --fused-algos")
 
     from pcie_allreduce.tools import ranks
 

@@ -194,6 +194,20 @@ def test_graph_loop_parses_sizes_and_exits_3_without_a_gpu(capsys: pytest.Captur
             graph_loop.main(["--fused", "--chunks", bad])
 
 
+def test_graph_loop_refuses_forced_shapes_without_a_kernel_to_force(capsys: pytest.CaptureFixture[str]) -> None:
+    """--chunks / --quads force shapes of the data-as-flag kernels: without one of them among
+    --fused-algos they would time nothing extra, so the command says so before any rank starts."""
+    from bench import graph_loop
+
+    for argv in (["--chunks", "2"], ["--quads"], ["--chunks", "2", "--quads"]):
+        with pytest.raises(SystemExit):
+            graph_loop.main(["--fused", "--world", "8", "--fused-algos", "auto", "unfused", "oneshot", *argv])
+        assert "--fused-algos" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        graph_loop.main(["--fused", "--fused-algos", "oneshot_ll", "--quads"])
+    assert "oneshot_full" in capsys.readouterr().err
+
+
 def test_graph_loop_forces_the_chunk_counts_and_kernels_a_shape_allows() -> None:
     """The forced rows of the graph loop: each chunk count whose programs fit the block cap, and
     with ``--quads`` both kernels of the full payload (the quads only where rows are whole quads)."""
