@@ -130,7 +130,8 @@ def format_fused_summary(report: Report) -> str:
                lambda e: _verdict(e["fused_vs_best_one_kernel"], GOAL_VS_ONE_KERNEL)),
     ]
     lines = ["# fused all-reduce + residual add + RMSNorm vs the same work unfused: best p50 per call (us)",
-             "# (ran) = the kernel the fused call (auto) ran; AR = our plain all-reduce (auto) alone; AR+addnorm = our all-reduce, then our one add_rmsnorm kernel; "
+             "# (ran) = the kernel the fused call (auto) ran; AR = our plain all-reduce (auto) alone; "
+             "AR+addnorm = our all-reduce, then our one add_rmsnorm kernel; "
              "best 1-kernel = the fastest all-reduce + ONE add + RMSNorm kernel of any backend and kernel (which: "
              "backend/algo); AR+norm = our all-reduce, then eager torch add + RMSNorm (several kernels)",
              f"# goals: fused/AR <= {GOAL_VS_ALLREDUCE:.2f} for T <= {GOAL_SMALL_TOKENS}, <= "
