@@ -291,18 +291,13 @@ class Schedule:
                     w_offset=self._fused_offset(weight_elements(), hidden, misaligned))
 
     def _fused_algos(self, tokens: int, hidden: int, dtype: str) -> list[str]:
-        """The fused kernels that can take ``[tokens, hidden]`` of ``dtype``, and the unfused pair
-        (the plain all-reduce, then the add + RMSNorm kernel)."""
-        algos = ["oneshot", "twoshot", UNFUSED]
-        if tokens * hidden * DTYPE_SIZES[dtype] <= self.params.ll_capacity:
-            algos += [k for k in DATA_AS_FLAG_ONESHOTS if self._has_shape(k, tokens, hidden)]
-        return algos
-
-    def _has_shape(self, kernel: str, tokens: int, hidden: int) -> bool:
-        """Whether the data-as-flag fused ``kernel`` has a launch shape for the call (the shapes'
-        rule: the full payload's may take a wide quads shape where the word shape does not fit)."""
-        return shapes.data_as_flag(tokens, hidden, self.params.world, self.params.block_cap,
-                                   full=kernel == DATA_AS_FLAG_ONESHOTS[1]) is not None
+        """The fused kernels that can take ``[tokens, hidden]`` of ``dtype`` (the data-as-flag ones
+        where the dispatch finds them a launch shape), and the unfused pair (the plain all-reduce,
+        then the add + RMSNorm kernel)."""
+        p = self.params
+        return ["oneshot", "twoshot", UNFUSED, *(
+            k for k in DATA_AS_FLAG_ONESHOTS if shapes.data_as_flag_for_call(
+                k, tokens, hidden, DTYPE_SIZES[dtype], p.world, p.ll_capacity, p.block_cap) is not None)]
 
     def _episode(self) -> GraphEpisode:
         rng, p = self._rng, self.params

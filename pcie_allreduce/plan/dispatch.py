@@ -22,7 +22,7 @@ from pcie_allreduce import constants
 from pcie_allreduce.constants import MAX_LAUNCH_BLOCKS
 from pcie_allreduce.plan import fused_shapes
 from pcie_allreduce.plan.algorithms import (ALGO_IDS, DATA_AS_FLAG_ONESHOTS, LOSSY_ALGORITHMS,
-                                            SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, call_problem, fits_capacity)
+                                            SYMMETRIC_INPUT_ALGORITHMS, UNFUSED, call_problem)
 from pcie_allreduce.plan.rules import Choice
 from pcie_allreduce.plan.tables import AlgoTable
 
@@ -109,7 +109,8 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         raise ValueError(problem)
 
     def shape_of(kernel: str) -> fused_shapes.DataAsFlagShape | None:  # each data-as-flag kernel's own shape
-        return _data_as_flag_shape(kernel, tokens, hidden, dtype, world, ll_capacity, block_cap, interpret)
+        return fused_shapes.data_as_flag_for_call(kernel, tokens, hidden, dtype.itemsize, world, ll_capacity, block_cap,
+                                                  interpret)
 
     following = _kernel_that_follows(plain.algo, tokens, world, shape_of)
     # A "kernel" rule whose data-as-flag kernel has no launch shape passes the call to the next rule.
@@ -136,8 +137,8 @@ def fused_kernel_fits(algo: str, tokens: int, hidden: int, dtype: torch.dtype, w
     """Whether the fused kernel ``algo`` has a launch shape for the call (the data-as-flag ones:
     an even hidden size, a message within the workspace's low-latency capacity and few enough
     programs; the flag-based ones take every call)."""
-    return algo not in DATA_AS_FLAG_ONESHOTS or _data_as_flag_shape(
-        algo, tokens, hidden, dtype, world, ll_capacity, block_cap, interpret) is not None
+    return algo not in DATA_AS_FLAG_ONESHOTS or fused_shapes.data_as_flag_for_call(
+        algo, tokens, hidden, dtype.itemsize, world, ll_capacity, block_cap, interpret) is not None
 
 
 def _kernel_that_follows(plain_algo: str, tokens: int, world: int,
@@ -150,16 +151,6 @@ def _kernel_that_follows(plain_algo: str, tokens: int, world: int,
     if plain_algo in DATA_AS_FLAG_ONESHOTS:
         return plain_algo if shape_of(plain_algo) is not None else None
     return "oneshot"
-
-
-def _data_as_flag_shape(kernel: str, tokens: int, hidden: int, dtype: torch.dtype, world: int, ll_capacity: int | None,
-                        block_cap: int, interpret: bool) -> fused_shapes.DataAsFlagShape | None:
-    """The launch shape of the data-as-flag fused ``kernel`` for the call (both kernels share one
-    capacity; the full payload's may also take a wider quads shape), or None where the message
-    exceeds the capacity or no shape fits."""
-    if not fits_capacity(kernel, tokens * hidden * dtype.itemsize, ll_capacity):
-        return None
-    return fused_shapes.data_as_flag(tokens, hidden, world, block_cap, interpret, kernel == DATA_AS_FLAG_ONESHOTS[1])
 
 
 #: MPS's client variable that caps a process to a share of its GPU's SMs (the rank spawner sets it).

@@ -14,7 +14,7 @@ import math
 import zlib
 
 from pcie_allreduce.constants import MAX_FLAG_BLOCKS, MAX_LAUNCH_BLOCKS, ROW_STATS_SLOTS
-from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS
+from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS, fits_capacity
 
 #: (programs, C chunks per row, chunk width (elements), BLOCK_W (words), num_warps) of the
 #: data-as-flag one-shot (fused/oneshot_ll.py).
@@ -96,6 +96,17 @@ def data_as_flag(tokens: int, hidden: int, world: int, max_programs: int,
         if takes_quads(wide, hidden, world) and _fits(tokens, wide[1], cap):
             return wide
     return None
+
+
+def data_as_flag_for_call(kernel: str, tokens: int, hidden: int, elem_size: int, world: int,
+                          ll_capacity: int | None, max_programs: int, interpret: bool = False) -> DataAsFlagShape | None:
+    """The launch shape of the data-as-flag fused ``kernel`` for a call of ``[tokens, hidden]``
+    elements of ``elem_size`` bytes, or None where the message exceeds the kernel's low-latency
+    capacity (``ll_capacity``; None: unbounded) or no shape fits (:func:`data_as_flag`; the full
+    payload's may take the wide quads shape). The one answer the dispatch and the soak schedule ask."""
+    if not fits_capacity(kernel, tokens * hidden * elem_size, ll_capacity):
+        return None
+    return data_as_flag(tokens, hidden, world, max_programs, interpret, kernel == DATA_AS_FLAG_ONESHOTS[1])
 
 
 def resident_programs(max_programs: int) -> int:
