@@ -30,6 +30,11 @@ the row statistics' exchange against one program's bandwidth. ``--quads`` adds, 
 ``oneshot_full/words``: 4-byte words) where the shape allows, whatever the call would choose
 (``fused_shapes.takes_quads``): the two kernels side by side in one run; with ``--chunks`` too,
 each kernel at each forced chunk count (``oneshot_full/cC/quads``, ``oneshot_full/cC/words``).
+
+``--against CHECKOUT`` times each ``--fused-algos`` row with this checkout's Triton kernels
+(``label A1``) and with CHECKOUT's (``label B1``, :mod:`bench.kernel_variant`: kernel bodies only),
+``--rounds`` times in turn on the same ranks: an A/B of two kernels without the spread between
+runs. ``--warm-replays N`` replays each graph N times untimed first.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from bench import kernel_variant
 from pcie_allreduce.plan.algorithms import DATA_AS_FLAG_ONESHOTS
 
 CALLS_PER_GRAPH = 20
@@ -46,29 +52,36 @@ REPLAYS = 20
 REPETITIONS = 3
 
 
-def _time_algo(comm, x, out, algo: str, group) -> float:
-    return _time_call(comm, lambda: comm.all_reduce(x, out, algo=algo), group)
+def _time_algo(comm, x, out, algo: str, group, warm: int) -> float:
+    return _time_call(comm, lambda: comm.all_reduce(x, out, algo=algo), group, warm)
 
 
-def _time_call(comm, call, group, reset: Callable[[], object] = lambda: None) -> float:
-    """Per-call time of ``call`` (:func:`time_in_graph`), ``reset`` run and the ranks lined up before
-    each repetition."""
+def _time_call(comm, call, group, warm: int, reset: Callable[[], object] = lambda: None) -> float:
+    """Per-call time of ``call`` (:func:`time_in_graph`, ``warm`` untimed replays first), ``reset``
+    run and the ranks lined up before each repetition."""
     import torch.distributed as dist
 
     def before_each() -> None:
         reset()
         dist.barrier(group=group)
 
-    best = time_in_graph(call, before_each)
+    best = time_in_graph(call, before_each, warm)
     comm.check()
     return best
 
 
-def time_in_graph(call: Callable[[], object], before_each: Callable[[], object] = lambda: None) -> float:
+def time_in_graph(call: Callable[[], object], before_each: Callable[[], object] = lambda: None,
+                  warm_replays: int = 0) -> float:
     """Microseconds per call of ``call`` captured CALLS_PER_GRAPH times in one CUDA graph and
     replayed REPLAYS times back to back: the best of REPETITIONS, ``before_each`` run ahead of
     each (a barrier between ranks; restoring the inputs of an in-place kernel), outside the
-    timing. The one bare-kernel timing of this module and :mod:`bench.norm_loop`."""
+    timing. The one bare-kernel timing of this module and :mod:`bench.norm_loop`.
+
+    ``warm_replays``: untimed replays before the first repetition (none by default, as a bare
+    yardstick is timed). A GPU that sat idle through a point's set-up (capture, compilation,
+    barriers) runs below its clock until load raises it, and a repetition is a few milliseconds,
+    so an A/B of two kernels over several runs may want the GPU busy first. A count, not a
+    duration: every rank must replay the same collective calls."""
     import torch
 
     for _ in range(3):
@@ -78,7 +91,8 @@ def time_in_graph(call: Callable[[], object], before_each: Callable[[], object] 
     with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         for _ in range(CALLS_PER_GRAPH):
             call()
-    graph.replay()
+    for _ in range(1 + warm_replays):
+        graph.replay()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(REPETITIONS):
@@ -93,7 +107,7 @@ def time_in_graph(call: Callable[[], object], before_each: Callable[[], object] 
     return best
 
 
-def _rank(ctx, sizes: list[int], algos: list[str], transport: str) -> list[tuple[str, int, float]]:
+def _rank(ctx, sizes: list[int], algos: list[str], transport: str, warm: int) -> list[tuple[str, int, float]]:
     import torch
 
     from pcie_allreduce import Communicator
@@ -105,17 +119,21 @@ def _rank(ctx, sizes: list[int], algos: list[str], transport: str) -> list[tuple
                 x = torch.randn(nbytes // 2, device=ctx.device, dtype=torch.bfloat16)
                 out = torch.empty_like(x)
                 label = algo if algo != "auto" else "auto:" + comm.select_algo(nbytes, torch.bfloat16)
-                rows.append((label, nbytes, _time_algo(comm, x, out, algo, ctx.group)))
+                rows.append((label, nbytes, _time_algo(comm, x, out, algo, ctx.group, warm)))
     return rows
 
 
 def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport: str,
-                chunks: list[int], quads: bool = False) -> list[tuple[str, int, float]]:
+                chunks: list[int], quads: bool = False, warm: int = 0, against: str | None = None,
+                rounds: int = 1) -> list[tuple[str, int, float]]:
     import torch
 
     from pcie_allreduce import Communicator
+    from pcie_allreduce.fused import path
+    from pcie_allreduce.layout import WorkspaceView
     from pcie_allreduce.plan import dispatch
 
+    variant = None if against is None else kernel_variant.load(against)
     rows = []
     eps = 1e-6
     with Communicator(ctx.group, ctx.device, max_bytes=max(tokens) * hidden * 2, transport=transport) as comm:
@@ -126,7 +144,7 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
                                    device=ctx.device).to(torch.bfloat16)
             weight = torch.ones(hidden, device=ctx.device, dtype=torch.bfloat16)
             normed, new_residual, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-            rows.append(("allreduce:" + comm.select_algo(x.nbytes, x.dtype), t, _time_algo(comm, x, out, "auto", ctx.group)))
+            rows.append(("allreduce:" + comm.select_algo(x.nbytes, x.dtype), t, _time_algo(comm, x, out, "auto", ctx.group, warm)))
             for algo in algos:
                 label = algo if algo != "auto" else "auto:" + comm.select_fused_algo(t, hidden, x.dtype)
                 if algo not in ("auto", "unfused") and not dispatch.fused_kernel_fits(
@@ -137,16 +155,45 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
                 def call(algo=algo):
                     comm.all_reduce_rmsnorm(x, residual, weight, eps, out=normed, residual_out=new_residual, algo=algo)
 
-                rows.append((label, t, _time_call(comm, call, ctx.group)))
+                if variant is None:
+                    rows.append((label, t, _time_call(comm, call, ctx.group, warm)))
+                    continue
+                kernel = label.split(":")[-1]
+
+                def compile_variant(kernel=kernel):
+                    if kernel != "unfused":  # the kernel the call runs, compiled on every rank before it
+                        path.launch(WorkspaceView.of(comm._workspace()), kernel, x, residual, weight, eps,  # noqa: SLF001
+                                    normed, new_residual, max_programs=comm.block_cap, compile_only=True)
+
+                rows.extend(_alternated(comm, ctx.group, label, t, call, variant, compile_variant, warm, rounds))
             if "unfused" in algos:
-                rows.extend(_other_pairs(comm, ctx.group, x, out, residual, weight, eps))
+                rows.extend(_other_pairs(comm, ctx.group, x, out, residual, weight, eps, warm))
             for algo in (a for a in algos if a in DATA_AS_FLAG_ONESHOTS):
                 rows.extend(_forced_rows(comm, ctx.group, algo, _forced_variants(comm, algo, x, chunks, quads), x,
-                                         residual, weight, eps, normed, new_residual))
+                                         residual, weight, eps, normed, new_residual, warm))
     return rows
 
 
-def _other_pairs(comm, group, x, out, residual, weight, eps: float) -> list[tuple[str, int, float]]:
+def _alternated(comm, group, label: str, tokens: int, call, variant, compile_variant, warm: int,
+                rounds: int) -> list[tuple[str, int, float]]:
+    """Rows ``label A<r>`` / ``label B<r>``: ``call`` with this checkout's kernels (A), then with the
+    other checkout's (B, :mod:`bench.kernel_variant`), ``rounds`` times in turn on the same ranks
+    and workspace; B's kernel compiled on every rank behind a barrier before its first timing (a
+    first launch that compiles would leave its peers spinning)."""
+    import torch.distributed as dist
+
+    rows = []
+    for r in range(1, rounds + 1):
+        rows.append((f"{label} A{r}", tokens, _time_call(comm, call, group, warm)))
+        with kernel_variant.swapped(variant):
+            if r == 1:
+                compile_variant()
+                dist.barrier(group=group)
+            rows.append((f"{label} B{r}", tokens, _time_call(comm, call, group, warm)))
+    return rows
+
+
+def _other_pairs(comm, group, x, out, residual, weight, eps: float, warm: int) -> list[tuple[str, int, float]]:
     """Rows ``unfused+<kernel>``: our all-reduce, then each other library's in-place add + RMSNorm
     kernel that imports in this rank (:func:`bench.norm_ops.in_place_kernels`: FlashInfer's,
     sgl-kernel's), so the rows beside the fused call hold the harness's best one-kernel pair. Each
@@ -161,7 +208,7 @@ def _other_pairs(comm, group, x, out, residual, weight, eps: float) -> list[tupl
             comm.all_reduce(x, out)
             kernel(out, running, weight, eps)
 
-        rows.append((f"unfused+{name}", x.shape[0], _time_call(comm, call, group, lambda: running.copy_(residual))))
+        rows.append((f"unfused+{name}", x.shape[0], _time_call(comm, call, group, warm, lambda: running.copy_(residual))))
     return rows
 
 
@@ -199,7 +246,7 @@ def _kernels(label: str, kwargs: dict, shape, hidden: int, both: bool) -> list[t
 
 
 def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, residual, weight, eps: float, normed,
-                 new_residual) -> list[tuple[str, int, float]]:
+                 new_residual, warm: int) -> list[tuple[str, int, float]]:
     """The data-as-flag kernel ``algo`` timed in each forced form of ``variants`` (:func:`_forced_variants`).
 
     A harness-only path: it launches the kernel directly on the workspace of the current stream
@@ -222,7 +269,7 @@ def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, re
             path.launch(view, algo, x, residual, weight, eps, normed, new_residual, dependent=comm.dependent_launch,
                         **kwargs)
 
-        rows.append((label, x.shape[0], _time_call(comm, call, group)))
+        rows.append((label, x.shape[0], _time_call(comm, call, group, warm)))
     return rows
 
 
@@ -243,12 +290,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunks", type=typed_arg(int, lambda v: v >= 1, "a positive integer"), nargs="+", default=[],
                         metavar="C",
                         help="with --fused: also each data-as-flag kernel with C column chunks per row forced")
+    parser.add_argument("--warm-replays", type=typed_arg(int, lambda v: v >= 0, "a non-negative integer"), default=0,
+                        metavar="N", help="untimed replays of each point's graph before its timed ones (default 0, "
+                        "as a bare yardstick is timed; e.g. 100 for an A/B of kernels, so the GPU is busy first)")
+    parser.add_argument("--against", metavar="CHECKOUT",
+                        help="with --fused: each --fused-algos row timed with this checkout's Triton kernels (A) and "
+                        "with CHECKOUT's (B), alternated --rounds times in one run (kernel bodies only)")
+    parser.add_argument("--rounds", type=typed_arg(int, lambda v: v >= 1, "a positive integer"), default=2,
+                        metavar="N", help="with --against: A/B rounds per row (default 2)")
     parser.add_argument("--quads", action="store_true",
                         help="with --fused: also oneshot_full with its 16-byte quads kernel and its word kernel forced")
     args = parser.parse_args(argv)
     if (args.chunks or args.quads) and not set(args.fused_algos) & set(DATA_AS_FLAG_ONESHOTS):
         parser.error(f"--chunks and --quads force a data-as-flag kernel's shape: name "
                      f"{' or '.join(DATA_AS_FLAG_ONESHOTS)} in --fused-algos")
+    if args.against is not None:
+        if not args.fused:
+            parser.error("--against swaps the fused Triton kernels: it needs --fused")
+        try:
+            kernel_variant.load(args.against)
+        except (ValueError, ImportError, SyntaxError) as e:
+            parser.error(f"--against: {e}")
     if args.quads and DATA_AS_FLAG_ONESHOTS[1] not in args.fused_algos:
         parser.error(f"--quads forces {DATA_AS_FLAG_ONESHOTS[1]}'s two kernels: name it in --fused-algos")
 
@@ -259,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m bench.graph_loop: {reason}", file=sys.stderr)
         return 3
     print(f"{'W':>2} {'algo':<22} {'tokens' if args.fused else 'size':>10} {'us':>8}   (bf16; {CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
-          f"replays, best of {REPETITIONS}, slowest rank; transport {args.transport})")
+          f"replays, best of {REPETITIONS}, slowest rank; transport {args.transport}"
+          f"{f'; {args.warm_replays} untimed replays first' if args.warm_replays else ''})")
     if args.fused:
         from bench.backends import quiet_env
 
@@ -267,9 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world in args.world:
         if args.fused:
             per_rank = ranks.run_ranks(_fused_rank, world, args.tokens, args.hidden, args.fused_algos, args.transport,
-                                       args.chunks, args.quads, timeout_s=600)
+                                       args.chunks, args.quads, args.warm_replays, args.against, args.rounds,
+                                       timeout_s=600)
         else:
-            per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, args.transport, timeout_s=600)
+            per_rank = ranks.run_ranks(_rank, world, args.sizes, args.algos, args.transport, args.warm_replays,
+                                       timeout_s=600)
         for i, (label, nbytes, _) in enumerate(per_rank[0]):
             slowest = max(rows[i][2] for rows in per_rank)
             print(f"{world:>2} {label:<22} {nbytes:>10} {slowest:8.2f}", flush=True)

@@ -257,7 +257,8 @@ def test_graph_loop_times_our_all_reduce_before_each_other_norm_kernel(monkeypat
         calls.append("all_reduce")
         out.copy_(2 * x)
 
-    def time_in_graph(call, before_each):  # two repetitions of two calls, without a GPU
+    def time_in_graph(call, before_each, warm_replays):  # two repetitions of two calls, without a GPU
+        calls.append(f"warm {warm_replays}")
         for _ in range(2):
             before_each()
             call()
@@ -272,11 +273,11 @@ def test_graph_loop_times_our_all_reduce_before_each_other_norm_kernel(monkeypat
     monkeypatch.setattr(graph_loop, "time_in_graph", time_in_graph)
     monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: calls.append("barrier"))
     out = torch.full_like(x, float("nan"))
-    rows = graph_loop._other_pairs(comm, None, x, out, residual, torch.ones(40), 1e-6)
+    rows = graph_loop._other_pairs(comm, None, x, out, residual, torch.ones(40), 1e-6, 7)
     assert rows == [("unfused+fi_addnorm", 3, 1.5)]
-    assert calls == ["barrier", "all_reduce", "norm", "all_reduce", "norm"] * 2 + ["check"]
+    assert calls == ["warm 7"] + ["barrier", "all_reduce", "norm", "all_reduce", "norm"] * 2 + ["check"]
     assert torch.equal(residual, kept)  # the caller's residual is never written
     # the last repetition started from the residual's own values: two additions of 2x onto it
     assert torch.equal(out, (kept + 2 * x) + 2 * x)
     monkeypatch.setattr(norm_ops, "in_place_kernels", lambda: ({}, {"fi_addnorm": "ImportError: no"}))
-    assert graph_loop._other_pairs(comm, None, x, out, residual, torch.ones(40), 1e-6) == []
+    assert graph_loop._other_pairs(comm, None, x, out, residual, torch.ones(40), 1e-6, 0) == []

@@ -108,3 +108,10 @@ def test_the_graph_timing_captures_the_calls_once_and_replays_them(monkeypatch: 
     assert log.count("before") == graph_loop.REPETITIONS
     assert log.count("replay") == 1 + graph_loop.REPETITIONS * graph_loop.REPLAYS
     assert us == pytest.approx(4.0 * 1e3 / (calls * graph_loop.REPLAYS))
+    # with untimed replays: all of them before the first repetition, the timing the same
+    log.clear()
+    elapsed_ms = iter([9.0, 4.0, 6.0])
+    us = graph_loop.time_in_graph(lambda: log.append("call"), lambda: log.append("before"), warm_replays=5)
+    assert log.count("replay") == 1 + 5 + graph_loop.REPETITIONS * graph_loop.REPLAYS
+    assert log[:log.index("before")].count("replay") == 1 + 5
+    assert us == pytest.approx(4.0 * 1e3 / (calls * graph_loop.REPLAYS))
