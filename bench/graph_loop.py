@@ -163,7 +163,8 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
                 def compile_variant(kernel=kernel):
                     if kernel != "unfused":  # the kernel the call runs, compiled on every rank before it
                         path.launch(WorkspaceView.of(comm._workspace()), kernel, x, residual, weight, eps,  # noqa: SLF001
-                                    normed, new_residual, max_programs=comm.block_cap, compile_only=True)
+                                    normed, new_residual, max_programs=comm.block_cap, compile_only=True,
+                                    dependent=comm.dependent_launch)
 
                 rows.extend(_alternated(comm, ctx.group, label, t, call, variant, compile_variant, warm, rounds))
             if "unfused" in algos:
@@ -262,7 +263,8 @@ def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, re
     view = WorkspaceView.of(comm._workspace())  # noqa: SLF001 - the harness forces what the plan would choose
     rows = []
     for label, kwargs in variants:
-        path.launch(view, algo, x, residual, weight, eps, normed, new_residual, compile_only=True, **kwargs)
+        path.launch(view, algo, x, residual, weight, eps, normed, new_residual, compile_only=True,
+                    dependent=comm.dependent_launch, **kwargs)  # the variant the call launches ($PCIE_AR_PDL)
         dist.barrier(group=group)
 
         def call(kwargs=kwargs):
