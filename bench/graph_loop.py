@@ -324,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
     print(f"{'W':>2} {'algo':<22} {'tokens' if args.fused else 'size':>10} {'us':>8}   (bf16; {CALLS_PER_GRAPH} calls/graph x {REPLAYS} "
           f"replays, best of {REPETITIONS}, slowest rank; transport {args.transport}"
-          f"{f'; {args.warm_replays} untimed replays first' if args.warm_replays else ''})")
+          f"{f'; {args.warm_replays} untimed replays first' if args.warm_replays else ''}"
+          f"{f'; A: this checkout, B: {args.against}' if args.against else ''})")
     if args.fused:
         from bench.backends import quiet_env
 
