@@ -129,8 +129,6 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
     import torch
 
     from pcie_allreduce import Communicator
-    from pcie_allreduce.fused import path
-    from pcie_allreduce.layout import WorkspaceView
     from pcie_allreduce.plan import dispatch
 
     variant = None if against is None else kernel_variant.load(against)
@@ -146,7 +144,8 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
             normed, new_residual, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
             rows.append(("allreduce:" + comm.select_algo(x.nbytes, x.dtype), t, _time_algo(comm, x, out, "auto", ctx.group, warm)))
             for algo in algos:
-                label = algo if algo != "auto" else "auto:" + comm.select_fused_algo(t, hidden, x.dtype)
+                kernel = algo if algo != "auto" else comm.select_fused_algo(t, hidden, x.dtype)
+                label = algo if algo != "auto" else f"auto:{kernel}"
                 if algo not in ("auto", "unfused") and not dispatch.fused_kernel_fits(
                         algo, t, hidden, x.dtype, comm.world_size, ll_capacity=comm.ll_capacity,
                         block_cap=comm.block_cap):
@@ -158,13 +157,11 @@ def _fused_rank(ctx, tokens: list[int], hidden: int, algos: list[str], transport
                 if variant is None:
                     rows.append((label, t, _time_call(comm, call, ctx.group, warm)))
                     continue
-                kernel = label.split(":")[-1]
 
                 def compile_variant(kernel=kernel):
-                    if kernel != "unfused":  # the kernel the call runs, compiled on every rank before it
-                        path.launch(WorkspaceView.of(comm._workspace()), kernel, x, residual, weight, eps,  # noqa: SLF001
-                                    normed, new_residual, max_programs=comm.block_cap, compile_only=True,
-                                    dependent=comm.dependent_launch)
+                    if kernel != "unfused":  # the kernel the call runs (the pair's norm kernel waits on nobody)
+                        _compile_on_every_rank(comm, ctx.group, kernel, x, residual, weight, eps, normed, new_residual,
+                                               max_programs=comm.block_cap)
 
                 rows.extend(_alternated(comm, ctx.group, label, t, call, variant, compile_variant, warm, rounds))
             if "unfused" in algos:
@@ -181,15 +178,12 @@ def _alternated(comm, group, label: str, tokens: int, call, variant, compile_var
     other checkout's (B, :mod:`bench.kernel_variant`), ``rounds`` times in turn on the same ranks
     and workspace; B's kernel compiled on every rank behind a barrier before its first timing (a
     first launch that compiles would leave its peers spinning)."""
-    import torch.distributed as dist
-
     rows = []
     for r in range(1, rounds + 1):
         rows.append((f"{label} A{r}", tokens, _time_call(comm, call, group, warm)))
         with kernel_variant.swapped(variant):
             if r == 1:
                 compile_variant()
-                dist.barrier(group=group)
             rows.append((f"{label} B{r}", tokens, _time_call(comm, call, group, warm)))
     return rows
 
@@ -209,7 +203,8 @@ def _other_pairs(comm, group, x, out, residual, weight, eps: float, warm: int) -
             comm.all_reduce(x, out)
             kernel(out, running, weight, eps)
 
-        rows.append((f"unfused+{name}", x.shape[0], _time_call(comm, call, group, warm, lambda: running.copy_(residual))))
+        restore = lambda: running.copy_(residual)  # noqa: E731
+        rows.append((f"unfused+{name}", x.shape[0], _time_call(comm, call, group, warm, restore)))
     return rows
 
 
@@ -246,6 +241,22 @@ def _kernels(label: str, kwargs: dict, shape, hidden: int, both: bool) -> list[t
     return variants + [(f"{label}/words", dict(kwargs, quads=False))]
 
 
+def _compile_on_every_rank(comm, group, algo: str, x, residual, weight, eps: float, normed, new_residual,
+                           **kwargs) -> None:
+    """The fused kernel ``algo`` compiled for this call (``kwargs``: :func:`pcie_allreduce.fused.path.launch`'s
+    shape arguments) in the launch it will be timed with (PDL where ``$PCIE_AR_PDL``), launching
+    nothing, then a barrier: a first launch that compiled would leave its peers spinning."""
+    import torch.distributed as dist
+
+    from pcie_allreduce.fused import path
+    from pcie_allreduce.layout import WorkspaceView
+
+    view = WorkspaceView.of(comm._workspace())  # noqa: SLF001 - the harness launches on the call's workspace
+    path.launch(view, algo, x, residual, weight, eps, normed, new_residual, compile_only=True,
+                dependent=comm.dependent_launch, **kwargs)
+    dist.barrier(group=group)
+
+
 def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, residual, weight, eps: float, normed,
                  new_residual, warm: int) -> list[tuple[str, int, float]]:
     """The data-as-flag kernel ``algo`` timed in each forced form of ``variants`` (:func:`_forced_variants`).
@@ -253,8 +264,6 @@ def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, re
     A harness-only path: it launches the kernel directly on the workspace of the current stream
     (the communicator's own, read through its private accessor), compiled on every rank behind a
     barrier first, where ``all_reduce_rmsnorm`` would plan the shape itself."""
-    import torch.distributed as dist
-
     from pcie_allreduce.fused import path
     from pcie_allreduce.layout import WorkspaceView
 
@@ -263,9 +272,7 @@ def _forced_rows(comm, group, algo: str, variants: list[tuple[str, dict]], x, re
     view = WorkspaceView.of(comm._workspace())  # noqa: SLF001 - the harness forces what the plan would choose
     rows = []
     for label, kwargs in variants:
-        path.launch(view, algo, x, residual, weight, eps, normed, new_residual, compile_only=True,
-                    dependent=comm.dependent_launch, **kwargs)  # the variant the call launches ($PCIE_AR_PDL)
-        dist.barrier(group=group)
+        _compile_on_every_rank(comm, group, algo, x, residual, weight, eps, normed, new_residual, **kwargs)
 
         def call(kwargs=kwargs):
             path.launch(view, algo, x, residual, weight, eps, normed, new_residual, dependent=comm.dependent_launch,

@@ -85,7 +85,28 @@ def test_rows_alternate_a_and_b_and_b_compiles_first(tmp_path, monkeypatch: pyte
     assert [label for label, _, _ in rows] == ["auto:oneshot_full A1", "auto:oneshot_full B1",
                                                "auto:oneshot_full A2", "auto:oneshot_full B2"]
     assert all(tokens == 4 for _, tokens, _ in rows)
-    assert log == ["time A warm 9", "compile B", "barrier", "time B warm 9", "time A warm 9", "time B warm 9"]
+    assert log == ["time A warm 9", "compile B", "time B warm 9", "time A warm 9", "time B warm 9"]
+
+
+def test_a_kernel_is_compiled_in_the_launch_it_is_timed_with_then_the_ranks_meet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """B's kernel (and each forced one) is compiled, launching nothing, with the communicator's PDL
+    setting and the call's shape arguments, and only then do the ranks meet."""
+    import types
+
+    import torch
+
+    from pcie_allreduce.layout import WorkspaceView
+
+    log: list[object] = []
+    monkeypatch.setattr(WorkspaceView, "of", staticmethod(lambda workspace: f"view of {workspace}"))
+    monkeypatch.setattr(path, "launch", lambda view, algo, *tensors, **kwargs: log.append((view, algo, len(tensors),
+                                                                                         kwargs)))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: log.append(("barrier", group)))
+    comm = types.SimpleNamespace(_workspace=lambda: "ws", dependent_launch=True)
+    graph_loop._compile_on_every_rank(comm, "group", "oneshot_full", "x", "r", "w", 1e-6, "n", "nr", max_programs=15)
+    assert log == [("view of ws", "oneshot_full", 6, dict(compile_only=True, dependent=True, max_programs=15)),
+                   ("barrier", "group")]
 
 
 def test_against_is_checked_before_any_rank_starts(tmp_path, capsys) -> None:
