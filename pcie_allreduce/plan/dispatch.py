@@ -120,13 +120,13 @@ def fused_plan(tokens: int, hidden: int, dtype: torch.dtype, world: int, table: 
         rule = UNFUSED
     elif rule == "kernel":
         rule = following or "oneshot"  # named: the flag-based one-shot takes what the other cannot
-    elif rule in DATA_AS_FLAG_ONESHOTS and shape_of(rule) is None and algo == "auto":
+    unshaped = rule in DATA_AS_FLAG_ONESHOTS and shape_of(rule) is None
+    if unshaped and algo == "auto":
         rule = UNFUSED
     call = (rule, (tokens, hidden), dtype, dtype if weight_dtype is None else weight_dtype)
     if rule == UNFUSED:
         return FusedPlan(rule, fused_shapes.add_rmsnorm(hidden), 0, ALGO_IDS[plain.algo], plain.blocks, call)
-    launch = None if rule in DATA_AS_FLAG_ONESHOTS and shape_of(rule) is None else fused_shapes.of_kernel(
-        rule, dtype, tokens, hidden, world, block_cap, interpret)
+    launch = None if unshaped else fused_shapes.of_kernel(rule, dtype, tokens, hidden, world, block_cap, interpret)
     if launch is None:
         raise ValueError(fused_shapes.no_shape(rule, tokens, hidden, dtype, world, ll_capacity, block_cap))
     return FusedPlan(rule, launch[0], launch[1], 0, 0, call)
