@@ -110,14 +110,20 @@ def header_arrivals(headers_ptr, header_live, flag, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL: tl.constexpr, INTERPRET: tl.constexpr):
-    """One look at the tile: (words, their states, the headers' states, the worst state per word
-    column), the peers axis reduced within each thread first and, with FULL, joined with the
-    headers' states element by element (without FULL the headers' states are the words')."""
-    words = load_volatile(words_ptr, live, INTERPRET)
-    states = _word_states(live, words, flag, FULL)
+def _poll_once(words_ptr, headers_ptr, pending, header_pending, flag, words, FULL: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """One look at the words of the tile still ``pending`` (live, not arrived at the last look; an
+    arrived word keeps the value it arrived with, which no peer rewrites before this call clears or
+    re-poisons it) and, with FULL, the headers still ``header_pending``: (words, their states, the
+    headers' states, the worst state per word column), the peers axis reduced within each thread
+    first and, with FULL, joined with the headers' states element by element (without FULL the
+    headers' states are the words'). Arrived words are not loaded again, so a spin's L2 traffic
+    shrinks as the peers arrive."""
+    fresh = load_volatile(words_ptr, pending, INTERPRET)
+    states = _word_states(pending, fresh, flag, FULL)
+    words = tl.where(pending, fresh, words)
     if FULL:
-        header_states = header_arrivals(headers_ptr, header_live, flag, INTERPRET)
+        header_states = header_arrivals(headers_ptr, header_pending, flag, INTERPRET)
         worst = tl.maximum(tl.max(states, axis=0), header_states)
     else:
         header_states = states
@@ -137,8 +143,11 @@ def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted,
 
     One block-wide reduction per spin (the worst state of :func:`_poll_once`). Each block-wide
     reduction is a block barrier, and the first version's two per spin (waiting?,
-    foreign?) made 16-warp programs notice the last arrival later."""
-    words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL, INTERPRET)
+    foreign?) made 16-warp programs notice the last arrival later. Each spin loads only what has
+    not arrived."""
+    none = tl.zeros(live.shape, words_ptr.dtype.element_ty)
+    words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, live, header_live, flag, none, FULL,
+                                                     INTERPRET)
     state = tl.max(tl.maximum(worst, tl.where(aborted != 0, ABORTED, ARRIVED)))
     spins = 0
     start = now_ns(INTERPRET)
@@ -146,8 +155,8 @@ def _poll_words(words_ptr, headers_ptr, live, header_live, peers, flag, aborted,
         spins += 1
         verdict = spin_verdict(ctrl, start, spins, timeout_ns, notices, epoch, sig, rank, W, INTERPRET)
         pause_ns(BACKOFF, INTERPRET)
-        words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, live, header_live, flag, FULL,
-                                                         INTERPRET)
+        words, states, header_states, worst = _poll_once(words_ptr, headers_ptr, states == NOT_YET,
+                                                         header_states == NOT_YET, flag, words, FULL, INTERPRET)
         state = tl.max(tl.maximum(worst, verdict_state(verdict)))
     record_gather_failure(state, states, header_states, peers, words, ctrl, err_addr, epoch, sig, rank, pid, notices,
                           W, FULL, INTERPRET)
