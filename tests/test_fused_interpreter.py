@@ -160,6 +160,7 @@ def test_oneshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     (3, 2, 7, 130, torch.float16),
     (12, 11, 29, 64, torch.bfloat16),
     (16, 6, 13, 10, torch.float16),  # fewer tokens than ranks (empty shards), fewer columns than ranks
+    (3, 0, 101, 72, torch.bfloat16),  # 34 rows a shard: two rows a program, the last program's second past it
 ])
 def test_twoshot_one_rank(world, rank, tokens, hidden, dtype) -> None:
     fake = FakeRanks(world, rank)
