@@ -182,8 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "torch ops, and with our plain all-reduce alone")
     fused.add_argument("--tokens", type=positive_int, nargs="+", metavar="T",
                        help=f"--fused: token counts (default {' '.join(map(str, DEFAULT_TOKENS))})")
-    fused.add_argument("--hidden", type=hidden_arg, default=None, metavar="H",
-                       help=f"--fused: hidden size (default {DEFAULT_HIDDEN})")
+    fused.add_argument("--hidden", type=hidden_arg, nargs="+", default=None, metavar="H",
+                       help=f"--fused: hidden sizes, each with every token count in one run (default {DEFAULT_HIDDEN})")
     fused.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, metavar="EPS",
                        help=f"--fused: RMSNorm epsilon (default {DEFAULT_EPS:g})")
     fused.add_argument("--fused-algos", nargs="+", metavar="ALGO",
@@ -242,8 +242,8 @@ def _fused_config(args: argparse.Namespace, parser: argparse.ArgumentParser, gpu
         unknown = [a for a in fused_algos if a not in known]
         if unknown:
             parser.error(f"--fused-algos: unknown {' '.join(unknown)} (choose from {' '.join(known)})")
-    hidden = args.hidden or DEFAULT_HIDDEN
-    shapes = tuple(Shape(t, hidden) for t in sorted(unique(args.tokens or DEFAULT_TOKENS)))
+    shapes = tuple(Shape(t, h) for h in unique(args.hidden or (DEFAULT_HIDDEN,))
+                   for t in sorted(unique(args.tokens or DEFAULT_TOKENS)))
     return BenchConfig(
         sizes=tuple(s.nbytes(args.dtype) for s in shapes),
         backends=unique(args.backends) if args.backends else DEFAULT_BACKENDS,
@@ -258,7 +258,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     """Cross-check the parsed options and fill defaults; bad combinations call ``parser.error`` (exit 2)."""
     if args.fused:
         return _fused_config(args, parser, gpu_count)
-    if args.tokens or args.hidden is not None:
+    if args.tokens or args.hidden:
         parser.error("--tokens and --hidden only apply with --fused (or to `python -m bench verify`)")
     if args.fused_algos:
         parser.error("--fused-algos only applies with --fused")

@@ -47,6 +47,12 @@ def test_fused_defaults() -> None:
     assert [(s.tokens, s.hidden) for s in cfg.shapes] == [(4, 4096), (32, 4096)] and cfg.eps == 1e-5
     assert json.loads(json.dumps(cfg.to_dict()))["shapes"][0] == {"tokens": 4, "hidden": 4096, "layers": 0,
                                                                   "model": ""}
+    cfg = _config(["--fused", "--tokens", "8", "2", "--hidden", "8192", "4096", "8192"])
+    assert [(s.tokens, s.hidden) for s in cfg.shapes] == [(2, 8192), (8, 8192), (2, 4096), (8, 4096)]
+    assert cfg.max_bytes == 8 * 8192 * 2
+    cases = runner.cases_for(cfg, "ours")
+    assert [(c.tokens, c.hidden, c.count) for c in cases if c.algo == "fused"] == [
+        (2, 8192, 16384), (8, 8192, 65536), (2, 4096, 8192), (8, 4096, 32768)]
 
 
 def test_fused_algos_option() -> None:
