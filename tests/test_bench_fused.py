@@ -298,6 +298,19 @@ def test_fused_summary_ratios() -> None:
     assert four["forced"]["fused:oneshot"].p50_us == 11.5 and four["forced"]["fused:oneshot_ll"] is None
     assert big["best_one_kernel"].backend == "ours" and big["fused_vs_best_one_kernel"] == pytest.approx(40 / 42)
     assert big["goal_vs_allreduce"] == 1.15 and big["fused_vs_allreduce"] == pytest.approx(40 / 30)
+    # what a fused call may spend above our plain all-reduce: 0.85 x the best pair - that all-reduce
+    assert four["headroom_us"] == pytest.approx(0.85 * 12.5 - 10) and big["headroom_us"] == pytest.approx(0.85 * 42 - 30)
+
+
+def test_fused_goal_count_names_the_points_out_of_reach() -> None:
+    def entry(ratio: float | None, headroom: float | None) -> dict:
+        return {"fused_vs_best_one_kernel": ratio, "headroom_us": headroom}
+
+    entries = [entry(0.80, 1.5), entry(0.85, 0.2), entry(0.97, -0.4), entry(0.90, 0.7), entry(None, None)]
+    assert report_fused.goal_count(entries) == (
+        "# fused/best1k <= 0.85 at 2 of 4 points; at 1 of them 0.85 x best 1-kernel is below our plain all-reduce "
+        "alone (headroom < 0)")
+    assert report_fused.headroom_us(None, None) is None
 
 
 def test_fused_report_table_and_summary() -> None:
@@ -323,16 +336,18 @@ def test_fused_report_table_and_summary() -> None:
     header = next(line for line in text.splitlines() if line.startswith("# W ") and "best 1-kernel" in line)
     assert header.lstrip("#").split() == [
         "W", "tokens", "hidden", "fused", "(ran)", "fused:oneshot", "fused:oneshot_ll", "AR", "AR+addnorm", "best",
-        "1-kernel", "(which)", "AR+norm", "fused/AR(<=1.10|1.15)", "fused/(AR+addnorm)", "fused/best1k(<=0.85)"]
+        "1-kernel", "(which)", "AR+norm", "fused/AR(<=1.10|1.15)", "fused/(AR+addnorm)", "fused/best1k(<=0.85)",
+        "headroom"]
     four = summary[0].split()
     # W, tokens, hidden, fused, what it ran, forced..., AR, AR+addnorm, best 1-kernel, which, AR+norm, verdicts
     assert four[:12] == ["4", "4", "7168", "11.00", "oneshot", "11.50", "-", "10.00", "13.00", "12.50",
                          "torch_symm/one_shot+fi_addnorm", "18.00"]
-    assert four[12:] == ["1.10", "ok", "0.85", "0.88", "MISS"]
+    assert four[12:] == ["1.10", "ok", "0.85", "0.88", "MISS", f"{0.85 * 12.5 - 10:.2f}"]
     big = summary[1].split()
     assert big[2:12] == ["7168", "40.00", "twoshot", "60.00", "-", "30.00", "42.00", "42.00",
                          "ours/auto(twoshot)+addnorm", "45.00"]
-    assert big[12:] == ["1.33", "MISS", "0.95", "0.95", "MISS"]
+    assert big[12:] == ["1.33", "MISS", "0.95", "0.95", "MISS", "5.70"]
+    assert "# fused/best1k <= 0.85 at 0 of 2 points; at 0 of them" in text
     assert "fused/AR <= 1.10 for T <= 32, <= 1.15 above; fused/best1k <= 0.85" in text
 
 
