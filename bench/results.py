@@ -80,7 +80,9 @@ class Result:
     Times are per all-reduce call in microseconds: each timed replay of a CUDA graph of
     ``calls_per_graph`` calls is timed with CUDA events on every rank; a replay's time is the
     slowest rank's, divided by ``calls_per_graph``; ``p50_us``/``p99_us`` are over replays.
-    ``rank0_p50_us`` is rank 0's own median, for comparison with single-rank figures.
+    ``rank0_p50_us`` is rank 0's own median, for comparison with single-rank figures; ``min_us``
+    the fastest replay, for comparison with a bare kernel loop (``python -m bench.graph_loop``'s
+    best of several runs): a p50 well above it means the replays spread, not that every call is slow.
     """
 
     world: int
@@ -93,6 +95,7 @@ class Result:
     p50_us: float | None = None
     p99_us: float | None = None
     rank0_p50_us: float | None = None
+    min_us: float | None = None
     replays: int = 0
     calls_per_graph: int = 0
     mode: str = "graph"

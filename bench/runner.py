@@ -85,7 +85,7 @@ def rows_from_events(events: Sequence[dict[str, Any]], cases: Sequence[Case], cf
     for ev in events:
         if ev.get("event") != "done" or ev.get("index") not in by_index:
             continue
-        fields = {k: ev.get(k) for k in ("p50_us", "p99_us", "rank0_p50_us")}
+        fields = {k: ev.get(k) for k in ("p50_us", "p99_us", "rank0_p50_us", "min_us")}
         rows[ev["index"]] = make_result(cfg, world, backend, by_index[ev["index"]], status=ev["status"],
                                         replays=int(ev.get("replays") or 0), resolved_algo=ev.get("resolved_algo") or "",
                                         error=ev.get("error") or "", **fields)

@@ -24,7 +24,7 @@ from pcie_allreduce.tools import ranks, timing
 from bench import backends, options, outcome, pattern, progress, report, runner, watchdog
 from bench.backends import Buffers
 from bench.plan import make_cases
-from bench.results import FAILED, NOT_RUN, OK, WRONG, Report
+from bench.results import FAILED, NOT_RUN, OK, WRONG, Report, Result
 
 from tests import _bench_fakes
 from tests._bench_fakes import QuietBackendHooks
@@ -139,10 +139,12 @@ def test_rows_from_events_and_unfinished_case() -> None:
     cases = make_cases([1024, 4096], ["a", "b"], "bfloat16")
     events = [{"event": "setup", "mps": True}, {"event": "start", "index": 0},
               {"event": "done", "index": 0, "status": OK, "p50_us": 2.0, "p99_us": 3.0, "rank0_p50_us": 2.0,
-               "replays": 40, "resolved_algo": "a"},
+               "min_us": 1.7, "replays": 40, "resolved_algo": "a"},
               {"event": "start", "index": 1}]
     rows = runner.rows_from_events(events, cases, _cfg(), 2, "ours")
     assert list(rows) == [0] and rows[0].p50_us == 2.0 and rows[0].replays == 40 and rows[0].world == 2
+    assert rows[0].min_us == 1.7  # the fastest replay, kept beside the p50
+    assert Result.from_dict(rows[0].to_dict()).min_us == 1.7
     assert runner.unfinished_case(events) == 1
     assert runner.unfinished_case(events[:3]) is None
 
