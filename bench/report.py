@@ -22,8 +22,8 @@ from bench.table import WIRE_COLUMNS, Column, line, num, speedup
 
 CSV_COLUMNS: tuple[str, ...] = (
     "world", "size_bytes", "count", "dtype", "backend", "algo", "resolved_algo", "mode", "calls_per_graph",
-    "replays", "p50_us", "p99_us", "rank0_p50_us", "min_us", "algbw_gbps", "busbw_gbps", "wire_out_bytes", "wire_in_bytes",
-    "wire_gbps", "speedup", "reference",
+    "replays", "p50_us", "p99_us", "rank0_p50_us", "min_us", "algbw_gbps", "busbw_gbps", "wire_out_bytes",
+    "wire_in_bytes", "wire_gbps", "speedup", "reference",
     "status", "error", "workload", "tokens", "hidden", "model", "pass_ms",
 )
 # The all-reduce table, right-aligned like nccl-tests.

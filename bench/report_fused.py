@@ -159,7 +159,7 @@ def format_fused_summary(report: Report) -> str:
              f"# goals: fused/AR <= {GOAL_VS_ALLREDUCE:.2f} for T <= {GOAL_SMALL_TOKENS}, <= "
              f"{GOAL_VS_ALLREDUCE_LARGE:.2f} above; fused/best1k <= {GOAL_VS_ONE_KERNEL:.2f}"
              + (f"; {' '.join(forced)}: our fused call with that algo= forced" if forced else "")
-             + f"; headroom = {GOAL_VS_ONE_KERNEL:.2f} x best 1-kernel - AR (us): what a fused call may spend above the "
-             "plain all-reduce",
+             + f"; headroom = {GOAL_VS_ONE_KERNEL:.2f} x best 1-kernel - AR (us): what a fused call may spend "
+             "above the plain all-reduce",
              *render(columns, entries), goal_count(entries)]
     return "\n".join(lines)
