@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from pcie_allreduce import layout as lay
+from tests._workspace import compile_only_view
 
 path = pytest.importorskip("pcie_allreduce.fused.path")
 fused = pytest.importorskip("pcie_allreduce.fused.rmsnorm")
@@ -71,14 +71,6 @@ def test_compile_and_load_compiles_then_initialises_the_handles_once(compiled_ty
     assert [c.initialised for c in kernel.compiled] == [1]
 
 
-def _view(world: int) -> tuple[lay.WorkspaceView, list[torch.Tensor]]:
-    layout = lay.Layout.make(256 << 10, world)
-    buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(world)]
-    error = torch.zeros(lay.ERROR_WORDS, dtype=torch.int32)
-    view = lay.WorkspaceView(0, world, tuple(b.data_ptr() for b in buffers), layout, error.data_ptr(), 10**9)
-    return view, [*buffers, error]
-
-
 def _tensors(tokens: int, hidden: int) -> tuple[torch.Tensor, ...]:
     x, residual, normed, residual_out = (torch.randn(tokens, hidden).to(torch.bfloat16) for _ in range(4))
     return x, residual, torch.randn(hidden).to(torch.bfloat16), normed, residual_out
@@ -89,7 +81,7 @@ def test_a_flag_based_fused_kernels_first_call_readies_both_alignment_variants(
         monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
     kernel = Kernel()
     monkeypatch.setattr(fused, "_fused_oneshot_kernel" if algo == "oneshot" else "_fused_twoshot_kernel", kernel)
-    view, keep = _view(4)
+    view, keep = compile_only_view(4)
     x, residual, weight, normed, residual_out = _tensors(5, 7168)
     path.launch(view, algo, x, residual, weight, 1e-6, normed, residual_out, interpret=False, compile_only=True)
     assert sorted(kw["ALIGNED"] for _, kw in kernel.warmups) == [False, True]
@@ -107,7 +99,7 @@ def test_a_data_as_flag_fused_kernels_first_call_readies_both_alignment_variants
     words, quads = Kernel(), Kernel()
     monkeypatch.setattr(ll, "_fused_oneshot_ll_kernel", words)
     monkeypatch.setattr(quads_module, "_fused_oneshot_full_quads_kernel", quads)
-    view, keep = _view(world)
+    view, keep = compile_only_view(world)
     x, residual, weight, normed, residual_out = _tensors(4, hidden)
     path.launch(view, algo, x, residual, weight, 1e-6, normed, residual_out, interpret=False, compile_only=True)
     kernel, other = (quads, words) if variant == "VECTOR" else (words, quads)

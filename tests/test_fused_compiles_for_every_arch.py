@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from pcie_allreduce import _archs
-from pcie_allreduce import layout as lay
 from tests import _interpreted
+from tests._workspace import compile_only_view
 
 triton = pytest.importorskip("triton")
 path = pytest.importorskip("pcie_allreduce.fused.path")
@@ -48,13 +48,8 @@ def _recorded_compiles(monkeypatch: pytest.MonkeyPatch, dependent: bool) -> list
     asked: list[tuple[Any, tuple, dict]] = []
     monkeypatch.setattr(path, "compile_and_load", lambda kernel, *args, grid, **kw: asked.append((kernel, args, kw)))
     monkeypatch.setattr(protocol, "interpreting", lambda: False)
-    keep: list[torch.Tensor] = []
     for world in WORLDS:
-        layout = lay.Layout.make(4 << 20, world)
-        keep += [torch.zeros(8, dtype=torch.uint8) for _ in range(world)] + [torch.zeros(lay.ERROR_WORDS,
-                                                                                          dtype=torch.int32)]
-        view = lay.WorkspaceView(0, world, tuple(t.data_ptr() for t in keep[-world - 1:-1]), layout,
-                                 keep[-1].data_ptr(), 10**9)
+        view, keep = compile_only_view(world)
         for algo, tokens in CALLS:
             x, residual, normed, residual_out = (torch.empty(tokens, HIDDEN, dtype=torch.bfloat16) for _ in range(4))
             weight = torch.empty(HIDDEN, dtype=torch.bfloat16)
